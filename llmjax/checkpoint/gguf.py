@@ -1,0 +1,161 @@
+"""GGUF checkpoints (llama.cpp): metadata -> ModelConfig, tensors dequantized to HF layout.
+
+llama.cpp's converter permutes the rows of Q and K so that rotary pairs are adjacent (GPT-J style
+interleaving); our model, like HF, rotates the two halves of each head. `unpermute_rope_rows`
+undoes it: per head, rows are stored as [pair0.a, pair0.b, pair1.a, ...] and HF wants
+[pair0.a, pair1.a, ..., pair0.b, pair1.b, ...].
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from llmjax.config import ModelConfig
+from llmjax.model.params import Params
+
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+
+# GGUF tensor name (per block: blk.{i}.X) -> HF name (per layer: model.layers.{i}.Y)
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def open_gguf(path):
+    """A `gguf.GGUFReader` with clear errors for a missing, truncated or corrupt file."""
+    import gguf
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError, struct errors...
+        raise ValueError(f"{path} is not a valid GGUF file (truncated or corrupt?): {e}") from e
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def model_config_from_gguf(reader_or_path) -> ModelConfig:
+    reader = reader_or_path if hasattr(reader_or_path, "fields") else open_gguf(reader_or_path)
+    source = getattr(reader, "data", None)
+    source = getattr(source, "filename", None) or str(reader_or_path)
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{source}: unknown architecture general.architecture={arch!r}; supported GGUF "
+            f"architectures: {sorted(GGUF_ARCHITECTURES)}"
+        )
+
+    def need(key: str):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{source}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise NotImplementedError(
+            f"{source}: GGUF rope_freqs (Llama 3.1 rope scaling) is not supported; load the HF "
+            "checkpoint instead"
+        )
+    vocab_size = _field(reader, f"{arch}.vocab_size")
+    if vocab_size is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ValueError(f"{source}: GGUF metadata gives neither vocab_size nor tokens")
+        vocab_size = len(tokens.data)
+    num_heads = need("attention.head_count")
+    hidden = need("embedding_length")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        name=_field(reader, "general.name", "") or "",
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab_size),
+        hidden_size=int(hidden),
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=int(num_heads),
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of a Q/K weight [heads*H, D] (or bias [heads*H])."""
+    rest = w.shape[1:]
+    head_dim = w.shape[0] // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _BLOCK_NAMES:
+            return f"model.layers.{idx}.{_BLOCK_NAMES[rest]}"
+    return None
+
+
+def load_gguf(path, dtype=np.float32) -> tuple[ModelConfig, Params]:
+    """Load a GGUF file -> (ModelConfig, numpy parameter tree in `dtype`), dequantizing."""
+    import gguf
+
+    from llmjax.checkpoint.hf import params_from_hf_tensors
+
+    path = os.fspath(path)
+    reader = open_gguf(path)
+    config = model_config_from_gguf(reader)
+    by_hf_name = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is not None:
+            by_hf_name[name] = t
+
+    def get(name: str) -> np.ndarray:
+        t = by_hf_name.get(name)
+        if t is None:
+            raise ValueError(f"{path}: GGUF tensor for {name!r} is missing")
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            w = np.asarray(w, np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        except Exception as e:
+            raise ValueError(f"{path}: cannot read GGUF tensor {t.name!r}: {e}") from e
+        if ".q_proj." in name:
+            w = unpermute_rope_rows(w, config.num_heads)
+        elif ".k_proj." in name:
+            w = unpermute_rope_rows(w, config.num_kv_heads)
+        return w
+
+    return config, params_from_hf_tensors(config, get, path, dtype)

@@ -1,0 +1,274 @@
+"""Frozen, validated configuration dataclasses.
+
+Configs are split by concern (model shape, KV cache, scheduler, engine), checked in `__post_init__`
+with errors that name the offending values, and changed with `dataclasses.replace`. Presets live in
+the top-level `configs/` package as Python constants. No module here imports jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Literal
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def _check_positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be positive, got {name}={value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling.
+
+    `llama3`: Llama 3.1's wavelength-dependent scaling (long wavelengths divided by `factor`, short
+    ones kept, a smooth ramp between `high_freq_factor` and `low_freq_factor`).
+    `linear`: every frequency divided by `factor` (position interpolation).
+    """
+
+    rope_type: Literal["llama3", "linear"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(
+                f"unsupported {self.rope_type=}; llmjax implements 'llama3' and 'linear'"
+            )
+        _check_positive(self, "factor", "original_max_position_embeddings")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"llama3 rope scaling needs {self.high_freq_factor=} > {self.low_freq_factor=}"
+            )
+
+    @classmethod
+    def from_hf(cls, d: dict | None) -> RopeScaling | None:
+        if not d:
+            return None
+        rope_type = d.get("rope_type", d.get("type"))
+        if rope_type == "default":
+            return None
+        if rope_type not in ("llama3", "linear"):
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r} in {d}; llmjax implements 'llama3' "
+                "and 'linear'"
+            )
+        kwargs = {"rope_type": rope_type, "factor": float(d["factor"])}
+        if rope_type == "llama3":
+            kwargs |= {
+                "low_freq_factor": float(d["low_freq_factor"]),
+                "high_freq_factor": float(d["high_freq_factor"]),
+                "original_max_position_embeddings": int(d["original_max_position_embeddings"]),
+            }
+        return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+    Attributes follow HF names where they exist. `head_dim` defaults to hidden_size / num_heads.
+    `attention_bias` adds biases to the Q/K/V projections (Qwen2). `sliding_window` limits each
+    query to the last `sliding_window` keys (Mistral); None attends to the whole context.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    architecture: str = "llama"
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+    name: str = ""
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"{self.hidden_size=} must be divisible by {self.num_heads=} when head_dim "
+                    "is not given"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        _check_positive(
+            self,
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "rope_theta",
+            "rms_norm_eps",
+            "sliding_window",
+        )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads=} must be divisible by {self.num_kv_heads=}")
+        if self.head_dim % 2:
+            raise ValueError(f"{self.head_dim=} must be even for rotary embeddings")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unknown architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        if isinstance(self.eos_token_ids, list):
+            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ----------------------------------------------------------------------------------------
+    # Constructors from checkpoint metadata.
+
+    @classmethod
+    def from_hf_config(cls, config: dict | str | os.PathLike) -> ModelConfig:
+        """From an HF `config.json` (a dict, the file, or the directory that holds it)."""
+        source = "<dict>"
+        if not isinstance(config, dict):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"HF config not found: {path}")
+            source = path
+            try:
+                with open(path) as f:
+                    config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from e
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            archs = config.get("architectures")
+            raise ValueError(
+                f"unknown architecture model_type={model_type!r} (architectures={archs}) in "
+                f"{source}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        try:
+            eos = config.get("eos_token_id", 2)
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            sliding_window = config.get("sliding_window")
+            if model_type == "qwen2" and not config.get("use_sliding_window", False):
+                sliding_window = None
+            return cls(
+                vocab_size=config["vocab_size"],
+                hidden_size=config["hidden_size"],
+                intermediate_size=config["intermediate_size"],
+                num_layers=config["num_hidden_layers"],
+                num_heads=config["num_attention_heads"],
+                num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+                head_dim=config.get("head_dim"),
+                max_position_embeddings=config.get("max_position_embeddings", 4096),
+                rope_theta=float(config.get("rope_theta", 10000.0)),
+                rope_scaling=RopeScaling.from_hf(config.get("rope_scaling")),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                attention_bias=(model_type == "qwen2" or bool(config.get("attention_bias", False))),
+                sliding_window=sliding_window,
+                architecture=model_type,
+                bos_token_id=config.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                name=config.get("_name_or_path", ""),
+            )
+        except KeyError as e:
+            raise ValueError(f"HF config {source} lacks required key {e.args[0]!r}") from e
+
+    @classmethod
+    def from_gguf(cls, reader_or_path) -> ModelConfig:
+        """From the metadata of a GGUF file (a path or a `gguf.GGUFReader`)."""
+        from llmjax.checkpoint.gguf import model_config_from_gguf
+
+        return model_config_from_gguf(reader_or_path)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: `num_pages` pages of `page_size` tokens for every layer.
+
+    `num_pages=None` sizes the cache from `max_num_seqs * max_model_len` (capped by
+    `memory_fraction` of device memory where the backend reports it). Page 0 is reserved as the
+    sink for padded writes and never handed to a request.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    memory_fraction: float = 0.5
+
+    def __post_init__(self):
+        _check_positive(self, "page_size", "num_pages")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"{self.num_pages=} must be >= 2 (page 0 is the reserved sink)")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"{self.memory_fraction=} must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits: at most `max_num_seqs` requests and `max_num_batched_tokens` tokens/step."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self):
+        _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the weights.
+
+    `dtype` is the compute and storage dtype of weights and KV cache. float32 is the CPU default:
+    bf16 matrix-vector products run about 20x slower than f32 on x86 CPUs at small batch.
+    `max_model_len` (prompt + generated tokens per request) defaults to the model's
+    `max_position_embeddings`. `compilation_cache_dir` enables JAX's persistent compilation cache
+    ('' disables it).
+    """
+
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    attention_backend: str = "reference"
+    seed: int = 0
+    compilation_cache_dir: str = os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llmjax", "jax"
+    )
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported {self.dtype=}; choose one of {DTYPES}")
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", self.model.max_position_embeddings)
+        _check_positive(self, "max_model_len")
+        if self.attention_backend not in ("reference",):
+            raise ValueError(
+                f"unknown {self.attention_backend=}; available: 'reference' (Pallas kernels come "
+                "with kernels_pallas)"
+            )
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

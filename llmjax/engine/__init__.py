@@ -1,0 +1,1 @@
+"""Host side: scheduler, block manager, batch packing; only runner.py imports jax."""

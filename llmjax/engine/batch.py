@@ -1,0 +1,130 @@
+"""Pack a `ScheduledBatch` into numpy arrays padded to a shape bucket (the only host -> array seam).
+
+Three bucketed dimensions keep the number of compiled step variants small: tokens T, sequences S
+and pages per sequence P, each rounded up to a power of two within [min, max]. Padded tokens write
+to the reserved page 0; padded sequences have empty queries and an all-zero page table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from llmjax.engine.block_manager import pages_needed
+from llmjax.engine.scheduler import ScheduledBatch
+from llmjax.model.step_input import RESERVED_PAGE, StepInput
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def _round_up(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    page_buckets: tuple[int, ...]
+
+    @classmethod
+    def create(
+        cls, max_num_batched_tokens: int, max_num_seqs: int, max_pages_per_seq: int
+    ) -> Buckets:
+        return cls(
+            token_buckets=_pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens),
+            seq_buckets=_pow2_buckets(1, max_num_seqs),
+            page_buckets=_pow2_buckets(min(4, max_pages_per_seq), max_pages_per_seq),
+        )
+
+    def shape_for(self, num_tokens: int, num_seqs: int, max_pages: int) -> tuple[int, int, int]:
+        return (
+            _round_up(num_tokens, self.token_buckets),
+            _round_up(num_seqs, self.seq_buckets),
+            _round_up(max_pages, self.page_buckets),
+        )
+
+
+@dataclasses.dataclass
+class SamplingInput:
+    """Per-sequence sampling arrays, [S] each, padded like the step."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    seeds: np.ndarray
+    counters: np.ndarray
+    all_greedy: bool
+
+
+def pack(
+    batch: ScheduledBatch,
+    page_tables: dict[str, list[int]],
+    page_size: int,
+    buckets: Buckets,
+) -> tuple[StepInput, SamplingInput]:
+    seqs = batch.seqs
+    num_tokens = batch.num_tokens
+    max_pages = max(pages_needed(s.start + s.num_new_tokens, page_size) for s in seqs)
+    T, S, P = buckets.shape_for(num_tokens, len(seqs), max_pages)
+
+    token_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slot_mapping = np.full(T, RESERVED_PAGE * page_size, np.int32)
+    cu_q_lens = np.full(S + 1, num_tokens, np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    page_indices = np.full((S, P), RESERVED_PAGE, np.int32)
+    logits_indices = np.zeros(S, np.int32)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    seeds = np.zeros(S, np.uint32)
+    counters = np.zeros(S, np.int32)
+
+    offset = 0
+    cu_q_lens[0] = 0
+    for i, seq in enumerate(seqs):
+        req, n, start = seq.request, seq.num_new_tokens, seq.start
+        table = np.asarray(page_tables[req.request_id], np.int32)
+        pos = np.arange(start, start + n, dtype=np.int32)
+        token_ids[offset : offset + n] = req.all_token_ids[start : start + n]
+        positions[offset : offset + n] = pos
+        slot_mapping[offset : offset + n] = table[pos // page_size] * page_size + pos % page_size
+        offset += n
+        cu_q_lens[i + 1] = offset
+        kv_lens[i] = start + n
+        used = pages_needed(start + n, page_size)
+        page_indices[i, :used] = table[:used]
+        logits_indices[i] = offset - 1
+        params = req.sampling_params
+        temperature[i] = params.temperature
+        top_k[i] = params.top_k
+        top_p[i] = params.top_p
+        seeds[i] = req.seed
+        counters[i] = len(req.output_token_ids)
+
+    step = StepInput(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        cu_q_lens=cu_q_lens,
+        kv_lens=kv_lens,
+        page_indices=page_indices,
+        num_seqs=np.array([len(seqs)], np.int32),
+        logits_indices=logits_indices,
+    )
+    sampling = SamplingInput(
+        temperature, top_k, top_p, seeds, counters, all_greedy=not temperature.any()
+    )
+    return step, sampling

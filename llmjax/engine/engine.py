@@ -1,0 +1,150 @@
+"""`LLMEngine`: requests in, one scheduled step at a time, `RequestOutput`s out.
+
+    def step(self):
+        batch = self.scheduler.schedule()          # host: who runs, how many tokens each
+        out = self.runner.run(batch)               # device: one jitted forward + sample
+        return self.scheduler.update(batch, out)   # host: append tokens, finish, free pages
+
+A request that can never run (empty, too long for `max_model_len` or for the whole KV cache, token
+ids outside the vocabulary) is rejected: its output says why, and the other requests go on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import numpy as np
+
+from llmjax.config import EngineConfig
+from llmjax.engine.batch import Buckets, pack
+from llmjax.engine.block_manager import BlockManager, pages_needed
+from llmjax.engine.request import Request, RequestOutput, RequestStatus
+from llmjax.engine.scheduler import Scheduler
+from llmjax.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, params, num_pages: int, tokenizer=None):
+        from llmjax.engine.runner import ModelRunner  # the one jax-importing engine module
+
+        self.config = config
+        self.tokenizer = tokenizer
+        page_size = config.cache.page_size
+        self.block_manager = BlockManager(num_pages, page_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.max_model_len)
+        self.runner = ModelRunner(config, params, num_pages)
+        self.buckets = Buckets.create(
+            config.scheduler.max_num_batched_tokens,
+            config.scheduler.max_num_seqs,
+            pages_needed(config.max_model_len, page_size),
+        )
+        self._ids = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._rejected: list[Request] = []
+        self.num_steps = 0
+        self.num_batched_tokens = 0
+
+    # ------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> str:
+        sampling_params = sampling_params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        seed = sampling_params.seed
+        if seed is None:
+            seed = int(self._seed_rng.integers(0, 2**32))
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=[int(t) for t in prompt_token_ids],
+            sampling_params=sampling_params,
+            eos_token_ids=frozenset(self.config.model.eos_token_ids),
+            seed=seed,
+            prompt=prompt,
+        )
+        error = self._validate(req)
+        if error:
+            req.error = error
+            req.finish("error", time.perf_counter(), RequestStatus.REJECTED)
+            self._rejected.append(req)
+            logger.warning("rejected request %s: %s", request_id, error)
+        else:
+            self.scheduler.add(req)
+        return request_id
+
+    def _validate(self, req: Request) -> str | None:
+        n = len(req.prompt_token_ids)
+        max_len = self.config.max_model_len
+        if n == 0:
+            return "empty prompt: at least one token is needed"
+        if n >= max_len:
+            return (
+                f"prompt has {n} tokens but max_model_len={max_len} leaves no room for a new token"
+            )
+        vocab = self.config.model.vocab_size
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+        need = pages_needed(n + 1, self.block_manager.page_size)
+        if need > self.block_manager.num_usable_pages:
+            return (
+                f"prompt needs {need} KV pages but the whole cache has "
+                f"{self.block_manager.num_usable_pages}; raise num_pages"
+            )
+        return None
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._rejected)
+
+    # ------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns an output for every request that got a token, finished or was
+        rejected."""
+        outputs = [self._output(r) for r in self._rejected]
+        self._rejected.clear()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        step_input, sampling = pack(
+            batch, self.block_manager.page_tables, self.block_manager.page_size, self.buckets
+        )
+        sampled = [s.request for s in batch.seqs if s.samples]
+        next_ids = self.runner.run(step_input, sampling)
+        self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist())
+        self.num_steps += 1
+        self.num_batched_tokens += batch.num_tokens
+        outputs += [self._output(r) for r in sampled]
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        done = req.status.is_done
+        text = ""
+        if done and self.tokenizer is not None and req.output_token_ids:
+            text = self.tokenizer.decode(req.output_token_ids)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=text,
+            finished=done,
+            finish_reason=req.finish_reason,
+            metrics=req.metrics,
+            error=req.error,
+        )
+
+    @property
+    def num_compiles(self) -> int:
+        return self.runner.num_compiles

@@ -1,0 +1,135 @@
+"""`Request` (engine-side state of one request) and `RequestOutput` (what the user gets back)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from llmjax.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+    @property
+    def is_done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Timestamps (time.perf_counter seconds) from which TTFT, TBT, TPOT and latency follow."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tbt(self) -> list[float]:
+        """Time between consecutive generated tokens."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first."""
+        gaps = self.tbt
+        return sum(gaps) / len(gaps) if gaps else None
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class Request:
+    """A request as the scheduler sees it.
+
+    `num_computed_tokens` counts tokens whose K/V is in the cache; the tokens still to compute are
+    `all_token_ids[num_computed_tokens:]` (a prompt, its rest after a chunk, or the last generated
+    token). After a preemption `num_computed_tokens` drops to 0 and the generated tokens are kept,
+    so recomputation covers prompt + output so far.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    seed: int
+    prompt: str | None = None
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    metrics: RequestMetrics = dataclasses.field(
+        default_factory=lambda: RequestMetrics(arrival_time=time.perf_counter())
+    )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def append_token(self, token_id: int, now: float) -> None:
+        """Record a generated token and finish the request if it hit a stop condition."""
+        self.output_token_ids.append(token_id)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.token_times.append(now)
+        params = self.sampling_params
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_token_ids
+        ):
+            self.finish("stop", now)
+        elif len(self.output_token_ids) >= params.max_tokens:
+            self.finish("length", now)
+
+    def finish(self, reason: str, now: float, status: RequestStatus = RequestStatus.FINISHED):
+        self.status = status
+        self.finish_reason = reason
+        self.metrics.finished_time = now
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The result of one request (names as in vLLM).
+
+    `text` is the detokenized `token_ids` (generated tokens only). `finish_reason` is 'stop'
+    (EOS or a stop token), 'length' (max_tokens or max_model_len), 'abort', or 'error' with
+    `error` saying why (e.g. a prompt too long for the model).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    error: str | None = None

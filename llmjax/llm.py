@@ -1,0 +1,229 @@
+"""`LLM`: the user-facing API (reads like vLLM's).
+
+    llm = LLM()                                        # SmolLM2-135M-Instruct from its wheel
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+    print(out[0].text)
+    print(llm.chat([{"role": "user", "content": "Hi!"}])[0].text)
+    for piece in llm.stream("Once upon a time"):
+        print(piece, end="", flush=True)
+
+`model` is a preset name (`configs.PRESETS`), a .gguf file, an HF directory (config.json +
+safetensors) or a directory saved by `llmjax.checkpoint.save_params`. With `load_format="dummy"`
+any preset runs with random weights (for tests and shape experiments).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from llmjax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmjax.engine.block_manager import pages_needed
+from llmjax.engine.engine import LLMEngine
+from llmjax.engine.request import RequestOutput
+from llmjax.sampling_params import SamplingParams
+from llmjax.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# Where JAX reports no device memory limit (the CPU), the KV cache gets at most this many bytes
+# unless num_pages is given.
+CPU_KV_CACHE_BYTES = 1 << 30
+
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+
+def default_num_pages(config: EngineConfig, params_bytes: int) -> int:
+    """Pages for max_num_seqs full-length requests, capped by the memory budget."""
+    import jax
+
+    from llmjax.model.kv_cache import kv_cache_bytes
+
+    page_size = config.cache.page_size
+    wanted = config.scheduler.max_num_seqs * pages_needed(config.max_model_len, page_size) + 1
+    per_page = kv_cache_bytes(config.model, 1, page_size, config.dtype)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - params_bytes
+        budget = int(config.cache.memory_fraction * max(free, 0))
+    else:
+        budget = CPU_KV_CACHE_BYTES
+    return max(2, min(wanted, budget // per_page))
+
+
+class LLM:
+    """Load a model and its tokenizer, and serve requests with continuous batching.
+
+    Engine options: `max_model_len` (prompt + generated tokens per request; default the model's
+    context, capped at 4096), `page_size`, `num_pages` (default: what the memory budget allows),
+    `max_num_seqs`, `max_num_batched_tokens`, `seed` (for requests without their own seed).
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str = "float32",
+        tokenizer: str | None = None,
+        load_format: str = "auto",
+        max_model_len: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 512,
+        seed: int = 0,
+        compilation_cache_dir: str | None = None,
+    ):
+        import jax
+        import jax.numpy as jnp
+
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"{load_format=} must be 'auto' or 'dummy'")
+        t0 = time.perf_counter()
+        model_config, params, self.tokenizer = _load(model, dtype, load_format, tokenizer)
+        if max_model_len is None:
+            max_model_len = min(model_config.max_position_embeddings, 4096)
+        extra = {}
+        if compilation_cache_dir is not None:
+            extra["compilation_cache_dir"] = compilation_cache_dir
+        config = EngineConfig(
+            model=model_config,
+            cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            **extra,
+        )
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        params_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        if num_pages is None:
+            num_pages = default_num_pages(config, params_bytes)
+        self.config = config
+        self.engine = LLMEngine(config, params, num_pages, self.tokenizer)
+        logger.info(
+            "loaded %s (%.1f M params, %s) with %d KV pages in %.1f s",
+            model,
+            params_bytes / jnp.dtype(dtype).itemsize / 1e6,
+            dtype,
+            num_pages,
+            time.perf_counter() - t0,
+        )
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this model was loaded without a tokenizer; pass token ids")
+        return self.tokenizer
+
+    # ------------------------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.get_tokenizer().encode(prompt), prompt
+        return [int(t) for t in prompt], None
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt (a string or a list of token ids) to completion, batched continuously.
+        Returns one `RequestOutput` per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)=} must equal {len(prompts)=}")
+        ids = []
+        for prompt, params in zip(prompts, sampling_params, strict=True):
+            token_ids, text = self._encode(prompt)
+            ids.append(self.engine.add_request(token_ids, params, prompt=text))
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate the reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        prompts = [
+            tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[str]:
+        """Yield the generated text piece by piece as tokens arrive (other requests added to
+        `self.engine` keep running alongside)."""
+        token_ids, text = self._encode(prompt)
+        request_id = self.engine.add_request(token_ids, sampling_params, prompt=text)
+        detok = IncrementalDetokenizer(self.get_tokenizer())
+        seen = 0
+        try:
+            while True:
+                outputs = [o for o in self.engine.step() if o.request_id == request_id]
+                for out in outputs:
+                    if out.error:
+                        raise ValueError(f"request rejected: {out.error}")
+                    for tid in out.token_ids[seen:]:
+                        piece = detok.add(tid)
+                        if piece:
+                            yield piece
+                    seen = len(out.token_ids)
+                    if out.finished:
+                        rest = detok.finish()
+                        if rest:
+                            yield rest
+                        return
+        finally:
+            self.engine.abort_request(request_id)
+
+
+def _load(model: str, dtype: str, load_format: str, tokenizer_path: str | None):
+    """-> (ModelConfig, params, Tokenizer | None)."""
+    import jax
+
+    import configs
+    from llmjax.checkpoint import load_model, resolve_model_path
+    from llmjax.model.params import init_params
+
+    if load_format == "dummy":
+        config = configs.get_preset(model)
+        params = init_params(config, jax.random.key(0), dtype)
+        tok = Tokenizer.from_gguf(tokenizer_path) if tokenizer_path else None
+        return config, params, tok
+    np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.float32
+    config, params, kind = load_model(model, np_dtype)
+    path = resolve_model_path(model)
+    source = tokenizer_path or path
+    if source.endswith(".gguf"):
+        tok = Tokenizer.from_gguf(source)
+    elif os.path.exists(os.path.join(source, "tokenizer.json")):
+        tok = Tokenizer.from_hf_dir(source)
+    else:
+        logger.warning("no tokenizer found for %s (%s); pass tokenizer=... for text", model, kind)
+        tok = None
+    return config, params, tok

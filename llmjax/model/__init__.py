@@ -1,0 +1,1 @@
+"""Device side: pure functions over parameter pytrees (no engine state)."""

@@ -1,0 +1,48 @@
+"""The paged KV cache on the device.
+
+For every layer, K and V live in pages: `[num_pages, page_size, K, H]`. A token's KV goes to one
+slot, `slot = page * page_size + offset`; the host-side block manager decides which pages a
+request owns (its row of `page_indices`) and hands the step a `slot_mapping` per new token.
+Page 0 is reserved: padded tokens write there, and no request reads it.
+
+The pages are donated to the jitted step, and `write_kv` scatters into them, so the update happens
+in place (no copy of the cache per step).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from llmjax.config import ModelConfig
+
+KVPages = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages)
+
+
+def kv_page_shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
+    return (num_pages, page_size, config.num_kv_heads, config.head_dim)
+
+
+def allocate_kv_pages(config: ModelConfig, num_pages: int, page_size: int, dtype) -> KVPages:
+    shape = kv_page_shape(config, num_pages, page_size)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
+
+
+def kv_cache_bytes(config: ModelConfig, num_pages: int, page_size: int, dtype) -> int:
+    per_page = page_size * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+    return 2 * config.num_layers * num_pages * per_page
+
+
+def write_kv(
+    k_pages: jax.Array,  # [P, page_size, K, H]
+    v_pages: jax.Array,  # [P, page_size, K, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    slot_mapping: jax.Array,  # [T] int32
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter the new tokens' K/V into their slots (in place when the pages are donated)."""
+    shape = k_pages.shape
+    flat = (shape[0] * shape[1], *shape[2:])
+    k_pages = k_pages.reshape(flat).at[slot_mapping].set(k.astype(k_pages.dtype)).reshape(shape)
+    v_pages = v_pages.reshape(flat).at[slot_mapping].set(v.astype(v_pages.dtype)).reshape(shape)
+    return k_pages, v_pages

@@ -1,0 +1,65 @@
+"""Building blocks of the Llama-family decoder: RMSNorm, rotary embeddings, SwiGLU.
+
+Letters: T tokens, D model dim, F MLP hidden dim, N heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmjax.config import ModelConfig, RopeScaling
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x: [..., D], scale: [D]. Normalizes in float32, returns x's dtype (as HF Llama does)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale * x32.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [H/2] in float32, with Llama-3 or linear scaling applied."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    if scaling.rope_type == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly between.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """positions: [T] int32 -> cos, sin: [T, H/2] float32."""
+    inv_freq = jnp.asarray(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x: [T, N, H] in HF's half-split layout (pairs are (i, i + H/2)); cos/sin: [T, H/2]."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)  # [T, N, H/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [T, D]."""
+    gate = jnp.einsum("td,df->tf", x, w_gate)
+    up = jnp.einsum("td,df->tf", x, w_up)
+    return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down)

@@ -1,0 +1,94 @@
+"""The Llama-family decoder as one pure function over a paged KV cache.
+
+Einsum letters:
+    T  tokens of the flat ragged batch        D  model dim (hidden_size)
+    N  query heads                            K  kv heads
+    H  head dim                               F  MLP hidden dim (intermediate_size)
+    V  vocabulary                             L  rows whose logits are returned
+
+`forward(params, kv_pages, step, config)` runs one step of any mix of prefill chunks and decodes:
+it embeds `step.token_ids`, writes each token's K/V to its slot, attends over each sequence's pages,
+and returns logits only for the rows in `step.logits_indices` (the last new token of each sequence
+when serving; every token in tests). Jit it at the boundary with the pages donated (see
+`llmjax/engine/runner.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from llmjax.config import ModelConfig
+from llmjax.model.attention import paged_attention_reference
+from llmjax.model.kv_cache import KVPages, write_kv
+from llmjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
+from llmjax.model.params import Params
+from llmjax.model.step_input import StepInput
+
+AttentionFn = Callable[..., jax.Array]
+
+
+def _attention_block(
+    layer: Params,
+    x: jax.Array,  # [T, D]
+    kv: tuple[jax.Array, jax.Array],
+    step: StepInput,
+    cos: jax.Array,
+    sin: jax.Array,
+    config: ModelConfig,
+    attention_fn: AttentionFn,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+    q = jnp.einsum("td,dnh->tnh", h, layer["wq"])  # [T, N, H]
+    k = jnp.einsum("td,dkh->tkh", h, layer["wk"])  # [T, K, H]
+    v = jnp.einsum("td,dkh->tkh", h, layer["wv"])  # [T, K, H]
+    if config.attention_bias:
+        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_pages, v_pages = write_kv(*kv, k, v, step.slot_mapping)
+    o = attention_fn(
+        q,
+        k_pages,
+        v_pages,
+        step.positions,
+        step.cu_q_lens,
+        step.page_indices,
+        scale=config.head_dim**-0.5,
+        sliding_window=config.sliding_window,
+    )  # [T, N, H]
+    return jnp.einsum("tnh,nhd->td", o, layer["wo"]), (k_pages, v_pages)
+
+
+def forward(
+    params: Params,
+    kv_pages: KVPages,
+    step: StepInput,
+    config: ModelConfig,
+    attention_fn: AttentionFn = paged_attention_reference,
+) -> tuple[jax.Array, KVPages]:
+    """One model step -> (logits [L, V] float32, updated kv_pages)."""
+    x = params["embed"][step.token_ids]  # [T, D]
+    cos, sin = rope_cos_sin(step.positions, config)  # [T, H/2]
+    new_kv_pages = []
+    for i, layer in enumerate(params["layers"]):
+        with jax.named_scope(f"layer_{i}"):
+            with jax.named_scope("attention"):
+                attn_out, kv = _attention_block(
+                    layer, x, kv_pages[i], step, cos, sin, config, attention_fn
+                )
+            x = x + attn_out
+            new_kv_pages.append(kv)
+            with jax.named_scope("mlp"):
+                h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+                x = x + swiglu_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
+    with jax.named_scope("lm_head"):
+        x = rms_norm(x[step.logits_indices], params["final_norm"], config.rms_norm_eps)  # [L, D]
+        if config.tie_word_embeddings:
+            logits = jnp.einsum("ld,vd->lv", x, params["embed"], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum(
+                "ld,dv->lv", x, params["lm_head"], preferred_element_type=jnp.float32
+            )
+    return logits, new_kv_pages

@@ -1,0 +1,154 @@
+"""Parameters described once.
+
+Each weight has one `ParamSpec` (shape, logical axes, initializer). From the spec tree follow the
+abstract shapes (`abstract_params`), random weights (`init_params`), the checkpoint targets
+(`llmjax.checkpoint`) and, later, the sharding on a mesh: tensor parallelism maps logical axes
+(`embed`, `q_heads`, `kv_heads`, `mlp`, `vocab`, ...) to mesh axes in one rules table, so no layer
+code changes.
+
+Tree layout (L layers; letters as in `llama.py`'s legend):
+
+    {"embed": [V, D],
+     "layers": [ {"attn_norm": [D], "wq": [D, N, H], "wk": [D, K, H], "wv": [D, K, H],
+                  ("bq": [N, H], "bk": [K, H], "bv": [K, H]  -- with attention_bias)
+                  "wo": [N, H, D], "mlp_norm": [D],
+                  "w_gate": [D, F], "w_up": [D, F], "w_down": [F, D]}  x L ],
+     "final_norm": [D],
+     ("lm_head": [D, V]  -- only with untied embeddings)}
+
+Layers are a Python list, not one stacked array: indexing a stacked weight inside the step made
+XLA copy each layer's slice on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmjax.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One weight: its shape, the logical name of each axis, and how to initialize it."""
+
+    shape: tuple[int, ...]
+    logical_axes: tuple[str, ...]
+    init: str = "normal"  # "normal" (fan-in scaled) | "ones" | "zeros"
+    fan_in: int = 1
+
+    def __post_init__(self):
+        if len(self.shape) != len(self.logical_axes):
+            raise ValueError(f"{self.shape=} and {self.logical_axes=} differ in rank")
+
+    def initialize(self, key: jax.Array, dtype) -> jax.Array:
+        if self.init == "ones":
+            return jnp.ones(self.shape, dtype)
+        if self.init == "zeros":
+            return jnp.zeros(self.shape, dtype)
+        scale = 1.0 / math.sqrt(self.fan_in)
+        return (scale * jax.random.normal(key, self.shape, jnp.float32)).astype(dtype)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def param_specs(config: ModelConfig) -> Params:
+    """The spec tree of a Llama-family model."""
+    D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
+
+    def layer() -> dict[str, ParamSpec]:
+        spec = {
+            "attn_norm": ParamSpec((D,), ("embed",), "ones"),
+            "wq": ParamSpec((D, N, H), ("embed", "q_heads", "head_dim"), fan_in=D),
+            "wk": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), fan_in=D),
+            "wv": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), fan_in=D),
+            "wo": ParamSpec((N, H, D), ("q_heads", "head_dim", "embed"), fan_in=N * H),
+            "mlp_norm": ParamSpec((D,), ("embed",), "ones"),
+            "w_gate": ParamSpec((D, F), ("embed", "mlp"), fan_in=D),
+            "w_up": ParamSpec((D, F), ("embed", "mlp"), fan_in=D),
+            "w_down": ParamSpec((F, D), ("mlp", "embed"), fan_in=F),
+        }
+        if config.attention_bias:
+            spec["bq"] = ParamSpec((N, H), ("q_heads", "head_dim"), "zeros")
+            spec["bk"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros")
+            spec["bv"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros")
+        return spec
+
+    specs: Params = {
+        "embed": ParamSpec((V, D), ("vocab", "embed"), fan_in=1),
+        "layers": [layer() for _ in range(config.num_layers)],
+        "final_norm": ParamSpec((D,), ("embed",), "ones"),
+    }
+    if not config.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), fan_in=D)
+    return specs
+
+
+def map_specs(fn: Callable[[ParamSpec], Any], specs: Params) -> Params:
+    return jax.tree.map(fn, specs, is_leaf=_is_spec)
+
+
+def abstract_params(config: ModelConfig, dtype=jnp.float32) -> Params:
+    """`jax.ShapeDtypeStruct` for every weight, e.g. as an orbax restore target."""
+    return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), param_specs(config))
+
+
+def logical_axes(config: ModelConfig) -> Params:
+    return map_specs(lambda s: s.logical_axes, param_specs(config))
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
+    """Random weights (for tests, notebooks and `load_format='dummy'`).
+
+    Norm scales are drawn around 1 rather than set to 1 so that tests exercise them.
+    """
+    specs = param_specs(config)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for spec, k in zip(leaves, keys, strict=True):
+        if spec.init == "ones":
+            x = 1.0 + 0.1 * jax.random.normal(k, spec.shape, jnp.float32)
+        elif spec.init == "zeros":
+            x = 0.1 * jax.random.normal(k, spec.shape, jnp.float32)
+        else:
+            x = spec.initialize(k, jnp.float32)
+        out.append(x.astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def check_params(config: ModelConfig, params: Params, source: str = "params") -> None:
+    """Raise a ValueError naming the first weight whose presence or shape differs from the spec."""
+    specs = param_specs(config)
+    flat_specs = dict(_flatten_with_names(specs))
+    flat_params = dict(_flatten_with_names(params))
+    for name, spec in flat_specs.items():
+        if name not in flat_params:
+            raise ValueError(f"{source}: missing weight {name!r} (expected shape {spec.shape})")
+        shape = tuple(np.shape(flat_params[name]))
+        if shape != spec.shape:
+            raise ValueError(f"{source}: weight {name!r} has shape {shape}, expected {spec.shape}")
+    extra = sorted(set(flat_params) - set(flat_specs))
+    if extra:
+        raise ValueError(f"{source}: unexpected weights {extra[:5]} for this model config")
+
+
+def _flatten_with_names(tree) -> list[tuple[str, Any]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_spec)
+    return [(jax.tree_util.keystr(path, simple=True, separator="."), leaf) for path, leaf in flat]
+
+
+def num_params(config: ModelConfig) -> int:
+    specs = jax.tree.leaves(param_specs(config), is_leaf=_is_spec)
+    return sum(math.prod(s.shape) for s in specs)
