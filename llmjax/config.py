@@ -53,7 +53,7 @@ class RopeScaling:
         if not d:
             return None
         rope_type = d.get("rope_type", d.get("type"))
-        if rope_type == "default":
+        if rope_type in ("default", None):
             return None
         if rope_type not in ("llama3", "linear"):
             raise ValueError(
@@ -167,6 +167,10 @@ class ModelConfig:
         try:
             eos = config.get("eos_token_id", 2)
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            # transformers >= 5 writes rope_parameters {rope_type, rope_theta, scaling keys};
+            # older configs have rope_theta and rope_scaling at the top level.
+            rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+            rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
             sliding_window = config.get("sliding_window")
             if model_type == "qwen2" and not config.get("use_sliding_window", False):
                 sliding_window = None
@@ -179,8 +183,8 @@ class ModelConfig:
                 num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
                 head_dim=config.get("head_dim"),
                 max_position_embeddings=config.get("max_position_embeddings", 4096),
-                rope_theta=float(config.get("rope_theta", 10000.0)),
-                rope_scaling=RopeScaling.from_hf(config.get("rope_scaling")),
+                rope_theta=float(rope.get("rope_theta", 10000.0)),
+                rope_scaling=RopeScaling.from_hf(rope),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 attention_bias=(model_type == "qwen2" or bool(config.get("attention_bias", False))),

@@ -30,6 +30,13 @@ from llmjax.model.step_input import StepInput
 AttentionFn = Callable[..., jax.Array]
 
 
+def _project(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x: [T, D] @ w: [D, heads, H] -> [T, heads, H], as one 2-D matmul (a 3-D einsum made XLA
+    transpose the weight every step)."""
+    D, heads, H = w.shape
+    return (x @ w.reshape(D, heads * H)).reshape(-1, heads, H)
+
+
 def _attention_block(
     layer: Params,
     x: jax.Array,  # [T, D]
@@ -41,9 +48,9 @@ def _attention_block(
     attention_fn: AttentionFn,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-    q = jnp.einsum("td,dnh->tnh", h, layer["wq"])  # [T, N, H]
-    k = jnp.einsum("td,dkh->tkh", h, layer["wk"])  # [T, K, H]
-    v = jnp.einsum("td,dkh->tkh", h, layer["wv"])  # [T, K, H]
+    q = _project(h, layer["wq"])  # [T, N, H]
+    k = _project(h, layer["wk"])  # [T, K, H]
+    v = _project(h, layer["wv"])  # [T, K, H]
     if config.attention_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -58,7 +65,9 @@ def _attention_block(
         scale=config.head_dim**-0.5,
         sliding_window=config.sliding_window,
     )  # [T, N, H]
-    return jnp.einsum("tnh,nhd->td", o, layer["wo"]), (k_pages, v_pages)
+    T, N, H = o.shape
+    wo = layer["wo"].reshape(N * H, -1)  # [N*H, D]
+    return o.reshape(T, N * H) @ wo, (k_pages, v_pages)
 
 
 def forward(

