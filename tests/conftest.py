@@ -17,9 +17,11 @@ TESTDATA = os.path.join(os.path.dirname(__file__), "testdata")
 def pytest_collection_modifyitems(config, items):
     import jax
 
-    has_gpu = any(d.platform == "gpu" for d in jax.devices()) if "gpu" in os.environ.get(
-        "JAX_PLATFORMS", ""
-    ) else False
+    has_gpu = (
+        any(d.platform == "gpu" for d in jax.devices())
+        if "gpu" in os.environ.get("JAX_PLATFORMS", "")
+        else False
+    )
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
     for item in items:
         if "gpu" in item.keywords and not has_gpu:

@@ -39,7 +39,9 @@ def test_chunked_prefill_then_decode_equals_one_prefill(model):
         ids = tokens[start : start + chunk]
         step = make_step([(ids, start, table)], PAGE, num_tokens=16, max_pages=8)
         logits, kv = fwd(params, kv, step, config)
-        np.testing.assert_allclose(np.asarray(logits)[0], ref[start + chunk - 1], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(logits)[0], ref[start + chunk - 1], rtol=1e-5, atol=1e-5
+        )
         start += chunk
     assert start == len(tokens)
 
@@ -47,7 +49,10 @@ def test_chunked_prefill_then_decode_equals_one_prefill(model):
 def test_mixed_batch_equals_each_sequence_alone(model):
     config, params = model
     a, b, c = _tokens(9, 1), _tokens(17, 2), _tokens(6, 3)
-    ref = {k: full_logits(params, config, t, page_size=PAGE) for k, t in zip("abc", (a, b, c))}
+    ref = {
+        k: full_logits(params, config, t, page_size=PAGE)
+        for k, t in zip("abc", (a, b, c), strict=True)
+    }
     kv = allocate_kv_pages(config, 16, PAGE, jnp.float32)
     tables = {"a": [3, 8, 14], "b": [1, 12, 5, 10, 6], "c": [15, 2]}
     # Step 1: prefill a fully, b partly (11 tokens), c partly (1 token).
@@ -91,11 +96,17 @@ def _compiled_step_hlo(config, num_pages=64):
 
     params = init_params(config, jax.random.key(0))
     runner = ModelRunner(EngineConfig(model=config, compilation_cache_dir=""), params, num_pages)
-    step = make_step([(_tokens(3, 0), 0, [1]), ([7], 9, [2, 3, 4])], PAGE, num_tokens=16, max_pages=4)
+    step = make_step(
+        [(_tokens(3, 0), 0, [1]), ([7], 9, [2, 3, 4])], PAGE, num_tokens=16, max_pages=4
+    )
     n = 2
     sampling = SamplingInput(
-        np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
-        np.zeros(n, np.uint32), np.zeros(n, np.int32), all_greedy=True,
+        np.zeros(n, np.float32),
+        np.zeros(n, np.int32),
+        np.ones(n, np.float32),
+        np.zeros(n, np.uint32),
+        np.zeros(n, np.int32),
+        all_greedy=True,
     )
     return runner, runner.lower(step, sampling).compile().as_text()
 
@@ -103,7 +114,7 @@ def _compiled_step_hlo(config, num_pages=64):
 @pytest.mark.parametrize("name", ["tiny", "tiny-gqa1"])
 def test_step_copies_neither_kv_pages_nor_weights(name):
     config = configs.get_preset(name)
-    runner, hlo = _compiled_step_hlo(config)
+    _, hlo = _compiled_step_hlo(config)
     # Every KV array is donated and aliased to an output: the update happens in place.
     header = hlo.splitlines()[0]
     assert header.count("-alias)") == 2 * config.num_layers, header[:300]

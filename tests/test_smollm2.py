@@ -44,7 +44,9 @@ def test_greedy_continuations_match_hf_token_for_token(llm, golden):
     from llmjax import SamplingParams
 
     npz, _ = golden
-    prompts = [ids[:n].tolist() for ids, n in zip(npz["prompt_ids"], npz["prompt_lens"], strict=True)]
+    prompts = [
+        ids[:n].tolist() for ids, n in zip(npz["prompt_ids"], npz["prompt_lens"], strict=True)
+    ]
     params = SamplingParams(max_tokens=npz["greedy_ids"].shape[1], ignore_eos=True)
     outs = llm.generate(prompts, params)  # all five batched together
     for out, want in zip(outs, npz["greedy_ids"], strict=True):
@@ -55,3 +57,13 @@ def test_capital_of_france(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}])[0]
     assert out.text.startswith("The capital of France is Paris."), out.text
     assert out.finish_reason == "stop"
+
+
+def test_stream_yields_the_generated_text(llm):
+    from llmjax import SamplingParams
+
+    prompt = "Once upon a time,"
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    pieces = list(llm.stream(prompt, params))
+    assert len(pieces) > 5
+    assert "".join(pieces) == llm.generate([prompt], params)[0].text

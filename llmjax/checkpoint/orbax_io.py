@@ -43,12 +43,15 @@ def load_model_config(directory: str) -> ModelConfig:
     path = os.path.join(directory, CONFIG_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"not an llmjax checkpoint: {path} is missing")
-    with open(path) as f:
-        d = json.load(f)
-    if d.get("rope_scaling"):
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-    return ModelConfig(**d)
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return ModelConfig(**d)
+    except (json.JSONDecodeError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path} is not a valid llmjax model config: {e}") from e
 
 
 def restore_params(directory: str, dtype=np.float32) -> tuple[ModelConfig, Params]:

@@ -1,7 +1,7 @@
 """`StepInput`: the metadata of one ragged step, named after the attention kernels' arguments.
 
 A NamedTuple, so it is a pytree with no registration and this module needs no jax: the host-side
-packer (`llmjax/engine/batch.py`) fills it with numpy arrays, the jitted step receives device arrays.
+packer (`llmjax/engine/batch.py`) fills it with numpy arrays; the jitted step gets device arrays.
 
 One step carries a flat batch of T tokens from S sequences (prefill chunks and decodes mixed).
 Tokens of sequence s are `token_ids[cu_q_lens[s]:cu_q_lens[s+1]]`. Everything is padded to a shape

@@ -1,0 +1,121 @@
+"""Decode speed at small batch against the memory-bandwidth roofline.
+
+At batch 1 a decode step reads every weight once, so tokens/s is bounded by
+    measured read bandwidth / weight bytes per token.
+This script measures both in the same run (the bandwidth with a jitted reduction over a large
+array) and reports decode tokens/s and the fraction of the bound achieved, per dtype and batch.
+
+    python scripts/bench_decode.py                       # SmolLM2, float32 and bfloat16, batch 1
+    python scripts/bench_decode.py --batch_sizes 1,8 --dtypes float32 --json_out out/decode.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf file or checkpoint dir.")
+flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Weight/KV dtypes to compare.")
+flags.DEFINE_list("batch_sizes", ["1"], "Concurrent decoding requests.")
+flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per request.")
+flags.DEFINE_integer("decode_steps", 64, "Timed decode steps (after warm-up).")
+flags.DEFINE_integer("warmup_steps", 4, "Untimed decode steps (compilation happens here).")
+flags.DEFINE_integer("bandwidth_mib", 1024, "Size of the array read to measure bandwidth.")
+flags.DEFINE_string("json_out", "out/bench_decode.json", "Where to write the results.")
+
+FLAGS = flags.FLAGS
+
+
+def measure_read_bandwidth(num_bytes: int, repeats: int = 10) -> float:
+    """Bytes/s of a jitted sum over a float32 array of `num_bytes` (best of `repeats`)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((num_bytes // 4,), jnp.float32) * 1.5
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best
+
+
+def time_decode(llm, batch: int) -> dict:
+    """Median seconds per decode step with `batch` requests running, measured via engine.step."""
+    import numpy as np
+
+    from llmjax import SamplingParams
+
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    vocab = llm.model_config.vocab_size
+    total = FLAGS.warmup_steps + FLAGS.decode_steps + 1
+    params = SamplingParams(max_tokens=total, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(rng.integers(100, vocab, FLAGS.prompt_len).tolist(), params)
+    while any(r.num_uncomputed_tokens > 1 for r in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()  # prefill
+    times = []
+    for i in range(FLAGS.warmup_steps + FLAGS.decode_steps):
+        t = time.perf_counter()
+        engine.step()
+        if i >= FLAGS.warmup_steps:
+            times.append(time.perf_counter() - t)
+    while engine.has_unfinished_requests():
+        engine.step()
+    step_s = float(np.median(times))
+    return {"step_ms": 1e3 * step_s, "tokens_per_s": batch / step_s}
+
+
+def main(argv):
+    del argv
+    import jax
+
+    from llmjax import LLM
+
+    bandwidth = measure_read_bandwidth(FLAGS.bandwidth_mib << 20)
+    rows = []
+    for dtype in FLAGS.dtypes:
+        llm = LLM(FLAGS.model, dtype=dtype, max_model_len=512)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
+        bound = bandwidth / weight_bytes
+        for batch in map(int, FLAGS.batch_sizes):
+            r = time_decode(llm, batch)
+            rows.append(
+                {
+                    "model": FLAGS.model,
+                    "dtype": dtype,
+                    "batch": batch,
+                    "weight_mb": weight_bytes / 1e6,
+                    "bandwidth_gb_s": bandwidth / 1e9,
+                    "roofline_tokens_per_s": bound * batch,
+                    **r,
+                    "fraction_of_roofline": r["tokens_per_s"] / (bound * batch),
+                }
+            )
+    header = f"{'dtype':>9} {'batch':>5} {'weights MB':>10} {'step ms':>8} {'tok/s':>8} "
+    header += f"{'bound tok/s':>11} {'of bound':>8}"
+    print(f"device: {jax.devices()[0].device_kind}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(header)
+    for r in rows:
+        print(
+            f"{r['dtype']:>9} {r['batch']:>5} {r['weight_mb']:>10.1f} {r['step_ms']:>8.2f} "
+            f"{r['tokens_per_s']:>8.1f} {r['roofline_tokens_per_s']:>11.1f} "
+            f"{r['fraction_of_roofline']:>8.2f}"
+        )
+    if FLAGS.json_out:
+        os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=2)
+        print(f"wrote {FLAGS.json_out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

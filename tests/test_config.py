@@ -1,0 +1,79 @@
+"""Configs: validation errors name the values; presets are valid; HF config parsing."""
+
+import dataclasses
+import json
+
+import pytest
+
+import configs
+from llmjax.config import CacheConfig, EngineConfig, ModelConfig, RopeScaling, SchedulerConfig
+
+
+def test_presets_are_valid_and_frozen():
+    for name, config in configs.PRESETS.items():
+        assert isinstance(config, ModelConfig), name
+        assert config.head_dim * config.num_heads >= config.hidden_size // 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        configs.TINY.num_layers = 3
+    with pytest.raises(ValueError, match="unknown model preset 'nope'"):
+        configs.get_preset("nope")
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (
+            {"num_heads": 6, "num_kv_heads": 4},
+            "num_heads=6 must be divisible by self.num_kv_heads=4",
+        ),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"head_dim": 15}, "head_dim=15 must be even"),
+        ({"architecture": "gpt2"}, "unknown architecture 'gpt2'"),
+        ({"sliding_window": -1}, "sliding_window"),
+    ],
+)
+def test_model_config_errors_name_the_values(changes, match):
+    with pytest.raises(ValueError, match=match):
+        configs.TINY.replace(**changes)
+
+
+def test_other_config_errors():
+    with pytest.raises(ValueError, match="num_pages=1"):
+        CacheConfig(num_pages=1)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        EngineConfig(model=configs.TINY, dtype="int8")
+    with pytest.raises(ValueError, match="high_freq_factor"):
+        RopeScaling(rope_type="llama3", factor=8, low_freq_factor=4, high_freq_factor=1)
+    assert EngineConfig(model=configs.TINY).max_model_len == configs.TINY.max_position_embeddings
+
+
+def test_from_hf_config_reads_old_and_new_rope_keys(tmp_path):
+    base = {
+        "model_type": "llama",
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    old = ModelConfig.from_hf_config(base | {"rope_theta": 5e5, "rope_scaling": scaling})
+    new = ModelConfig.from_hf_config(base | {"rope_parameters": scaling | {"rope_theta": 5e5}})
+    assert old == new and old.rope_theta == 5e5 and old.rope_scaling.factor == 8.0
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
+        ModelConfig.from_hf_config(base | {"rope_scaling": {"rope_type": "yarn", "factor": 2}})
+    with pytest.raises(ValueError, match="lacks required key 'vocab_size'"):
+        ModelConfig.from_hf_config({k: v for k, v in base.items() if k != "vocab_size"})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(base | {"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"unknown architecture model_type='gpt2'.*config.json"):
+        ModelConfig.from_hf_config(tmp_path)

@@ -1,0 +1,142 @@
+"""The engine end to end on the tiny model: batch invariance, chunked prefill, preemption,
+bad input, stop conditions, aborts and bounded compilation."""
+
+import ast
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llmjax import LLM, SamplingParams
+
+ENGINE_DIR = os.path.join(os.path.dirname(__file__), "..", "llmjax", "engine")
+
+
+def test_only_the_runner_imports_jax():
+    for name in os.listdir(ENGINE_DIR):
+        if not name.endswith(".py") or name == "runner.py":
+            continue
+        tree = ast.parse(open(os.path.join(ENGINE_DIR, name)).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                mods = (
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                )
+                assert not any(m and m.split(".")[0] in ("jax", "jaxlib") for m in mods), name
+    code = (
+        "import sys, llmjax, llmjax.engine.scheduler, llmjax.engine.batch, llmjax.engine.engine;"
+        "assert 'jax' not in sys.modules, 'host side imported jax'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _llm(**kw):
+    opts = dict(
+        load_format="dummy",
+        page_size=4,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=96,
+        compilation_cache_dir="",
+    )
+    opts.update(kw)
+    return LLM("tiny", **opts)
+
+
+def _prompts(n, seed=0, lo=1, hi=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return _llm()
+
+
+@pytest.fixture(scope="module")
+def alone_outputs(llm):
+    """Each prompt run alone: the reference for batch invariance."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    return {i: llm.generate([p], params)[0].token_ids for i, p in enumerate(_prompts(7))}
+
+
+def test_greedy_outputs_do_not_depend_on_the_batch(llm, alone_outputs):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = llm.generate(_prompts(7), params)  # chunked prefills (budget 32) mixed with decodes
+    assert [o.token_ids for o in outs] == [alone_outputs[i] for i in range(7)]
+    assert llm.engine.block_manager.num_free_pages == llm.engine.block_manager.num_usable_pages
+    llm.engine.block_manager.check_invariants()
+
+
+def test_preemption_recomputes_and_loses_nothing(alone_outputs):
+    small = _llm(num_pages=20)  # 19 usable pages of 4 tokens: not enough for 7 requests at once
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = small.generate(_prompts(7), params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [alone_outputs[i] for i in range(7)]
+    small.engine.block_manager.check_invariants()
+    assert small.engine.block_manager.num_free_pages == small.engine.block_manager.num_usable_pages
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llm):
+    prompts = _prompts(4, seed=1)
+    params = [SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=s) for s in range(4)]
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    assert together == alone
+    assert len({tuple(t) for t in together}) > 1
+
+
+def test_bad_prompts_are_rejected_and_others_served(llm, alone_outputs):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    good = _prompts(7)[0]
+    outs = llm.generate([[], good, [5] * 96, [3, 999999]], params)
+    assert [o.finish_reason for o in outs] == ["error", "length", "error", "error"]
+    assert "empty prompt" in outs[0].error
+    assert "max_model_len=96" in outs[2].error
+    assert "outside the vocabulary" in outs[3].error
+    assert outs[1].token_ids == alone_outputs[0]
+
+
+def test_prompt_larger_than_the_cache_is_rejected():
+    tiny_cache = _llm(num_pages=5, max_model_len=64)
+    out = tiny_cache.generate([list(range(3, 40))], SamplingParams(max_tokens=4))[0]
+    assert out.finish_reason == "error" and "KV pages" in out.error
+
+
+def test_max_model_len_and_stop_tokens_end_requests(llm, alone_outputs):
+    prompt = _prompts(7)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1000, ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert len(prompt) + len(out.token_ids) == 96
+    stop = alone_outputs[0][4]
+    first = alone_outputs[0].index(stop)
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == alone_outputs[0][: first + 1]
+
+
+def test_abort_frees_pages(llm):
+    engine = llm.engine
+    rid = engine.add_request(_prompts(1, seed=3, lo=20)[0], SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.block_manager.num_free_pages < engine.block_manager.num_usable_pages
+    assert engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_usable_pages
+
+
+def test_metrics_are_recorded(llm):
+    out = llm.generate([_prompts(1)[0]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert len(m.token_times) == 5 and len(m.tbt) == 4 and m.ttft > 0
+
+
+def test_serving_again_does_not_recompile(llm):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    llm.generate(_prompts(7), params)
+    before = llm.engine.num_compiles
+    llm.generate(_prompts(7), params)
+    assert llm.engine.num_compiles == before

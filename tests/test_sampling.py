@@ -1,0 +1,117 @@
+"""SamplingParams validation and the on-device sampler."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmjax import SamplingParams
+from llmjax.model.sampler import sample
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def _run(logits, temperature, top_k=0, top_p=1.0, seed=0, counter=0, all_greedy=False):
+    S = logits.shape[0]
+    full = lambda v, dt: jnp.full((S,), v, dt)
+    return np.asarray(
+        sample(
+            jnp.asarray(logits, jnp.float32),
+            full(temperature, jnp.float32),
+            full(top_k, jnp.int32),
+            full(top_p, jnp.float32),
+            full(seed, jnp.uint32),
+            full(counter, jnp.int32),
+            all_greedy=all_greedy,
+        )
+    )
+
+
+def _logits(rows=4, vocab=50, seed=0):
+    return np.random.default_rng(seed).normal(size=(rows, vocab)).astype(np.float32) * 2
+
+
+def test_greedy_is_argmax_with_or_without_the_sort():
+    logits = _logits()
+    want = logits.argmax(-1)
+    np.testing.assert_array_equal(_run(logits, 0.0, all_greedy=True), want)
+    np.testing.assert_array_equal(_run(logits, 0.0, all_greedy=False), want)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = _logits()
+    want = logits.argmax(-1)
+    for seed in range(5):
+        np.testing.assert_array_equal(_run(logits, 1.0, top_k=1, seed=seed), want)
+        np.testing.assert_array_equal(_run(logits, 1.0, top_p=1e-6, seed=seed), want)
+
+
+def test_same_seed_same_token_whatever_the_batch():
+    logits = _logits(rows=1, vocab=1000)
+    alone = _run(logits, 1.0, seed=7, counter=3)[0]
+    batched_logits = np.concatenate([_logits(rows=5, vocab=1000, seed=9), logits])
+    S = batched_logits.shape[0]
+    seeds = jnp.array([1, 2, 3, 4, 5, 7], jnp.uint32)
+    counters = jnp.array([0, 1, 2, 3, 4, 3], jnp.int32)
+    out = sample(
+        jnp.asarray(batched_logits),
+        jnp.ones(S),
+        jnp.zeros(S, jnp.int32),
+        jnp.ones(S),
+        seeds,
+        counters,
+        all_greedy=False,
+    )
+    assert int(out[-1]) == int(alone)
+
+
+def test_samples_follow_the_filtered_distribution():
+    """Empirical frequencies over many seeds match softmax restricted by top-k and top-p."""
+    vocab = 8
+    logits = np.log(np.array([[0.3, 0.25, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01]], np.float32))
+    n = 4000
+    batch = np.repeat(logits, n, axis=0)
+    seeds = jnp.arange(n, dtype=jnp.uint32)
+
+    def frequencies(temperature, top_k, top_p):
+        out = sample(
+            jnp.asarray(batch),
+            jnp.full(n, temperature),
+            jnp.full(n, top_k, jnp.int32),
+            jnp.full(n, top_p),
+            seeds,
+            jnp.zeros(n, jnp.int32),
+            all_greedy=False,
+        )
+        return np.bincount(np.asarray(out), minlength=vocab) / n
+
+    p = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    np.testing.assert_allclose(frequencies(1.0, 0, 1.0), p, atol=0.03)
+    top3 = np.where(np.arange(vocab) < 3, p, 0) / p[:3].sum()
+    np.testing.assert_allclose(frequencies(1.0, 3, 1.0), top3, atol=0.03)
+    # top_p=0.7: 0.3 + 0.25 < 0.7 <= 0.3 + 0.25 + 0.2, so the first three tokens stay.
+    np.testing.assert_allclose(frequencies(1.0, 0, 0.7), top3, atol=0.03)
+    hot = np.exp(logits[0] / 0.5) / np.exp(logits[0] / 0.5).sum()
+    np.testing.assert_allclose(frequencies(0.5, 0, 1.0), hot, atol=0.03)
+
+
+def test_counter_changes_the_draw():
+    logits = _logits(rows=1, vocab=1000)
+    draws = {int(_run(logits, 2.0, seed=3, counter=c)[0]) for c in range(20)}
+    assert len(draws) > 5
