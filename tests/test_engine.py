@@ -140,3 +140,31 @@ def test_serving_again_does_not_recompile(llm):
     before = llm.engine.num_compiles
     llm.generate(_prompts(7), params)
     assert llm.engine.num_compiles == before
+
+
+def test_startup_reuses_the_persistent_compilation_cache(tmp_path):
+    """A second process with the same cache directory loads the compiled step from disk."""
+    code = (
+        "import sys, jax; from llmjax import LLM, SamplingParams;"
+        "hits = [];"
+        "jax.monitoring.register_event_listener("
+        "    lambda e, **kw: hits.append(e) if e == '/jax/compilation_cache/cache_hits' else None);"
+        "llm = LLM('tiny', load_format='dummy', max_model_len=64,"
+        "          compilation_cache_dir=sys.argv[1]);"
+        "llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3));"
+        "print('HITS', len(hits))"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = lambda: (
+        subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)],
+            check=True,
+            env=env,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
+    assert "HITS 0" in run()
+    assert any("step_impl" in e for e in os.listdir(tmp_path))
+    second = run()
+    assert "HITS 0" not in second and "HITS" in second

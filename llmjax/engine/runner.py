@@ -33,7 +33,7 @@ def enable_compilation_cache(cache_dir: str) -> None:
         return
     os.makedirs(cache_dir, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 class ModelRunner:
