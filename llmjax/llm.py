@@ -207,7 +207,8 @@ def _load(model: str, dtype: str, load_format: str, tokenizer_path: str | None):
     import jax
 
     import configs
-    from llmjax.checkpoint import load_model, resolve_model_path
+    from llmjax.checkpoint import load_gguf, load_model, resolve_model_path
+    from llmjax.checkpoint.gguf import open_gguf
     from llmjax.model.params import init_params
 
     if load_format == "dummy":
@@ -216,10 +217,15 @@ def _load(model: str, dtype: str, load_format: str, tokenizer_path: str | None):
         tok = Tokenizer.from_gguf(tokenizer_path) if tokenizer_path else None
         return config, params, tok
     np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.float32
-    config, params, kind = load_model(model, np_dtype)
     path = resolve_model_path(model)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        reader = open_gguf(path)  # read once for both weights and tokenizer
+        config, params = load_gguf(reader, np_dtype)
+        kind, path = "gguf", reader
+    else:
+        config, params, kind = load_model(model, np_dtype)
     source = tokenizer_path or path
-    if source.endswith(".gguf"):
+    if not isinstance(source, str) or source.endswith(".gguf"):
         tok = Tokenizer.from_gguf(source)
     elif os.path.exists(os.path.join(source, "tokenizer.json")):
         tok = Tokenizer.from_hf_dir(source)

@@ -59,10 +59,15 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
+def _reader_and_name(reader_or_path):
+    """(reader, file name for messages) from a path or an open `gguf.GGUFReader`."""
+    if hasattr(reader_or_path, "fields"):
+        return reader_or_path, str(getattr(reader_or_path.data, "filename", None) or "<gguf>")
+    return open_gguf(reader_or_path), os.fspath(reader_or_path)
+
+
 def model_config_from_gguf(reader_or_path) -> ModelConfig:
-    reader = reader_or_path if hasattr(reader_or_path, "fields") else open_gguf(reader_or_path)
-    source = getattr(reader, "data", None)
-    source = getattr(source, "filename", None) or str(reader_or_path)
+    reader, source = _reader_and_name(reader_or_path)
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -128,14 +133,14 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def load_gguf(path, dtype=np.float32) -> tuple[ModelConfig, Params]:
-    """Load a GGUF file -> (ModelConfig, numpy parameter tree in `dtype`), dequantizing."""
+def load_gguf(reader_or_path, dtype=np.float32) -> tuple[ModelConfig, Params]:
+    """Load a GGUF file (a path or an open reader) -> (ModelConfig, numpy parameter tree in
+    `dtype`), dequantizing."""
     import gguf
 
     from llmjax.checkpoint.hf import params_from_hf_tensors
 
-    path = os.fspath(path)
-    reader = open_gguf(path)
+    reader, path = _reader_and_name(reader_or_path)
     config = model_config_from_gguf(reader)
     by_hf_name = {}
     for t in reader.tensors:

@@ -68,9 +68,12 @@ def safetensors_files(directory: str) -> list[str]:
     """The safetensors files of an HF directory, via the shard index when there is one."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted({os.path.join(directory, name) for name in weight_map.values()})
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted({os.path.join(directory, name) for name in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from e
         for path in files:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"shard {path} listed in {index} is missing")
