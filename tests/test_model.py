@@ -89,17 +89,20 @@ def test_padding_does_not_touch_real_pages(model):
         assert not np.array_equal(k0[3], k1[3])
 
 
-def _compiled_step_hlo(config, num_pages=64):
+def _compiled_step_hlo(config, num_tokens, num_pages=64):
     from llmjax.config import EngineConfig
     from llmjax.engine.batch import SamplingInput
     from llmjax.engine.runner import ModelRunner
 
     params = init_params(config, jax.random.key(0))
     runner = ModelRunner(EngineConfig(model=config, compilation_cache_dir=""), params, num_pages)
-    step = make_step(
-        [(_tokens(3, 0), 0, [1]), ([7], 9, [2, 3, 4])], PAGE, num_tokens=16, max_pages=4
-    )
-    n = 2
+    page_size = runner.kv_pages[0][0].shape[1]
+    if num_tokens == 1:  # one decode
+        seqs = [([7], 9, [2])]
+    else:  # a prefill chunk and a decode
+        seqs = [(_tokens(num_tokens - 1, 0), 0, [1, 5, 6, 8]), ([7], 9, [2])]
+    step = make_step(seqs, page_size, num_tokens=num_tokens, max_pages=4)
+    n = len(seqs)
     sampling = SamplingInput(
         np.zeros(n, np.float32),
         np.zeros(n, np.int32),
@@ -112,14 +115,23 @@ def _compiled_step_hlo(config, num_pages=64):
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-gqa1"])
-def test_step_copies_neither_kv_pages_nor_weights(name):
+@pytest.mark.parametrize("num_tokens", [1, 2, 16, 64])
+def test_step_copies_neither_kv_pages_nor_weights(name, num_tokens):
     config = configs.get_preset(name)
-    _, hlo = _compiled_step_hlo(config)
+    runner, hlo = _compiled_step_hlo(config, num_tokens)
     # Every KV array is donated and aliased to an output: the update happens in place.
     header = hlo.splitlines()[0]
     assert header.count("-alias)") == 2 * config.num_layers, header[:300]
-    # No weight or KV page array is copied or transposed inside the step.
+    # No weight or KV page array (or a flattened view of one) is copied or transposed.
+    kv = runner.kv_pages[0][0].shape
+    kv_shapes = {kv, (kv[0] * kv[1], *kv[2:])}
+    weight_shapes = {x.shape for x in jax.tree.leaves(runner.params) if x.ndim > 1}
     for line in hlo.splitlines():
-        if re.search(r"= \S+ (copy|transpose)\(", line):
-            assert 'op_name="params[' not in line, f"the step copies a weight: {line.strip()}"
-            assert 'op_name="kv_pages[' not in line, f"the step copies KV pages: {line.strip()}"
+        m = re.search(r"= \w+\[([\d,]*)\]\S* (copy|transpose)\(", line)
+        if not m:
+            continue
+        shape = tuple(int(d) for d in m.group(1).split(",") if d)
+        assert shape not in kv_shapes, f"the step copies KV pages: {line.strip()}"
+        assert 'op_name="params[' not in line, f"the step copies a weight: {line.strip()}"
+        if len(shape) == 2:
+            assert shape not in weight_shapes, f"the step copies a weight: {line.strip()}"

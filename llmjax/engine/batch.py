@@ -43,7 +43,7 @@ class Buckets:
         cls, max_num_batched_tokens: int, max_num_seqs: int, max_pages_per_seq: int
     ) -> Buckets:
         return cls(
-            token_buckets=_pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens),
+            token_buckets=_pow2_buckets(1, max_num_batched_tokens),
             seq_buckets=_pow2_buckets(1, max_num_seqs),
             page_buckets=_pow2_buckets(min(4, max_pages_per_seq), max_pages_per_seq),
         )

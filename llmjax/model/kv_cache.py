@@ -40,9 +40,13 @@ def write_kv(
     v: jax.Array,  # [T, K, H]
     slot_mapping: jax.Array,  # [T] int32
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter the new tokens' K/V into their slots (in place when the pages are donated)."""
-    shape = k_pages.shape
-    flat = (shape[0] * shape[1], *shape[2:])
-    k_pages = k_pages.reshape(flat).at[slot_mapping].set(k.astype(k_pages.dtype)).reshape(shape)
-    v_pages = v_pages.reshape(flat).at[slot_mapping].set(v.astype(v_pages.dtype)).reshape(shape)
+    """Scatter the new tokens' K/V into their slots (in place when the pages are donated).
+
+    Indexing the 4-D pages by (page, offset) matters: scattering into a flattened
+    [num_pages * page_size, K, H] view made XLA (CPU) copy the whole cache when T == 1.
+    """
+    page_size = k_pages.shape[1]
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
+    k_pages = k_pages.at[page, offset].set(k.astype(k_pages.dtype))
+    v_pages = v_pages.at[page, offset].set(v.astype(v_pages.dtype))
     return k_pages, v_pages
