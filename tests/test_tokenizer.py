@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmjax.tokenizer import IncrementalDetokenizer, Tokenizer, _bytes_to_unicode
+from llmjax.tokenizer import IncrementalDetokenizer, Tokenizer
+from llmjax.tokenizer.gguf_vocab import _bytes_to_unicode
 
 GOLDEN_PATH = os.path.join(os.path.dirname(__file__), "testdata", "tokenizer_golden.json")
 with open(GOLDEN_PATH, encoding="utf-8") as f:
