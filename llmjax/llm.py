@@ -14,6 +14,7 @@ any preset runs with random weights (for tests and shape experiments).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -207,13 +208,17 @@ def _load(model: str, dtype: str, load_format: str, tokenizer_path: str | None):
     import jax
 
     import configs
-    from llmjax.checkpoint import load_gguf, load_model, resolve_model_path
+    from llmjax.checkpoint import PRESET_WEIGHTS, load_gguf, load_model, resolve_model_path
     from llmjax.checkpoint.gguf import open_gguf
     from llmjax.model.params import init_params
 
     if load_format == "dummy":
         config = configs.get_preset(model)
         params = init_params(config, jax.random.key(0), dtype)
+        if tokenizer_path is None and model in PRESET_WEIGHTS:
+            # Random weights, but the preset's real tokenizer when its file is at hand.
+            with contextlib.suppress(FileNotFoundError):
+                tokenizer_path = resolve_model_path(model)
         tok = Tokenizer.from_gguf(tokenizer_path) if tokenizer_path else None
         return config, params, tok
     np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.float32

@@ -2,9 +2,9 @@
 
     python scripts/generate.py --chat --prompt "What is the capital of France?"
     python scripts/generate.py --prompt "Once upon a time" --temperature 0.8 --top_p 0.95 --seed 1
-    python scripts/generate.py --model /path/to/hf_dir --dtype bfloat16 --no_stream
+    python scripts/generate.py --model /path/to/hf_dir --dtype bfloat16 --nostream
 
-The answer is streamed token by token unless --no_stream; a line of timings follows on stderr.
+The answer is streamed token by token unless --nostream; a line of timings follows on stderr.
 """
 
 from __future__ import annotations

@@ -1,0 +1,47 @@
+"""The absl scripts run end to end (on tiny checkpoints, in subprocesses)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from tests.conftest import TESTDATA
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+def _run(script, *args):
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", script), *args]
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, env=ENV, cwd=ROOT)
+
+
+def test_convert_checkpoint_then_serve_from_orbax(tmp_path):
+    from llmjax import LLM, SamplingParams
+
+    src = os.path.join(TESTDATA, "hf_tiny", "llama")
+    out = str(tmp_path / "orbax")
+    _run("convert_checkpoint.py", f"--model={src}", f"--out={out}")
+    golden = np.load(os.path.join(src, "golden.npz"))
+    prompt = golden["input_ids"][0][: golden["lengths"][0]].tolist()
+    llm = LLM(out, compilation_cache_dir="")
+    params = SamplingParams(max_tokens=len(golden["greedy_ids"]), ignore_eos=True)
+    assert llm.generate([prompt], params)[0].token_ids == golden["greedy_ids"].tolist()
+
+
+def test_generate_script_help_and_run():
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--help"]
+    help_text = subprocess.run(cmd, capture_output=True, text=True, env=ENV).stdout
+    assert "--temperature" in help_text and "--max_tokens" in help_text
+    out = _run(
+        "generate.py",
+        "--model=smollm2-135m-instruct",
+        "--load_format=dummy",
+        "--chat",
+        "--max_tokens=4",
+        "--max_model_len=128",
+        "--nostream",
+    )
+    assert out.stdout.startswith(">>> What is the capital of France?")
+    assert "compiles=" in out.stderr
