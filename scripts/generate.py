@@ -87,7 +87,7 @@ def main(argv):
     gen_s = time.perf_counter() - t1
     print(
         f"[llmjax] load {load_s:.1f} s, generation {gen_s:.1f} s (first run includes compilation; "
-        f"steps={llm.engine.num_steps}, compiles={llm.engine.num_compiles})",
+        f"steps={llm.engine.stats.num_steps}, compiles={llm.engine.num_compiles})",
         file=sys.stderr,
     )
 

@@ -22,6 +22,7 @@ from llmjax.engine.batch import Buckets, pack
 from llmjax.engine.block_manager import BlockManager, pages_needed
 from llmjax.engine.request import Request, RequestOutput, RequestStatus
 from llmjax.engine.scheduler import Scheduler
+from llmjax.engine.stats import EngineStats
 from llmjax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._rejected: list[Request] = []
-        self.num_steps = 0
-        self.num_batched_tokens = 0
+        self.stats = EngineStats(num_pages=self.block_manager.num_usable_pages)
 
     # ------------------------------------------------------------------------------------------
 
@@ -56,7 +56,10 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         prompt: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
+        """Queue a request; returns its id. `arrival_time` (time.perf_counter() seconds, default
+        now) lets a trace replayer stamp the intended arrival."""
         sampling_params = sampling_params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         seed = sampling_params.seed
@@ -70,6 +73,8 @@ class LLMEngine:
             seed=seed,
             prompt=prompt,
         )
+        if arrival_time is not None:
+            req.metrics.arrival_time = arrival_time
         error = self._validate(req)
         if error:
             req.error = error
@@ -112,6 +117,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got a token, finished or was
         rejected."""
+        t_start = time.perf_counter()
         outputs = [self._output(r) for r in self._rejected]
         self._rejected.clear()
         batch = self.scheduler.schedule()
@@ -121,11 +127,17 @@ class LLMEngine:
             batch, self.block_manager.page_tables, self.block_manager.page_size, self.buckets
         )
         sampled = [s.request for s in batch.seqs if s.samples]
+        t_run = time.perf_counter()
         next_ids = self.runner.run(step_input, sampling)
+        t_update = time.perf_counter()
         self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist())
-        self.num_steps += 1
-        self.num_batched_tokens += batch.num_tokens
         outputs += [self._output(r) for r in sampled]
+        self.stats.record_step(
+            batch,
+            host_s=(t_run - t_start) + (time.perf_counter() - t_update),
+            device_s=t_update - t_run,
+            num_used_pages=self.block_manager.num_usable_pages - self.block_manager.num_free_pages,
+        )
         return outputs
 
     def _output(self, req: Request) -> RequestOutput:

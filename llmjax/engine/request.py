@@ -39,15 +39,25 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
     @property
+    def scheduling_delay(self) -> float | None:
+        """Arrival to the first time the request was scheduled."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
     def tbt(self) -> list[float]:
         """Time between consecutive generated tokens."""
         return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 
     @property
     def tpot(self) -> float | None:
-        """Time per output token after the first."""
-        gaps = self.tbt
-        return sum(gaps) / len(gaps) if gaps else None
+        """Per-request mean gap after the first token: (t_last - t_first) / (n_out - 1); 0 for a
+        single token (DistServe's definition)."""
+        if not self.token_times:
+            return None
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
 
     @property
     def e2e_latency(self) -> float | None:
