@@ -217,9 +217,12 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None
     memory_fraction: float = 0.5
+    watermark: float = 0.01  # fraction of pages a new admission must leave free (vLLM)
 
     def __post_init__(self):
         _check_positive(self, "page_size", "num_pages")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"{self.watermark=} must be in [0, 1)")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"{self.num_pages=} must be >= 2 (page 0 is the reserved sink)")
         if not 0 < self.memory_fraction <= 1:
@@ -228,13 +231,37 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits: at most `max_num_seqs` requests and `max_num_batched_tokens` tokens/step."""
+    """Who runs each step: the policy, and at most `max_num_seqs` requests and
+    `max_num_batched_tokens` tokens (the token budget, Sarathi-Serve's chunk_size) per step.
 
+    Policies (ALGORITHMS.md §3-4):
+      sarathi        stall-free: decodes, then ongoing prefill chunks, then new prompts chunked to
+                     the budget left (Sarathi-Serve). The default.
+      prefill_first  vLLM's classic policy: whole new prompts in prefill-only steps that pause all
+                     decodes; decode-only steps otherwise.
+      decode_first   request-level batching (FasterTransformer): new requests join only when no
+                     request is running.
+      splitfuse      Dynamic SplitFuse (DeepSpeed-FastGen): decodes, then prompt pieces filling the
+                     budget exactly; pages are taken per chunk.
+    The whole-prompt policies need `max_num_batched_tokens >= max_model_len` (checked by
+    EngineConfig).
+    """
+
+    policy: str = "sarathi"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
 
     def __post_init__(self):
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
+        if self.policy not in SCHEDULER_POLICIES:
+            raise ValueError(f"unknown {self.policy=}; choose one of {SCHEDULER_POLICIES}")
+
+    @property
+    def chunks_prefills(self) -> bool:
+        return self.policy in ("sarathi", "splitfuse")
+
+
+SCHEDULER_POLICIES = ("sarathi", "prefill_first", "decode_first", "splitfuse")
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -268,6 +295,12 @@ class EngineConfig:
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", self.model.max_position_embeddings)
         _check_positive(self, "max_model_len")
+        sched = self.scheduler
+        if not sched.chunks_prefills and sched.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"policy {sched.policy!r} runs whole prompts, so max_num_batched_tokens="
+                f"{sched.max_num_batched_tokens} must be >= max_model_len={self.max_model_len}"
+            )
         if self.attention_backend not in ("reference",):
             raise ValueError(
                 f"unknown {self.attention_backend=}; available: 'reference' (Pallas kernels come "

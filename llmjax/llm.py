@@ -63,7 +63,10 @@ class LLM:
 
     Engine options: `max_model_len` (prompt + generated tokens per request; default the model's
     context, capped at 4096), `page_size`, `num_pages` (default: what the memory budget allows),
-    `max_num_seqs`, `max_num_batched_tokens`, `seed` (for requests without their own seed).
+    `scheduler_policy` (sarathi | prefill_first | decode_first | splitfuse, see SchedulerConfig),
+    `max_num_seqs`, `max_num_batched_tokens` (the token budget; default 512 for the chunking
+    policies, max_model_len for the whole-prompt ones), `seed` (for requests without their own
+    seed).
     """
 
     def __init__(
@@ -76,8 +79,9 @@ class LLM:
         max_model_len: int | None = None,
         page_size: int = 16,
         num_pages: int | None = None,
+        scheduler_policy: str = "sarathi",
         max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int | None = None,
         seed: int = 0,
         compilation_cache_dir: str | None = None,
     ):
@@ -90,6 +94,9 @@ class LLM:
         model_config, params, self.tokenizer = _load(model, dtype, load_format, tokenizer)
         if max_model_len is None:
             max_model_len = min(model_config.max_position_embeddings, 4096)
+        if max_num_batched_tokens is None:  # whole-prompt policies need room for any prompt
+            chunked = scheduler_policy in ("sarathi", "splitfuse")
+            max_num_batched_tokens = 512 if chunked else max_model_len
         extra = {}
         if compilation_cache_dir is not None:
             extra["compilation_cache_dir"] = compilation_cache_dir
@@ -97,7 +104,9 @@ class LLM:
             model=model_config,
             cache=CacheConfig(page_size=page_size, num_pages=num_pages),
             scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                policy=scheduler_policy,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
             ),
             dtype=dtype,
             max_model_len=max_model_len,

@@ -62,22 +62,41 @@ def alone_outputs(llm):
     return {i: llm.generate([p], params)[0].token_ids for i, p in enumerate(_prompts(7))}
 
 
-def test_greedy_outputs_do_not_depend_on_the_batch(llm, alone_outputs):
+POLICIES = ["sarathi", "prefill_first", "decode_first", "splitfuse"]
+
+
+def _policy_llm(policy, **kw):
+    chunked = policy in ("sarathi", "splitfuse")
+    return _llm(scheduler_policy=policy, max_num_batched_tokens=32 if chunked else 96, **kw)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_outputs_do_not_depend_on_the_batch_or_policy(policy, alone_outputs):
+    llm = _policy_llm(policy)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     outs = llm.generate(_prompts(7), params)  # chunked prefills (budget 32) mixed with decodes
     assert [o.token_ids for o in outs] == [alone_outputs[i] for i in range(7)]
-    assert llm.engine.block_manager.num_free_pages == llm.engine.block_manager.num_usable_pages
-    llm.engine.block_manager.check_invariants()
+    bm = llm.engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_pages == bm.num_usable_pages
 
 
-def test_preemption_recomputes_and_loses_nothing(alone_outputs):
-    small = _llm(num_pages=20)  # 19 usable pages of 4 tokens: not enough for 7 requests at once
+@pytest.mark.parametrize("policy", POLICIES)
+def test_preemption_recomputes_and_loses_nothing(policy, alone_outputs):
+    # 19 usable pages of 4 tokens: not enough for 7 requests at once, so decodes preempt.
+    small = _policy_llm(policy, num_pages=20)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     outs = small.generate(_prompts(7), params)
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.stats.num_preemptions > 0
     assert [o.token_ids for o in outs] == [alone_outputs[i] for i in range(7)]
-    small.engine.block_manager.check_invariants()
-    assert small.engine.block_manager.num_free_pages == small.engine.block_manager.num_usable_pages
+    bm = small.engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_pages == bm.num_usable_pages
+
+
+def test_whole_prompt_policies_need_a_budget_for_any_prompt():
+    with pytest.raises(ValueError, match="max_num_batched_tokens=32 must be >= max_model_len=96"):
+        _llm(scheduler_policy="prefill_first", max_num_batched_tokens=32)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(llm):

@@ -37,8 +37,10 @@ class BlockManager:
         have = len(self.page_tables.get(request_id, ()))
         return max(0, pages_needed(num_tokens, self.page_size) - have)
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.num_missing_pages(request_id, num_tokens) <= len(self._free)
+    def can_allocate(self, request_id: str, num_tokens: int, keep_free: int = 0) -> bool:
+        """Whether `request_id` can grow to `num_tokens` tokens and leave `keep_free` pages free
+        (the admission watermark)."""
+        return self.num_missing_pages(request_id, num_tokens) + keep_free <= len(self._free)
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow `request_id`'s table to hold `num_tokens` tokens; returns the whole table."""

@@ -20,8 +20,8 @@ import numpy as np
 from llmjax.config import EngineConfig
 from llmjax.engine.batch import Buckets, pack
 from llmjax.engine.block_manager import BlockManager, pages_needed
+from llmjax.engine.policies import make_scheduler
 from llmjax.engine.request import Request, RequestOutput, RequestStatus
-from llmjax.engine.scheduler import Scheduler
 from llmjax.engine.stats import EngineStats
 from llmjax.sampling_params import SamplingParams
 
@@ -36,7 +36,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         page_size = config.cache.page_size
         self.block_manager = BlockManager(num_pages, page_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.max_model_len)
+        self.scheduler = make_scheduler(config, self.block_manager)
         self.runner = ModelRunner(config, params, num_pages)
         self.buckets = Buckets.create(
             config.scheduler.max_num_batched_tokens,
@@ -98,11 +98,14 @@ class LLMEngine:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-        need = pages_needed(n + 1, self.block_manager.page_size)
+        # Alone in the cache, the request must be able to reach its last token.
+        total = min(n + req.sampling_params.max_tokens, max_len)
+        need = pages_needed(total, self.block_manager.page_size)
         if need > self.block_manager.num_usable_pages:
             return (
-                f"prompt needs {need} KV pages but the whole cache has "
-                f"{self.block_manager.num_usable_pages}; raise num_pages"
+                f"prompt ({n} tokens) + max_tokens needs {need} KV pages for {total} tokens but "
+                f"the whole cache has {self.block_manager.num_usable_pages}; raise num_pages or "
+                "lower max_tokens"
             )
         return None
 

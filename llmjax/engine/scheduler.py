@@ -1,10 +1,14 @@
 """The host-side scheduler: who runs this step and how many tokens each.
 
-Continuous batching with chunked prefill under a token budget, in Sarathi-Serve's stall-free order:
-every running decode first (one token each), then partially prefilled requests, then new requests
-first-come first-served, each prefill cut to the budget that is left. When pages run out the newest
-running request is preempted: its pages are freed, it goes back to the front of the queue, and it
-is recomputed later with the tokens it already generated.
+`Scheduler` holds the queues and the shared moves (decode every running request with preemption,
+continue partial prefills, admit new requests); each policy in `policies.py` orders them. Chosen by
+name: `make_scheduler(config, ...)` with `config.policy` in SCHEDULER_POLICIES.
+
+Memory follows the vLLM block manager that Sarathi-Serve uses: a new request reserves pages for its
+whole prompt at admission (unless the policy chunks its allocation, as SplitFuse does), keeping a
+watermark of free pages; a decode appends a page when its last one fills. When a page cannot be
+had, the running request that arrived last is preempted: its pages are freed, it goes to the front
+of the waiting queue, and it is recomputed later with the tokens it already generated.
 """
 
 from __future__ import annotations
@@ -44,12 +48,28 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    """Queues and shared moves; subclasses implement `schedule()` (see policies.py).
+
+    Contract of `schedule()`: the returned batch has at most `max_num_seqs` sequences and
+    `max_num_batched_tokens` tokens, every scheduled request owns pages for all its tokens after
+    this step, and no request is dropped (preempted ones wait at the front of the queue).
+    """
+
+    name = "base"
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        watermark: float = 0.01,
+    ):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.watermark_pages = int(watermark * block_manager.num_usable_pages)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order
+        self.running: list[Request] = []
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -68,50 +88,73 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ------------------------------------------------------------------------------------------
-
     def schedule(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
-        batch = ScheduledBatch(seqs=[])
-        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
-        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
-        for req in decodes + prefills:
-            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------
+    # Shared moves. Each appends to `batch` and respects the token budget left in it.
+
+    def _budget(self, batch: ScheduledBatch) -> int:
+        return self.config.max_num_batched_tokens - batch.num_tokens
+
+    def _sort_running(self) -> None:
+        """FCFS priority: oldest arrival first, so the newest is the preemption victim."""
+        self.running.sort(key=lambda r: r.metrics.arrival_time)
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+        """One token for every running request whose prompt is done (preempting if needed)."""
+        for req in [r for r in self.running if r.num_uncomputed_tokens == 1]:
+            if req.status is not RequestStatus.RUNNING or self._budget(batch) < 1:
                 continue
-            num_new = min(req.num_uncomputed_tokens, budget)
-            if num_new == 0:
-                break
-            if not self._reserve(req, num_new, batch):
+            if self._grow(req, req.num_tokens, batch):
+                batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, 1))
+
+    def _schedule_prefill_chunks(self, batch: ScheduledBatch, *, allocate_per_chunk: bool) -> None:
+        """The next chunk of every running request still in prefill, in FCFS order."""
+        for req in [r for r in self.running if r.num_uncomputed_tokens > 1]:
+            n = min(req.num_uncomputed_tokens, self._budget(batch))
+            if req.status is not RequestStatus.RUNNING or n <= 0:
                 continue
-            batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, num_new))
-            budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if not allocate_per_chunk or self._grow(req, req.num_computed_tokens + n, batch):
+                batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
+
+    def _admit(self, batch: ScheduledBatch, *, chunked: bool, allocate_per_chunk: bool) -> None:
+        """Admit waiting requests FCFS while the budget, `max_num_seqs` and pages allow.
+
+        chunked: the last admitted prompt may be cut to the budget left (else whole prompts only).
+        allocate_per_chunk: take pages for the scheduled chunk only (else for the whole prompt),
+        but only admit a prompt whose whole rest fits in the free pages (no deadlock).
+        """
+        bm = self.block_manager
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            num_new = min(req.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(
-                req.request_id, req.num_computed_tokens + num_new
-            ):
+            budget = self._budget(batch)
+            n = min(req.num_uncomputed_tokens, budget) if chunked else req.num_uncomputed_tokens
+            if n <= 0 or n > budget:
+                break
+            keep_free = self.watermark_pages if self.running else 0  # alone, it must fit
+            if not bm.can_allocate(req.request_id, req.num_tokens, keep_free):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(req.request_id, req.num_computed_tokens + num_new)
+            bm.allocate(
+                req.request_id,
+                req.num_computed_tokens + n if allocate_per_chunk else req.num_tokens,
+            )
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
             self.running.append(req)
-            batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, num_new))
-            budget -= num_new
-        return batch
+            batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
 
-    def _reserve(self, req: Request, num_new: int, batch: ScheduledBatch) -> bool:
-        """Make room for `req`'s next `num_new` tokens, preempting the newest requests if needed.
-        Returns False if `req` itself had to be preempted."""
-        total = req.num_computed_tokens + num_new
-        while not self.block_manager.can_allocate(req.request_id, total):
+    def _grow(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Give `req` pages for `num_tokens` tokens, preempting the newest running requests if
+        needed. Returns False if `req` itself had to be preempted."""
+        while not self.block_manager.can_allocate(req.request_id, num_tokens):
             victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is req:
                 return False
-        self.block_manager.allocate(req.request_id, total)
+        self.block_manager.allocate(req.request_id, num_tokens)
         return True
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:

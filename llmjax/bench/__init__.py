@@ -1,0 +1,35 @@
+"""The benchmark harness: workloads, real-time replay against an `LLMEngine`, serving metrics and
+Sarathi-Serve's capacity search. Plain Python and numpy (no jax), so it is testable on its own;
+`scripts/benchmark.py` is the command line over it.
+
+    specs = workloads.sharegpt(64, qps=2.0, vocab_size=llm.model_config.vocab_size)
+    outputs = replay(llm.engine, specs)
+    print(summarize(outputs, tbt_slo=0.1).as_dict())
+"""
+
+from llmjax.bench.capacity import CapacityResult, capacity_search
+from llmjax.bench.metrics import (
+    Percentiles,
+    Summary,
+    format_side_by_side,
+    meets_capacity,
+    summarize,
+)
+from llmjax.bench.replay import replay, warm_up
+from llmjax.bench.workloads import RequestSpec, load_trace, make_workload, save_trace
+
+__all__ = [
+    "CapacityResult",
+    "Percentiles",
+    "RequestSpec",
+    "Summary",
+    "capacity_search",
+    "format_side_by_side",
+    "load_trace",
+    "make_workload",
+    "meets_capacity",
+    "replay",
+    "save_trace",
+    "summarize",
+    "warm_up",
+]
