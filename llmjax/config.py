@@ -275,7 +275,9 @@ class EngineConfig:
     bf16 matrix-vector products run about 20x slower than f32 on x86 CPUs at small batch.
     `max_model_len` (prompt + generated tokens per request) defaults to the model's
     `max_position_embeddings`. `compilation_cache_dir` enables JAX's persistent compilation cache
-    ('' disables it).
+    ('' disables it). `precompile` compiles every step shape at start (|token buckets| x
+    |page buckets| variants) so that serving never compiles; off by default because on a CPU
+    that takes minutes for a real model the first time (later starts load the persistent cache).
     """
 
     model: ModelConfig
@@ -285,6 +287,7 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: str = "reference"
     seed: int = 0
+    precompile: bool = False
     compilation_cache_dir: str = os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llmjax", "jax"
     )

@@ -66,7 +66,7 @@ class LLM:
     `scheduler_policy` (sarathi | prefill_first | decode_first | splitfuse, see SchedulerConfig),
     `max_num_seqs`, `max_num_batched_tokens` (the token budget; default 512 for the chunking
     policies, max_model_len for the whole-prompt ones), `seed` (for requests without their own
-    seed).
+    seed), `precompile` (compile every step shape at start; see EngineConfig).
     """
 
     def __init__(
@@ -83,6 +83,7 @@ class LLM:
         max_num_seqs: int = 32,
         max_num_batched_tokens: int | None = None,
         seed: int = 0,
+        precompile: bool = False,
         compilation_cache_dir: str | None = None,
     ):
         import jax
@@ -111,6 +112,7 @@ class LLM:
             dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,
+            precompile=precompile,
             **extra,
         )
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)

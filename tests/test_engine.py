@@ -153,6 +153,20 @@ def test_metrics_are_recorded(llm):
     assert len(m.token_times) == 5 and len(m.tbt) == 4 and m.ttft > 0
 
 
+@pytest.mark.parametrize("policy", ["sarathi", "prefill_first"])
+def test_no_compile_after_precompile(policy):
+    llm = _policy_llm(policy, precompile=True, max_num_seqs=4)
+    engine = llm.engine
+    assert engine.num_compiles == len(engine.buckets.shapes())
+    before = engine.num_compiles
+    mixed = [
+        SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=1)
+        for n, t in zip((1, 5, 30, 12, 60, 3, 9), (0, 1.0, 0, 0.5, 0, 0, 1.0), strict=True)
+    ]
+    llm.generate(_prompts(7, seed=5, hi=36), mixed)
+    assert engine.num_compiles == before
+
+
 def test_serving_again_does_not_recompile(llm):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     llm.generate(_prompts(7), params)

@@ -34,9 +34,13 @@ def _round_up(n: int, buckets: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
+    """Padded step shapes: T tokens and P pages per sequence round up to powers of two; the
+    sequence rows S = min(T, max_num_seqs) follow from T (a step never has more sequences than
+    tokens), so the compiled variants are |token_buckets| x |page_buckets|."""
+
     token_buckets: tuple[int, ...]
-    seq_buckets: tuple[int, ...]
     page_buckets: tuple[int, ...]
+    max_num_seqs: int
 
     @classmethod
     def create(
@@ -44,16 +48,21 @@ class Buckets:
     ) -> Buckets:
         return cls(
             token_buckets=_pow2_buckets(1, max_num_batched_tokens),
-            seq_buckets=_pow2_buckets(1, max_num_seqs),
             page_buckets=_pow2_buckets(min(4, max_pages_per_seq), max_pages_per_seq),
+            max_num_seqs=max_num_seqs,
         )
 
     def shape_for(self, num_tokens: int, num_seqs: int, max_pages: int) -> tuple[int, int, int]:
-        return (
-            _round_up(num_tokens, self.token_buckets),
-            _round_up(num_seqs, self.seq_buckets),
-            _round_up(max_pages, self.page_buckets),
-        )
+        if num_seqs > min(num_tokens, self.max_num_seqs):
+            raise ValueError(f"{num_seqs=} exceeds min({num_tokens=}, {self.max_num_seqs=})")
+        T = _round_up(num_tokens, self.token_buckets)
+        return T, min(T, self.max_num_seqs), _round_up(max_pages, self.page_buckets)
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every (T, S, P) a step can take, for precompilation."""
+        return [
+            (T, min(T, self.max_num_seqs), P) for T in self.token_buckets for P in self.page_buckets
+        ]
 
 
 @dataclasses.dataclass

@@ -47,6 +47,17 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._rejected: list[Request] = []
         self.stats = EngineStats(num_pages=self.block_manager.num_usable_pages)
+        if config.precompile:
+            self.precompile()
+
+    def precompile(self) -> float:
+        """Compile the step for every shape bucket now (loading from JAX's persistent cache when
+        it has them), so that serving never compiles. Returns the seconds it took."""
+        t = time.perf_counter()
+        self.runner.precompile(self.buckets.shapes())
+        seconds = time.perf_counter() - t
+        logger.info("precompiled %d step shapes in %.1f s", len(self.buckets.shapes()), seconds)
+        return seconds
 
     # ------------------------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """The device side of the engine: weights, KV pages and the jitted step (forward + sample).
 
 This is the only module under `llmjax/engine/` that imports jax. The step is jitted once per shape
-bucket (T tokens, S sequences, P pages per sequence, and greedy-only or not); the KV pages are
-donated, so they are updated in place. `num_compiles` counts traces, so tests can assert that
-steady-state serving does not recompile.
+bucket (T tokens, S sequences, P pages per sequence); the KV pages are donated, so they are
+updated in place. `num_compiles` counts traces, so tests can assert that steady-state serving does
+not recompile; `precompile` compiles every bucket up front.
 """
 
 from __future__ import annotations
@@ -48,39 +48,58 @@ class ModelRunner:
         self.num_compiles = 0
         self._step = jax.jit(
             functools.partial(self._step_impl, model_config=config.model),
-            static_argnames=("all_greedy",),
             donate_argnames=("kv_pages",),
         )
 
-    def _step_impl(self, params, kv_pages, step, sampling, *, all_greedy, model_config):
+    def _step_impl(self, params, kv_pages, step, sampling, *, model_config):
         self.num_compiles += 1  # runs only while tracing
         logits, kv_pages = forward(params, kv_pages, step, model_config)
-        next_ids = sample(logits, *sampling, all_greedy=all_greedy)
+        next_ids = sample(logits, *sampling)
         return next_ids, kv_pages
 
-    def run(self, step: StepInput, sampling: SamplingInput) -> np.ndarray:
-        """Run one step; returns the next token id of every (padded) sequence row."""
-        arrays = (
+    @staticmethod
+    def _sampling_arrays(sampling: SamplingInput) -> tuple:
+        return (
             sampling.temperature,
             sampling.top_k,
             sampling.top_p,
             sampling.seeds,
             sampling.counters,
+            np.bool_(sampling.all_greedy),
         )
+
+    def run(self, step: StepInput, sampling: SamplingInput) -> np.ndarray:
+        """Run one step; returns the next token id of every (padded) sequence row."""
         next_ids, self.kv_pages = self._step(
-            self.params, self.kv_pages, step, arrays, all_greedy=sampling.all_greedy
+            self.params, self.kv_pages, step, self._sampling_arrays(sampling)
         )
         return np.asarray(next_ids)
 
     def lower(self, step: StepInput, sampling: SamplingInput):
         """The lowered step for these shapes (for HLO inspection in tests)."""
-        arrays = (
-            sampling.temperature,
-            sampling.top_k,
-            sampling.top_p,
-            sampling.seeds,
-            sampling.counters,
-        )
-        return self._step.lower(
-            self.params, self.kv_pages, step, arrays, all_greedy=sampling.all_greedy
-        )
+        return self._step.lower(self.params, self.kv_pages, step, self._sampling_arrays(sampling))
+
+    def precompile(self, shapes: list[tuple[int, int, int]]) -> None:
+        """Compile (or load from the persistent cache) the step for every (T, S, P) shape by
+        running it once on an all-padding input, which writes only to the reserved page."""
+        for T, S, P in shapes:
+            step = StepInput(
+                token_ids=np.zeros(T, np.int32),
+                positions=np.zeros(T, np.int32),
+                slot_mapping=np.zeros(T, np.int32),
+                cu_q_lens=np.zeros(S + 1, np.int32),
+                kv_lens=np.zeros(S, np.int32),
+                page_indices=np.zeros((S, P), np.int32),
+                num_seqs=np.zeros(1, np.int32),
+                logits_indices=np.zeros(S, np.int32),
+            )
+            zeros = np.zeros(S, np.float32)
+            sampling = SamplingInput(
+                zeros,
+                zeros.astype(np.int32),
+                zeros + 1,
+                zeros.astype(np.uint32),
+                zeros.astype(np.int32),
+                all_greedy=True,
+            )
+            self.run(step, sampling)

@@ -17,13 +17,15 @@ def sample(
     top_p: jax.Array,  # [S] float32; 1 means no top-p
     seeds: jax.Array,  # [S] uint32
     counters: jax.Array,  # [S] int32, tokens the request generated so far
-    *,
-    all_greedy: bool,
+    all_greedy: jax.Array | bool,  # [] bool: no row samples, so skip the sort
 ) -> jax.Array:
-    """Next token id per row -> [S] int32. `all_greedy` (static) skips the sort entirely."""
+    """Next token id per row -> [S] int32."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if all_greedy:
-        return greedy
+    random = lambda: _sample(logits, temperature, top_k, top_p, seeds, counters, greedy)
+    return jax.lax.cond(all_greedy, lambda: greedy, random)
+
+
+def _sample(logits, temperature, top_k, top_p, seeds, counters, greedy):
     V = logits.shape[-1]
     is_random = temperature > 0
     scaled = logits / jnp.where(is_random, temperature, 1.0)[:, None]
