@@ -201,3 +201,13 @@ def test_startup_reuses_the_persistent_compilation_cache(tmp_path):
     assert any("step_impl" in e for e in os.listdir(tmp_path))
     second = run()
     assert "HITS 0" not in second and "HITS" in second
+
+
+def test_token_ids_slice_matches_all_token_ids():
+    from llmjax.engine.request import Request
+
+    req = Request("r", [1, 2, 3, 4], SamplingParams(), frozenset(), seed=0)
+    req.output_token_ids = [5, 6, 7]
+    for start in range(8):
+        for end in range(start, 8):
+            assert req.token_ids_slice(start, end) == req.all_token_ids[start:end]

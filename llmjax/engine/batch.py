@@ -107,7 +107,7 @@ def pack(
         req, n, start = seq.request, seq.num_new_tokens, seq.start
         table = np.asarray(page_tables[req.request_id], np.int32)
         pos = np.arange(start, start + n, dtype=np.int32)
-        token_ids[offset : offset + n] = req.all_token_ids[start : start + n]
+        token_ids[offset : offset + n] = req.token_ids_slice(start, start + n)
         positions[offset : offset + n] = pos
         slot_mapping[offset : offset + n] = table[pos // page_size] * page_size + pos % page_size
         offset += n
