@@ -193,8 +193,8 @@ def long_prompt_interference(
 ) -> list[RequestSpec]:
     """Decode-heavy short requests, all at t=0, then long prompts arriving while they decode.
 
-    round(num_requests * long_fraction) long prompts (default length: max_model_len minus their
-    output, else 2048) arrive as a Poisson process at `qps` starting one gap after t=0 (all at
+    round(num_requests * long_fraction) long prompts (default length 2048, or max_model_len minus
+    their output if less) arrive as a Poisson process at `qps` starting one gap after t=0 (all at
     t=0, after the short ones, if qps is inf). Under a whole-prompt policy each long prompt is a
     prefill-only step that stalls every running decode, so the decodes' P99 TBT grows to a whole
     prefill; a stall-free policy cuts the prompt into token-budget chunks beside the decodes.
@@ -205,7 +205,7 @@ def long_prompt_interference(
     num_long = max(1, round(num_requests * long_fraction)) if num_requests > 1 else 0
     num_decode = num_requests - num_long
     if long_prompt_len is None:
-        long_prompt_len = max_model_len - long_output_len if max_model_len else 2048
+        long_prompt_len = min(2048, max_model_len - long_output_len) if max_model_len else 2048
     _, arrival_rng = _streams(seed)
     if math.isinf(qps):
         long_arrivals = np.zeros(num_long)

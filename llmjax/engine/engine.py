@@ -50,6 +50,10 @@ class LLMEngine:
         if config.precompile:
             self.precompile()
 
+    def reset_stats(self) -> None:
+        """Start the engine counters afresh (e.g. after a benchmark's warm-up)."""
+        self.stats = EngineStats(num_pages=self.block_manager.num_usable_pages)
+
     def precompile(self) -> float:
         """Compile the step for every shape bucket now (loading from JAX's persistent cache when
         it has them), so that serving never compiles. Returns the seconds it took."""

@@ -1,0 +1,569 @@
+"""Serving benchmark: replay a workload against each scheduling policy and compare them.
+
+    python scripts/benchmark.py                              # SmolLM2: sarathi vs prefill_first
+    python scripts/benchmark.py --workload long_prompt_interference --num_requests 16 --qps 2
+    python scripts/benchmark.py --capacity_search --tbt_slo 0.2   # capacity per policy
+    python scripts/benchmark.py --batch_sizes 1,8,32,64           # + throughput at batch N
+    python scripts/benchmark.py --host_overhead_requests 256      # + host vs device time per step
+    python scripts/benchmark.py --model tiny --load_format dummy --num_requests 8   # smoke test
+
+For each policy a fresh engine is built and warmed up (compilation excluded from measurements as
+far as the warm-up covers the step shapes; the table reports compiles during the run), the same
+requests are replayed in real time (Poisson arrivals at --qps, or all at once with --qps inf), and
+the metrics of ALGORITHMS.md §1 are printed side by side and written to --json_out with the
+engine's counters. Without --tbt_slo the TBT SLO is --tbt_slo_factor x a measured decode step of
+--slo_reference_batch requests (Sarathi-Serve chose its SLOs as ~5x / ~25x a decode iteration).
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import json
+import math
+import os
+import sys
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf file or checkpoint dir.")
+flags.DEFINE_enum(
+    "load_format", "auto", ["auto", "dummy"], "'dummy' uses random weights (presets only)."
+)
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Weights/KV dtype.")
+flags.DEFINE_list(
+    "policies",
+    ["sarathi", "prefill_first"],
+    "Scheduling policies to compare (sarathi, prefill_first, decode_first, splitfuse); each gets "
+    "a fresh engine and the same requests.",
+)
+flags.DEFINE_enum(
+    "workload",
+    "sharegpt",
+    ["sharegpt", "arxiv", "long_prompt_interference", "fixed", "trace"],
+    "sharegpt/arxiv: lognormal lengths with the published medians and P90s, times --scale. "
+    "long_prompt_interference: decode-heavy short requests at t=0 plus long prompts arriving at "
+    "--qps while they decode. fixed: --prompt_len/--output_len each. trace: --trace.",
+)
+flags.DEFINE_string(
+    "trace", None, "JSONL trace (arrival_time, prompt or prompt_len, output_len per line)."
+)
+flags.DEFINE_integer("num_requests", 64, "Requests in a synthetic workload.")
+flags.DEFINE_string(
+    "qps",
+    "1.0",
+    "Poisson arrival rate in requests/s, or 'inf' for all at t=0. For a trace, given explicitly "
+    "it replaces the trace's arrival times.",
+)
+flags.DEFINE_float(
+    "scale", 1 / 16, "Length scale for sharegpt/arxiv (1/16: medians of ~100 prompt tokens)."
+)
+flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per request for 'fixed' and --batch_sizes.")
+flags.DEFINE_integer("output_len", 64, "Output tokens per request for 'fixed' and --batch_sizes.")
+flags.DEFINE_integer(
+    "max_num_batched_tokens",
+    None,
+    "Token budget per step (Sarathi-Serve's chunk size) of the chunking policies (default 512). "
+    "Whole-prompt policies (prefill_first, decode_first) use max(this, max_model_len), as vLLM.",
+)
+flags.DEFINE_integer("max_num_seqs", 64, "Max running requests per engine.")
+flags.DEFINE_integer(
+    "max_model_len", None, "Max prompt + output tokens (default min(context, 4096))."
+)
+flags.DEFINE_integer("num_pages", None, "KV pages (default: sized from the memory budget).")
+flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
+flags.DEFINE_integer("seed", 0, "Seed of the workload's lengths, arrivals and token ids.")
+flags.DEFINE_float(
+    "tbt_slo",
+    None,
+    "P99 TBT SLO in seconds for the capacity criterion (default: --tbt_slo_factor x a measured "
+    "decode step).",
+)
+flags.DEFINE_float("tbt_slo_factor", 5.0, "TBT SLO = this x the measured decode step.")
+flags.DEFINE_integer(
+    "slo_reference_batch", 8, "Concurrent decodes of the step that --tbt_slo_factor multiplies."
+)
+flags.DEFINE_float("slo_ttft", 1.0, "TTFT SLO in seconds for SLO attainment (DistServe).")
+flags.DEFINE_float("slo_tpot", None, "TPOT SLO in seconds for SLO attainment (default: tbt_slo).")
+flags.DEFINE_bool(
+    "capacity_search", False, "Binary-search each policy's capacity QPS (Sarathi-Serve)."
+)
+flags.DEFINE_float(
+    "capacity_start_qps", 1.0, "Capacity search starts on [0, 2x this] and expands upward."
+)
+flags.DEFINE_integer("capacity_max_iters", 20, "Max capacity-search trials per policy.")
+flags.DEFINE_list(
+    "batch_sizes",
+    [],
+    "Throughput at batch N: the 'fixed' workload with N requests at once (e.g. 1,8,32,64).",
+)
+flags.DEFINE_integer(
+    "host_overhead_requests",
+    0,
+    "If > 0, measure host vs device time per step with this many running decodes (e.g. 256), "
+    "on an engine sized for them.",
+)
+flags.DEFINE_integer("host_overhead_steps", 16, "Timed decode steps for --host_overhead_requests.")
+flags.DEFINE_integer(
+    "warmup",
+    16,
+    "Requests of the workload replayed at once (short outputs) before measuring, so "
+    "compilation is excluded; 0 disables.",
+)
+flags.DEFINE_bool(
+    "rehearse",
+    True,
+    "After the warm-up, replay the whole workload once in real time, unmeasured, so the step "
+    "shapes that real-time arrivals produce are compiled too.",
+)
+flags.DEFINE_bool(
+    "precompile", False, "Compile every step shape at engine start (if the engine supports it)."
+)
+flags.DEFINE_string("json_out", "out/benchmark.json", "Where to write the results ('' = nowhere).")
+
+FLAGS = flags.FLAGS
+_MODULE = sys.argv[0] if __name__ == "__main__" else __name__  # absl's key for these flags
+DECODE_SLACK = 32  # extra max_tokens for the decode-step measurements
+
+
+def _log(msg: str) -> None:
+    print(f"[benchmark] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Engines.
+
+
+def _is_whole_prompt(policy: str) -> bool:
+    from llmjax.config import SchedulerConfig
+
+    if "policy" in inspect.signature(SchedulerConfig).parameters:
+        return not SchedulerConfig(policy=policy).chunks_prefills
+    return policy not in ("sarathi", "splitfuse")
+
+
+def build_llm(policy: str, **overrides):
+    """A fresh `LLM` for `policy` from the flags (`overrides` replace single options)."""
+    from llmjax import LLM
+
+    accepted = inspect.signature(LLM).parameters
+    kwargs = dict(
+        dtype=FLAGS.dtype,
+        load_format=FLAGS.load_format,
+        max_model_len=FLAGS.max_model_len,
+        page_size=FLAGS.page_size,
+        num_pages=FLAGS.num_pages,
+        max_num_seqs=FLAGS.max_num_seqs,
+        seed=FLAGS.seed,
+    )
+    budget = overrides.pop("max_num_batched_tokens", FLAGS.max_num_batched_tokens)
+    if budget is not None and _is_whole_prompt(policy):
+        # vLLM's classic policy admits whole prompts: its budget must hold the longest one.
+        budget = max(budget, FLAGS.max_model_len) if FLAGS.max_model_len else None
+    if budget is not None:  # else the LLM's default for the policy
+        kwargs["max_num_batched_tokens"] = budget
+    if "scheduler_policy" in accepted:
+        kwargs["scheduler_policy"] = policy
+    elif policy != "sarathi":
+        _log(f"LLM has no scheduler_policy option yet: {policy!r} runs the default scheduler")
+    if FLAGS.precompile and "precompile" in accepted:
+        kwargs["precompile"] = True
+    kwargs.update(overrides)
+    return LLM(FLAGS.model, **kwargs)
+
+
+def engine_info(llm) -> dict:
+    config = llm.config
+    return {
+        "policy": getattr(config.scheduler, "policy", "sarathi"),
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_model_len": config.max_model_len,
+        "page_size": config.cache.page_size,
+        "num_pages": llm.engine.block_manager.num_pages,
+        "dtype": config.dtype,
+    }
+
+
+def step_times(stats) -> dict:
+    steps = max(stats.num_steps, 1)
+    return {
+        "host_ms_per_step": 1e3 * stats.host_time_s / steps,
+        "device_ms_per_step": 1e3 * stats.device_time_s / steps,
+        "host_fraction": stats.host_time_s / max(stats.host_time_s + stats.device_time_s, 1e-12),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Workloads.
+
+
+def _qps(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"--qps={text} must be > 0 or 'inf'")
+    return value
+
+
+def load_trace() -> list:
+    """The --trace file, checked before any engine is built (errors name the line)."""
+    from llmjax.bench import workloads
+
+    if not FLAGS.trace:
+        raise app.UsageError("--workload=trace needs --trace=path.jsonl")
+    try:
+        return workloads.load_trace(FLAGS.trace)
+    except (OSError, ValueError) as e:
+        raise app.UsageError(f"bad --trace: {e}") from e
+
+
+def build_specs(qps: float, max_model_len: int, trace=None, *, retime_trace: bool = False):
+    """The workload at `qps` (a trace keeps its own arrival times unless `retime_trace`)."""
+    from llmjax.bench import workloads
+
+    if FLAGS.workload == "trace":
+        return workloads.with_poisson_arrivals(trace, qps, FLAGS.seed) if retime_trace else trace
+    kwargs = dict(qps=qps, max_model_len=max_model_len, seed=FLAGS.seed, scale=FLAGS.scale)
+    if FLAGS.workload == "fixed":
+        kwargs |= dict(prompt_len=FLAGS.prompt_len, output_len=FLAGS.output_len)
+    return workloads.make_workload(FLAGS.workload, FLAGS.num_requests, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurements.
+
+
+def measure_decode_step(llm, num_requests: int, num_steps: int, prompt_len: int = 16) -> dict:
+    """Median host, device and wall time per step with `num_requests` decodes running (all
+    prefilled first); steps that compiled (e.g. when the page-table bucket grows) are skipped.
+    The engine must allow that many running requests and tokens per step."""
+    import numpy as np
+
+    from llmjax import SamplingParams
+
+    engine = llm.engine
+    # Chunked prefill starts requests a few steps apart: the slack keeps all of them decoding
+    # through the timed steps (they are aborted afterwards).
+    params = SamplingParams(max_tokens=num_steps + DECODE_SLACK, ignore_eos=True)
+    rng = np.random.default_rng(FLAGS.seed)
+    vocab = llm.model_config.vocab_size
+    ids = [
+        engine.add_request(rng.integers(100, vocab, prompt_len).tolist(), params)
+        for _ in range(num_requests)
+    ]
+    started: set[str] = set()
+    while len(started) < num_requests:  # prefill until every request has its first token
+        started.update(o.request_id for o in engine.step() if o.token_ids)
+    stats = engine.stats
+    rows = []  # (host s, device s, wall s, decodes) per clean step
+    skipped = 0
+    for _ in range(num_steps + DECODE_SLACK // 2):
+        if len(rows) == num_steps:
+            break
+        before = (stats.host_time_s, stats.device_time_s, stats.num_decode_tokens)
+        compiles = engine.num_compiles
+        t = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t
+        if engine.num_compiles != compiles:
+            skipped += 1
+            continue
+        rows.append(
+            (
+                stats.host_time_s - before[0],
+                stats.device_time_s - before[1],
+                wall,
+                stats.num_decode_tokens - before[2],
+            )
+        )
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    if not rows:
+        raise RuntimeError(f"every one of {skipped} decode steps compiled; raise the step count")
+    host, device, wall, decodes = (float(np.median(c)) for c in zip(*rows, strict=True))
+    return {
+        "num_running": num_requests,
+        "decodes_per_step": decodes,
+        "num_steps": len(rows),
+        "num_compiling_steps_skipped": skipped,
+        "host_ms_per_step": 1e3 * host,
+        "device_ms_per_step": 1e3 * device,
+        "wall_ms_per_step": 1e3 * wall,
+        "host_fraction": host / max(host + device, 1e-12),
+    }
+
+
+def host_overhead(policy: str, n: int) -> dict:
+    """Host vs device time per step with `n` running decodes, on an engine sized for them."""
+    from llmjax.engine.block_manager import pages_needed
+
+    per_request = pages_needed(16 + FLAGS.host_overhead_steps + DECODE_SLACK, FLAGS.page_size)
+    llm = build_llm(
+        policy,
+        max_num_seqs=max(n, FLAGS.max_num_seqs),
+        max_num_batched_tokens=max(n, FLAGS.max_num_batched_tokens or 512),
+        num_pages=n * per_request + 8,
+    )
+    try:
+        return measure_decode_step(llm, n, FLAGS.host_overhead_steps)
+    finally:
+        del llm
+        gc.collect()
+
+
+def throughput_at_batch(llm, sizes: list[int]) -> list[dict]:
+    """The 'fixed' workload with N requests at once, per N: output tok/s over the run, and the
+    decode rate N / median TPOT."""
+    from llmjax.bench import replay, summarize, warm_up, workloads
+
+    rows = []
+    for n in sizes:
+        specs = workloads.fixed(
+            n,
+            prompt_len=FLAGS.prompt_len,
+            output_len=FLAGS.output_len,
+            max_model_len=llm.config.max_model_len,
+        )
+        warm_up(llm.engine, specs, seed=FLAGS.seed)
+        s = summarize(replay(llm.engine, specs, realtime=False, seed=FLAGS.seed))
+        tpot = s.tpot.p50
+        rows.append(
+            {
+                "batch": n,
+                "capped_at_max_num_seqs": n > llm.config.scheduler.max_num_seqs,
+                "output_tokens_per_s": s.output_token_throughput,
+                "decode_tokens_per_s": min(n, llm.config.scheduler.max_num_seqs) / tpot
+                if tpot
+                else None,
+                "tpot_p50_ms": 1e3 * tpot if tpot else None,
+                "duration_s": s.duration_s,
+            }
+        )
+    return rows
+
+
+def run_policy(policy: str, state: dict) -> dict:
+    """Everything measured for one policy, on one fresh engine."""
+    from llmjax.bench import CapacityResult, capacity_search, replay, summarize, warm_up
+
+    t0 = time.perf_counter()
+    llm = build_llm(policy)
+    engine = llm.engine
+    info = engine_info(llm)
+    _log(f"{policy}: engine ready in {time.perf_counter() - t0:.1f} s: {info}")
+    if "specs" not in state:
+        state["max_model_len"] = llm.config.max_model_len
+        qps = _qps(FLAGS.qps)
+        state["specs"] = build_specs(
+            qps, llm.config.max_model_len, state.get("trace"), retime_trace=_qps_given()
+        )
+    specs = state["specs"]
+    if FLAGS.warmup:
+        t = time.perf_counter()
+        warm_up(engine, specs[: FLAGS.warmup], seed=FLAGS.seed)
+        _log(f"{policy}: warm-up ({FLAGS.warmup} requests) {time.perf_counter() - t:.1f} s")
+    if FLAGS.rehearse:
+        t = time.perf_counter()
+        replay(engine, specs, realtime=True, seed=FLAGS.seed)
+        _log(f"{policy}: rehearsal {time.perf_counter() - t:.1f} s")
+    if "tbt_slo" not in state:
+        state["tbt_slo"], state["slo_reference"] = choose_tbt_slo(llm)
+        _log(f"TBT SLO {1e3 * state['tbt_slo']:.1f} ms")
+    tbt_slo = state["tbt_slo"]
+    slos = dict(tbt_slo=tbt_slo, slo_ttft=FLAGS.slo_ttft, slo_tpot=FLAGS.slo_tpot or tbt_slo)
+
+    engine.reset_stats()
+    compiles = engine.num_compiles
+    t = time.perf_counter()
+    outputs = replay(engine, specs, realtime=True, seed=FLAGS.seed)
+    _log(f"{policy}: replayed {len(specs)} requests in {time.perf_counter() - t:.1f} s")
+    result = {
+        "engine": info,
+        "summary": summarize(outputs, **slos),
+        "engine_stats": engine.stats.as_dict(),
+        "step_times": step_times(engine.stats),
+        "num_compiles_during_run": engine.num_compiles - compiles,
+    }
+    if FLAGS.capacity_search:
+
+        def run_at_qps(qps: float):
+            trial = build_specs(qps, state["max_model_len"], state.get("trace"), retime_trace=True)
+            return summarize(replay(engine, trial, seed=FLAGS.seed), **slos)
+
+        cap: CapacityResult = capacity_search(
+            run_at_qps,
+            tbt_slo,
+            lo=0.0,
+            hi=2 * FLAGS.capacity_start_qps,
+            max_iters=FLAGS.capacity_max_iters,
+            log=lambda m: _log(f"{policy}: {m}"),
+        )
+        result["capacity"] = cap
+    if FLAGS.batch_sizes:
+        result["throughput_at_batch"] = throughput_at_batch(
+            llm, [int(b) for b in FLAGS.batch_sizes]
+        )
+    return result
+
+
+def _qps_given() -> bool:
+    return FLAGS.workload != "trace" or FLAGS["qps"].present
+
+
+def choose_tbt_slo(llm) -> tuple[float, dict | None]:
+    """--tbt_slo, or --tbt_slo_factor x the measured step of --slo_reference_batch decodes."""
+    if FLAGS.tbt_slo is not None:
+        return FLAGS.tbt_slo, None
+    n = min(FLAGS.slo_reference_batch, llm.config.scheduler.max_num_seqs)
+    ref = measure_decode_step(llm, n, num_steps=8)
+    step_s = (ref["host_ms_per_step"] + ref["device_ms_per_step"]) / 1e3
+    return FLAGS.tbt_slo_factor * step_s, ref
+
+
+# ------------------------------------------------------------------------------------------------
+# Report.
+
+
+def report(results: dict, state: dict) -> str:
+    from llmjax.bench.metrics import format_side_by_side, format_table
+
+    names = list(results)
+    extra = [
+        ("engine steps", {p: r["engine_stats"]["num_steps"] for p, r in results.items()}),
+        (
+            "tokens per step",
+            {p: f"{r['engine_stats']['tokens_per_step']:.1f}" for p, r in results.items()},
+        ),
+        ("preemptions", {p: r["engine_stats"]["num_preemptions"] for p, r in results.items()}),
+        *[
+            (label, {p: fmt.format(r["step_times"][key]) for p, r in results.items()})
+            for label, key, fmt in [
+                ("host ms/step", "host_ms_per_step", "{:.2f}"),
+                ("device ms/step", "device_ms_per_step", "{:.2f}"),
+                ("host fraction", "host_fraction", "{:.1%}"),
+            ]
+        ],
+        ("compiles during run", {p: r["num_compiles_during_run"] for p, r in results.items()}),
+        (
+            "token budget",
+            {p: r["engine"]["max_num_batched_tokens"] for p, r in results.items()},
+        ),
+    ]
+    specs = state["specs"]
+    lines = [
+        f"model {FLAGS.model} ({FLAGS.dtype}), workload {FLAGS.workload}: {len(specs)} requests, "
+        f"qps {FLAGS.qps if _qps_given() else '(trace)'}, mean prompt "
+        f"{_mean(s.prompt_len for s in specs)} / output {_mean(s.output_len for s in specs)} "
+        f"tokens; TBT SLO {1e3 * state['tbt_slo']:.1f} ms",
+        "",
+        format_side_by_side({p: r["summary"] for p, r in results.items()}, extra),
+    ]
+    if FLAGS.capacity_search:
+        rows = []
+        for p in names:
+            cap = results[p]["capacity"]
+            at = [s for q, s, ok in cap.trials if ok and q == cap.capacity_qps]
+            tbt = f"{1e3 * at[0].tbt.p99:.1f}" if at and at[0].tbt.p99 is not None else "-"
+            delay = f"{1e3 * at[0].scheduling_delay.p50:.1f}" if at else "-"
+            rows.append([p, f"{cap.capacity_qps:.3f}", len(cap.trials), tbt, delay])
+        header = ["policy", "capacity qps", "trials", "P99 TBT ms @cap", "P50 sched ms @cap"]
+        lines += ["", f"capacity (P99 TBT <= {1e3 * state['tbt_slo']:.1f} ms, P50 sched <= 2 s)"]
+        lines.append(format_table(header, rows))
+    if FLAGS.batch_sizes:
+        header = ["batch"] + [f"{p} {k}" for p in names for k in ("out tok/s", "decode tok/s")]
+        rows = []
+        for i, b in enumerate(FLAGS.batch_sizes):
+            row = [b]
+            for p in names:
+                r = results[p]["throughput_at_batch"][i]
+                row += [f"{r['output_tokens_per_s']:.1f}", _num(r["decode_tokens_per_s"])]
+            rows.append(row)
+        lines += [
+            "",
+            f"throughput at batch N (prompt {FLAGS.prompt_len}, output "
+            f"{FLAGS.output_len}, all at once)",
+            format_table(header, rows),
+        ]
+    if FLAGS.host_overhead_requests:
+        header = ["policy", "running", "host ms/step", "device ms/step", "host fraction"]
+        rows = [
+            [
+                p,
+                h["num_running"],
+                f"{h['host_ms_per_step']:.2f}",
+                f"{h['device_ms_per_step']:.2f}",
+                f"{h['host_fraction']:.1%}",
+            ]
+            for p in names
+            if (h := results[p]["host_overhead"])
+        ]
+        lines += ["", "host overhead per decode step", format_table(header, rows)]
+    return "\n".join(lines)
+
+
+def _mean(values) -> str:
+    values = [v for v in values if v is not None]
+    return f"{sum(values) / len(values):.0f}" if values else "-"
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _jsonable(obj):
+    if hasattr(obj, "as_dict"):
+        return _jsonable(obj.as_dict())
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def main(argv):
+    del argv
+    import jax
+
+    policies = [p.strip() for p in FLAGS.policies if p.strip()]
+    if not policies:
+        raise app.UsageError("--policies is empty")
+    _qps(FLAGS.qps)
+    state: dict = {}
+    if FLAGS.workload == "trace":
+        state["trace"] = load_trace()
+    results = {}
+    for p in policies:
+        results[p] = run_policy(p, state)
+        gc.collect()  # free this policy's engine before the next is built
+        if FLAGS.host_overhead_requests:
+            results[p]["host_overhead"] = host_overhead(p, FLAGS.host_overhead_requests)
+    print(report(results, state), flush=True)
+    if FLAGS.json_out:
+        os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
+        doc = {
+            "device": jax.devices()[0].device_kind,
+            "flags": {f.name: f.value for f in FLAGS.get_flags_for_module(_MODULE)},
+            "tbt_slo": state["tbt_slo"],
+            "slo_reference_step": state.get("slo_reference"),
+            "workload": [
+                {
+                    "arrival_time": s.arrival_time,
+                    "prompt_len": s.prompt_len,
+                    "output_len": s.output_len,
+                }
+                for s in state["specs"]
+            ],
+            "policies": results,
+        }
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(_jsonable(doc), f, indent=1)
+        print(f"wrote {FLAGS.json_out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
