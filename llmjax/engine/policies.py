@@ -17,7 +17,7 @@ class SarathiScheduler(Scheduler):
     name = "sarathi"
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch(seqs=[])
+        batch = ScheduledBatch()
         self._sort_running()
         self._schedule_decodes(batch)
         self._schedule_prefill_chunks(batch, allocate_per_chunk=False)
@@ -33,7 +33,7 @@ class PrefillFirstScheduler(Scheduler):
     name = "prefill_first"
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch(seqs=[])
+        batch = ScheduledBatch()
         self._sort_running()
         self._admit(batch, chunked=False, allocate_per_chunk=False)
         if not batch:
@@ -48,7 +48,7 @@ class DecodeFirstScheduler(Scheduler):
     name = "decode_first"
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch(seqs=[])
+        batch = ScheduledBatch()
         self._sort_running()
         if self.running:
             self._schedule_decodes(batch)
@@ -65,7 +65,7 @@ class SplitFuseScheduler(Scheduler):
     name = "splitfuse"
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch(seqs=[])
+        batch = ScheduledBatch()
         self._sort_running()
         self._schedule_decodes(batch)
         self._schedule_prefill_chunks(batch, allocate_per_chunk=True)

@@ -36,12 +36,18 @@ class ScheduledSeq:
 
 @dataclasses.dataclass
 class ScheduledBatch:
-    seqs: list[ScheduledSeq]
+    seqs: list[ScheduledSeq] = dataclasses.field(default_factory=list)
     preempted: list[Request] = dataclasses.field(default_factory=list)
+    num_tokens: int = 0  # sum of the seqs' num_new_tokens, kept as they are added and removed
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
+        self.num_tokens += num_new_tokens
+
+    def remove(self, request: Request) -> None:
+        kept = [s for s in self.seqs if s.request is not request]
+        self.num_tokens -= sum(s.num_new_tokens for s in self.seqs if s.request is request)
+        self.seqs = kept
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -107,7 +113,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or self._budget(batch) < 1:
                 continue
             if self._grow(req, req.num_tokens, batch):
-                batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, 1))
+                batch.add(req, 1)
 
     def _schedule_prefill_chunks(self, batch: ScheduledBatch, *, allocate_per_chunk: bool) -> None:
         """The next chunk of every running request still in prefill, in FCFS order."""
@@ -116,7 +122,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or n <= 0:
                 continue
             if not allocate_per_chunk or self._grow(req, req.num_computed_tokens + n, batch):
-                batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
+                batch.add(req, n)
 
     def _admit(self, batch: ScheduledBatch, *, chunked: bool, allocate_per_chunk: bool) -> None:
         """Admit waiting requests FCFS while the budget, `max_num_seqs` and pages allow.
@@ -144,7 +150,7 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
             self.running.append(req)
-            batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
+            batch.add(req, n)
 
     def _grow(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give `req` pages for `num_tokens` tokens, preempting the newest running requests if
@@ -165,7 +171,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        batch.seqs = [s for s in batch.seqs if s.request is not req]
+        batch.remove(req)
         batch.preempted.append(req)
 
     # ------------------------------------------------------------------------------------------
