@@ -211,3 +211,14 @@ def test_token_ids_slice_matches_all_token_ids():
     for start in range(8):
         for end in range(start, 8):
             assert req.token_ids_slice(start, end) == req.all_token_ids[start:end]
+
+
+def test_duplicate_request_id_is_refused_while_in_flight(llm):
+    engine = llm.engine
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), request_id="dup")
+    with pytest.raises(ValueError, match="request_id='dup' is already waiting or running"):
+        engine.add_request([8, 9], SamplingParams(max_tokens=2), request_id="dup")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request([8, 9], SamplingParams(max_tokens=2), request_id="dup")  # free again
+    assert engine.abort_request("dup")

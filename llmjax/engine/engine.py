@@ -46,6 +46,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._rejected: list[Request] = []
+        self._live: set[str] = set()  # ids of waiting and running requests
         self.stats = EngineStats(num_pages=self.block_manager.num_usable_pages)
         if config.precompile:
             self.precompile()
@@ -77,6 +78,8 @@ class LLMEngine:
         now) lets a trace replayer stamp the intended arrival."""
         sampling_params = sampling_params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._live:  # page tables are keyed by id: two would share pages
+            raise ValueError(f"{request_id=} is already waiting or running")
         seed = sampling_params.seed
         if seed is None:
             seed = int(self._seed_rng.integers(0, 2**32))
@@ -98,6 +101,7 @@ class LLMEngine:
             logger.warning("rejected request %s: %s", request_id, error)
         else:
             self.scheduler.add(req)
+            self._live.add(request_id)
         return request_id
 
     def _validate(self, req: Request) -> str | None:
@@ -125,6 +129,7 @@ class LLMEngine:
         return None
 
     def abort_request(self, request_id: str) -> bool:
+        self._live.discard(request_id)
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -148,7 +153,8 @@ class LLMEngine:
         t_run = time.perf_counter()
         next_ids = self.runner.run(step_input, sampling)
         t_update = time.perf_counter()
-        self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist())
+        for req in self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist()):
+            self._live.discard(req.request_id)
         outputs += [self._output(r) for r in sampled]
         self.stats.record_step(
             batch,

@@ -1,0 +1,114 @@
+"""A host-only fake model over a simulated paged KV cache, for scheduler tests (no jax).
+
+`FakePagedModel.run(step)` does what the real step does with the cache, on one int array of
+`num_pages * page_size` slots: it writes every token id of the step at `step.slot_mapping`
+(padded tokens land in the reserved page 0), then reads each sequence's tokens 0..kv_len-1 back
+through its row of `step.page_indices` and returns, per sequence, `next_token(tokens)`: a hash of
+the whole sequence read back. A request's output therefore depends only on its own tokens *as
+read through its pages*, so it is independent of the batch iff the paging is right, and it can be
+recomputed from the prompt alone (`reference_generation`).
+
+The model also asserts the layout contract of `StepInput` (see llmjax/model/step_input.py) that
+the real attention relies on: positions, slots that agree with the page table, padding confined
+to page 0, logits rows, empty padded sequences.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from llmjax.model.step_input import RESERVED_PAGE, StepInput
+
+UNWRITTEN = -1  # slots never written, or poisoned after their page was freed
+
+
+def next_token(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> int:
+    """The fake model's greedy next token: a deterministic hash of the whole sequence."""
+    return zlib.crc32(np.asarray(tokens, np.int64).tobytes()) % vocab_size
+
+
+def reference_generation(
+    prompt: Sequence[int],
+    *,
+    max_tokens: int,
+    max_model_len: int,
+    vocab_size: int,
+    stop_token_ids: Iterable[int] = (),
+    eos_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+) -> tuple[list[int], str]:
+    """What one request generates alone, recomputed from its prompt: (tokens, finish_reason).
+
+    Stop conditions in the engine's order: a stop token or EOS ('stop'), then max_tokens, then
+    max_model_len ('length')."""
+    stop = set(stop_token_ids) | (set() if ignore_eos else set(eos_token_ids))
+    seq, out = list(prompt), []
+    while True:
+        token = next_token(seq, vocab_size)
+        seq.append(token)
+        out.append(token)
+        if token in stop:
+            return out, "stop"
+        if len(out) >= max_tokens or len(seq) >= max_model_len:
+            return out, "length"
+
+
+class FakePagedModel:
+    def __init__(self, num_pages: int, page_size: int, vocab_size: int):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.vocab_size = vocab_size
+        self.kv = np.full(num_pages * page_size, UNWRITTEN, np.int64)
+        self.reads: list[np.ndarray] = []  # per real sequence of the last step: tokens read back
+
+    def poison(self, pages: Iterable[int]) -> None:
+        """Mark `pages` (e.g. the free ones) unwritten, so a later read of them is caught."""
+        ps = self.page_size
+        for page in pages:
+            self.kv[page * ps : (page + 1) * ps] = UNWRITTEN
+
+    def run(self, step: StepInput) -> np.ndarray:
+        """One step: write the new tokens, read every sequence back, return [S] next token ids
+        (padded sequence rows get 0)."""
+        ps = self.page_size
+        S = len(step.kv_lens)
+        num_seqs = int(step.num_seqs[0])
+        cu = np.asarray(step.cu_q_lens)
+        slots = np.asarray(step.slot_mapping)
+        num_tokens = int(cu[num_seqs])
+        assert len(step.token_ids) == len(step.positions) == len(slots)
+        assert cu.shape == (S + 1,) and cu[0] == 0 and (np.diff(cu) >= 0).all(), cu
+        assert 1 <= num_seqs <= S and num_tokens <= len(slots)
+        assert (cu[num_seqs:] == num_tokens).all(), f"padded sequences have queries: {cu}"
+        assert (np.asarray(step.kv_lens)[num_seqs:] == 0).all()
+        assert ((slots >= 0) & (slots < self.kv.size)).all(), "slot outside the cache"
+        real, pad = slots[:num_tokens], slots[num_tokens:]
+        assert (real // ps != RESERVED_PAGE).all(), f"a real token writes the reserved page: {real}"
+        assert (pad // ps == RESERVED_PAGE).all(), f"a padded token writes a real page: {pad}"
+        assert len(set(real.tolist())) == num_tokens, f"two tokens write one slot: {real}"
+
+        self.kv[slots] = step.token_ids  # padding writes land in page 0
+
+        next_ids = np.zeros(S, np.int32)
+        self.reads = []
+        for i in range(num_seqs):
+            lo, hi, kv_len = int(cu[i]), int(cu[i + 1]), int(step.kv_lens[i])
+            assert 1 <= hi - lo <= kv_len, f"seq {i}: {hi - lo} new tokens, kv_len {kv_len}"
+            pos = np.arange(kv_len)
+            assert (step.positions[lo:hi] == pos[kv_len - (hi - lo) :]).all(), f"seq {i} positions"
+            table = np.asarray(step.page_indices[i])
+            used = -(-kv_len // ps)
+            assert used <= len(table), f"seq {i}: kv_len {kv_len} needs {used} pages"
+            assert (table[:used] != RESERVED_PAGE).all(), f"seq {i} reads the reserved page"
+            seq_slots = table[pos // ps] * ps + pos % ps
+            assert (slots[lo:hi] == seq_slots[kv_len - (hi - lo) :]).all(), (
+                f"seq {i}: slot_mapping disagrees with its page table"
+            )
+            assert step.logits_indices[i] == hi - 1, f"seq {i}: logits row"
+            tokens = self.kv[seq_slots]
+            self.reads.append(tokens)
+            next_ids[i] = next_token(tokens, self.vocab_size)
+        return next_ids

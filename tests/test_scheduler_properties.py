@@ -1,0 +1,564 @@
+"""Property tests of the host-side scheduler, block manager and packer, with a fake paged model.
+
+For each policy, hypothesis draws a small KV cache (so that decodes preempt), page size, budgets,
+`max_model_len` and requests (arrival steps, aborts, stop tokens, EOS, prompts that must be
+rejected). A loop that mirrors `LLMEngine.step` (schedule -> pack -> run -> update) serves them
+with `FakePagedModel`, whose next token is a hash of the request's tokens *read back through its
+page table* from a simulated cache.
+
+After every step: `BlockManager.check_invariants()` (no page leaked, owned twice or reserved);
+only running requests own pages, enough for their computed tokens; the batch respects the token
+budget and `max_num_seqs`, schedules no request twice and every scheduled request has pages for its
+new tokens; preempted requests are the newest running ones and wait at the front of the queue with
+`num_computed_tokens == 0` and their generated tokens kept; per policy: `sarathi`/`splitfuse` skip
+no decode and leave budget unused only when nothing more can run, `prefill_first` steps are
+prefill-only or decode-only and prefer admissions, `decode_first` admits only when nothing runs.
+Each step's tokens are read back from the simulated cache exactly. The loop must end within a
+step bound (else: livelock). At the end every request is finished, aborted or rejected (rejected
+iff invalid), all pages are free, and every output equals the output recomputed from the request's
+prompt alone, with the right finish reason (a paging or packing error changes the hash).
+
+No jax: the loop uses only host-side modules (checked in a subprocess, since conftest imports jax
+for its gpu marker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings, target
+from hypothesis import strategies as st
+
+from configs.tiny import TINY
+from llmjax.config import SCHEDULER_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from llmjax.engine.batch import Buckets, pack
+from llmjax.engine.block_manager import BlockManager, pages_needed
+from llmjax.engine.engine import LLMEngine
+from llmjax.engine.policies import make_scheduler
+from llmjax.engine.request import Request, RequestStatus
+from llmjax.model.step_input import RESERVED_PAGE
+from llmjax.sampling_params import SamplingParams
+from tests.fake_model import UNWRITTEN, FakePagedModel, reference_generation
+
+CHUNKED = ("sarathi", "splitfuse")
+
+PROPERTY_SETTINGS = settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,  # the same examples on every run: deterministic CI
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+# ---- scenarios -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    arrival: int  # step at which it is added
+    abort_at: int | None  # step at which it is aborted (before that step's schedule), if any
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    policy: str
+    page_size: int
+    num_pages: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    requests: tuple[RequestSpec, ...]
+    watermark: float = 0.0
+    vocab_size: int = 256
+
+    def config(self) -> EngineConfig:
+        return EngineConfig(
+            model=TINY.replace(vocab_size=self.vocab_size),
+            cache=CacheConfig(
+                page_size=self.page_size, num_pages=self.num_pages, watermark=self.watermark
+            ),
+            scheduler=SchedulerConfig(
+                policy=self.policy,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+            ),
+            max_model_len=self.max_model_len,
+            compilation_cache_dir="",
+        )
+
+    def is_valid(self, spec: RequestSpec) -> bool:
+        """Whether the engine must accept `spec` (independent of `LLMEngine._validate`)."""
+        n = len(spec.prompt)
+        total = min(n + spec.max_tokens, self.max_model_len)
+        return (
+            1 <= n < self.max_model_len
+            and all(0 <= t < self.vocab_size for t in spec.prompt)
+            and pages_needed(total, self.page_size) <= self.num_pages - 1
+        )
+
+    def expected(self, spec: RequestSpec) -> tuple[list[int], str]:
+        return reference_generation(
+            spec.prompt,
+            max_tokens=spec.max_tokens,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            stop_token_ids=spec.stop_token_ids,
+            eos_token_ids=TINY.eos_token_ids,
+            ignore_eos=spec.ignore_eos,
+        )
+
+
+@st.composite
+def scenarios(draw, policy: str) -> Scenario:
+    page_size = draw(st.integers(1, 8))
+    max_model_len = draw(st.integers(2, 80))
+    max_num_seqs = draw(st.integers(1, 8))
+    if policy in CHUNKED:
+        budget = draw(st.integers(1, 64))
+    else:  # whole prompts: EngineConfig requires a budget for the longest one
+        budget = draw(st.integers(max_model_len, max_model_len + 32))
+    watermark = draw(st.sampled_from([0.0, 0.1, 0.3]))
+    vocab_size = draw(st.sampled_from([256, 16, 4]))  # small vocabularies stop (EOS=2) often
+    tokens = st.integers(0, vocab_size - 1)
+
+    specs = []
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["ok"] * 8 + ["empty", "too_long", "bad_token"]))
+        if kind == "empty":
+            prompt = []
+        elif kind == "too_long":
+            prompt = draw(st.lists(tokens, min_size=max_model_len, max_size=max_model_len + 3))
+        else:
+            prompt = draw(st.lists(tokens, min_size=1, max_size=min(60, max_model_len - 1)))
+            if kind == "bad_token":
+                prompt[draw(st.integers(0, len(prompt) - 1))] = vocab_size + draw(st.integers(0, 9))
+        arrival = draw(st.integers(0, 12))
+        abort_at = None
+        if draw(st.integers(0, 5)) == 0:
+            abort_at = arrival + draw(st.integers(0, 30))
+        specs.append(
+            RequestSpec(
+                prompt=tuple(prompt),
+                max_tokens=draw(st.integers(1, 20)),
+                arrival=arrival,
+                abort_at=abort_at,
+                stop_token_ids=tuple(draw(st.lists(tokens, max_size=2))),
+                ignore_eos=draw(st.booleans()),
+            )
+        )
+
+    # A small cache: mostly every request fits alone but not all together, so that decodes
+    # preempt; sometimes roomy; sometimes too small for some requests (rejected).
+    needs = [
+        pages_needed(min(len(r.prompt) + r.max_tokens, max_model_len), page_size) for r in specs
+    ]
+    big = max(needs)
+    cache = draw(st.sampled_from(["tight", "tight", "roomy", "tiny"]))
+    if cache == "tight":
+        num_pages = 1 + big + draw(st.integers(0, big // 2))
+    elif cache == "roomy":
+        num_pages = 1 + draw(st.integers(big, max(big, sum(needs))))
+    else:
+        num_pages = 1 + draw(st.integers(1, big))
+    return Scenario(
+        policy=policy,
+        page_size=page_size,
+        num_pages=num_pages,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        requests=tuple(specs),
+        watermark=watermark,
+        vocab_size=vocab_size,
+    )
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Result:
+    requests: dict[str, Request]  # by id: str(index in scenario.requests)
+    num_steps: int
+    num_preemptions: int
+    peak_running: int  # most requests running at once
+
+
+def max_steps(sc: Scenario) -> int:
+    """A bound on the steps of any sane schedule; more means a livelock (or starvation).
+
+    Serving the requests one at a time, each prompt in chunks of the budget, takes `serial` steps
+    after the last arrival; in thousands of random scenarios no policy took more than `serial`
+    steps in all, preemptions included. Four times that is a generous bound."""
+    budget = sc.max_num_batched_tokens
+    serial = sum(-(-len(r.prompt) // budget) + r.max_tokens for r in sc.requests)
+    return max(r.arrival for r in sc.requests) + 1 + 4 * serial + 20
+
+
+def run_scenario(sc: Scenario) -> Result:
+    """Serve `sc` through schedule -> pack -> fake model -> update, checking invariants after
+    every step; returns the requests in their final state."""
+    config = sc.config()
+    ps, mml = sc.page_size, sc.max_model_len
+    bm = BlockManager(sc.num_pages, ps)
+    sched = make_scheduler(config, bm)
+    buckets = Buckets.create(sc.max_num_batched_tokens, sc.max_num_seqs, pages_needed(mml, ps))
+    model = FakePagedModel(sc.num_pages, ps, sc.vocab_size)
+    engine_like = types.SimpleNamespace(config=config, block_manager=bm)  # for _validate
+
+    requests: dict[str, Request] = {}
+    order = sorted(range(len(sc.requests)), key=lambda i: (sc.requests[i].arrival, i))
+    num_preempted = peak_running = 0
+    bound = max_steps(sc)
+    for step in range(bound):
+        # 1. Arrivals, validated as LLMEngine.add_request does.
+        for i in order:
+            spec = sc.requests[i]
+            if spec.arrival != step:
+                continue
+            rid = str(i)
+            req = Request(
+                request_id=rid,
+                prompt_token_ids=list(spec.prompt),
+                sampling_params=SamplingParams(
+                    max_tokens=spec.max_tokens,
+                    stop_token_ids=spec.stop_token_ids,
+                    ignore_eos=spec.ignore_eos,
+                ),
+                eos_token_ids=frozenset(config.model.eos_token_ids),
+                seed=0,
+            )
+            req.metrics.arrival_time = step + i * 1e-3  # FCFS, deterministic
+            requests[rid] = req
+            error = LLMEngine._validate(engine_like, req)
+            assert (error is None) == sc.is_valid(spec), f"request {rid}: validation {error=}"
+            if error:
+                req.error = error
+                req.finish("error", 0.0, RequestStatus.REJECTED)
+            else:
+                sched.add(req)
+
+        # 2. Aborts.
+        for i, spec in enumerate(sc.requests):
+            if spec.abort_at != step or str(i) not in requests:
+                continue
+            req = requests[str(i)]
+            was_live = not req.status.is_done
+            got = sched.abort(req.request_id)
+            assert (got is req) if was_live else got is None, f"abort of {req.request_id}"
+            assert req.status is (RequestStatus.ABORTED if was_live else req.status)
+            assert req.request_id not in bm.page_tables
+            check_state(sc, sched, bm, requests)
+
+        if step > max(r.arrival for r in sc.requests) and not sched.has_unfinished():
+            break
+
+        # 3. Schedule, checking the batch against the state before it.
+        before = Before.of(sched, bm)
+        batch = sched.schedule()
+        check_batch(sc, sched, bm, batch, before)
+        num_preempted += len(batch.preempted)
+        peak_running = max(peak_running, len(sched.running))
+
+        # 4. Pack, run the fake model, update.
+        if batch:
+            step_input, _ = pack(batch, bm.page_tables, ps, buckets)
+            T, (S, P) = len(step_input.token_ids), step_input.page_indices.shape
+            assert T in buckets.token_buckets and P in buckets.page_buckets, (T, P, buckets)
+            assert len(batch.seqs) <= S <= sc.max_num_seqs and batch.num_tokens <= T
+            next_ids = model.run(step_input)
+            for seq, read in zip(batch.seqs, model.reads, strict=True):
+                want = seq.request.all_token_ids[: seq.start + seq.num_new_tokens]
+                assert UNWRITTEN not in read, f"{seq.request.request_id} read an unwritten slot"
+                assert read.tolist() == want, f"{seq.request.request_id}: KV read back is wrong"
+            sampled = {s.request.request_id for s in batch.seqs if s.samples}
+            finished = sched.update(batch, next_ids[: len(batch.seqs)].tolist())
+            done = {r.request_id for r in requests.values() if r.status is RequestStatus.FINISHED}
+            assert {r.request_id for r in finished} == sampled & done
+        else:
+            assert not sched.has_unfinished(), "stall: an empty step while requests wait or run"
+        check_state(sc, sched, bm, requests)
+        owned = {p for table in bm.page_tables.values() for p in table}
+        model.poison(p for p in range(1, sc.num_pages) if p not in owned)
+    else:
+        pytest.fail(
+            f"livelock: {bound} steps and still {len(sched.running)} running, "
+            f"{len(sched.waiting)} waiting: {sc}"
+        )
+    assert sched.num_preemptions == num_preempted
+    return Result(requests, step, num_preempted, peak_running)
+
+
+@dataclasses.dataclass
+class Before:
+    """The scheduler's state at the start of a step (after arrivals and aborts)."""
+
+    running: list[Request]
+    waiting: list[Request]
+    ready: set[str]  # running requests with one token left to compute: decodes
+    outputs: dict[str, list[int]]
+    head_admissible: bool  # the first waiting request fits now (seqs, pages, watermark)
+
+    @classmethod
+    def of(cls, sched, bm) -> Before:
+        running, waiting = list(sched.running), list(sched.waiting)
+        head_admissible = False
+        if waiting and len(running) < sched.config.max_num_seqs:
+            keep_free = sched.watermark_pages if running else 0
+            head = waiting[0]
+            head_admissible = bm.can_allocate(head.request_id, head.num_tokens, keep_free)
+        return cls(
+            running=running,
+            waiting=waiting,
+            ready={r.request_id for r in running if r.num_uncomputed_tokens == 1},
+            outputs={r.request_id: list(r.output_token_ids) for r in running + waiting},
+            head_admissible=head_admissible,
+        )
+
+
+def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) -> None:
+    cfg = sched.config
+    seqs = batch.seqs
+    ids = [s.request.request_id for s in seqs]
+    running_ids = [r.request_id for r in sched.running]
+    was_running = {r.request_id for r in before.running}
+    was_waiting = {r.request_id for r in before.waiting}
+    assert len(ids) == len(set(ids)), f"a request scheduled twice: {ids}"
+    assert batch.num_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
+    assert len(seqs) <= cfg.max_num_seqs, "max_num_seqs exceeded"
+    assert len(running_ids) <= cfg.max_num_seqs, "max_num_seqs running"
+    for s in seqs:
+        req = s.request
+        assert req.request_id in running_ids and req.status is RequestStatus.RUNNING
+        assert s.num_new_tokens >= 1 and s.start == req.num_computed_tokens
+        assert s.start + s.num_new_tokens <= req.num_tokens
+        table = bm.page_tables.get(req.request_id, [])
+        assert len(table) >= pages_needed(s.start + s.num_new_tokens, sc.page_size), (
+            f"{req.request_id} scheduled without pages for its tokens"
+        )
+    admitted = [i for i in ids if i not in was_running]
+    assert set(admitted) <= was_waiting, "a request scheduled from nowhere"
+    assert {i for i in running_ids if i not in was_running} == set(admitted)
+
+    # Preempted: the newest running, now waiting at the front of the queue, to be recomputed
+    # from scratch with the tokens they generated.
+    preempted = [r.request_id for r in batch.preempted]
+    assert len(set(preempted)) == len(preempted), "preempted twice"
+    for req in batch.preempted:
+        rid = req.request_id
+        assert rid in was_running, f"{rid} preempted but was not running"
+        assert rid not in running_ids and rid not in ids
+        assert req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
+        assert req.output_token_ids == before.outputs[rid], "preemption lost generated tokens"
+        assert rid not in bm.page_tables
+        for other in sched.running:
+            if other.request_id in was_running:
+                assert other.metrics.arrival_time < req.metrics.arrival_time, (
+                    f"preempted {rid} while the newer {other.request_id} keeps running"
+                )
+    head = [r.request_id for r in list(sched.waiting)[: len(preempted)]]
+    assert set(head) == set(preempted), "preempted requests are not at the front of the queue"
+
+    # Policies.
+    if sc.policy in CHUNKED:  # stall-free: every decode runs (unless preempted)
+        for rid in before.ready - set(preempted):
+            assert rid in ids, f"{sc.policy} skipped the decode of {rid}"
+    if sc.policy == "prefill_first":  # prefill-only steps of whole prompts, when possible
+        assert not admitted or len(admitted) == len(seqs), "prefill_first mixed prefill and decode"
+        if before.head_admissible:
+            assert before.waiting[0].request_id in admitted, "prefill_first did not admit"
+    if sc.policy == "decode_first":  # new requests only when none is running
+        if before.running:
+            assert not admitted, "decode_first admitted a request while others were running"
+        elif before.waiting:
+            assert before.waiting[0].request_id in admitted, "decode_first idles"
+    if sc.policy in CHUNKED and batch.num_tokens < cfg.max_num_batched_tokens:
+        # Budget left: nothing running was left out, and the queue's head could not be admitted.
+        assert set(running_ids) <= set(ids), f"{sc.policy} left budget and a request unscheduled"
+        if sched.waiting and len(running_ids) < cfg.max_num_seqs:
+            keep_free = sched.watermark_pages if running_ids else 0
+            head = sched.waiting[0]
+            assert not bm.can_allocate(head.request_id, head.num_tokens, keep_free), (
+                f"{sc.policy} left budget while {head.request_id} could be admitted"
+            )
+
+
+def check_state(sc, sched, bm, requests) -> None:
+    bm.check_invariants()
+    running, waiting = list(sched.running), list(sched.waiting)
+    assert len(running) <= sc.max_num_seqs
+    live = running + waiting
+    assert len({id(r) for r in live}) == len(live), "a request queued twice"
+    assert set(bm.page_tables) <= {r.request_id for r in running}, (
+        "a non-running request owns pages"
+    )
+    for req in running:
+        assert req.status is RequestStatus.RUNNING
+        table = bm.page_tables.get(req.request_id, [])
+        assert len(table) >= pages_needed(req.num_computed_tokens, sc.page_size), (
+            f"{req.request_id}'s pages do not cover its computed tokens"
+        )
+        assert RESERVED_PAGE not in table
+    for req in waiting:
+        assert req.status is RequestStatus.WAITING
+        assert req.num_computed_tokens == 0
+    live_ids = {r.request_id for r in live}
+    for req in requests.values():
+        assert req.status.is_done != (req.request_id in live_ids), f"{req.request_id} lost"
+    n = sum(len(t) for t in bm.page_tables.values())
+    assert bm.num_free_pages == bm.num_usable_pages - n
+
+
+def check_result(sc: Scenario, result: Result) -> None:
+    """Every request ended finished, aborted or rejected, with the output it has alone."""
+    assert set(result.requests) == {str(i) for i in range(len(sc.requests))}, "a request never came"
+    for i, spec in enumerate(sc.requests):
+        req = result.requests[str(i)]
+        want, reason = sc.expected(spec)
+        assert req.status.is_done, f"request {i} is stuck in {req.status}"
+        if req.status is RequestStatus.REJECTED:
+            assert not sc.is_valid(spec) and req.error and req.finish_reason == "error"
+            assert req.output_token_ids == []
+        elif req.status is RequestStatus.ABORTED:
+            assert spec.abort_at is not None and req.finish_reason == "abort"
+            n = len(req.output_token_ids)
+            assert n < len(want) and req.output_token_ids == want[:n], f"request {i} output"
+        else:
+            assert req.output_token_ids == want, f"request {i}: output differs from alone"
+            assert req.finish_reason == reason, f"request {i}: finish_reason"
+            assert len(req.prompt_token_ids) + len(want) <= sc.max_model_len
+        m = req.metrics
+        assert len(m.token_times) == len(req.output_token_ids)
+        if req.output_token_ids:
+            assert m.first_scheduled_time <= m.first_token_time <= m.token_times[-1]
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", SCHEDULER_POLICIES)
+@PROPERTY_SETTINGS
+@given(data=st.data())
+def test_random_workloads_keep_invariants_and_batch_invariance(policy, data):
+    sc = data.draw(scenarios(policy), label="scenario")
+    result = run_scenario(sc)
+    check_result(sc, result)
+    # Coverage, shown by `pytest --hypothesis-show-statistics`.
+    event("preempted" if result.num_preemptions else "no preemption")
+    for status in {r.status.value for r in result.requests.values()}:
+        event(f"some {status}")
+    event(f"steps <= {1 << result.num_steps.bit_length()}")
+    # Steer towards crowded small caches.
+    target(float(result.num_preemptions), label="preemptions")
+    target(float(result.peak_running), label="peak running")
+
+
+def _workload(policy: str, **kw) -> Scenario:
+    rng = np.random.default_rng(0)
+    specs = tuple(
+        RequestSpec(
+            prompt=tuple(rng.integers(3, 256, int(rng.integers(1, 40))).tolist()),
+            max_tokens=int(rng.integers(1, 20)),
+            arrival=int(rng.integers(0, 6)),
+            abort_at=None,
+            ignore_eos=True,
+        )
+        for _ in range(10)
+    )
+    chunked = policy in CHUNKED
+    opts = dict(
+        policy=policy,
+        page_size=4,
+        num_pages=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=16 if chunked else 64,
+        max_model_len=64,
+        requests=specs,
+    )
+    return Scenario(**(opts | kw))
+
+
+@pytest.mark.parametrize("policy", SCHEDULER_POLICIES)
+def test_small_cache_preempts_and_outputs_match(policy):
+    sc = _workload(policy)
+    result = run_scenario(sc)
+    check_result(sc, result)
+    assert result.num_preemptions > 0
+    assert all(r.status is RequestStatus.FINISHED for r in result.requests.values())
+
+
+class _FakeRunner:
+    """Stands in for `llmjax.engine.runner.ModelRunner` (the engine's only jax module)."""
+
+    def __init__(self, config: EngineConfig, params, num_pages: int):
+        self.model = FakePagedModel(num_pages, config.cache.page_size, config.model.vocab_size)
+        self.num_compiles = 0
+
+    def run(self, step, sampling) -> np.ndarray:
+        return self.model.run(step)
+
+    def precompile(self, shapes) -> None:
+        pass
+
+
+def test_engine_with_a_fake_runner_rejects_bad_prompts_and_serves_the_others(monkeypatch):
+    fake = types.ModuleType("llmjax.engine.runner")
+    fake.ModelRunner = _FakeRunner
+    monkeypatch.setitem(sys.modules, "llmjax.engine.runner", fake)
+    # 7 usable pages of 4 tokens: the good requests preempt each other; one cannot fit at all.
+    sc = _workload("sarathi", num_pages=8, max_model_len=40)
+    engine = LLMEngine(sc.config(), params=None, num_pages=sc.num_pages)
+    good = [RequestSpec(tuple(range(3, 3 + n)), 8, 0, None, ignore_eos=True) for n in (5, 9, 14, 3)]
+    bad = {
+        "empty prompt": RequestSpec((), 4, 0, None),
+        "max_model_len=40": RequestSpec((5,) * 40, 4, 0, None),
+        "outside the vocabulary": RequestSpec((3, 256), 4, 0, None),
+        "KV pages": RequestSpec((5,) * 25, 10, 0, None),  # 35 tokens need 9 pages
+    }
+    specs = [*good, *bad.values()]
+    for i, spec in enumerate(specs):
+        params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos)
+        engine.add_request(list(spec.prompt), params, request_id=str(i))
+    outputs = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            assert out.request_id not in outputs, "an output after the request finished"
+            if out.finished:
+                outputs[out.request_id] = out
+    assert set(outputs) == {str(i) for i in range(len(specs))}
+    for i, spec in enumerate(good):
+        assert outputs[str(i)].token_ids == sc.expected(spec)[0]
+        assert outputs[str(i)].finish_reason == "length"
+    for i, message in enumerate(bad, start=len(good)):
+        out = outputs[str(i)]
+        assert out.finish_reason == "error" and message in out.error and not out.token_ids
+    assert engine.stats.num_preemptions > 0
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_pages == bm.num_usable_pages
+
+
+def test_host_loop_imports_no_jax():
+    # conftest imports jax (for the gpu marker), so check a fresh interpreter running one scenario.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import sys\n"
+        "from tests import test_scheduler_properties as t\n"
+        "sc = t._workload('sarathi')\n"
+        "t.check_result(sc, t.run_scenario(sc))\n"
+        "assert 'jax' not in sys.modules, 'the host-side loop imported jax'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
