@@ -59,8 +59,23 @@ flags.DEFINE_string(
 flags.DEFINE_float(
     "scale", 1 / 16, "Length scale for sharegpt/arxiv (1/16: medians of ~100 prompt tokens)."
 )
-flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per request for 'fixed' and --batch_sizes.")
-flags.DEFINE_integer("output_len", 64, "Output tokens per request for 'fixed' and --batch_sizes.")
+flags.DEFINE_integer(
+    "prompt_len",
+    128,
+    "Prompt tokens per request for 'fixed' and --batch_sizes, and of the short (decoding) "
+    "requests of long_prompt_interference.",
+)
+flags.DEFINE_integer(
+    "output_len",
+    64,
+    "Output tokens per request for 'fixed' and --batch_sizes, and of the short (decoding) "
+    "requests of long_prompt_interference.",
+)
+flags.DEFINE_float("long_fraction", 0.25, "long_prompt_interference: fraction of long prompts.")
+flags.DEFINE_integer(
+    "long_prompt_len", None, "long_prompt_interference: long prompt tokens (default 2048, capped)."
+)
+flags.DEFINE_integer("long_output_len", 8, "long_prompt_interference: long requests' outputs.")
 flags.DEFINE_integer(
     "max_num_batched_tokens",
     None,
@@ -227,6 +242,14 @@ def build_specs(qps: float, max_model_len: int, trace=None, *, retime_trace: boo
     kwargs = dict(qps=qps, max_model_len=max_model_len, seed=FLAGS.seed, scale=FLAGS.scale)
     if FLAGS.workload == "fixed":
         kwargs |= dict(prompt_len=FLAGS.prompt_len, output_len=FLAGS.output_len)
+    if FLAGS.workload == "long_prompt_interference":
+        kwargs |= dict(
+            long_fraction=FLAGS.long_fraction,
+            decode_prompt_len=FLAGS.prompt_len,
+            decode_output_len=FLAGS.output_len,
+            long_prompt_len=FLAGS.long_prompt_len,
+            long_output_len=FLAGS.long_output_len,
+        )
     return workloads.make_workload(FLAGS.workload, FLAGS.num_requests, **kwargs)
 
 
