@@ -135,3 +135,22 @@ def test_step_copies_neither_kv_pages_nor_weights(name, num_tokens):
         assert 'op_name="params[' not in line, f"the step copies a weight: {line.strip()}"
         if len(shape) == 2:
             assert shape not in weight_shapes, f"the step copies a weight: {line.strip()}"
+
+
+def test_blocks_of_one_sequence_and_mixed_blocks_agree(model):
+    """T=96 splits into query blocks of 32: one mixes a decode with a prefill's start (each token
+    gathers its own pages), the others hold one sequence (its pages are gathered once)."""
+    config, params = model
+    c, d = _tokens(7, 3), _tokens(70, 4)
+    ref_c = full_logits(params, config, c, page_size=PAGE)
+    ref_d = full_logits(params, config, d, page_size=PAGE)
+    kv = allocate_kv_pages(config, 40, PAGE, jnp.float32)
+    table_c, table_d = [31, 5], list(range(6, 24))
+    step = make_step([(c[:6], 0, table_c)], PAGE, num_tokens=8, max_pages=32)
+    _, kv = forward(params, kv, step, config)
+    step = make_step(
+        [(c[6:], 6, table_c), (d, 0, table_d)], PAGE, num_tokens=96, max_pages=32, all_logits=True
+    )
+    logits, _ = forward(params, kv, step, config)
+    np.testing.assert_allclose(logits[0], ref_c[6], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits[1:71], ref_d, rtol=1e-5, atol=1e-5)
