@@ -96,7 +96,7 @@ class LLM:
         if max_model_len is None:
             max_model_len = min(model_config.max_position_embeddings, 4096)
         if max_num_batched_tokens is None:  # whole-prompt policies need room for any prompt
-            chunked = scheduler_policy in ("sarathi", "splitfuse")
+            chunked = SchedulerConfig(policy=scheduler_policy).chunks_prefills
             max_num_batched_tokens = 512 if chunked else max_model_len
         extra = {}
         if compilation_cache_dir is not None:

@@ -18,7 +18,6 @@ engine's counters. Without --tbt_slo the TBT SLO is --tbt_slo_factor x a measure
 from __future__ import annotations
 
 import gc
-import inspect
 import json
 import math
 import os
@@ -132,9 +131,7 @@ flags.DEFINE_bool(
     "After the warm-up, replay the whole workload once in real time, unmeasured, so the step "
     "shapes that real-time arrivals produce are compiled too.",
 )
-flags.DEFINE_bool(
-    "precompile", False, "Compile every step shape at engine start (if the engine supports it)."
-)
+flags.DEFINE_bool("precompile", False, "Compile every step shape at engine start.")
 flags.DEFINE_string("json_out", "out/benchmark.json", "Where to write the results ('' = nowhere).")
 
 FLAGS = flags.FLAGS
@@ -153,16 +150,13 @@ def _log(msg: str) -> None:
 def _is_whole_prompt(policy: str) -> bool:
     from llmjax.config import SchedulerConfig
 
-    if "policy" in inspect.signature(SchedulerConfig).parameters:
-        return not SchedulerConfig(policy=policy).chunks_prefills
-    return policy not in ("sarathi", "splitfuse")
+    return not SchedulerConfig(policy=policy).chunks_prefills
 
 
 def build_llm(policy: str, **overrides):
     """A fresh `LLM` for `policy` from the flags (`overrides` replace single options)."""
     from llmjax import LLM
 
-    accepted = inspect.signature(LLM).parameters
     kwargs = dict(
         dtype=FLAGS.dtype,
         load_format=FLAGS.load_format,
@@ -171,6 +165,8 @@ def build_llm(policy: str, **overrides):
         num_pages=FLAGS.num_pages,
         max_num_seqs=FLAGS.max_num_seqs,
         seed=FLAGS.seed,
+        scheduler_policy=policy,
+        precompile=FLAGS.precompile,
     )
     budget = overrides.pop("max_num_batched_tokens", FLAGS.max_num_batched_tokens)
     if budget is not None and _is_whole_prompt(policy):
@@ -178,12 +174,6 @@ def build_llm(policy: str, **overrides):
         budget = max(budget, FLAGS.max_model_len) if FLAGS.max_model_len else None
     if budget is not None:  # else the LLM's default for the policy
         kwargs["max_num_batched_tokens"] = budget
-    if "scheduler_policy" in accepted:
-        kwargs["scheduler_policy"] = policy
-    elif policy != "sarathi":
-        _log(f"LLM has no scheduler_policy option yet: {policy!r} runs the default scheduler")
-    if FLAGS.precompile and "precompile" in accepted:
-        kwargs["precompile"] = True
     kwargs.update(overrides)
     return LLM(FLAGS.model, **kwargs)
 
@@ -191,7 +181,7 @@ def build_llm(policy: str, **overrides):
 def engine_info(llm) -> dict:
     config = llm.config
     return {
-        "policy": getattr(config.scheduler, "policy", "sarathi"),
+        "policy": config.scheduler.policy,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_model_len": config.max_model_len,
