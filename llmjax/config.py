@@ -212,15 +212,24 @@ class CacheConfig:
     `num_pages=None` sizes the cache from `max_num_seqs * max_model_len` (capped by
     `memory_fraction` of device memory where the backend reports it). Page 0 is reserved as the
     sink for padded writes and never handed to a request.
+
+    `prefix_cache` names how KV pages are reused across requests that share a prefix (a system
+    prompt, few-shot examples, earlier chat turns): 'radix' (SGLang's RadixAttention: a radix
+    tree of whole pages with LRU eviction, evicted before anyone is preempted; the default, as in
+    SGLang and vLLM v1) or 'none' (every request computes its whole prompt). See
+    llmjax/engine/radix_cache.py.
     """
 
     page_size: int = 16
     num_pages: int | None = None
     memory_fraction: float = 0.5
     watermark: float = 0.01  # fraction of pages a new admission must leave free (vLLM)
+    prefix_cache: str = "radix"
 
     def __post_init__(self):
         _check_positive(self, "page_size", "num_pages")
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(f"unknown {self.prefix_cache=}; choose one of {PREFIX_CACHES}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"{self.watermark=} must be in [0, 1)")
         if self.num_pages is not None and self.num_pages < 2:
@@ -245,16 +254,36 @@ class SchedulerConfig:
                      budget exactly; pages are taken per chunk.
     The whole-prompt policies need `max_num_batched_tokens >= max_model_len` (checked by
     EngineConfig).
+
+    `admission_order` orders the admission of waiting requests (never the running ones, whose
+    decodes and prefill chunks keep their stall-free priority; preempted requests stay first):
+      fcfs  arrival order.
+      lpm   SGLang's longest-prefix-match: most prefix-cached tokens first. Its guards: with more
+            than `lpm_max_queue_len` (128) waiting it falls back to FCFS (matching every request
+            each step costs too much); a request whose cache hit is at most
+            `in_batch_prefix_len` (32) tokens but whose first `in_batch_prefix_len` tokens equal
+            an earlier waiting request's goes last, so the earlier one fills the cache first.
     """
 
     policy: str = "sarathi"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    admission_order: str = "fcfs"
+    lpm_max_queue_len: int = 128
+    in_batch_prefix_len: int = 32
 
     def __post_init__(self):
-        _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
+        _check_positive(
+            self,
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "lpm_max_queue_len",
+            "in_batch_prefix_len",
+        )
         if self.policy not in SCHEDULER_POLICIES:
             raise ValueError(f"unknown {self.policy=}; choose one of {SCHEDULER_POLICIES}")
+        if self.admission_order not in ADMISSION_ORDERS:
+            raise ValueError(f"unknown {self.admission_order=}; choose one of {ADMISSION_ORDERS}")
 
     @property
     def chunks_prefills(self) -> bool:
@@ -262,6 +291,8 @@ class SchedulerConfig:
 
 
 SCHEDULER_POLICIES = ("sarathi", "prefill_first", "decode_first", "splitfuse")
+ADMISSION_ORDERS = ("fcfs", "lpm")
+PREFIX_CACHES = ("none", "radix")  # implemented in llmjax/engine/radix_cache.py
 
 
 DTYPES = ("float32", "bfloat16", "float16")

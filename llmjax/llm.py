@@ -65,8 +65,10 @@ class LLM:
     context, capped at 4096), `page_size`, `num_pages` (default: what the memory budget allows),
     `scheduler_policy` (sarathi | prefill_first | decode_first | splitfuse, see SchedulerConfig),
     `max_num_seqs`, `max_num_batched_tokens` (the token budget; default 512 for the chunking
-    policies, max_model_len for the whole-prompt ones), `seed` (for requests without their own
-    seed), `precompile` (compile every step shape at start; see EngineConfig).
+    policies, max_model_len for the whole-prompt ones), `prefix_cache` ('radix' reuses the KV
+    of shared prefixes, 'none' turns that off; see CacheConfig), `admission_order` ('fcfs' or
+    'lpm', longest cached prefix first; see SchedulerConfig), `seed` (for requests without their
+    own seed), `precompile` (compile every step shape at start; see EngineConfig).
     """
 
     def __init__(
@@ -82,6 +84,8 @@ class LLM:
         scheduler_policy: str = "sarathi",
         max_num_seqs: int = 32,
         max_num_batched_tokens: int | None = None,
+        prefix_cache: str = "radix",
+        admission_order: str = "fcfs",
         seed: int = 0,
         precompile: bool = False,
         compilation_cache_dir: str | None = None,
@@ -103,11 +107,12 @@ class LLM:
             extra["compilation_cache_dir"] = compilation_cache_dir
         config = EngineConfig(
             model=model_config,
-            cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+            cache=CacheConfig(page_size=page_size, num_pages=num_pages, prefix_cache=prefix_cache),
             scheduler=SchedulerConfig(
                 policy=scheduler_policy,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
+                admission_order=admission_order,
             ),
             dtype=dtype,
             max_model_len=max_model_len,
@@ -133,6 +138,11 @@ class LLM:
     @property
     def model_config(self) -> ModelConfig:
         return self.config.model
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. between timed runs, so the next starts cold).
+        Returns False if running requests still share some cached pages (those stay)."""
+        return self.engine.reset_prefix_cache()
 
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

@@ -78,7 +78,7 @@ def test_greedy_outputs_do_not_depend_on_the_batch_or_policy(policy, alone_outpu
     assert [o.token_ids for o in outs] == [alone_outputs[i] for i in range(7)]
     bm = llm.engine.block_manager
     bm.check_invariants()
-    assert bm.num_free_pages == bm.num_usable_pages
+    assert bm.num_available_pages == bm.num_usable_pages
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -91,7 +91,7 @@ def test_preemption_recomputes_and_loses_nothing(policy, alone_outputs):
     assert [o.token_ids for o in outs] == [alone_outputs[i] for i in range(7)]
     bm = small.engine.block_manager
     bm.check_invariants()
-    assert bm.num_free_pages == bm.num_usable_pages
+    assert bm.num_available_pages == bm.num_usable_pages
 
 
 def test_whole_prompt_policies_need_a_budget_for_any_prompt():
@@ -140,10 +140,14 @@ def test_abort_frees_pages(llm):
     engine = llm.engine
     rid = engine.add_request(_prompts(1, seed=3, lo=20)[0], SamplingParams(max_tokens=50))
     engine.step()
-    assert engine.block_manager.num_free_pages < engine.block_manager.num_usable_pages
+    bm = engine.block_manager
+    assert bm.num_available_pages < bm.num_usable_pages
     assert engine.abort_request(rid)
     assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_pages == engine.block_manager.num_usable_pages
+    assert bm.num_available_pages == bm.num_usable_pages
+    assert bm.prefix_cache.num_cached_pages > 0  # the computed prefix stays reusable
+    assert engine.reset_prefix_cache()
+    assert bm.num_free_pages == bm.num_usable_pages
 
 
 def test_metrics_are_recorded(llm):

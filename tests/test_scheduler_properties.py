@@ -41,6 +41,7 @@ from llmjax.engine.batch import Buckets, pack
 from llmjax.engine.block_manager import BlockManager, pages_needed
 from llmjax.engine.engine import LLMEngine
 from llmjax.engine.policies import make_scheduler
+from llmjax.engine.radix_cache import RadixCache, make_prefix_cache
 from llmjax.engine.request import Request, RequestStatus
 from llmjax.model.step_input import RESERVED_PAGE
 from llmjax.sampling_params import SamplingParams
@@ -81,17 +82,23 @@ class Scenario:
     requests: tuple[RequestSpec, ...]
     watermark: float = 0.0
     vocab_size: int = 256
+    prefix_cache: str = "none"
+    admission_order: str = "fcfs"
 
     def config(self) -> EngineConfig:
         return EngineConfig(
             model=TINY.replace(vocab_size=self.vocab_size),
             cache=CacheConfig(
-                page_size=self.page_size, num_pages=self.num_pages, watermark=self.watermark
+                page_size=self.page_size,
+                num_pages=self.num_pages,
+                watermark=self.watermark,
+                prefix_cache=self.prefix_cache,
             ),
             scheduler=SchedulerConfig(
                 policy=self.policy,
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
+                admission_order=self.admission_order,
             ),
             max_model_len=self.max_model_len,
             compilation_cache_dir="",
@@ -119,8 +126,27 @@ class Scenario:
         )
 
 
+def _output_alone(spec: RequestSpec, max_model_len: int, vocab_size: int) -> list[int]:
+    """What `spec` generates alone ([] if it would be rejected)."""
+    if not 0 < len(spec.prompt) < max_model_len or max(spec.prompt) >= vocab_size:
+        return []
+    out, _ = reference_generation(
+        spec.prompt,
+        max_tokens=spec.max_tokens,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        stop_token_ids=spec.stop_token_ids,
+        eos_token_ids=TINY.eos_token_ids,
+        ignore_eos=spec.ignore_eos,
+    )
+    return out
+
+
 @st.composite
-def scenarios(draw, policy: str) -> Scenario:
+def scenarios(draw, policy: str, prefix_cache: str = "none", admission_order: str = "fcfs"):
+    """A random `Scenario`. With a prefix cache, prompts share prefixes: some start with part of
+    one of a few common sequences, some continue an earlier request's prompt and the output it
+    generates (a chat's next turn)."""
     page_size = draw(st.integers(1, 8))
     max_model_len = draw(st.integers(2, 80))
     max_num_seqs = draw(st.integers(1, 8))
@@ -132,6 +158,12 @@ def scenarios(draw, policy: str) -> Scenario:
     vocab_size = draw(st.sampled_from([256, 16, 4]))  # small vocabularies stop (EOS=2) often
     tokens = st.integers(0, vocab_size - 1)
 
+    max_prompt_len = min(60, max_model_len - 1)
+    shared = []
+    if prefix_cache != "none":
+        common = st.lists(tokens, min_size=1, max_size=max_prompt_len)
+        shared = draw(st.lists(common, min_size=1, max_size=3), label="common prefixes")
+
     specs = []
     for _ in range(draw(st.integers(1, 12))):
         kind = draw(st.sampled_from(["ok"] * 8 + ["empty", "too_long", "bad_token"]))
@@ -140,7 +172,17 @@ def scenarios(draw, policy: str) -> Scenario:
         elif kind == "too_long":
             prompt = draw(st.lists(tokens, min_size=max_model_len, max_size=max_model_len + 3))
         else:
-            prompt = draw(st.lists(tokens, min_size=1, max_size=min(60, max_model_len - 1)))
+            prompt = draw(st.lists(tokens, min_size=1, max_size=max_prompt_len))
+            source = (
+                draw(st.sampled_from(["fresh", *["shared", "next_turn"] * 2])) if shared else ""
+            )
+            if source == "shared":
+                base = draw(st.sampled_from(shared))
+                prompt = (base[: draw(st.integers(1, len(base)))] + prompt)[:max_prompt_len]
+            elif source == "next_turn" and specs:
+                prev = draw(st.sampled_from(specs))
+                out = _output_alone(prev, max_model_len, vocab_size)
+                prompt = (list(prev.prompt) + out + prompt)[:max_prompt_len]
             if kind == "bad_token":
                 prompt[draw(st.integers(0, len(prompt) - 1))] = vocab_size + draw(st.integers(0, 9))
         arrival = draw(st.integers(0, 12))
@@ -173,6 +215,8 @@ def scenarios(draw, policy: str) -> Scenario:
         num_pages = 1 + draw(st.integers(1, big))
     return Scenario(
         policy=policy,
+        prefix_cache=prefix_cache,
+        admission_order=admission_order,
         page_size=page_size,
         num_pages=num_pages,
         max_num_seqs=max_num_seqs,
@@ -211,7 +255,7 @@ def run_scenario(sc: Scenario) -> Result:
     every step; returns the requests in their final state."""
     config = sc.config()
     ps, mml = sc.page_size, sc.max_model_len
-    bm = BlockManager(sc.num_pages, ps)
+    bm = BlockManager(sc.num_pages, ps, make_prefix_cache(sc.prefix_cache, ps))
     sched = make_scheduler(config, bm)
     buckets = Buckets.create(sc.max_num_batched_tokens, sc.max_num_seqs, pages_needed(mml, ps))
     model = FakePagedModel(sc.num_pages, ps, sc.vocab_size)
@@ -289,7 +333,7 @@ def run_scenario(sc: Scenario) -> Result:
         else:
             assert not sched.has_unfinished(), "stall: an empty step while requests wait or run"
         check_state(sc, sched, bm, requests)
-        owned = {p for table in bm.page_tables.values() for p in table}
+        owned = {p for table in bm.page_tables.values() for p in table} | cache_pages(bm)
         model.poison(p for p in range(1, sc.num_pages) if p not in owned)
     else:
         pytest.fail(
@@ -297,7 +341,21 @@ def run_scenario(sc: Scenario) -> Result:
             f"{len(sched.waiting)} waiting: {sc}"
         )
     assert sched.num_preemptions == num_preempted
+    assert bm.prefix_cache.num_locked_pages == 0, "a finished request left its prefix locked"
+    assert bm.num_available_pages == bm.num_usable_pages, "pages still held at the end"
     return Result(requests, step, num_preempted, peak_running)
+
+
+def cache_pages(bm: BlockManager) -> set[int]:
+    cache = bm.prefix_cache
+    return set(cache._pages) if isinstance(cache, RadixCache) else set()
+
+
+def fits(sched, req: Request, keep_free: int) -> bool:
+    """Whether the pages allow admitting `req` now (as `Scheduler._admit` checks)."""
+    bm = sched.block_manager
+    prefix = bm.peek_prefix(sched._match_token_ids(req))
+    return bm.can_allocate(req.request_id, req.num_tokens, keep_free, prefix)
 
 
 @dataclasses.dataclass
@@ -308,21 +366,24 @@ class Before:
     waiting: list[Request]
     ready: set[str]  # running requests with one token left to compute: decodes
     outputs: dict[str, list[int]]
-    head_admissible: bool  # the first waiting request fits now (seqs, pages, watermark)
+    head: Request | None  # the first request admission tries
+    head_admissible: bool  # it fits now (seqs, pages, watermark)
 
     @classmethod
     def of(cls, sched, bm) -> Before:
         running, waiting = list(sched.running), list(sched.waiting)
+        order = sched._admission_order()
+        assert sorted(map(id, order)) == sorted(map(id, waiting)), "admission order loses requests"
+        head = order[0] if order else None
         head_admissible = False
-        if waiting and len(running) < sched.config.max_num_seqs:
-            keep_free = sched.watermark_pages if running else 0
-            head = waiting[0]
-            head_admissible = bm.can_allocate(head.request_id, head.num_tokens, keep_free)
+        if head and len(running) < sched.config.max_num_seqs:
+            head_admissible = fits(sched, head, sched.watermark_pages if running else 0)
         return cls(
             running=running,
             waiting=waiting,
             ready={r.request_id for r in running if r.num_uncomputed_tokens == 1},
             outputs={r.request_id: list(r.output_token_ids) for r in running + waiting},
+            head=head,
             head_admissible=head_admissible,
         )
 
@@ -377,19 +438,23 @@ def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) ->
     if sc.policy == "prefill_first":  # prefill-only steps of whole prompts, when possible
         assert not admitted or len(admitted) == len(seqs), "prefill_first mixed prefill and decode"
         if before.head_admissible:
-            assert before.waiting[0].request_id in admitted, "prefill_first did not admit"
+            assert before.head.request_id in admitted, "prefill_first did not admit"
     if sc.policy == "decode_first":  # new requests only when none is running
         if before.running:
             assert not admitted, "decode_first admitted a request while others were running"
         elif before.waiting:
-            assert before.waiting[0].request_id in admitted, "decode_first idles"
+            assert before.head.request_id in admitted, "decode_first idles"
     if sc.policy in CHUNKED and batch.num_tokens < cfg.max_num_batched_tokens:
         # Budget left: nothing running was left out, and the queue's head could not be admitted.
         assert set(running_ids) <= set(ids), f"{sc.policy} left budget and a request unscheduled"
         if sched.waiting and len(running_ids) < cfg.max_num_seqs:
-            keep_free = sched.watermark_pages if running_ids else 0
-            head = sched.waiting[0]
-            assert not bm.can_allocate(head.request_id, head.num_tokens, keep_free), (
+            # Admission stopped at a request that does not fit (evictions for the admitted ones
+            # may have shrunk its cache hit since the order was made: LPM's order is per step).
+            head = batch.blocked
+            assert head is not None and head in sched.waiting, "admission stopped for no reason"
+            if sc.admission_order == "fcfs":
+                assert head is sched.waiting[0], "FCFS admission skipped the queue's head"
+            assert not fits(sched, head, sched.watermark_pages if running_ids else 0), (
                 f"{sc.policy} left budget while {head.request_id} could be admitted"
             )
 
@@ -416,8 +481,8 @@ def check_state(sc, sched, bm, requests) -> None:
     live_ids = {r.request_id for r in live}
     for req in requests.values():
         assert req.status.is_done != (req.request_id in live_ids), f"{req.request_id} lost"
-    n = sum(len(t) for t in bm.page_tables.values())
-    assert bm.num_free_pages == bm.num_usable_pages - n
+    n = sum(len(t) - bm.num_shared_pages(rid) for rid, t in bm.page_tables.items())
+    assert bm.num_free_pages + n + len(cache_pages(bm)) == bm.num_usable_pages
 
 
 def check_result(sc: Scenario, result: Result) -> None:
@@ -447,14 +512,22 @@ def check_result(sc: Scenario, result: Result) -> None:
 # ---- tests ---------------------------------------------------------------------------------------
 
 
+CACHE_VARIANTS = [("none", "fcfs"), ("radix", "fcfs"), ("radix", "lpm")]
+
+
+@pytest.mark.parametrize("prefix_cache,admission_order", CACHE_VARIANTS)
 @pytest.mark.parametrize("policy", SCHEDULER_POLICIES)
 @PROPERTY_SETTINGS
 @given(data=st.data())
-def test_random_workloads_keep_invariants_and_batch_invariance(policy, data):
-    sc = data.draw(scenarios(policy), label="scenario")
+def test_random_workloads_keep_invariants_and_batch_invariance(
+    policy, prefix_cache, admission_order, data
+):
+    sc = data.draw(scenarios(policy, prefix_cache, admission_order), label="scenario")
     result = run_scenario(sc)
     check_result(sc, result)
     # Coverage, shown by `pytest --hypothesis-show-statistics`.
+    cached = sum(r.num_cached_tokens for r in result.requests.values())
+    event("cache hits" if cached else "no cache hit")
     event("preempted" if result.num_preemptions else "no preemption")
     for status in {r.status.value for r in result.requests.values()}:
         event(f"some {status}")
@@ -462,6 +535,8 @@ def test_random_workloads_keep_invariants_and_batch_invariance(policy, data):
     # Steer towards crowded small caches.
     target(float(result.num_preemptions), label="preemptions")
     target(float(result.peak_running), label="peak running")
+    if prefix_cache != "none":
+        target(float(cached), label="cached tokens")
 
 
 def _workload(policy: str, **kw) -> Scenario:
@@ -548,7 +623,7 @@ def test_engine_with_a_fake_runner_rejects_bad_prompts_and_serves_the_others(mon
     assert engine.stats.num_preemptions > 0
     bm = engine.block_manager
     bm.check_invariants()
-    assert bm.num_free_pages == bm.num_usable_pages
+    assert bm.num_available_pages == bm.num_usable_pages
 
 
 def test_host_loop_imports_no_jax():

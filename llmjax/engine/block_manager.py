@@ -1,28 +1,74 @@
-"""Host-side owner of the KV pages: the free list and each request's page table.
+"""Host-side owner of the KV pages: the free list, each request's page table, and the prefix cache.
 
-Page 0 is reserved (padded writes land there) and never handed out. Invariant: every page other
-than 0 is either free or in exactly one request's table.
+Ownership. Page 0 is reserved (padded writes land there) and never handed out. Every other page
+is owned by exactly one of: the free list, one request (a *private* page), or the prefix cache.
+A request's page table is a *shared* head of cache pages (the prefix it matched or inserted, all
+full pages, locked in the cache so they are never evicted while it runs) followed by its private
+pages. A page is written only by its owner's next tokens, and a request writes only at positions
+>= its computed tokens, which lie past its shared head: a shared page is never written.
+
+Reference counts: a cache page appears in the shared head of exactly as many page tables as its
+radix node's `lock_ref` says (each request locks the node that ends its shared head, which pins
+the whole path); `check_invariants` asserts it.
+
+The request lifecycle, driven by the scheduler:
+    peek_prefix / can_allocate   admission check: what a match would reuse, and whether the rest
+                                 fits (free pages + evictable cache pages)
+    match_prefix                 point the head of the table at the cached prefix and lock it
+                                 (on admission, and again before each prefill chunk so that a
+                                 prefix another request inserted meanwhile is reused)
+    allocate                     grow the table; evicts LRU cache pages when the free list is short
+    cache_computed               after a step: offer the request's new full pages to the cache;
+                                 duplicates of pages the cache already had are freed and the table
+                                 points at the cache's copies
+    free                         on finish, abort or preemption: offer the computed full pages,
+                                 unlock, and free the private rest
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
+from collections.abc import Sequence
 
+from llmjax.engine.radix_cache import (
+    NoPrefixCache,
+    PeekResult,
+    PrefixCache,
+    RadixCache,
+    RadixNode,
+)
 from llmjax.model.step_input import RESERVED_PAGE
+
+NO_PREFIX = PeekResult(0, 0, 0)
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+@dataclasses.dataclass
+class _SharedHead:
+    """The cache pages at the head of one request's page table."""
+
+    node: RadixNode | None  # locked in the cache; ends the shared head
+    num_pages: int  # table[:num_pages] are the cache's pages
+    num_offered: int  # full pages offered to the cache so far (>= num_pages)
+
+
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: PrefixCache | None = None):
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is reserved)")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.prefix_cache = prefix_cache if prefix_cache is not None else NoPrefixCache(page_size)
+        if self.prefix_cache.page_size != page_size:
+            raise ValueError(f"{self.prefix_cache.page_size=} != {page_size=}")
+        self.caching = not isinstance(self.prefix_cache, NoPrefixCache)
         self._free: deque[int] = deque(p for p in range(num_pages) if p != RESERVED_PAGE)
         self.page_tables: dict[str, list[int]] = {}
+        self._heads: dict[str, _SharedHead] = {}
 
     @property
     def num_free_pages(self) -> int:
@@ -32,19 +78,79 @@ class BlockManager:
     def num_usable_pages(self) -> int:
         return self.num_pages - 1
 
+    @property
+    def num_available_pages(self) -> int:
+        """Pages a request could get now: free ones plus unlocked cache pages (evicted on
+        demand)."""
+        return len(self._free) + self.prefix_cache.num_evictable_pages
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages that running requests hold (private or locked in the cache)."""
+        return self.num_usable_pages - self.num_available_pages
+
     def num_missing_pages(self, request_id: str, num_tokens: int) -> int:
         """Pages to add so that `request_id` can hold `num_tokens` tokens."""
         have = len(self.page_tables.get(request_id, ()))
         return max(0, pages_needed(num_tokens, self.page_size) - have)
 
-    def can_allocate(self, request_id: str, num_tokens: int, keep_free: int = 0) -> bool:
-        """Whether `request_id` can grow to `num_tokens` tokens and leave `keep_free` pages free
-        (the admission watermark)."""
-        return self.num_missing_pages(request_id, num_tokens) + keep_free <= len(self._free)
+    # ---- admission -----------------------------------------------------------------------------
+
+    def peek_prefix(self, token_ids: Sequence[int]) -> PeekResult:
+        """What `match_prefix` would reuse for a request with no pages yet (changes nothing)."""
+        return self.prefix_cache.peek(token_ids) if self.caching and token_ids else NO_PREFIX
+
+    def can_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        keep_free: int = 0,
+        prefix: PeekResult = NO_PREFIX,
+    ) -> bool:
+        """Whether `request_id` can grow to `num_tokens` tokens and leave `keep_free` pages
+        available (the admission watermark). `prefix`: for a request not yet admitted, the
+        `peek_prefix` it would match (its pages need no allocation, but locking them takes them
+        out of eviction)."""
+        missing = self.num_missing_pages(request_id, num_tokens) - prefix.num_pages
+        available = self.num_available_pages - prefix.num_unlocked_pages
+        return max(missing, 0) + keep_free <= available
+
+    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Make the head of `request_id`'s table the longest cached prefix of `token_ids` if that
+        is longer than the head it shares now; returns the tokens its shared head covers.
+
+        Private pages the cached ones replace are freed: they hold (or were reserved for) the
+        same tokens' KV, so the caller may count every token of the returned prefix as computed.
+        Pass tokens that leave at least one to compute (a prompt must produce logits)."""
+        head = self._heads.get(request_id)
+        have = head.num_pages if head else 0
+        if not self.caching or not token_ids:
+            return have * self.page_size
+        m = self.prefix_cache.match(token_ids)
+        if len(m.pages) <= have:
+            return have * self.page_size
+        table = self.page_tables.setdefault(request_id, [])
+        for i in range(have, len(m.pages)):
+            if i < len(table):
+                self._free.append(table[i])
+                table[i] = m.pages[i]
+            else:
+                table.append(m.pages[i])
+        self.prefix_cache.lock(m.node)
+        if head is not None:
+            self.prefix_cache.unlock(head.node)
+        offered = max(head.num_offered if head else 0, len(m.pages))
+        self._heads[request_id] = _SharedHead(m.node, len(m.pages), offered)
+        return m.num_tokens
+
+    # ---- allocate / free -----------------------------------------------------------------------
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow `request_id`'s table to hold `num_tokens` tokens; returns the whole table."""
+        """Grow `request_id`'s table to hold `num_tokens` tokens, evicting unlocked cache pages
+        (LRU) if the free list is short; returns the whole table."""
         missing = self.num_missing_pages(request_id, num_tokens)
+        if missing > len(self._free):
+            self._free.extend(self.prefix_cache.evict(missing - len(self._free)))
         if missing > len(self._free):
             raise RuntimeError(
                 f"out of KV pages: {request_id=} needs {missing}, {len(self._free)} free"
@@ -53,13 +159,113 @@ class BlockManager:
         table.extend(self._free.popleft() for _ in range(missing))
         return table
 
-    def free(self, request_id: str) -> None:
-        for page in self.page_tables.pop(request_id, ()):
-            self._free.append(page)
+    def cache_computed(self, request_id: str, computed_token_ids: Sequence[int]) -> None:
+        """Offer the full pages of `computed_token_ids` (the request's tokens whose KV is in its
+        pages) to the prefix cache and share the cache's copy of each from now on."""
+        if not self.caching:
+            return
+        num_full = len(computed_token_ids) // self.page_size
+        head = self._heads.get(request_id)
+        if num_full <= (head.num_offered if head else 0):
+            return
+        table = self.page_tables[request_id]
+        tokens = computed_token_ids[: num_full * self.page_size]
+        not_adopted = set(self.prefix_cache.insert(tokens, table[:num_full]))
+        m = self.prefix_cache.match(tokens)
+        replaced = []
+        for i, page in enumerate(m.pages):
+            if table[i] != page:
+                replaced.append(table[i])
+                table[i] = page
+        assert set(replaced) == not_adopted, "the cache kept a page it did not adopt"
+        self._free.extend(replaced)
+        self.prefix_cache.lock(m.node)
+        if head is not None:
+            self.prefix_cache.unlock(head.node)
+        self._heads[request_id] = _SharedHead(m.node, len(m.pages), num_full)
+
+    def free(self, request_id: str, computed_token_ids: Sequence[int] = ()) -> None:
+        """Release `request_id`'s pages. `computed_token_ids` (its tokens whose KV is in the
+        pages) are offered to the prefix cache first, so a finished, aborted or preempted
+        request's prefix stays reusable until evicted."""
+        if request_id not in self.page_tables:
+            return
+        if computed_token_ids:
+            self.cache_computed(request_id, computed_token_ids)
+        table = self.page_tables.pop(request_id)
+        head = self._heads.pop(request_id, None)
+        shared = 0
+        if head is not None:
+            self.prefix_cache.unlock(head.node)
+            shared = head.num_pages
+        self._free.extend(table[shared:])
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache. Pages that running requests share stay (they are locked);
+        returns whether the cache is now empty."""
+        if self.prefix_cache.num_locked_pages:
+            self._free.extend(self.prefix_cache.evict(self.prefix_cache.num_evictable_pages))
+            return False
+        self._free.extend(self.prefix_cache.reset())
+        return True
+
+    def num_shared_pages(self, request_id: str) -> int:
+        """Pages at the head of `request_id`'s table that the cache owns."""
+        head = self._heads.get(request_id)
+        return head.num_pages if head else 0
+
+    def num_offered_pages(self, request_id: str) -> int:
+        """Full pages of `request_id` offered to the cache so far (`cache_computed` with no more
+        full pages than this does nothing)."""
+        head = self._heads.get(request_id)
+        return head.num_offered if head else 0
+
+    # ---- invariants ----------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        owned = [p for table in self.page_tables.values() for p in table]
-        all_pages = owned + list(self._free)
+        """Every usable page has exactly one owner; shared heads are the cache's pages, pinned,
+        and referenced exactly as often as their nodes' lock counts say (tests only)."""
+        cache = self.prefix_cache
+        cache.check_invariants()
+        private = [
+            p for rid, t in self.page_tables.items() for p in t[self.num_shared_pages(rid) :]
+        ]
+        cached = _cache_pages(cache)
+        all_pages = private + list(self._free) + cached
         assert RESERVED_PAGE not in all_pages, "reserved page handed out"
         assert len(all_pages) == len(set(all_pages)), "a page is owned twice or freed twice"
         assert len(all_pages) == self.num_pages - 1, "a page leaked"
+        assert set(self._heads) <= set(self.page_tables), "a shared head without a table"
+        refs: dict[int, int] = {}
+        for rid, head in self._heads.items():
+            table = self.page_tables[rid]
+            assert head.num_pages <= head.num_offered and head.num_pages <= len(table)
+            path = _path_pages(cache, head.node)
+            assert table[: head.num_pages] == path, f"{rid}'s shared head is not its locked path"
+            for p in path:
+                refs[p] = refs.get(p, 0) + 1
+        if isinstance(cache, RadixCache):
+            for node in cache._nodes():
+                for p in node.pages:
+                    assert refs.get(p, 0) == node.lock_ref, (
+                        f"page {p}: {refs.get(p, 0)} tables share it, lock_ref {node.lock_ref}"
+                    )
+        else:
+            assert not refs
+
+
+def _cache_pages(cache: PrefixCache) -> list[int]:
+    if isinstance(cache, RadixCache):
+        return [p for node in cache._nodes() for p in node.pages]
+    return []
+
+
+def _path_pages(cache: PrefixCache, node: RadixNode | None) -> list[int]:
+    """The pages from the root down to `node`."""
+    chunks = []
+    while node is not None and node.parent is not None:
+        chunks.append(node.pages)
+        node = node.parent
+    if node is not None and isinstance(cache, RadixCache):
+        assert node is cache.root, "a shared head ends at a detached node"
+    return [p for chunk in reversed(chunks) for p in chunk]

@@ -21,6 +21,7 @@ from llmjax.config import EngineConfig
 from llmjax.engine.batch import Buckets, pack
 from llmjax.engine.block_manager import BlockManager, pages_needed
 from llmjax.engine.policies import make_scheduler
+from llmjax.engine.radix_cache import make_prefix_cache
 from llmjax.engine.request import Request, RequestOutput, RequestStatus
 from llmjax.engine.stats import EngineStats
 from llmjax.sampling_params import SamplingParams
@@ -35,7 +36,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         page_size = config.cache.page_size
-        self.block_manager = BlockManager(num_pages, page_size)
+        self.block_manager = BlockManager(
+            num_pages, page_size, make_prefix_cache(config.cache.prefix_cache, page_size)
+        )
         self.scheduler = make_scheduler(config, self.block_manager)
         self.runner = ModelRunner(config, params, num_pages)
         self.buckets = Buckets.create(
@@ -47,13 +50,31 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._rejected: list[Request] = []
         self._live: set[str] = set()  # ids of waiting and running requests
-        self.stats = EngineStats(num_pages=self.block_manager.num_usable_pages)
+        self.stats = self._new_stats()
         if config.precompile:
             self.precompile()
 
+    def _new_stats(self) -> EngineStats:
+        cache = self.block_manager.prefix_cache
+        return EngineStats(
+            num_pages=self.block_manager.num_usable_pages,
+            num_cached_pages=cache.num_cached_pages,
+            evictions_base=cache.num_evictions,
+        )
+
     def reset_stats(self) -> None:
         """Start the engine counters afresh (e.g. after a benchmark's warm-up)."""
-        self.stats = EngineStats(num_pages=self.block_manager.num_usable_pages)
+        self.stats = self._new_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix, so the next requests start cold (between benchmark runs,
+        say). Prefixes that running requests share stay until they finish; returns whether the
+        cache is now empty."""
+        ok = self.block_manager.reset_prefix_cache()
+        self.stats.num_cached_pages = self.block_manager.prefix_cache.num_cached_pages
+        if not ok:
+            logger.warning("reset_prefix_cache: running requests still share cached pages")
+        return ok
 
     def precompile(self) -> float:
         """Compile the step for every shape bucket now (loading from JAX's persistent cache when
@@ -156,11 +177,14 @@ class LLMEngine:
         for req in self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist()):
             self._live.discard(req.request_id)
         outputs += [self._output(r) for r in sampled]
+        bm = self.block_manager
         self.stats.record_step(
             batch,
             host_s=(t_run - t_start) + (time.perf_counter() - t_update),
             device_s=t_update - t_run,
-            num_used_pages=self.block_manager.num_usable_pages - self.block_manager.num_free_pages,
+            num_used_pages=bm.num_used_pages,
+            num_cached_pages=bm.prefix_cache.num_cached_pages,
+            num_evictions=bm.prefix_cache.num_evictions,
         )
         return outputs
 
@@ -178,6 +202,7 @@ class LLMEngine:
             finished=done,
             finish_reason=req.finish_reason,
             metrics=req.metrics,
+            num_cached_tokens=req.num_cached_tokens,
             error=req.error,
         )
 

@@ -50,11 +50,20 @@ class MatchResult:
     node: RadixNode | None  # handle for lock/unlock; the root (or None) when nothing matched
 
 
+@dataclasses.dataclass(frozen=True)
+class PeekResult:
+    num_tokens: int  # what `match` would return as num_tokens now
+    num_pages: int  # == num_tokens // page_size
+    num_unlocked_pages: int  # of those, pages that locking the match would take out of eviction
+
+
 class PrefixCache(abc.ABC):
     """Contract shared by every prefix cache; the engine runs one code path for all of them.
 
     - `match(token_ids)`: the longest cached prefix of whole pages and the cache's pages for it.
       The pages stay the cache's; the caller may read them until it unlocks `node`.
+    - `peek(token_ids)`: what `match` would find, without changing anything (no LRU touch, no
+      split): for admission checks and cache-aware ordering.
     - `insert(token_ids, pages)`: offer the KV pages of `token_ids[: len(pages) * page_size]`,
       `len(pages) == len(token_ids) // page_size` (a partial last page is never inserted: it
       stays private to the caller). Returns the offered pages that the cache did NOT adopt: they
@@ -79,6 +88,9 @@ class PrefixCache(abc.ABC):
 
     @abc.abstractmethod
     def match(self, token_ids: Sequence[int]) -> MatchResult: ...
+
+    @abc.abstractmethod
+    def peek(self, token_ids: Sequence[int]) -> PeekResult: ...
 
     @abc.abstractmethod
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> list[int]: ...
@@ -125,6 +137,9 @@ class NoPrefixCache(PrefixCache):
 
     def match(self, token_ids: Sequence[int]) -> MatchResult:
         return MatchResult(0, [], None)
+
+    def peek(self, token_ids: Sequence[int]) -> PeekResult:
+        return PeekResult(0, 0, 0)
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> list[int]:
         _check_insert_args(token_ids, pages, self.page_size)
@@ -228,6 +243,22 @@ class RadixCache(PrefixCache):
         for node, _ in self._walk(self._key(token_ids)):
             pages.extend(node.pages)
         return MatchResult(len(pages) * self.page_size, pages, node)
+
+    def peek(self, token_ids: Sequence[int]) -> PeekResult:
+        ps, key = self.page_size, self._key(token_ids)
+        node, pos, num_pages, num_unlocked = self.root, 0, 0, 0
+        while pos < len(key) and (child := node.children.get(key[pos : pos + ps])) is not None:
+            k = 1
+            while k < len(child.pages) and (
+                child.token_ids[k * ps : (k + 1) * ps] == key[pos + k * ps : pos + (k + 1) * ps]
+            ):
+                k += 1
+            num_pages += k
+            num_unlocked += 0 if child.lock_ref else k
+            if k < len(child.pages):
+                break
+            node, pos = child, pos + k * ps
+        return PeekResult(num_pages * ps, num_pages, num_unlocked)
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> list[int]:
         _check_insert_args(token_ids, pages, self.page_size)

@@ -88,6 +88,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
     metrics: RequestMetrics = dataclasses.field(
         default_factory=lambda: RequestMetrics(arrival_time=time.perf_counter())
     )
@@ -139,7 +140,8 @@ class RequestOutput:
 
     `text` is the detokenized `token_ids` (generated tokens only). `finish_reason` is 'stop'
     (EOS or a stop token), 'length' (max_tokens or max_model_len), 'abort', or 'error' with
-    `error` saying why (e.g. a prompt too long for the model).
+    `error` saying why (e.g. a prompt too long for the model). `num_cached_tokens` is the prompt
+    tokens whose KV came from the prefix cache instead of being computed (its hit).
     """
 
     request_id: str

@@ -9,6 +9,17 @@ whole prompt at admission (unless the policy chunks its allocation, as SplitFuse
 watermark of free pages; a decode appends a page when its last one fills. When a page cannot be
 had, the running request that arrived last is preempted: its pages are freed, it goes to the front
 of the waiting queue, and it is recomputed later with the tokens it already generated.
+
+Prefix caching (SGLang's rules, ALGORITHMS.md §8 and §13.1) is the block manager's: on admission
+a request takes the longest cached prefix of its tokens and only the rest is charged to the token
+budget and computed (at least one token, for the logits); before each further prefill chunk it
+takes any longer prefix that another request has inserted meanwhile; after every step each
+request's new full pages go into the cache, so a second request can reuse a prefix before the
+first finishes. The cache evicts (LRU) before anyone is preempted, and a preempted request's
+computed pages stay cached, so its recomputation is mostly a cache hit.
+
+Admission order (`SchedulerConfig.admission_order`): FCFS, or longest-prefix-match with SGLang's
+guards (see `_admission_order`); running requests are never reordered.
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ class ScheduledBatch:
     seqs: list[ScheduledSeq] = dataclasses.field(default_factory=list)
     preempted: list[Request] = dataclasses.field(default_factory=list)
     num_tokens: int = 0  # sum of the seqs' num_new_tokens, kept as they are added and removed
+    num_cached_tokens: int = 0  # tokens that prefix-cache hits spared this step
+    blocked: Request | None = None  # the waiting request admission stopped at (did not fit)
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
@@ -86,7 +99,7 @@ class Scheduler:
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
-                    self.block_manager.free(request_id)
+                    self.block_manager.free(request_id, self._computed_token_ids(req))
                     req.finish("abort", time.perf_counter(), RequestStatus.ABORTED)
                     return req
         return None
@@ -116,32 +129,43 @@ class Scheduler:
                 batch.add(req, 1)
 
     def _schedule_prefill_chunks(self, batch: ScheduledBatch, *, allocate_per_chunk: bool) -> None:
-        """The next chunk of every running request still in prefill, in FCFS order."""
+        """The next chunk of every running request still in prefill, in FCFS order (first taking
+        a longer cached prefix if another request inserted one meanwhile)."""
         for req in [r for r in self.running if r.num_uncomputed_tokens > 1]:
-            n = min(req.num_uncomputed_tokens, self._budget(batch))
-            if req.status is not RequestStatus.RUNNING or n <= 0:
+            if req.status is not RequestStatus.RUNNING or self._budget(batch) <= 0:
                 continue
+            self._match_prefix(req, batch)
+            n = min(req.num_uncomputed_tokens, self._budget(batch))
             if not allocate_per_chunk or self._grow(req, req.num_computed_tokens + n, batch):
                 batch.add(req, n)
 
     def _admit(self, batch: ScheduledBatch, *, chunked: bool, allocate_per_chunk: bool) -> None:
-        """Admit waiting requests FCFS while the budget, `max_num_seqs` and pages allow.
+        """Admit waiting requests in admission order while the budget, `max_num_seqs` and pages
+        allow; the first that does not fit stops admission (no overtaking).
 
+        A request's cached prefix is reused, so only its uncached tokens count against the budget.
         chunked: the last admitted prompt may be cut to the budget left (else whole prompts only).
         allocate_per_chunk: take pages for the scheduled chunk only (else for the whole prompt),
-        but only admit a prompt whose whole rest fits in the free pages (no deadlock).
+        but only admit a prompt whose whole rest fits in the available pages (no deadlock).
         """
         bm = self.block_manager
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        for req in self._admission_order():
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            prefix = bm.peek_prefix(self._match_token_ids(req))
+            uncached = req.num_tokens - prefix.num_tokens
             budget = self._budget(batch)
-            n = min(req.num_uncomputed_tokens, budget) if chunked else req.num_uncomputed_tokens
-            if n <= 0 or n > budget:
-                break
+            n = min(uncached, budget) if chunked else uncached
             keep_free = self.watermark_pages if self.running else 0  # alone, it must fit
-            if not bm.can_allocate(req.request_id, req.num_tokens, keep_free):
+            if (
+                n <= 0
+                or n > budget
+                or not bm.can_allocate(req.request_id, req.num_tokens, keep_free, prefix)
+            ):
+                batch.blocked = req
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
+            self._match_prefix(req, batch)
             bm.allocate(
                 req.request_id,
                 req.num_computed_tokens + n if allocate_per_chunk else req.num_tokens,
@@ -151,6 +175,62 @@ class Scheduler:
                 req.metrics.first_scheduled_time = time.perf_counter()
             self.running.append(req)
             batch.add(req, n)
+
+    def _admission_order(self) -> list[Request]:
+        """The waiting queue in the order admission tries it: preempted requests first (they
+        wait at the front), then FCFS or longest-prefix-match (SGLang's `calc_priority`: most
+        cached tokens first; with more than `lpm_max_queue_len` waiting, FCFS; a request with a
+        cache hit of at most `in_batch_prefix_len` tokens whose first `in_batch_prefix_len` tokens
+        equal an earlier waiting request's goes last, so that one fills the cache first)."""
+        cfg = self.config
+        waiting = list(self.waiting)
+        if (
+            cfg.admission_order == "fcfs"
+            or not self.block_manager.caching
+            or len(waiting) > cfg.lpm_max_queue_len
+        ):
+            return waiting
+        preempted = [r for r in waiting if r.num_preemptions]
+        fresh = [r for r in waiting if not r.num_preemptions]
+        k = cfg.in_batch_prefix_len
+        heads: set[tuple[int, ...]] = set()
+        keys = {}
+        for i, req in enumerate(fresh):
+            cached = self.block_manager.peek_prefix(self._match_token_ids(req)).num_tokens
+            deferred = False
+            if cached <= k and len(req.prompt_token_ids) >= k:
+                head = tuple(req.prompt_token_ids[:k])
+                deferred = head in heads
+                heads.add(head)
+            keys[req.request_id] = (deferred, -cached, i)
+        fresh.sort(key=lambda r: keys[r.request_id])
+        return preempted + fresh
+
+    def _match_token_ids(self, req: Request) -> list[int]:
+        """The tokens a cache match may cover: all but the last (which must be computed to get
+        logits); none when nothing is cached."""
+        if not self.block_manager.caching:
+            return []
+        return req.token_ids_slice(0, req.num_tokens - 1)
+
+    def _computed_token_ids(self, req: Request) -> list[int]:
+        """The tokens whose KV is in `req`'s pages (offered to the cache); none when not
+        caching."""
+        if not self.block_manager.caching:
+            return []
+        return req.token_ids_slice(0, req.num_computed_tokens)
+
+    def _match_prefix(self, req: Request, batch: ScheduledBatch) -> None:
+        """Reuse the longest cached prefix of `req`'s tokens, if longer than what it computed."""
+        if not self.block_manager.caching:
+            return
+        cached = self.block_manager.match_prefix(req.request_id, self._match_token_ids(req))
+        if cached > req.num_computed_tokens:
+            saved = cached - req.num_computed_tokens
+            batch.num_cached_tokens += saved
+            if not req.output_token_ids:  # the prompt's first pass: the request's cache hit
+                req.num_cached_tokens += saved
+            req.num_computed_tokens = cached
 
     def _grow(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give `req` pages for `num_tokens` tokens, preempting the newest running requests if
@@ -165,7 +245,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         self.running.remove(req)
-        self.block_manager.free(req.request_id)
+        self.block_manager.free(req.request_id, self._computed_token_ids(req))
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -183,13 +263,20 @@ class Scheduler:
         for seq, token_id in zip(batch.seqs, next_token_ids, strict=True):
             req = seq.request
             req.num_computed_tokens += seq.num_new_tokens
-            if not seq.samples:
-                continue
-            req.append_token(int(token_id), now)
-            if not req.status.is_done and req.num_tokens >= self.max_model_len:
-                req.finish("length", now)
+            if seq.samples:
+                req.append_token(int(token_id), now)
+                if not req.status.is_done and req.num_tokens >= self.max_model_len:
+                    req.finish("length", now)
             if req.status.is_done:
                 self.running.remove(req)
-                self.block_manager.free(req.request_id)
+                self.block_manager.free(req.request_id, self._computed_token_ids(req))
                 finished.append(req)
+            elif self.block_manager.caching:
+                self._cache_computed(req)
         return finished
+
+    def _cache_computed(self, req: Request) -> None:
+        bm = self.block_manager
+        num_full = req.num_computed_tokens // bm.page_size
+        if num_full > bm.num_offered_pages(req.request_id):
+            bm.cache_computed(req.request_id, self._computed_token_ids(req))
