@@ -6,12 +6,18 @@
     python scripts/benchmark.py --batch_sizes 1,8,32,64           # + throughput at batch N
     python scripts/benchmark.py --host_overhead_requests 256      # + host vs device time per step
     python scripts/benchmark.py --model tiny --load_format dummy --num_requests 8   # smoke test
+    python scripts/benchmark.py --workload shared_system_prompt --policies sarathi \
+        --prefix_caches none,radix --admission_orders fcfs,lpm   # prefix cache off / FCFS / LPM
 
-For each policy a fresh engine is built and warmed up (compilation excluded from measurements as
+Every combination of --policies, --prefix_caches and --admission_orders (an admission order only
+with a cache) is a *variant*; columns are named policy[/cache[/order]] when there are several.
+For each variant a fresh engine is built and warmed up (compilation excluded from measurements as
 far as the warm-up covers the step shapes; the table reports compiles during the run), the same
 requests are replayed in real time (Poisson arrivals at --qps, or all at once with --qps inf), and
 the metrics of ALGORITHMS.md §1 are printed side by side and written to --json_out with the
-engine's counters. Without --tbt_slo the TBT SLO is --tbt_slo_factor x a measured decode step of
+engine's counters (prefill tokens computed, prefix-cache hits and evictions among them). The
+prefix cache is emptied before each measured replay, so warm-up and rehearsal do not pre-fill it.
+Without --tbt_slo the TBT SLO is --tbt_slo_factor x a measured decode step of
 --slo_reference_batch requests (Sarathi-Serve chose its SLOs as ~5x / ~25x a decode iteration).
 """
 
@@ -23,6 +29,7 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 from absl import app, flags
 
@@ -37,14 +44,41 @@ flags.DEFINE_list(
     "Scheduling policies to compare (sarathi, prefill_first, decode_first, splitfuse); each gets "
     "a fresh engine and the same requests.",
 )
+flags.DEFINE_list(
+    "prefix_caches",
+    ["radix"],
+    "Prefix caches to compare (none, radix): each is a variant of every policy.",
+)
+flags.DEFINE_list(
+    "admission_orders",
+    ["fcfs"],
+    "Admission orders to compare with a prefix cache (fcfs, lpm = longest prefix match first).",
+)
+PREFIX_WORKLOADS = ("shared_system_prompt", "few_shot", "multi_turn_chat")
 flags.DEFINE_enum(
     "workload",
     "sharegpt",
-    ["sharegpt", "arxiv", "long_prompt_interference", "fixed", "trace"],
+    ["sharegpt", "arxiv", "long_prompt_interference", "fixed", *PREFIX_WORKLOADS, "trace"],
     "sharegpt/arxiv: lognormal lengths with the published medians and P90s, times --scale. "
     "long_prompt_interference: decode-heavy short requests at t=0 plus long prompts arriving at "
-    "--qps while they decode. fixed: --prompt_len/--output_len each. trace: --trace.",
+    "--qps while they decode. fixed: --prompt_len/--output_len each. shared_system_prompt: one "
+    "--system_prompt_len prompt + a --question_len question each. few_shot: --num_tasks tasks of "
+    "--num_shots examples of --shot_len tokens + a question. multi_turn_chat: sessions of "
+    "--num_turns turns, each turn's prompt = the previous prompt + its generated output + "
+    "--user_turn_len new tokens, --think_time s after the previous turn (sessions start at "
+    "--qps). trace: --trace.",
 )
+flags.DEFINE_integer("system_prompt_len", 1024, "shared_system_prompt: shared prompt tokens.")
+flags.DEFINE_integer(
+    "question_len", None, "shared_system_prompt/few_shot: median question tokens (default 64/48)."
+)
+flags.DEFINE_integer("num_tasks", 4, "few_shot: tasks, each with its own examples.")
+flags.DEFINE_integer("num_shots", 5, "few_shot: examples per task.")
+flags.DEFINE_integer("shot_len", 96, "few_shot: median tokens per example.")
+flags.DEFINE_integer("num_turns", 4, "multi_turn_chat: turns per session.")
+flags.DEFINE_integer("first_prompt_len", 256, "multi_turn_chat: median first-turn prompt tokens.")
+flags.DEFINE_integer("user_turn_len", 64, "multi_turn_chat: median new user tokens per turn.")
+flags.DEFINE_float("think_time", 1.0, "multi_turn_chat: mean seconds between turns.")
 flags.DEFINE_string(
     "trace", None, "JSONL trace (arrival_time, prompt or prompt_len, output_len per line)."
 )
@@ -154,7 +188,8 @@ def _is_whole_prompt(policy: str) -> bool:
 
 
 def build_llm(policy: str, **overrides):
-    """A fresh `LLM` for `policy` from the flags (`overrides` replace single options)."""
+    """A fresh `LLM` for `policy` from the flags (`overrides` replace single options, e.g.
+    prefix_cache and admission_order)."""
     from llmjax import LLM
 
     kwargs = dict(
@@ -182,6 +217,8 @@ def engine_info(llm) -> dict:
     config = llm.config
     return {
         "policy": config.scheduler.policy,
+        "prefix_cache": config.cache.prefix_cache,
+        "admission_order": config.scheduler.admission_order,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_model_len": config.max_model_len,
@@ -223,13 +260,34 @@ def load_trace() -> list:
         raise app.UsageError(f"bad --trace: {e}") from e
 
 
-def build_specs(qps: float, max_model_len: int, trace=None, *, retime_trace: bool = False):
+def build_specs(
+    qps: float, max_model_len: int, vocab_size: int, trace=None, *, retime_trace: bool = False
+):
     """The workload at `qps` (a trace keeps its own arrival times unless `retime_trace`)."""
     from llmjax.bench import workloads
 
     if FLAGS.workload == "trace":
         return workloads.with_poisson_arrivals(trace, qps, FLAGS.seed) if retime_trace else trace
     kwargs = dict(qps=qps, max_model_len=max_model_len, seed=FLAGS.seed, scale=FLAGS.scale)
+    if FLAGS.workload in PREFIX_WORKLOADS:
+        kwargs |= dict(vocab_size=vocab_size, output_len=FLAGS.output_len)
+    question = {} if FLAGS.question_len is None else {"question_len": FLAGS.question_len}
+    if FLAGS.workload == "shared_system_prompt":
+        kwargs |= dict(system_prompt_len=FLAGS.system_prompt_len, **question)
+    if FLAGS.workload == "few_shot":
+        kwargs |= dict(
+            num_tasks=FLAGS.num_tasks,
+            num_shots=FLAGS.num_shots,
+            shot_len=FLAGS.shot_len,
+            **question,
+        )
+    if FLAGS.workload == "multi_turn_chat":
+        kwargs |= dict(
+            num_turns=FLAGS.num_turns,
+            first_prompt_len=FLAGS.first_prompt_len,
+            user_turn_len=FLAGS.user_turn_len,
+            think_time=FLAGS.think_time,
+        )
     if FLAGS.workload == "fixed":
         kwargs |= dict(prompt_len=FLAGS.prompt_len, output_len=FLAGS.output_len)
     if FLAGS.workload == "long_prompt_interference":
@@ -309,13 +367,15 @@ def measure_decode_step(llm, num_requests: int, num_steps: int, prompt_len: int 
     }
 
 
-def host_overhead(policy: str, n: int) -> dict:
+def host_overhead(variant: Variant, n: int) -> dict:
     """Host vs device time per step with `n` running decodes, on an engine sized for them."""
     from llmjax.engine.block_manager import pages_needed
 
     per_request = pages_needed(16 + FLAGS.host_overhead_steps + DECODE_SLACK, FLAGS.page_size)
     llm = build_llm(
-        policy,
+        variant.policy,
+        prefix_cache=variant.prefix_cache,
+        admission_order=variant.admission_order,
         max_num_seqs=max(n, FLAGS.max_num_seqs),
         max_num_batched_tokens=max(n, FLAGS.max_num_batched_tokens or 512),
         num_pages=n * per_request + 8,
@@ -341,6 +401,7 @@ def throughput_at_batch(llm, sizes: list[int]) -> list[dict]:
             max_model_len=llm.config.max_model_len,
         )
         warm_up(llm.engine, specs, seed=FLAGS.seed)
+        llm.reset_prefix_cache()
         s = summarize(replay(llm.engine, specs, realtime=False, seed=FLAGS.seed))
         tpot = s.tpot.p50
         rows.append(
@@ -358,41 +419,89 @@ def throughput_at_batch(llm, sizes: list[int]) -> list[dict]:
     return rows
 
 
-def run_policy(policy: str, state: dict) -> dict:
-    """Everything measured for one policy, on one fresh engine."""
+class Variant(NamedTuple):
+    """One engine configuration to measure."""
+
+    policy: str
+    prefix_cache: str
+    admission_order: str
+    name: str  # its column in the report
+
+
+def variants() -> list[Variant]:
+    """Every policy x prefix cache x admission order (an order only with a cache), from the
+    flags; named by policy alone when the cache options give one variant per policy."""
+    from llmjax.config import ADMISSION_ORDERS, PREFIX_CACHES, SCHEDULER_POLICIES
+
+    def names(flag: str, allowed) -> list[str]:
+        values = [v.strip() for v in FLAGS[flag].value if v.strip()]
+        if not values:
+            raise app.UsageError(f"--{flag} is empty")
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise app.UsageError(f"--{flag}: unknown {bad}; choose from {list(allowed)}")
+        return list(dict.fromkeys(values))
+
+    policies = names("policies", SCHEDULER_POLICIES)
+    caches = names("prefix_caches", PREFIX_CACHES)
+    orders = names("admission_orders", ADMISSION_ORDERS)
+    combos = [
+        (p, c, o) for p in policies for c in caches for o in (orders if c != "none" else ["fcfs"])
+    ]
+    one_per_policy = len(combos) == len(policies)
+    return [
+        Variant(p, c, o, p if one_per_policy else f"{p}/{c}" + (f"/{o}" if c != "none" else ""))
+        for p, c, o in combos
+    ]
+
+
+def run_variant(variant: Variant, state: dict) -> dict:
+    """Everything measured for one variant, on one fresh engine."""
     from llmjax.bench import CapacityResult, capacity_search, replay, summarize, warm_up
 
+    name = variant.name
     t0 = time.perf_counter()
-    llm = build_llm(policy)
+    llm = build_llm(
+        variant.policy,
+        prefix_cache=variant.prefix_cache,
+        admission_order=variant.admission_order,
+    )
     engine = llm.engine
     info = engine_info(llm)
-    _log(f"{policy}: engine ready in {time.perf_counter() - t0:.1f} s: {info}")
+    _log(f"{name}: engine ready in {time.perf_counter() - t0:.1f} s: {info}")
     if "specs" not in state:
         state["max_model_len"] = llm.config.max_model_len
+        state["vocab_size"] = llm.model_config.vocab_size
         qps = _qps(FLAGS.qps)
         state["specs"] = build_specs(
-            qps, llm.config.max_model_len, state.get("trace"), retime_trace=_qps_given()
+            qps,
+            llm.config.max_model_len,
+            state["vocab_size"],
+            state.get("trace"),
+            retime_trace=_qps_given(),
         )
     specs = state["specs"]
     if FLAGS.warmup:
         t = time.perf_counter()
         warm_up(engine, specs[: FLAGS.warmup], seed=FLAGS.seed)
-        _log(f"{policy}: warm-up ({FLAGS.warmup} requests) {time.perf_counter() - t:.1f} s")
+        _log(f"{name}: warm-up ({FLAGS.warmup} requests) {time.perf_counter() - t:.1f} s")
     if FLAGS.rehearse:
         t = time.perf_counter()
+        engine.reset_prefix_cache()  # as the measured run will start
         replay(engine, specs, realtime=True, seed=FLAGS.seed)
-        _log(f"{policy}: rehearsal {time.perf_counter() - t:.1f} s")
+        _log(f"{name}: rehearsal {time.perf_counter() - t:.1f} s")
     if "tbt_slo" not in state:
         state["tbt_slo"], state["slo_reference"] = choose_tbt_slo(llm)
         _log(f"TBT SLO {1e3 * state['tbt_slo']:.1f} ms")
     tbt_slo = state["tbt_slo"]
     slos = dict(tbt_slo=tbt_slo, slo_ttft=FLAGS.slo_ttft, slo_tpot=FLAGS.slo_tpot or tbt_slo)
 
+    engine.reset_prefix_cache()  # the same requests ran before: start cold
     engine.reset_stats()
     compiles = engine.num_compiles
     t = time.perf_counter()
     outputs = replay(engine, specs, realtime=True, seed=FLAGS.seed)
-    _log(f"{policy}: replayed {len(specs)} requests in {time.perf_counter() - t:.1f} s")
+    _log(f"{name}: replayed {len(specs)} requests in {time.perf_counter() - t:.1f} s")
     result = {
         "engine": info,
         "summary": summarize(outputs, **slos),
@@ -403,7 +512,14 @@ def run_policy(policy: str, state: dict) -> dict:
     if FLAGS.capacity_search:
 
         def run_at_qps(qps: float):
-            trial = build_specs(qps, state["max_model_len"], state.get("trace"), retime_trace=True)
+            trial = build_specs(
+                qps,
+                state["max_model_len"],
+                state["vocab_size"],
+                state.get("trace"),
+                retime_trace=True,
+            )
+            engine.reset_prefix_cache()
             return summarize(replay(engine, trial, seed=FLAGS.seed), **slos)
 
         cap: CapacityResult = capacity_search(
@@ -412,7 +528,7 @@ def run_policy(policy: str, state: dict) -> dict:
             lo=0.0,
             hi=2 * FLAGS.capacity_start_qps,
             max_iters=FLAGS.capacity_max_iters,
-            log=lambda m: _log(f"{policy}: {m}"),
+            log=lambda m: _log(f"{name}: {m}"),
         )
         result["capacity"] = cap
     if FLAGS.batch_sizes:
@@ -451,6 +567,15 @@ def report(results: dict, state: dict) -> str:
             {p: f"{r['engine_stats']['tokens_per_step']:.1f}" for p, r in results.items()},
         ),
         ("preemptions", {p: r["engine_stats"]["num_preemptions"] for p, r in results.items()}),
+        *[
+            (label, {p: r["engine_stats"][key] for p, r in results.items()})
+            for label, key in [
+                ("prefill tokens computed", "num_prefill_tokens"),
+                ("prefill tokens from cache", "num_cached_prefill_tokens"),
+                ("pages evicted from cache", "num_evicted_pages"),
+            ]
+        ],
+        *speedup_rows(results),
         *[
             (label, {p: fmt.format(r["step_times"][key]) for p, r in results.items()})
             for label, key, fmt in [
@@ -517,6 +642,26 @@ def report(results: dict, state: dict) -> str:
     return "\n".join(lines)
 
 
+def speedup_rows(results: dict) -> list:
+    """Throughput and TTFT of each column relative to the first (e.g. the cache off)."""
+    if len(results) < 2:
+        return []
+    first_name, first = next(iter(results.items()))
+    rows = []
+    for label, get in [
+        ("throughput", lambda r: r["summary"].total_token_throughput),
+        ("TTFT P50", lambda r: r["summary"].ttft.p50),
+    ]:
+        base = get(first)
+        cells = {}
+        for p, r in results.items():
+            value = get(r)
+            ok = base and value and math.isfinite(base) and math.isfinite(value)
+            cells[p] = f"{value / base:.2f}x" if ok else "-"
+        rows.append((f"{label} vs {first_name}", cells))
+    return rows
+
+
 def _mean(values) -> str:
     values = [v for v in values if v is not None]
     return f"{sum(values) / len(values):.0f}" if values else "-"
@@ -542,19 +687,17 @@ def main(argv):
     del argv
     import jax
 
-    policies = [p.strip() for p in FLAGS.policies if p.strip()]
-    if not policies:
-        raise app.UsageError("--policies is empty")
+    runs = variants()
     _qps(FLAGS.qps)
     state: dict = {}
     if FLAGS.workload == "trace":
         state["trace"] = load_trace()
     results = {}
-    for p in policies:
-        results[p] = run_policy(p, state)
-        gc.collect()  # free this policy's engine before the next is built
+    for v in runs:
+        results[v.name] = run_variant(v, state)
+        gc.collect()  # free this variant's engine before the next is built
         if FLAGS.host_overhead_requests:
-            results[p]["host_overhead"] = host_overhead(p, FLAGS.host_overhead_requests)
+            results[v.name]["host_overhead"] = host_overhead(v, FLAGS.host_overhead_requests)
     print(report(results, state), flush=True)
     if FLAGS.json_out:
         os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
@@ -571,7 +714,7 @@ def main(argv):
                 }
                 for s in state["specs"]
             ],
-            "policies": results,
+            "variants": results,
         }
         with open(FLAGS.json_out, "w") as f:
             json.dump(_jsonable(doc), f, indent=1)

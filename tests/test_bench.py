@@ -1,5 +1,6 @@
-"""The benchmark harness: workload statistics, arrivals, traces, metrics with known answers, the
-capacity search on a synthetic system, and an end-to-end run on the tiny model."""
+"""The benchmark harness: workload statistics, arrivals, traces, the prefix-sharing workloads'
+token ids, replay of dependent requests on a host-only fake engine, metrics with known answers,
+the capacity search on a synthetic system, and an end-to-end run on the tiny model."""
 
 import ast
 import importlib.util
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from llmjax.bench import capacity_search, format_side_by_side, replay, summarize, workloads
+from llmjax.bench import capacity_search, format_side_by_side, replay, summarize, warm_up, workloads
 from llmjax.bench.workloads import RequestSpec
 from llmjax.engine.request import RequestMetrics, RequestOutput
 
@@ -111,6 +112,8 @@ def test_trace_round_trip_and_errors(tmp_path):
         RequestSpec(0.0, 8, prompt_len=30),
         RequestSpec(0.25, 16, prompt="Tell me a story", prompt_len=4),
         RequestSpec(1.5, 2, prompt_token_ids=(5, 6, 7)),
+        RequestSpec(0.5, 3, prompt_len=6, parent=2),
+        RequestSpec(0.0, 3, prompt_token_ids=(9, 9), parent=0),
     ]
     path = str(tmp_path / "trace.jsonl")
     workloads.save_trace(path, specs, with_token_ids=True)
@@ -139,13 +142,326 @@ def test_trace_round_trip_and_errors(tmp_path):
         ['{"arrival_time": 0, "prompt_len": 3, "output_len": 2.5}']
     )
     assert "no requests" in error_for([""])
+    child = '{"arrival_time": 0, "prompt_len": 3, "output_len": 2, "parent": %s}'
+    assert workloads.load_trace(str(tmp_path / "trace.jsonl"))[3].parent == 2
+    err = error_for([good, "", good, child % 2])  # blank lines are not requests
+    assert "bad.jsonl:4: parent=2 must be the 0-based index of an earlier request" in err
+    assert "[0, 2)" in err
+    assert "bad.jsonl:1: parent=0" in error_for([child % 0])
+    assert "bad.jsonl:2: parent='0'" in error_for([good, child % '"0"'])
+    assert "bad.jsonl:2: parent=-1" in error_for([good, child % -1])
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefix-sharing workloads.
+
+
+def _common_prefix_len(a, b):
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _full_prompt_lens(specs):
+    """The length of the prompt each spec runs with (a dependent one after its parent's prompt and
+    output_len generated tokens)."""
+    full = []
+    for s in specs:
+        base = 0 if s.parent is None else full[s.parent] + specs[s.parent].output_len
+        full.append(base + s.prompt_len)
+    return full
+
+
+@pytest.mark.parametrize("name", ["shared_system_prompt", "few_shot", "multi_turn_chat"])
+def test_prefix_workloads_registered_seeded_and_qps_independent(name):
+    kw = dict(max_model_len=4096, scale=1 / 16, vocab_size=1000)  # as scripts/benchmark.py passes
+    a = workloads.make_workload(name, 24, qps=2.0, seed=5, **kw)
+    assert len(a) == 24
+    assert a == workloads.make_workload(name, 24, qps=2.0, seed=5, **kw)
+    assert a != workloads.make_workload(name, 24, qps=2.0, seed=6, **kw)
+    b = workloads.make_workload(name, 24, qps=8.0, seed=5, **kw)
+    assert [s.prompt_token_ids for s in a] == [s.prompt_token_ids for s in b]
+    roots = [
+        (x.arrival_time, y.arrival_time) for x, y in zip(a, b, strict=True) if x.parent is None
+    ]
+    assert all(x > y for x, y in roots[1:]) and roots[0] == (0.0, 0.0)
+    # `scale` is ignored: the lengths are set by the generators' own arguments.
+    assert a == workloads.make_workload(name, 24, qps=2.0, seed=5, **(kw | dict(scale=1.0)))
+    assert all(100 <= t < 1000 for s in a for t in s.prompt_token_ids)
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        workloads.make_workload(name, 4, vocab_size=100)
+
+
+def test_shared_system_prompt_shares_exactly_the_system_prompt():
+    specs = workloads.shared_system_prompt(40, system_prompt_len=300, question_len=20, seed=2)
+    ids = [s.prompt_token_ids for s in specs]
+    assert all(ids[0][:300] == p[:300] for p in ids)
+    assert len({p[300] for p in ids}) > 30  # the questions start apart
+    assert min(_common_prefix_len(ids[0], p) for p in ids[1:]) == 300
+    questions = np.array([s.prompt_len - 300 for s in specs])
+    assert questions.min() >= 1 and len(set(questions)) > 10  # lognormal, median 20
+    assert 12 <= np.median(questions) <= 30
+    assert all(s.output_len == 32 and s.arrival_time == 0 for s in specs)
+    exact = workloads.shared_system_prompt(5, system_prompt_len=8, question_len=3, p90_ratio=1)
+    assert [s.prompt_len for s in exact] == [11] * 5
+    # Clipped: the (shortened) system prompt is still shared, and every request fits.
+    clipped = workloads.shared_system_prompt(
+        40, system_prompt_len=300, question_len=20, output_len=32, max_model_len=100, seed=2
+    )
+    assert all(s.prompt_len + s.output_len <= 100 for s in clipped)
+    assert all(c.prompt_token_ids[:67] == ids[0][:67] for c in clipped)  # one question token left
+    assert [c.prompt_token_ids[67] for c in clipped] == [p[300] for p in ids]
+    assert [c.prompt_len for c in clipped] == [100 - 32] * 40
+    tiny = workloads.shared_system_prompt(3, output_len=32, max_model_len=4)
+    assert [(s.prompt_len, s.output_len) for s in tiny] == [(2, 2)] * 3
+
+
+def test_few_shot_tasks_share_their_examples_and_interleave():
+    n, tasks, shots, shot_len, header = 30, 3, 4, 10, 5
+    specs = workloads.few_shot(
+        n, num_tasks=tasks, num_shots=shots, shot_len=shot_len, question_len=6, header_len=header,
+        p90_ratio=1, seed=4,
+    )  # fmt: skip
+    prefix_len = header + shots * shot_len
+    assert all(s.prompt_len == prefix_len + 6 and s.output_len == 16 for s in specs)
+    ids = [s.prompt_token_ids for s in specs]
+    task = [p[header] for p in ids]  # tasks' first example tokens are distinct
+    assert len(set(task)) == tasks
+    for i in range(n):
+        for j in range(i):
+            common = _common_prefix_len(ids[i], ids[j])
+            if task[i] == task[j]:
+                assert common >= prefix_len
+            else:
+                assert common == header  # only the common header
+    for block in range(0, n, tasks):  # every round has each task once: they interleave
+        assert len(set(task[block : block + tasks])) == tasks
+    # Without a header, different tasks differ at the first token; lengths vary by default.
+    varied = workloads.few_shot(40, seed=4, qps=3.0)
+    assert len({s.prompt_token_ids[0] for s in varied}) == 4
+    assert len({s.prompt_len for s in varied}) > 10
+    # max_model_len cuts each task's examples as a prefix: a task's prompts still share it.
+    clipped = workloads.few_shot(40, seed=4, max_model_len=200)
+    assert all(s.prompt_len + s.output_len <= 200 for s in clipped)
+    for c, v in zip(clipped, varied, strict=True):
+        assert c.prompt_token_ids[: 200 - 16 - 1] == v.prompt_token_ids[: 200 - 16 - 1]
+
+
+def test_multi_turn_chat_sessions_and_parents():
+    specs = workloads.multi_turn_chat(
+        10, num_turns=4, first_prompt_len=30, user_turn_len=8, output_len=5, think_time=0.5,
+        qps=2.0, seed=1,
+    )  # fmt: skip
+    assert len(specs) == 10
+    # ceil(10 / 4) = 3 sessions, listed session by session, the last one shorter.
+    assert [s.parent for s in specs] == [None, 0, 1, 2, None, 4, 5, 6, None, 8]
+    starts = [s.arrival_time for s in specs if s.parent is None]
+    assert starts[0] == 0 and starts == sorted(starts) and starts[1] > 0
+    thinks = [s.arrival_time for s in specs if s.parent is not None]
+    assert all(t >= 0 for t in thinks) and len(set(thinks)) == len(thinks)  # exponential
+    assert all(s.output_len == 5 for s in specs)
+    assert _full_prompt_lens(specs)[:4] == list(
+        np.cumsum([specs[0].prompt_len] + [5 + s.prompt_len for s in specs[1:4]])
+    )
+    instant = workloads.multi_turn_chat(8, num_turns=2, think_time=0, seed=1)
+    assert [s.arrival_time for s in instant if s.parent is not None] == [0.0] * 4
+    many = workloads.multi_turn_chat(4000, num_turns=2, think_time=0.5, seed=1)
+    thinks = [s.arrival_time for s in many if s.parent is not None]
+    assert np.mean(thinks) == pytest.approx(0.5, rel=0.08)
+    with pytest.raises(ValueError, match="think_time=-1"):
+        workloads.multi_turn_chat(4, think_time=-1)
+
+
+def test_multi_turn_chat_fits_max_model_len():
+    kw = dict(num_turns=6, first_prompt_len=60, user_turn_len=20, output_len=16, seed=3)
+    free = workloads.multi_turn_chat(60, **kw)
+    assert max(f + s.output_len for f, s in zip(_full_prompt_lens(free), free, strict=True)) > 200
+    specs = workloads.multi_turn_chat(60, max_model_len=200, **kw)
+    assert len(specs) == 60
+    assert all(
+        f + s.output_len <= 200 for f, s in zip(_full_prompt_lens(specs), specs, strict=True)
+    )
+    sessions = sum(s.parent is None for s in specs)
+    assert sessions > 10  # sessions ended early, more were started
+    assert all(s.parent in (None, i - 1) for i, s in enumerate(specs))
+    assert specs[0].prompt_token_ids == free[0].prompt_token_ids[: specs[0].prompt_len]
+
+
+def test_dependent_spec_validation_and_retiming():
+    with pytest.raises(ValueError, match="parent=-1"):
+        RequestSpec(0.0, 4, prompt_len=3, parent=-1)
+    with pytest.raises(ValueError, match="parent=True"):
+        RequestSpec(0.0, 4, prompt_len=3, parent=True)
+    specs = [RequestSpec(0.0, 4, prompt_len=3), RequestSpec(0.3, 4, prompt_len=3, parent=1)]
+    with pytest.raises(ValueError, match=r"request 1: parent=1 must be the index of an earlier"):
+        workloads.check_parents(specs)
+    chat = workloads.multi_turn_chat(12, num_turns=3, think_time=0.5, seed=0)
+    retimed = workloads.with_poisson_arrivals(chat, qps=100.0, seed=9)
+    for before, after in zip(chat, retimed, strict=True):
+        if before.parent is None:
+            assert after.arrival_time < 0.2
+        else:
+            assert after == before  # a dependent keeps its delay after the parent
+
+
+# ------------------------------------------------------------------------------------------------
+# Replay with dependent requests, on a host-only fake engine.
+
+REJECT = 4242  # a prompt holding this id is rejected by the fake engine
+ABORT = 4343  # ... or aborted at its first step
+
+
+class FakeEngine:
+    """The part of `LLMEngine` that `replay` uses, without a model: every unfinished request gets
+    one token per step (id 1000 + 10 x request number + its position), rejected requests come out
+    (finished, 'error') at the next step like the engine's."""
+
+    def __init__(self, vocab_size=5000):
+        self.config = SimpleNamespace(model=SimpleNamespace(vocab_size=vocab_size))
+        self.tokenizer = None
+        self.live = {}  # request id -> (prompt ids, max_tokens, metrics, tokens, prompt text)
+        self.done = []  # outputs due at the next step
+        self.added = {}  # request id -> (steps run before it was added, perf_counter, prompt ids)
+        self.finished_at = {}  # request id -> the step count when it finished
+        self.num_steps = 0
+
+    def has_unfinished_requests(self):
+        return bool(self.live or self.done)
+
+    def add_request(self, prompt_token_ids, sampling_params, prompt=None, arrival_time=None):
+        assert sampling_params.ignore_eos
+        rid = str(len(self.added))
+        ids = list(prompt_token_ids)
+        self.added[rid] = (self.num_steps, time.perf_counter(), ids)
+        metrics = RequestMetrics(arrival_time=arrival_time)
+        if REJECT in ids:
+            metrics.finished_time = time.perf_counter()
+            self.done.append(self._out(rid, ids, [], metrics, prompt, "error", "bad prompt"))
+        else:
+            self.live[rid] = (ids, sampling_params.max_tokens, metrics, [], prompt)
+        return rid
+
+    def _out(self, rid, ids, tokens, metrics, prompt, reason, error=None):
+        return RequestOutput(
+            request_id=rid, prompt=prompt, prompt_token_ids=ids, token_ids=list(tokens), text="",
+            finished=reason is not None, finish_reason=reason, metrics=metrics, error=error,
+        )  # fmt: skip
+
+    def step(self):
+        self.num_steps += 1
+        outputs, self.done = self.done, []
+        now = time.perf_counter()
+        for rid, (ids, max_tokens, metrics, tokens, prompt) in list(self.live.items()):
+            tokens.append(1000 + 10 * int(rid) + len(tokens))
+            metrics.token_times.append(now)
+            reason = "abort" if ABORT in ids else "length" if len(tokens) == max_tokens else None
+            if reason:
+                metrics.finished_time = now
+                self.finished_at[rid] = self.num_steps
+                del self.live[rid]
+            outputs.append(self._out(rid, ids, tokens, metrics, prompt, reason))
+        return outputs
+
+
+def _spec(ids, output_len=2, arrival=0.0, parent=None):
+    return RequestSpec(arrival, output_len, prompt_token_ids=tuple(ids), parent=parent)
+
+
+def test_replay_runs_a_dependent_after_its_parent_on_its_output():
+    specs = [
+        _spec([101, 102, 103], output_len=3),
+        _spec([201], output_len=1),
+        _spec([301, 302], parent=0),
+        _spec([401], output_len=2, parent=2),  # a grandchild
+        _spec([501], parent=0),  # a second child of 0
+    ]
+    engine = FakeEngine()
+    outputs = replay(engine, specs, realtime=False)
+    assert all(o.finished and o.error is None for o in outputs)
+    assert [len(o.token_ids) for o in outputs] == [s.output_len for s in specs]  # spec order
+    a, b, child, grandchild, second = outputs
+    assert a.prompt_token_ids == [101, 102, 103] and b.prompt_token_ids == [201]
+    assert child.prompt_token_ids == [101, 102, 103, *a.token_ids, 301, 302]
+    assert grandchild.prompt_token_ids == [*child.prompt_token_ids, *child.token_ids, 401]
+    assert second.prompt_token_ids == [101, 102, 103, *a.token_ids, 501]
+    rid = {tuple(ids): r for r, (_, _, ids) in engine.added.items()}
+
+    def added_step(out):
+        return engine.added[rid[tuple(out.prompt_token_ids)]][0]
+
+    def finished_step(out):
+        return engine.finished_at[rid[tuple(out.prompt_token_ids)]]
+
+    assert added_step(a) == added_step(b) == 0
+    assert added_step(child) == added_step(second) == finished_step(a)  # at once, not before
+    assert added_step(grandchild) == finished_step(child)
+    # Not real time: a dependent arrives when its parent finished.
+    assert child.metrics.arrival_time == a.metrics.finished_time
+    assert grandchild.metrics.arrival_time == child.metrics.finished_time
+    assert summarize(outputs).num_prompt_tokens == sum(len(o.prompt_token_ids) for o in outputs)
+
+
+def test_replay_realtime_dependent_arrives_its_delay_after_the_parent():
+    specs = [_spec([101], output_len=2), _spec([201], arrival=0.03, parent=0), _spec([301])]
+    engine = FakeEngine()
+    parent, child, other = replay(engine, specs, realtime=True)
+    assert child.metrics.arrival_time == pytest.approx(parent.metrics.finished_time + 0.03)
+    added_at = engine.added["2"][1]  # request ids are handed out in order of adding
+    assert engine.added["2"][2] == [101, *parent.token_ids, 201]
+    assert added_at >= child.metrics.arrival_time
+    assert other.metrics.arrival_time == parent.metrics.arrival_time  # both at the start
+
+
+def test_replay_skips_the_dependents_of_a_failed_parent():
+    specs = [
+        _spec([101, REJECT]),
+        _spec([201], parent=0),
+        _spec([301], parent=1),
+        _spec([401, ABORT]),
+        _spec([501], parent=3),
+        _spec([601]),
+        _spec([701], parent=5),
+    ]
+    engine = FakeEngine()
+    outputs = replay(engine, specs, realtime=False)
+    assert all(o.finished for o in outputs)
+    assert [o.finish_reason for o in outputs] == [
+        "error", "error", "error", "abort", "error", "length", "length",
+    ]  # fmt: skip
+    assert outputs[1].error == "not run: its parent (request 0) failed: bad prompt"
+    assert outputs[2].error.startswith("not run: its parent (request 1) failed: not run:")
+    assert outputs[4].error == "not run: its parent (request 3) failed: finish_reason='abort'"
+    assert outputs[1].request_id == "not-run-1" and outputs[1].token_ids == []
+    assert outputs[1].prompt_token_ids == [101, REJECT, 201]
+    assert outputs[6].error is None
+    assert len(engine.added) == 4  # the skipped ones never reached the engine
+    s = summarize(outputs)
+    assert (s.num_finished, s.num_errors) == (3, 4)  # summarize counts the abort as finished
+
+
+def test_replay_rejects_bad_parents_and_warm_up_handles_dependents():
+    with pytest.raises(ValueError, match="request 1: parent=1"):
+        replay(FakeEngine(), [_spec([101]), _spec([201], parent=1)])
+    chat = workloads.multi_turn_chat(
+        9, num_turns=3, first_prompt_len=6, user_turn_len=3, output_len=4, think_time=5.0,
+        vocab_size=1000, max_model_len=40, seed=0,
+    )  # fmt: skip
+    outputs = warm_up(FakeEngine(), chat, max_output_len=3)  # think times become 0: quick
+    assert all(o.error is None for o in outputs)
+    outputs = replay(FakeEngine(), chat, realtime=False)
+    for spec, out in zip(chat, outputs, strict=True):
+        assert len(out.token_ids) == spec.output_len
+        assert len(out.prompt_token_ids) + len(out.token_ids) <= 40
+        if spec.parent is not None:
+            parent = outputs[spec.parent]
+            own = list(spec.prompt_token_ids)
+            assert out.prompt_token_ids == parent.prompt_token_ids + parent.token_ids + own
 
 
 # ------------------------------------------------------------------------------------------------
 # Metrics.
 
 
-def _output(ttft, delay, gaps, prompt_len=10, error=None):
+def _output(ttft, delay, gaps, prompt_len=10, error=None, num_cached_tokens=0):
     """A finished request arriving at t=0: scheduled at `delay`, first token at `ttft`, then one
     token after each of `gaps`."""
     times = list(ttft + np.concatenate([[0.0], np.cumsum(gaps)])) if error is None else []
@@ -165,6 +481,7 @@ def _output(ttft, delay, gaps, prompt_len=10, error=None):
         finished=True,
         finish_reason="error" if error else "length",
         metrics=m,
+        num_cached_tokens=num_cached_tokens,
         error=error,
     )
 
@@ -207,6 +524,27 @@ def test_metrics_known_answers(outputs):
     table = format_side_by_side({"sarathi": s, "prefill_first": summarize(outputs[:2])})
     assert "sarathi" in table.splitlines()[0] and "prefill_first" in table.splitlines()[0]
     assert any(line.startswith("TBT P99 ms") and "500.0" in line for line in table.splitlines())
+    assert (s.num_prompt_tokens, s.num_cached_tokens, s.prefix_cache_hit_rate) == (40, 0, 0.0)
+
+
+def test_prefix_cache_hit_rate():
+    outputs = [
+        _output(0.1, 0.0, [0.01], prompt_len=100, num_cached_tokens=0),
+        _output(0.1, 0.0, [0.01], prompt_len=100, num_cached_tokens=96),
+        _output(0.1, 0.0, [0.01], prompt_len=40, num_cached_tokens=32),
+        _output(0, 0, [], prompt_len=50, error="rejected", num_cached_tokens=48),  # not counted
+    ]
+    s = summarize(outputs)
+    assert (s.num_prompt_tokens, s.num_cached_tokens) == (240, 128)
+    assert s.prefix_cache_hit_rate == pytest.approx(128 / 240)
+    assert s.as_dict()["prefix_cache_hit_rate"] == pytest.approx(0.5333333)
+    assert summarize(outputs[3:]).prefix_cache_hit_rate is None  # no prompt tokens
+    lines = format_side_by_side({"off": summarize(outputs[:1]), "lpm": s}).splitlines()
+    for label, cells in [
+        ("prefix cache hit rate", ["0.0%", "53.3%"]),
+        ("prompt tokens (cached/all)", ["0/100", "128/240"]),
+    ]:
+        assert [line[len(label) :].split() for line in lines if line.startswith(label)] == [cells]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,8 +651,8 @@ def test_benchmark_script_in_process(tmp_path, capsys):
     assert "sarathi" in header and "prefill_first" in header
     assert "TBT P99 ms" in table and "host ms/step" in table
     doc = json.load(open(out))
-    assert set(doc["policies"]) == {"sarathi", "prefill_first"}
-    for result in doc["policies"].values():
+    assert set(doc["variants"]) == {"sarathi", "prefill_first"}
+    for result in doc["variants"].values():
         assert result["summary"]["num_finished"] == 4
         assert result["engine_stats"]["num_steps"] > 0
         assert result["summary"]["meets_capacity"] is True

@@ -5,6 +5,11 @@ Sarathi-Serve's capacity search. Plain Python and numpy (no jax), so it is testa
     specs = workloads.sharegpt(64, qps=2.0, vocab_size=llm.model_config.vocab_size)
     outputs = replay(llm.engine, specs)
     print(summarize(outputs, tbt_slo=0.1).as_dict())
+
+Prefix-cache workloads (`shared_system_prompt`, `few_shot`, `multi_turn_chat`) give explicit token
+ids: pass `vocab_size=llm.model_config.vocab_size`. `multi_turn_chat` makes dependent requests
+(`RequestSpec.parent`), which `replay` adds once their parent has finished; `summarize` reports the
+prefix cache hit rate from `RequestOutput.num_cached_tokens`.
 """
 
 from llmjax.bench.capacity import CapacityResult, capacity_search

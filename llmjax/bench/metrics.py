@@ -11,6 +11,10 @@
   capacity criterion  P99 TBT <= tbt_slo and P50 scheduling delay <= 2 s (Sarathi-Serve).
   throughput        finished requests, output tokens and prompt + output tokens per second over
                     the makespan (first arrival to last finish).
+  prefix cache hit rate
+                    cached / prompt tokens over the finished requests, where a request's cached
+                    tokens are `RequestOutput.num_cached_tokens` (prompt tokens whose KV came from
+                    the prefix cache at its first admission).
 Percentiles are numpy's (linear interpolation between order statistics).
 """
 
@@ -59,6 +63,9 @@ class Summary:
     request_throughput: float
     output_token_throughput: float
     total_token_throughput: float
+    num_prompt_tokens: int  # over the finished requests (a dependent one's whole prompt)
+    num_cached_tokens: int  # of those, the ones whose KV the prefix cache supplied
+    prefix_cache_hit_rate: float | None  # cached / prompt tokens (None without prompt tokens)
     ttft: Percentiles
     tbt: Percentiles
     tpot: Percentiles
@@ -103,6 +110,7 @@ def summarize(
     duration = float(max(finishes) - min(arrivals)) if finishes else 0.0
     num_output = sum(len(o.token_ids) for o in ok)
     num_prompt = sum(len(o.prompt_token_ids) for o in ok)
+    num_cached = sum(o.num_cached_tokens for o in ok)
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: math.nan)
 
     def values(name):
@@ -128,6 +136,9 @@ def summarize(
         request_throughput=per_s(len(ok)),
         output_token_throughput=per_s(num_output),
         total_token_throughput=per_s(num_output + num_prompt),
+        num_prompt_tokens=num_prompt,
+        num_cached_tokens=num_cached,
+        prefix_cache_hit_rate=float(num_cached / num_prompt) if num_prompt else None,
         ttft=Percentiles.of(values("ttft")),
         tbt=Percentiles.of([gap for m in metrics for gap in m.tbt]),
         tpot=Percentiles.of(values("tpot")),
@@ -156,6 +167,8 @@ _ROWS = [
     ("throughput req/s", lambda s: s.request_throughput, "{:.2f}"),
     ("throughput output tok/s", lambda s: s.output_token_throughput, "{:.1f}"),
     ("throughput total tok/s", lambda s: s.total_token_throughput, "{:.1f}"),
+    ("prompt tokens (cached/all)", lambda s: f"{s.num_cached_tokens}/{s.num_prompt_tokens}", None),
+    ("prefix cache hit rate", lambda s: s.prefix_cache_hit_rate, "{:.1%}"),
     *[
         (f"{name} P{q} ms", lambda s, n=attr, q=q: getattr(getattr(s, n), f"p{q}"), "ms")
         for name, attr, qs in [

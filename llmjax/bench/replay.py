@@ -4,17 +4,24 @@ The replayer adds each request once its arrival time has passed, stamped with th
 arrival (so time spent waiting for the engine's current step counts as queueing, as in a server),
 steps the engine while anything is unfinished, and sleeps only when the engine is idle and the next
 arrival is in the future. Every request decodes greedily for exactly `output_len` tokens.
+
+A dependent request (`RequestSpec.parent`, e.g. a chat's next turn) becomes due only when its
+parent's output has finished: its prompt is then known (the parent's prompt + the tokens the
+parent generated + its own ids) and it arrives its `arrival_time` (think time) later.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from collections.abc import Sequence
 
 from llmjax.bench.workloads import RequestSpec, with_token_ids
-from llmjax.engine.request import RequestOutput
+from llmjax.engine.request import RequestMetrics, RequestOutput
 from llmjax.sampling_params import SamplingParams
+
+FAILED_FINISH_REASONS = ("error", "abort")  # a parent finishing so has no conversation to continue
 
 
 def replay(
@@ -26,46 +33,100 @@ def replay(
     realtime: add request i at start + specs[i].arrival_time (time.perf_counter seconds, passed to
         `add_request` as its arrival time); False adds all at once, arriving at the start.
     seed: for the random token ids of length-only specs (`with_token_ids`).
+
+    Dependent specs (`parent` set) are added only once the parent's output has finished, with the
+    prompt token ids parent prompt + parent output + own ids (and no text `prompt`), arriving
+    `arrival_time` seconds after the parent's `finished_time` (realtime) or at that finish time,
+    added at once (not realtime). A dependent whose parent failed (an error, or finish_reason
+    'error' or 'abort') is not run: its output is finished, finish_reason 'error', no tokens, an
+    `error` naming the parent and why it failed, request_id 'not-run-<index>', and arrival and
+    finish times when that became known; its own dependents are skipped alike.
     """
     if engine.has_unfinished_requests():
         raise ValueError("replay needs an idle engine: it has unfinished requests")
     specs = with_token_ids(
         specs, engine.config.model.vocab_size, tokenizer=engine.tokenizer, seed=seed
     )
-    order = sorted(range(len(specs)), key=lambda i: specs[i].arrival_time)  # stable for ties
-    request_ids: list[str | None] = [None] * len(specs)
-    finished: dict[str, RequestOutput] = {}
-    next_i = 0
+    children: dict[int, list[int]] = {}
+    for i, spec in enumerate(specs):
+        if spec.parent is not None:
+            children.setdefault(spec.parent, []).append(i)
     start = time.perf_counter()
-    while next_i < len(order) or engine.has_unfinished_requests():
+    # Requests due to be added, as (due time, index, arrival stamp, prompt token ids): ties go in
+    # list order. Independent ones from the start; a dependent one when its parent finishes.
+    due: list[tuple[float, int, float, list[int]]] = []
+    for i, spec in enumerate(specs):
+        if spec.parent is None:
+            t = start + spec.arrival_time
+            due.append((t, i, t if realtime else start, list(spec.prompt_token_ids)))
+    heapq.heapify(due)
+    results: list[RequestOutput | None] = [None] * len(specs)
+    index_of: dict[str, int] = {}
+
+    def finished(i: int, out: RequestOutput) -> None:
+        """Record request i's output and release (or skip) its dependents."""
+        stack = [(i, out)]
+        while stack:
+            i, out = stack.pop()
+            results[i] = out
+            for c in children.get(i, ()):
+                spec = specs[c]
+                ids = [*out.prompt_token_ids, *out.token_ids, *spec.prompt_token_ids]
+                if out.error is not None or out.finish_reason in FAILED_FINISH_REASONS:
+                    why = out.error or f"finish_reason={out.finish_reason!r}"
+                    error = f"not run: its parent (request {i}) failed: {why}"
+                    stack.append((c, _not_run(c, ids, error, time.perf_counter())))
+                else:
+                    end = out.metrics.finished_time
+                    end = time.perf_counter() if end is None else end
+                    t = end + spec.arrival_time
+                    heapq.heappush(due, (t, c, t if realtime else end, ids))
+
+    while due or engine.has_unfinished_requests():
         now = time.perf_counter()
-        while next_i < len(order) and (
-            not realtime or start + specs[order[next_i]].arrival_time <= now
-        ):
-            i = order[next_i]
+        while due and (not realtime or due[0][0] <= now):
+            _, i, arrival, ids = heapq.heappop(due)
             spec = specs[i]
-            request_ids[i] = engine.add_request(
-                list(spec.prompt_token_ids),
+            rid = engine.add_request(
+                ids,
                 SamplingParams(max_tokens=spec.output_len, ignore_eos=True),
-                prompt=spec.prompt,
-                arrival_time=start + spec.arrival_time if realtime else start,
+                prompt=spec.prompt if spec.parent is None else None,
+                arrival_time=arrival,
             )
-            next_i += 1
+            index_of[rid] = i
         if engine.has_unfinished_requests():
             for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        elif next_i < len(order):
-            time.sleep(max(0.0, start + specs[order[next_i]].arrival_time - time.perf_counter()))
-    return [finished[rid] for rid in request_ids]
+                if out.finished and out.request_id in index_of:
+                    finished(index_of[out.request_id], out)
+        elif due:
+            time.sleep(max(0.0, due[0][0] - time.perf_counter()))
+    missing = [i for i, out in enumerate(results) if out is None]
+    if missing:
+        raise RuntimeError(f"the engine went idle without finishing requests {missing[:10]}")
+    return results
+
+
+def _not_run(index: int, prompt_token_ids: list[int], error: str, now: float) -> RequestOutput:
+    return RequestOutput(
+        request_id=f"not-run-{index}",
+        prompt=None,
+        prompt_token_ids=prompt_token_ids,
+        token_ids=[],
+        text="",
+        finished=True,
+        finish_reason="error",
+        metrics=RequestMetrics(arrival_time=now, finished_time=now),
+        error=error,
+    )
 
 
 def warm_up(engine, specs: Sequence[RequestSpec], *, max_output_len: int = 64, seed: int = 0):
     """Compile the step shapes a run of `specs` will need, before measuring: replay them all at
     once with staggered short outputs (request i makes min(output_len, 1 + i % max_output_len)
-    tokens), so prefill shapes and a falling number of concurrent decodes are both visited.
-    Shapes that only real-time arrivals produce may still compile later; compare
-    `engine.num_compiles` before and after a measured run."""
+    tokens), so prefill shapes and a falling number of concurrent decodes are both visited
+    (dependent requests follow their parents at once, on the parents' shorter outputs). Shapes
+    that only real-time arrivals produce may still compile later; compare `engine.num_compiles`
+    before and after a measured run."""
     staggered = [
         dataclasses.replace(
             s, arrival_time=0.0, output_len=min(s.output_len, 1 + i % max_output_len)
