@@ -251,3 +251,22 @@ def test_eviction_comes_before_preemption():
     assert [s.request.request_id for s in batch.seqs] == ["n"] and not batch.preempted
     assert bm.prefix_cache.num_evictions >= 5
     bm.check_invariants()
+
+
+def test_lpm_defers_a_request_whose_next_tokens_a_running_prefill_is_computing():
+    common = list(range(100, 160))  # 60 tokens
+    sched, bm = _scheduler("lpm", budget=16, in_batch_prefix_len=32)
+    sched.add(_request("r", [*common, 1], 0.0))
+    batch = sched.schedule()  # r's first 16-token chunk
+    sched.update(batch, [0] * len(batch.seqs))
+    assert bm.prefix_cache.num_cached_pages == 4  # the chunk is cached at once
+    sched.add(_request("w", [*common, 2], 1.0))  # 16 cached; r computes its next 32 now
+    sched.add(_request("x", range(10, 30), 2.0))
+    assert [r.request_id for r in sched._admission_order()] == ["x", "w"]
+    # Once r has computed them, w has the longest hit and goes first.
+    for _ in range(2):
+        batch = sched.schedule()  # r's chunk takes the whole budget
+        assert [s.request.request_id for s in batch.seqs] == ["r"]
+        sched.update(batch, [0] * len(batch.seqs))
+    assert sched.running[0].num_computed_tokens == 48
+    assert [r.request_id for r in sched._admission_order()] == ["w", "x"]

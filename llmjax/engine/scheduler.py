@@ -181,7 +181,13 @@ class Scheduler:
         wait at the front), then FCFS or longest-prefix-match (SGLang's `calc_priority`: most
         cached tokens first; with more than `lpm_max_queue_len` waiting, FCFS; a request with a
         cache hit of at most `in_batch_prefix_len` tokens whose first `in_batch_prefix_len` tokens
-        equal an earlier waiting request's goes last, so that one fills the cache first)."""
+        equal an earlier waiting request's goes last, so that one fills the cache first).
+
+        One addition to SGLang's rule (`_waits_for_prefill`): a request whose next
+        `in_batch_prefix_len` uncached tokens are what a running prefill is about to compute also
+        goes last. Without it LPM admits a request with a partial hit (a prefix the running
+        prefill inserted after its first chunk) and recomputes the rest of that prefix beside
+        the prefill that is computing it."""
         cfg = self.config
         waiting = list(self.waiting)
         if (
@@ -193,6 +199,7 @@ class Scheduler:
         preempted = [r for r in waiting if r.num_preemptions]
         fresh = [r for r in waiting if not r.num_preemptions]
         k = cfg.in_batch_prefix_len
+        prefilling = [r for r in self.running if r.num_uncomputed_tokens > 1]
         heads: set[tuple[int, ...]] = set()
         keys = {}
         for i, req in enumerate(fresh):
@@ -202,9 +209,20 @@ class Scheduler:
                 head = tuple(req.prompt_token_ids[:k])
                 deferred = head in heads
                 heads.add(head)
+            deferred = deferred or any(self._waits_for_prefill(req, cached, r) for r in prefilling)
             keys[req.request_id] = (deferred, -cached, i)
         fresh.sort(key=lambda r: keys[r.request_id])
         return preempted + fresh
+
+    def _waits_for_prefill(self, req: Request, cached: int, running: Request) -> bool:
+        """Whether `running`'s next prefill chunk computes `req`'s next `in_batch_prefix_len`
+        tokens after its `cached` ones (the same tokens at the same positions)."""
+        end = cached + self.config.in_batch_prefix_len
+        return (
+            cached <= running.num_computed_tokens < end <= len(running.prompt_token_ids)
+            and end <= len(req.prompt_token_ids)
+            and req.prompt_token_ids[cached:end] == running.prompt_token_ids[cached:end]
+        )
 
     def _match_token_ids(self, req: Request) -> list[int]:
         """The tokens a cache match may cover: all but the last (which must be computed to get
