@@ -591,11 +591,13 @@ def report(results: dict, state: dict) -> str:
         ),
     ]
     specs = state["specs"]
+    # Prompt lengths as run (a dependent request's prompt includes its parent's conversation).
+    s0 = next(iter(results.values()))["summary"]
+    mean_prompt = _mean([s0.num_prompt_tokens / s0.num_finished] if s0.num_finished else [])
     lines = [
         f"model {FLAGS.model} ({FLAGS.dtype}), workload {FLAGS.workload}: {len(specs)} requests, "
-        f"qps {FLAGS.qps if _qps_given() else '(trace)'}, mean prompt "
-        f"{_mean(s.prompt_len for s in specs)} / output {_mean(s.output_len for s in specs)} "
-        f"tokens; TBT SLO {1e3 * state['tbt_slo']:.1f} ms",
+        f"qps {FLAGS.qps if _qps_given() else '(trace)'}, mean prompt {mean_prompt} / output "
+        f"{_mean(s.output_len for s in specs)} tokens; TBT SLO {1e3 * state['tbt_slo']:.1f} ms",
         "",
         format_side_by_side({p: r["summary"] for p, r in results.items()}, extra),
     ]

@@ -67,3 +67,28 @@ def test_stream_yields_the_generated_text(llm):
     pieces = list(llm.stream(prompt, params))
     assert len(pieces) > 5
     assert "".join(pieces) == llm.generate([prompt], params)[0].text
+
+
+def test_chats_sharing_a_system_prompt_reuse_its_pages_and_answer_the_same(llm):
+    from llmjax import LLM, SamplingParams
+
+    system = {
+        "role": "system",
+        "content": "You are a concise geography tutor. Answer in one short sentence, name the "
+        "country and the continent, and never add anything else to the answer.",
+    }
+    questions = ["capital of France?", "capital of Japan?", "capital of Peru?", "capital of Kenya?"]
+    chats = [[system, {"role": "user", "content": f"What is the {q}"}] for q in questions]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm.reset_prefix_cache()
+    first = llm.chat(chats[:1], params)  # fills the cache with the system prompt
+    rest = llm.chat(chats[1:], params)
+    assert first[0].num_cached_tokens == 0
+    tok = llm.get_tokenizer()
+    system_len = len(tok.apply_chat_template([system], add_generation_prompt=False, tokenize=True))
+    for out in rest:
+        assert out.num_cached_tokens >= system_len // 16 * 16 > 0
+    off = LLM("smollm2-135m-instruct", max_model_len=256, prefix_cache="none")
+    want = off.chat(chats, params)
+    assert [o.token_ids for o in first + rest] == [o.token_ids for o in want]
+    assert all(o.num_cached_tokens == 0 for o in want)
