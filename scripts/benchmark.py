@@ -101,8 +101,9 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     "output_len",
     64,
-    "Output tokens per request for 'fixed' and --batch_sizes, and of the short (decoding) "
-    "requests of long_prompt_interference.",
+    "Output tokens per request for 'fixed', --batch_sizes and the prefix-sharing workloads "
+    "(shared_system_prompt, few_shot, multi_turn_chat), and of the short (decoding) requests "
+    "of long_prompt_interference.",
 )
 flags.DEFINE_float("long_fraction", 0.25, "long_prompt_interference: fraction of long prompts.")
 flags.DEFINE_integer(
