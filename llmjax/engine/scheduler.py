@@ -215,8 +215,9 @@ class Scheduler:
         return preempted + fresh
 
     def _waits_for_prefill(self, req: Request, cached: int, running: Request) -> bool:
-        """Whether `running`'s next prefill chunk computes `req`'s next `in_batch_prefix_len`
-        tokens after its `cached` ones (the same tokens at the same positions)."""
+        """Whether `running`, still in prefill, has yet to compute `req`'s next
+        `in_batch_prefix_len` tokens after its `cached` ones (the same tokens at the same
+        positions), so waiting lets `req` take them from the cache."""
         end = cached + self.config.in_batch_prefix_len
         return (
             cached <= running.num_computed_tokens < end <= len(running.prompt_token_ids)
