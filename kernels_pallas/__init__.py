@@ -1,4 +1,9 @@
-"""Pallas attention kernels (GPU, TPU, CPU interpret mode); see DESIGN.md principle 8.
+"""Pallas kernels (GPU, TPU, and the CPU in interpret mode); DESIGN.md principle 8.
 
-Empty until the kernel issue lands: the engine attends with `llmjax.model.attention`'s reference.
+Each kernel folder holds `reference.py` (the plain-jnp specification), `kernel_tpu.py`,
+`kernel_gpu.py`, and an `__init__.py` whose public wrapper checks its inputs and picks the
+implementation for the platform.
+
+  ragged_paged_attention/   attention of a flat batch of decodes and prefill chunks over a paged
+                            KV cache (the engine's `attention_backend="pallas"`)
 """

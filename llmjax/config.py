@@ -296,6 +296,7 @@ PREFIX_CACHES = ("none", "radix")  # implemented in llmjax/engine/radix_cache.py
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,8 +306,11 @@ class EngineConfig:
     `dtype` is the compute and storage dtype of weights and KV cache. float32 is the CPU default:
     bf16 matrix-vector products run about 20x slower than f32 on x86 CPUs at small batch.
     `max_model_len` (prompt + generated tokens per request) defaults to the model's
-    `max_position_embeddings`. `compilation_cache_dir` enables JAX's persistent compilation cache
-    ('' disables it). `precompile` compiles every step shape at start (|token buckets| x
+    `max_position_embeddings`. `attention_backend` (ATTENTION_BACKENDS): 'reference' (plain jnp,
+    llmjax/model/attention.py), 'pallas' (the ragged paged attention kernels of kernels_pallas/:
+    compiled on GPU/TPU, interpret mode on the CPU, slow, for checking) or 'auto' (pallas on
+    GPU/TPU, reference on the CPU). `compilation_cache_dir` enables JAX's persistent compilation
+    cache ('' disables it). `precompile` compiles every step shape at start (|token buckets| x
     |page buckets| variants) so that serving never compiles; off by default because on a CPU
     that takes minutes for a real model the first time (later starts load the persistent cache).
     """
@@ -316,7 +320,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     dtype: str = "float32"
     max_model_len: int | None = None
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"
     seed: int = 0
     precompile: bool = False
     compilation_cache_dir: str = os.path.join(
@@ -335,10 +339,9 @@ class EngineConfig:
                 f"policy {sched.policy!r} runs whole prompts, so max_num_batched_tokens="
                 f"{sched.max_num_batched_tokens} must be >= max_model_len={self.max_model_len}"
             )
-        if self.attention_backend not in ("reference",):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"unknown {self.attention_backend=}; available: 'reference' (Pallas kernels come "
-                "with kernels_pallas)"
+                f"unknown {self.attention_backend=}; choose one of {ATTENTION_BACKENDS}"
             )
 
     def replace(self, **changes) -> EngineConfig:

@@ -68,7 +68,8 @@ class LLM:
     policies, max_model_len for the whole-prompt ones), `prefix_cache` ('radix' reuses the KV
     of shared prefixes, 'none' turns that off; see CacheConfig), `admission_order` ('fcfs' or
     'lpm', longest cached prefix first; see SchedulerConfig), `seed` (for requests without their
-    own seed), `precompile` (compile every step shape at start; see EngineConfig).
+    own seed), `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig),
+    `precompile` (compile every step shape at start; see EngineConfig).
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         prefix_cache: str = "radix",
         admission_order: str = "fcfs",
+        attention_backend: str = "auto",
         seed: int = 0,
         precompile: bool = False,
         compilation_cache_dir: str | None = None,
@@ -116,6 +118,7 @@ class LLM:
             ),
             dtype=dtype,
             max_model_len=max_model_len,
+            attention_backend=attention_backend,
             seed=seed,
             precompile=precompile,
             **extra,

@@ -167,6 +167,12 @@ flags.DEFINE_bool(
     "shapes that real-time arrivals produce are compiled too.",
 )
 flags.DEFINE_bool("precompile", False, "Compile every step shape at engine start.")
+flags.DEFINE_enum(
+    "attention_backend",
+    "auto",
+    ["auto", "reference", "pallas"],
+    "Attention backend: 'auto' = Pallas kernels on GPU/TPU, the jnp reference on the CPU.",
+)
 flags.DEFINE_string("json_out", "out/benchmark.json", "Where to write the results ('' = nowhere).")
 
 FLAGS = flags.FLAGS
@@ -203,6 +209,7 @@ def build_llm(policy: str, **overrides):
         seed=FLAGS.seed,
         scheduler_policy=policy,
         precompile=FLAGS.precompile,
+        attention_backend=FLAGS.attention_backend,
     )
     budget = overrides.pop("max_num_batched_tokens", FLAGS.max_num_batched_tokens)
     if budget is not None and _is_whole_prompt(policy):
@@ -226,6 +233,7 @@ def engine_info(llm) -> dict:
         "page_size": config.cache.page_size,
         "num_pages": llm.engine.block_manager.num_pages,
         "dtype": config.dtype,
+        "attention_backend": llm.engine.runner.attention_backend,
     }
 
 

@@ -44,6 +44,13 @@ flags.DEFINE_enum(
     "load_format", "auto", ["auto", "dummy"], "'dummy' uses random weights (presets only)."
 )
 flags.DEFINE_bool("stream", True, "Print tokens as they are generated.")
+flags.DEFINE_enum(
+    "attention_backend",
+    "auto",
+    ["auto", "reference", "pallas"],
+    "Attention: 'pallas' kernels (compiled on GPU/TPU, interpreted on the CPU: slow), 'reference' "
+    "(plain jnp), 'auto' (pallas on GPU/TPU, reference on the CPU).",
+)
 
 FLAGS = flags.FLAGS
 
@@ -60,6 +67,7 @@ def main(argv):
         max_model_len=FLAGS.max_model_len,
         num_pages=FLAGS.num_pages,
         page_size=FLAGS.page_size,
+        attention_backend=FLAGS.attention_backend,
     )
     load_s = time.perf_counter() - t0
     params = SamplingParams(

@@ -18,6 +18,7 @@ import numpy as np
 
 from llmjax.config import EngineConfig
 from llmjax.engine.batch import SamplingInput
+from llmjax.model.attention import make_attention_fn, resolve_attention_backend
 from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
 from llmjax.model.params import Params
@@ -46,14 +47,18 @@ class ModelRunner:
             config.model, num_pages, config.cache.page_size, self.dtype
         )
         self.num_compiles = 0
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        attention_fn = make_attention_fn(self.attention_backend)
         self._step = jax.jit(
-            functools.partial(self._step_impl, model_config=config.model),
+            functools.partial(
+                self._step_impl, model_config=config.model, attention_fn=attention_fn
+            ),
             donate_argnames=("kv_pages",),
         )
 
-    def _step_impl(self, params, kv_pages, step, sampling, *, model_config):
+    def _step_impl(self, params, kv_pages, step, sampling, *, model_config, attention_fn):
         self.num_compiles += 1  # runs only while tracing
-        logits, kv_pages = forward(params, kv_pages, step, model_config)
+        logits, kv_pages = forward(params, kv_pages, step, model_config, attention_fn)
         next_ids = sample(logits, *sampling)
         return next_ids, kv_pages
 

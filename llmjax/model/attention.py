@@ -1,4 +1,13 @@
-"""Attention over the paged KV cache: the backend interface and its plain-jnp reference.
+"""Attention over the paged KV cache: the backend interface, its plain-jnp reference, and the
+choice of backend by name (`EngineConfig.attention_backend`).
+
+Interface (`AttentionFn`): `attention_fn(q [T, N, H], k_pages, v_pages [num_pages, G, K, H], step:
+StepInput, *, sm_scale, sliding_window) -> [T, N, H]`, the contract of
+kernels_pallas/ragged_paged_attention/reference.py. Backends:
+  reference  `reference_attention` below (plain jnp; fast enough on a CPU).
+  pallas     `pallas_attention`: kernels_pallas' ragged paged attention (the TPU or GPU kernel of
+             the platform; in interpret mode on the CPU, slow, for checking).
+  auto       pallas on GPU/TPU, reference on the CPU.
 
 Letters: T tokens, S sequences, P pages per sequence, G page size, K kv heads, Q query heads per kv
 head, N = K * Q query heads, H head dim, C key positions (= P * G).
@@ -11,8 +20,18 @@ kernels (kernels_pallas/) implement the same contract.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+
+from llmjax.config import ATTENTION_BACKENDS
+from llmjax.model.step_input import StepInput
+
+logger = logging.getLogger(__name__)
+
+AttentionFn = Callable[..., jax.Array]
 
 # Query tokens per block in the reference; bounds the gathered KV at [block, C, K, H].
 REFERENCE_Q_BLOCK = 32
@@ -87,3 +106,71 @@ def paged_attention_reference(
         return per_token(q, positions, seq_ids)
     blocks = (q.reshape(-1, B, N, H), positions.reshape(-1, B), seq_ids.reshape(-1, B))
     return jax.lax.map(lambda b: block(*b), blocks).reshape(T, N, H)
+
+
+def reference_attention(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,  # [num_pages, G, K, H]
+    v_pages: jax.Array,
+    step: StepInput,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """The 'reference' backend: `paged_attention_reference` on the step's metadata."""
+    return paged_attention_reference(
+        q,
+        k_pages,
+        v_pages,
+        step.positions,
+        step.cu_q_lens,
+        step.page_indices,
+        scale=sm_scale,
+        sliding_window=sliding_window,
+    )
+
+
+def pallas_attention(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,  # [num_pages, G, K, H]
+    v_pages: jax.Array,
+    step: StepInput,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """The 'pallas' backend: the platform's ragged paged attention kernel (interpret mode on the
+    CPU)."""
+    from kernels_pallas.ragged_paged_attention import ragged_paged_attention
+
+    return ragged_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        step.kv_lens,
+        step.page_indices,
+        step.cu_q_lens,
+        step.num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+    )
+
+
+def resolve_attention_backend(name: str, platform: str | None = None) -> str:
+    """'auto' -> 'pallas' on GPU/TPU, 'reference' on the CPU; other names are checked."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
+    platform = platform or jax.default_backend()
+    if name == "auto":
+        return "reference" if platform == "cpu" else "pallas"
+    if name == "pallas" and platform == "cpu":
+        logger.warning(
+            "attention_backend='pallas' on the CPU runs the kernel in interpret mode (slow)"
+        )
+    return name
+
+
+def make_attention_fn(name: str, platform: str | None = None) -> AttentionFn:
+    """The attention function of backend `name` ('auto', 'reference' or 'pallas')."""
+    backend = resolve_attention_backend(name, platform)
+    return {"reference": reference_attention, "pallas": pallas_attention}[backend]

@@ -15,19 +15,15 @@ when serving; every token in tests). Jit it at the boundary with the pages donat
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 
 from llmjax.config import ModelConfig
-from llmjax.model.attention import paged_attention_reference
+from llmjax.model.attention import AttentionFn, reference_attention
 from llmjax.model.kv_cache import KVPages, write_kv
 from llmjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
 from llmjax.model.params import Params
 from llmjax.model.step_input import StepInput
-
-AttentionFn = Callable[..., jax.Array]
 
 
 def _project(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -59,10 +55,8 @@ def _attention_block(
         q,
         k_pages,
         v_pages,
-        step.positions,
-        step.cu_q_lens,
-        step.page_indices,
-        scale=config.head_dim**-0.5,
+        step,
+        sm_scale=config.head_dim**-0.5,
         sliding_window=config.sliding_window,
     )  # [T, N, H]
     T, N, H = o.shape
@@ -75,9 +69,10 @@ def forward(
     kv_pages: KVPages,
     step: StepInput,
     config: ModelConfig,
-    attention_fn: AttentionFn = paged_attention_reference,
+    attention_fn: AttentionFn = reference_attention,
 ) -> tuple[jax.Array, KVPages]:
-    """One model step -> (logits [L, V] float32, updated kv_pages)."""
+    """One model step -> (logits [L, V] float32, updated kv_pages). `attention_fn`: see
+    llmjax/model/attention.py (`make_attention_fn` picks one by backend name)."""
     x = params["embed"][step.token_ids]  # [T, D]
     cos, sin = rope_cos_sin(step.positions, config)  # [T, H/2]
     new_kv_pages = []

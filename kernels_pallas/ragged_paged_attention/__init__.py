@@ -1,0 +1,109 @@
+"""Ragged paged attention: one call attends a flat batch of decodes and prefill chunks, each
+sequence reading its KV through its page table (specification: `reference.py`).
+
+    out = ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                 sm_scale=head_dim ** -0.5)
+
+Implementations, chosen by name (`implementation=`) or by the platform (None):
+  tpu        Pallas Mosaic TPU kernel (kernel_tpu.py): scalar-prefetched page tables, KV pages
+             copied from HBM with double-buffered async DMAs. The default on TPU, and on the CPU
+             (interpret mode) for checking.
+  gpu        Pallas GPU kernel (kernel_gpu.py). The default on CUDA.
+  reference  the plain-jnp specification.
+A kernel asked for by name on a platform it cannot run on raises; nothing silently falls back.
+On the CPU, kernels run in interpret mode (slow; for tests).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+IMPLEMENTATIONS = ("tpu", "gpu", "reference")
+
+
+def default_implementation(platform: str | None = None) -> str:
+    """The kernel for `platform` (default: JAX's default backend): tpu on TPU and CPU, gpu on
+    CUDA/ROCm."""
+    platform = platform or jax.default_backend()
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else "tpu"
+
+
+def check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
+    """Shape and dtype checks with errors that print the values (static shapes only)."""
+    if q.ndim != 3 or k_pages.ndim != 4:
+        raise ValueError(
+            f"need q [T, N, H] and k_pages [pages, G, K, H]: {q.shape=} {k_pages.shape=}"
+        )
+    _, N, H = q.shape
+    _, _, K, Hk = k_pages.shape
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"{k_pages.shape=} != {v_pages.shape=}")
+    if Hk != H:
+        raise ValueError(f"head dims differ: {q.shape=} {k_pages.shape=}")
+    if N % K:
+        raise ValueError(f"query heads {N=} must be a multiple of kv heads {K=}")
+    if not q.dtype == k_pages.dtype == v_pages.dtype:
+        raise ValueError(f"dtypes differ: {q.dtype=} {k_pages.dtype=} {v_pages.dtype=}")
+    if page_indices.ndim != 2:
+        raise ValueError(f"page_indices must be [S, P]: {page_indices.shape=}")
+    S = page_indices.shape[0]
+    if kv_lens.shape != (S,) or cu_q_lens.shape != (S + 1,) or num_seqs.shape != (1,):
+        raise ValueError(
+            f"metadata shapes disagree with {S=} sequences: {kv_lens.shape=} (want ({S},)), "
+            f"{cu_q_lens.shape=} (want ({S + 1},)), {num_seqs.shape=} (want (1,))"
+        )
+    for name, a in [
+        ("kv_lens", kv_lens),
+        ("page_indices", page_indices),
+        ("cu_q_lens", cu_q_lens),
+        ("num_seqs", num_seqs),
+    ]:
+        if a.dtype != np.int32:
+            raise ValueError(f"{name} must be int32, got {a.dtype}")
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,  # [num_pages, G, K, H]
+    v_pages: jax.Array,  # [num_pages, G, K, H]
+    kv_lens: jax.Array,  # [S] int32
+    page_indices: jax.Array,  # [S, P] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """-> [T, N, H]; see reference.py for the contract. `interpret` defaults to True on the CPU
+    (where no kernel compiles) and False elsewhere."""
+    check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    platform = jax.default_backend()
+    impl = implementation or default_implementation(platform)
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown {implementation=}; choose one of {IMPLEMENTATIONS}")
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if impl == "reference":
+        return ragged_paged_attention_reference(*args, **kwargs)
+    if interpret is None:
+        interpret = platform == "cpu"
+    compiled_on = {"tpu": ("tpu",), "gpu": ("gpu", "cuda")}[impl]
+    if not interpret and platform not in compiled_on:
+        raise RuntimeError(
+            f"the {impl!r} ragged paged attention kernel compiles only on {compiled_on}, not on "
+            f"{platform!r}; pass interpret=True to run it in interpret mode (slow), or use "
+            "implementation='reference'"
+        )
+    if impl == "tpu":
+        from kernels_pallas.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
+
+        return ragged_paged_attention_tpu(*args, **kwargs, interpret=interpret)
+    from kernels_pallas.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
+
+    return ragged_paged_attention_gpu(*args, **kwargs, interpret=interpret)

@@ -1,0 +1,112 @@
+"""The ragged paged attention specification (kernels_pallas/ragged_paged_attention/reference.py)
+against an independent per-sequence numpy loop and against the model's blocked reference
+(llmjax/model/attention.py), and the public wrapper's input checks and backend choice."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.ragged_paged_attention import (
+    check_inputs,
+    default_implementation,
+    ragged_paged_attention,
+)
+from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
+from llmjax.model.attention import (
+    make_attention_fn,
+    paged_attention_reference,
+    reference_attention,
+    resolve_attention_backend,
+)
+from tests.kernels.rpa_cases import RAGGED_CASES, make_case
+
+
+def numpy_loop(c, *, sm_scale, sliding_window=None, soft_cap=None):
+    """Sequence by sequence, query by query, in float64."""
+    T, N, H = c.q.shape
+    K = c.k_pages.shape[2]
+    G = c.k_pages.shape[1]
+    out = np.zeros((T, N, H))
+    for s in range(int(c.num_seqs[0])):
+        lo, hi, kv = int(c.cu_q_lens[s]), int(c.cu_q_lens[s + 1]), int(c.kv_lens[s])
+        pages = c.page_indices[s, : -(-kv // G)]
+        k = c.k_pages[pages].reshape(-1, K, H)[:kv].astype(np.float64)
+        v = c.v_pages[pages].reshape(-1, K, H)[:kv].astype(np.float64)
+        for i, t in enumerate(range(lo, hi)):
+            pos = kv - (hi - lo) + i
+            for n in range(N):
+                kh = n // (N // K)
+                sc = k[:, kh] @ c.q[t, n].astype(np.float64) * sm_scale
+                if soft_cap is not None:
+                    sc = soft_cap * np.tanh(sc / soft_cap)
+                j = np.arange(kv)
+                ok = j <= pos
+                if sliding_window is not None:
+                    ok &= pos - j < sliding_window
+                sc = np.where(ok, sc, -np.inf)
+                p = np.exp(sc - sc.max())
+                out[t, n] = (p / p.sum()) @ v[:, kh]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(RAGGED_CASES))
+@pytest.mark.parametrize(
+    "opts", [{}, {"sliding_window": 8}, {"soft_cap": 5.0}], ids=["plain", "window", "softcap"]
+)
+def test_spec_matches_a_numpy_loop(name, opts):
+    q_lens, kv_lens, page_size = RAGGED_CASES[name]
+    c = make_case(q_lens, kv_lens, page_size=page_size, num_queries_per_kv=2, head_dim=32)
+    got = np.asarray(ragged_paged_attention_reference(*c.args, sm_scale=0.3, **opts))
+    np.testing.assert_allclose(got, numpy_loop(c, sm_scale=0.3, **opts), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(RAGGED_CASES))
+def test_spec_matches_the_models_reference_backend(name):
+    q_lens, kv_lens, page_size = RAGGED_CASES[name]
+    c = make_case(q_lens, kv_lens, page_size=page_size)
+    want = np.asarray(ragged_paged_attention_reference(*c.args, sm_scale=0.125))
+    n = int(c.cu_q_lens[c.num_seqs[0]])
+    # The model's reference takes positions instead of kv_lens (the engine packs both).
+    seq = np.searchsorted(c.cu_q_lens[1:], np.arange(len(c.q)), side="right")
+    seq = np.minimum(seq, len(c.kv_lens) - 1)
+    q_len = c.cu_q_lens[seq + 1] - c.cu_q_lens[seq]
+    positions = (c.kv_lens[seq] - q_len + np.arange(len(c.q)) - c.cu_q_lens[seq]).astype(np.int32)
+    args = [jnp.asarray(a) for a in (c.q, c.k_pages, c.v_pages, positions, c.cu_q_lens)]
+    got = np.asarray(paged_attention_reference(*args, c.page_indices, scale=0.125))
+    np.testing.assert_allclose(got[:n], want[:n], rtol=1e-5, atol=1e-5)
+    assert not want[n:].any()  # padding rows are 0 in the spec
+
+
+def test_bad_inputs_are_clear_errors():
+    c = make_case([2, 1], [5, 3])
+    args = list(c.args)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        check_inputs(c.q[:, :3], *args[1:])
+    with pytest.raises(ValueError, match="int32"):
+        check_inputs(*args[:3], c.kv_lens.astype(np.int64), *args[4:])
+    with pytest.raises(ValueError, match="metadata shapes"):
+        check_inputs(*args[:5], c.cu_q_lens[:-1], args[6])
+    with pytest.raises(ValueError, match="dtypes differ"):
+        check_inputs(c.q.astype(np.float16), *args[1:])
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        ragged_paged_attention(*c.args, sm_scale=1.0, implementation="cuda")
+
+
+def test_a_kernel_named_on_the_wrong_platform_says_so():
+    c = make_case([2, 1], [5, 3])
+    for impl in ("tpu", "gpu"):
+        with pytest.raises(RuntimeError, match=f"the '{impl}' ragged paged attention kernel"):
+            ragged_paged_attention(*c.args, sm_scale=1.0, implementation=impl, interpret=False)
+
+
+def test_backend_choice():
+    assert default_implementation("tpu") == "tpu"
+    assert default_implementation("cuda") == "gpu" and default_implementation("gpu") == "gpu"
+    assert default_implementation("cpu") == "tpu"  # interpreted
+    assert resolve_attention_backend("auto", "cpu") == "reference"
+    assert resolve_attention_backend("auto", "tpu") == "pallas"
+    assert resolve_attention_backend("auto", "gpu") == "pallas"
+    assert resolve_attention_backend("pallas", "cpu") == "pallas"
+    assert make_attention_fn("reference") is reference_attention
+    with pytest.raises(ValueError, match="unknown attention backend 'triton'"):
+        resolve_attention_backend("triton", "cpu")
