@@ -45,3 +45,30 @@ def test_generate_script_help_and_run():
     )
     assert out.stdout.startswith(">>> What is the capital of France?")
     assert "compiles=" in out.stderr
+
+
+def test_bench_kernels_times_what_runs_here_and_says_what_it_skips(tmp_path):
+    import json
+
+    out = tmp_path / "k.json"
+    _run(
+        "bench_kernels.py",
+        "--implementations=reference,model_reference,jax_gpu",
+        "--batches=decode,mixed",
+        "--num_kv_heads=2",
+        "--num_queries_per_kv=2",
+        "--head_dim=32",
+        "--num_decodes=4",
+        "--decode_kv_len=40",
+        "--prefill_len=24",
+        "--iters=1",
+        "--peak_bandwidth_gbs=10",
+        f"--json_out={out}",
+    )
+    doc = json.loads(out.read_text())
+    assert {(r["batch"], r["implementation"]) for r in doc["rows"]} == {
+        (b, i) for b in ("decode", "mixed") for i in ("reference", "model_reference")
+    }
+    for r in doc["rows"]:
+        assert r["ms"] > 0 and r["GB/s"] > 0 and r["of_peak_bw"] == r["GB/s"] / 10
+    assert "CUDA only" in doc["skipped"]["decode/jax_gpu"]

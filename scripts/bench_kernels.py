@@ -1,0 +1,272 @@
+"""Kernel benchmark: ragged paged attention implementations on decode-heavy, prefill-heavy and
+mixed batches, with achieved memory bandwidth and FLOP/s next to the device's roofline.
+
+    python scripts/bench_kernels.py                                  # this device's defaults
+    python scripts/bench_kernels.py --implementations reference,model_reference,tpu --interpret
+    python scripts/bench_kernels.py --num_decodes 64 --decode_kv_len 4096 --dtype bfloat16
+
+Implementations (--implementations):
+  reference        the jnp specification (kernels_pallas/ragged_paged_attention/reference.py)
+  model_reference  the engine's blocked jnp reference (llmjax/model/attention.py)
+  tpu, gpu         our Pallas kernels (compiled on their platform; elsewhere only with --interpret)
+  jax_tpu          jax.experimental.pallas.ops.tpu.ragged_paged_attention (TPU; K/V interleaved)
+  jax_gpu          jax.experimental.pallas.ops.gpu.paged_attention (CUDA; decode batches only)
+Unavailable ones are reported as skipped, with why. Bytes moved = q + output + the K/V of every
+sequence's kv_len keys (each read once); FLOPs = 4 * N * H * (visible keys summed over queries).
+The roofline is --peak_bandwidth_gbs / --peak_tflops, or a table entry for the device kind.
+Prints a table and writes --json_out.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+flags.DEFINE_list(
+    "implementations",
+    ["reference", "model_reference", "tpu", "gpu", "jax_tpu", "jax_gpu"],
+    "Implementations to time (see the module docstring).",
+)
+flags.DEFINE_list("batches", ["decode", "prefill", "mixed"], "Batch kinds to time.")
+flags.DEFINE_enum(
+    "dtype", None, ["float32", "bfloat16"], "Default: bfloat16 on GPU/TPU, f32 on CPU."
+)
+flags.DEFINE_integer("num_kv_heads", 8, "K (llama3-8b: 8).")
+flags.DEFINE_integer("num_queries_per_kv", 4, "Query heads per kv head (llama3-8b: 4).")
+flags.DEFINE_integer("head_dim", 128, "H.")
+flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
+flags.DEFINE_integer("num_decodes", None, "Decode batch: sequences (default 64, CPU 8).")
+flags.DEFINE_integer(
+    "decode_kv_len", None, "Decode batch: context per sequence (default 2048, CPU 256)."
+)
+flags.DEFINE_integer(
+    "prefill_len", None, "Prefill batch: one chunk of this many tokens (default 2048, CPU 256)."
+)
+flags.DEFINE_bool("interpret", False, "Run Pallas kernels in interpret mode off their platform.")
+flags.DEFINE_integer("iters", 10, "Timed calls per implementation and batch (median reported).")
+flags.DEFINE_float("peak_bandwidth_gbs", None, "Roofline memory bandwidth (GB/s).")
+flags.DEFINE_float("peak_tflops", None, "Roofline compute (TFLOP/s) for the dtype.")
+flags.DEFINE_string("json_out", "out/bench_kernels.json", "Where to write results ('' = nowhere).")
+
+FLAGS = flags.FLAGS
+
+# (HBM GB/s, dense bf16 TFLOP/s) from the vendors' data sheets.
+ROOFLINES = {
+    "NVIDIA H200": (4800.0, 989.0),
+    "NVIDIA H100 80GB HBM3": (3350.0, 989.0),
+    "NVIDIA A100-SXM4-80GB": (2039.0, 312.0),
+    "TPU v4": (1200.0, 275.0),
+    "TPU v5 lite": (819.0, 197.0),
+    "TPU v5e": (819.0, 197.0),
+    "TPU v5p": (2765.0, 459.0),
+    "TPU v6 lite": (1640.0, 918.0),
+}
+
+
+def batch_specs(kind: str, on_cpu: bool) -> tuple[list[int], list[int]]:
+    """(q_lens, kv_lens) of a batch kind."""
+    n = FLAGS.num_decodes or (8 if on_cpu else 64)
+    kv = FLAGS.decode_kv_len or (256 if on_cpu else 2048)
+    chunk = FLAGS.prefill_len or (256 if on_cpu else 2048)
+    if kind == "decode":
+        return [1] * n, [kv] * n
+    if kind == "prefill":
+        return [chunk], [chunk]
+    if kind == "mixed":  # decodes beside a chunk that continues a prompt
+        return [1] * (n // 2) + [chunk // 2], [kv] * (n // 2) + [chunk]
+    raise app.UsageError(f"unknown batch kind {kind!r}")
+
+
+def make_case(q_lens, kv_lens):
+    """A random case (tests/kernels/rpa_cases.py) padded like the engine pads a step."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.kernels.rpa_cases import make_case
+
+    T = 1 << max(3, (sum(q_lens) - 1).bit_length())  # the engine's power-of-two token bucket
+    case = make_case(
+        q_lens,
+        kv_lens,
+        page_size=FLAGS.page_size,
+        num_kv_heads=FLAGS.num_kv_heads,
+        num_queries_per_kv=FLAGS.num_queries_per_kv,
+        head_dim=FLAGS.head_dim,
+        dtype=np.float32,
+        num_tokens=T,
+        max_num_seqs=min(T, max(len(q_lens), 1)),
+    )
+    return case
+
+
+def cost(q_lens, kv_lens, itemsize) -> tuple[float, float]:
+    """(bytes moved, FLOPs) of one call."""
+    K, Q, H = FLAGS.num_kv_heads, FLAGS.num_queries_per_kv, FLAGS.head_dim
+    N = K * Q
+    tokens = sum(q_lens)
+    kv_bytes = sum(kv_lens) * K * H * 2 * itemsize
+    q_out_bytes = 2 * tokens * N * H * itemsize
+    visible = sum(
+        sum(k - q + i + 1 for i in range(q)) for q, k in zip(q_lens, kv_lens, strict=True)
+    )
+    return kv_bytes + q_out_bytes, 4.0 * N * H * visible
+
+
+def implementation_fn(name: str, platform: str, case, scale: float):
+    """A jitted callable of the case's device arrays, or a string saying why it is skipped."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas.ragged_paged_attention import ragged_paged_attention
+    from llmjax.model.attention import paged_attention_reference
+
+    if name in ("reference", "tpu", "gpu"):
+        on_platform = {"tpu": ("tpu",), "gpu": ("gpu", "cuda")}.get(name, (platform,))
+        if platform not in on_platform and not FLAGS.interpret:
+            return f"compiles only on {on_platform[0]} (--interpret to run it interpreted)"
+        impl = functools.partial(
+            ragged_paged_attention,
+            sm_scale=scale,
+            implementation=name,
+            interpret=platform not in on_platform if name != "reference" else None,
+        )
+        return jax.jit(impl)
+    if name == "model_reference":
+
+        def model_ref(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs):
+            T = q.shape[0]
+            t = jnp.arange(T, dtype=jnp.int32)
+            seq = jnp.minimum(
+                jnp.searchsorted(cu_q_lens[1:], t, side="right"), kv_lens.shape[0] - 1
+            )
+            q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+            pos = (kv_lens[seq] - q_len + t - cu_q_lens[seq]).astype(jnp.int32)
+            return paged_attention_reference(q, k, v, pos, cu_q_lens, page_indices, scale=scale)
+
+        return jax.jit(model_ref)
+    if name == "jax_tpu":
+        if platform != "tpu":
+            return "JAX's TPU ragged paged attention runs on TPU only"
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+            ragged_paged_attention as jax_rpa,
+        )
+
+        def jax_tpu(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs):
+            kv = jnp.stack([k, v], axis=3).reshape(*k.shape[:2], -1, k.shape[-1])  # interleaved
+            return jax_rpa(q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=scale)
+
+        return jax.jit(jax_tpu)
+    if name == "jax_gpu":
+        if platform not in ("gpu", "cuda"):
+            return "JAX's GPU paged attention runs on CUDA only"
+        if int(case.cu_q_lens[-1]) != int(case.num_seqs[0]):
+            return "JAX's GPU paged attention is decode-only (one query per sequence)"
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as jax_pa
+
+        def jax_gpu(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs):
+            S = kv_lens.shape[0]
+            k_hm, v_hm = jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)  # [K, pages, G, H]
+            return jax_pa(q[:S] * scale, k_hm, v_hm, page_indices, kv_lens)
+
+        return jax.jit(jax_gpu)
+    return f"unknown implementation {name!r}"
+
+
+def time_fn(fn, args) -> float:
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(FLAGS.iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def main(argv):
+    del argv
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    platform = jax.default_backend()
+    on_cpu = platform == "cpu"
+    dtype = FLAGS.dtype or ("float32" if on_cpu else "bfloat16")
+    peak_bw, peak_tf = ROOFLINES.get(device.device_kind, (None, None))
+    peak_bw = FLAGS.peak_bandwidth_gbs or peak_bw
+    peak_tf = FLAGS.peak_tflops or peak_tf
+    scale = FLAGS.head_dim**-0.5
+    rows, skipped = [], {}
+    for kind in FLAGS.batches:
+        q_lens, kv_lens = batch_specs(kind, on_cpu)
+        case = make_case(q_lens, kv_lens)
+        args = [jnp.asarray(a, dtype) for a in (case.q, case.k_pages, case.v_pages)]
+        args += [jnp.asarray(a) for a in case.args[3:]]
+        nbytes, flops = cost(q_lens, kv_lens, jnp.dtype(dtype).itemsize)
+        for name in FLAGS.implementations:
+            fn = implementation_fn(name, platform, case, scale)
+            if isinstance(fn, str):
+                skipped[f"{kind}/{name}"] = fn
+                continue
+            s = time_fn(fn, args)
+            row = {
+                "batch": kind,
+                "implementation": name,
+                "ms": 1e3 * s,
+                "GB/s": nbytes / s / 1e9,
+                "TFLOP/s": flops / s / 1e12,
+                "tokens": sum(q_lens),
+                "kv_tokens": sum(kv_lens),
+            }
+            if peak_bw:
+                row["of_peak_bw"] = row["GB/s"] / peak_bw
+            if peak_tf:
+                row["of_peak_flops"] = row["TFLOP/s"] / peak_tf
+            rows.append(row)
+            print(f"[bench_kernels] {kind:8s} {name:16s} {1e3 * s:9.3f} ms", file=sys.stderr)
+    header = ["batch", "implementation", "ms", "GB/s", "of peak BW", "TFLOP/s", "of peak FLOP/s"]
+    lines = [
+        f"device {device.device_kind} ({platform}), {dtype}, K={FLAGS.num_kv_heads} "
+        f"Q={FLAGS.num_queries_per_kv} H={FLAGS.head_dim} page {FLAGS.page_size}; roofline "
+        f"{peak_bw or '?'} GB/s, {peak_tf or '?'} TFLOP/s",
+        "  ".join(f"{h:>14s}" for h in header),
+    ]
+    for r in rows:
+        cells = [
+            r["batch"],
+            r["implementation"],
+            f"{r['ms']:.3f}",
+            f"{r['GB/s']:.1f}",
+            f"{r['of_peak_bw']:.1%}" if "of_peak_bw" in r else "-",
+            f"{r['TFLOP/s']:.3f}",
+            f"{r['of_peak_flops']:.1%}" if "of_peak_flops" in r else "-",
+        ]
+        lines.append("  ".join(f"{c:>14s}" for c in cells))
+    for key, why in skipped.items():
+        lines.append(f"skipped {key}: {why}")
+    print("\n".join(lines))
+    if FLAGS.json_out:
+        os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
+        doc = {
+            "device": device.device_kind,
+            "platform": platform,
+            "dtype": dtype,
+            "roofline": {"GB/s": peak_bw, "TFLOP/s": peak_tf},
+            "rows": rows,
+            "skipped": skipped,
+            "flags": {f.name: f.value for f in FLAGS.get_flags_for_module(sys.argv[0])},
+        }
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {FLAGS.json_out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
