@@ -1,4 +1,4 @@
-"""Ragged paged attention for NVIDIA GPUs: a Pallas kernel on the Triton lowering (spec: reference.py).
+"""Ragged paged attention for NVIDIA GPUs: Pallas on the Triton lowering (spec: reference.py).
 
 Lowering choice. This is a plain `pl.pallas_call` with BlockSpecs and jnp ops, lowered by Pallas'
 Triton backend (the default for `pallas_call` on CUDA in jax 0.11.2). Why not Mosaic GPU, the
@@ -17,26 +17,32 @@ Algorithm (flash attention over pages, online softmax in float32):
     spans two sequences) and lists them in a schedule: block b -> (sequence, first query index), -1
     for unused slots. There are at most NB = min(T, cdiv(T, block_q) + S) blocks.
   - Grid (NB, K, num_kv_splits). Program (b, h, c) takes the block's rows for the Q query heads of
-    kv head h together ([block_q * Qp, H] rows, so each KV page is read once per kv head), walks the
-    KV blocks its rows can see ([first visible key, last row's position]; with a sliding window it
-    starts at the first row's window) in steps of `pages_per_block` pages, gathering the pages
-    through the page table (masked loads: no key at or past kv_len is read), and keeps (acc, m, l)
-    in float32: scores = q.k * sm_scale -> soft cap -> mask (causal, kv_len, window) -> softmax.
-  - One split: the program writes acc / l in q's dtype, masked to its sequence's rows. Split-KV
-    (flash decoding): program c takes the c-th of num_kv_splits equal parts of the block's KV range
-    and writes float32 partials (acc / l, m, l); the wrapper combines them (weights l * exp(m - max m)).
+    kv head h together ([block_q * Qp, H] rows, so each KV page is read once per kv head), walks
+    the KV blocks its rows can see ([first visible key, last row's position]; with a sliding
+    window it starts at the first row's window) in steps of `pages_per_block` pages, gathering
+    the pages through the page table (masked loads: no key at or past kv_len is read), and keeps
+    (acc, m, denom) in float32: scores = q.k * sm_scale -> soft cap -> mask (causal, kv_len,
+    window) -> online softmax.
+  - One split: the program writes acc / denom in q's dtype, masked to its sequence's rows.
+    Split-KV (flash decoding): program c takes the c-th of num_kv_splits equal parts of the
+    block's KV range and writes float32 partials (acc / denom, m, denom); the wrapper combines
+    them with weights denom * exp(m - max over splits of m).
   - Rows past cu_q_lens[num_seqs[0]] belong to no block; the wrapper returns 0 there.
 
-Triton needs power-of-two tensor sizes: the wrapper pads the Q query heads of a kv head to Qp (a power
-of two, and block_q * Qp >= 16 rows for tl.dot), T by block_q rows (so a block's loads stay in
-bounds), the page table to a multiple of pages_per_block; page_size and head_dim must be powers of two.
+Triton needs power-of-two tensor sizes: the wrapper pads the Q query heads of a kv head to Qp (a
+power of two, and block_q * Qp >= 16 rows for tl.dot), T by block_q rows (so a block's loads stay
+in bounds), the page table to a multiple of pages_per_block; page_size and head_dim must be powers
+of two.
 
-Block sizes (`default_block_sizes`): block_q * Qp ~ 64 rows and block_kv ~ 64 keys (pages_per_block
-= 64 // page_size) keep the float32 accumulator [64, H] and the [64, 64] score tile in registers with
-4 warps, like JAX's Triton flash attention; block_q is capped by the bucket's average q_len T // S
-(a decode bucket gets block_q = 1: 16-row tiles, not 64 rows of which Q are used). Split rule (`choose_num_kv_splits`): a bucket surely has
-max(min(S, T), cdiv(T, block_q)) * K programs of work; below ~256 (two per SM on an H200's 132) split
-the KV range into the power of two that reaches it, at most 16 and keeping >= 4 KV blocks per split.
+Block sizes (`default_block_sizes`): block_q * Qp ~ 64 rows and ~64 keys per step
+(pages_per_block = 64 // page_size) keep the float32 accumulator [64, H] and the [64, 64] score
+tile in registers with 4 warps, like JAX's Triton flash attention; block_q is capped by the
+bucket's average q_len T // S (a decode bucket gets block_q = 1: 16-row tiles, not 64 rows of
+which Q are used).
+
+Split rule (`choose_num_kv_splits`): a bucket surely has max(min(S, T), cdiv(T, block_q)) * K
+programs of work; below ~256 (two per SM on an H200's 132) split the KV range into the power of
+two that reaches it, at most 16, and keeping >= 4 KV blocks per split (else 1).
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ def _rpa_kernel(
     num_kv_splits: int,
 ):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    _, K, Qp, H = q_ref.shape
+    _, _, Qp, H = q_ref.shape
     G = k_pages_ref.shape[1]
     BQ, M, BK = block_q, block_q * Qp, pages_per_block * G
     seq = block_seq_ref[b]
@@ -132,7 +138,7 @@ def _rpa_kernel(
             hi_blk = jnp.minimum(hi_blk, lo_blk + per_split)
 
         def kv_step(blk, carry):
-            acc, m, l = carry  # [M, H], [M], [M] float32
+            acc, m, denom = carry  # [M, H], [M], [M] float32: sum p.v, max, sum p
             pages = page_indices_ref[seq, pl.ds(blk * pages_per_block, pages_per_block)]
             # Gather [pages_per_block, G, H] with one index array per dim (interpret mode can't
             # mix index arrays and slices): element (a, g, d) = k_pages[pages[a], g, h, d].
@@ -163,15 +169,15 @@ def _rpa_kernel(
             pv = jax.lax.dot_general(
                 p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
             )
-            return alpha[:, None] * acc + pv, m_new, alpha * l + p.sum(axis=1)
+            return alpha[:, None] * acc + pv, m_new, alpha * denom + p.sum(axis=1)
 
         init = (
             jnp.zeros((M, H), jnp.float32),
             jnp.full((M,), MASK_VALUE, jnp.float32),
             jnp.zeros((M,), jnp.float32),
         )
-        acc, m, l = jax.lax.fori_loop(lo_blk, hi_blk, kv_step, init)
-        o = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).reshape(BQ, Qp, H)
+        acc, m, denom = jax.lax.fori_loop(lo_blk, hi_blk, kv_step, init)
+        o = (acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]).reshape(BQ, Qp, H)
         row_ok = i < q_len  # [BQ, Qp]: rows of this sequence only
         if num_kv_splits == 1:
             pltriton.store(
@@ -187,14 +193,17 @@ def _rpa_kernel(
                 mask=jnp.broadcast_to(row_ok[:, :, None], (BQ, Qp, H)),
             )
             pltriton.store(m_ref.at[split, pl.ds(row0, BQ), h, :], m.reshape(BQ, Qp), mask=row_ok)
-            pltriton.store(l_ref.at[split, pl.ds(row0, BQ), h, :], l.reshape(BQ, Qp), mask=row_ok)
+            pltriton.store(
+                l_ref.at[split, pl.ds(row0, BQ), h, :], denom.reshape(BQ, Qp), mask=row_ok
+            )
 
 
 def _q_block_schedule(cu_q_lens, num_seqs, block_q: int, num_blocks: int):
     """-> block_seq, block_q0 [num_blocks] int32: q block b covers queries block_q0[b] ..
     block_q0[b] + block_q - 1 of sequence block_seq[b] (-1: unused slot).
 
-    In (block_q 4): q_lens [6 1 0] num_seqs [2] -> block_seq [0 0 1 -1 ...], block_q0 [0 4 0 0 ...]"""
+    In (block_q 4): q_lens [6 1 0], num_seqs [2]
+    Out:            block_seq [0 0 1 -1 ...], block_q0 [0 4 0 0 ...]"""
     S = cu_q_lens.shape[0] - 1
     q_lens = jnp.where(jnp.arange(S) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
     blocks = (q_lens + block_q - 1) // block_q  # [S]
@@ -287,8 +296,8 @@ def ragged_paged_attention_gpu(
     if C == 1:
         o = outs[0][:T]
     else:
-        o, m, l = (x[:, :T] for x in outs)
-        w = l * jnp.exp(m - m.max(axis=0))  # [C, T, K, Qp]; an empty split has l = 0
+        o, m, denom = (x[:, :T] for x in outs)
+        w = denom * jnp.exp(m - m.max(axis=0))  # [C, T, K, Qp]; an empty split has denom 0
         den = w.sum(axis=0)
         o = (w[..., None] * o).sum(axis=0) / jnp.where(den == 0.0, 1.0, den)[..., None]
     o = o[:, :, :Q].reshape(T, N, H)
