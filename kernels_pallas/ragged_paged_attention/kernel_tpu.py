@@ -3,21 +3,23 @@
 Algorithm. The jnp wrapper regroups q [T, N, H] by kv head into q_kv [K, Tp * Q, H] (Q = N // K
 query heads per kv head; row r of a block is token r // Q, query head r % Q of that kv head; Tp is
 T padded to a multiple of the q block) and computes, per q block, the range of sequences whose
-rows overlap it. The kernel runs one grid step per (kv head, q block of `bq` tokens): for every
-sequence overlapping the block it streams only the pages holding the keys some row of the block
-can see (causal upper bound, sliding-window lower bound, never past kv_len) from HBM into VMEM and
-runs a float32 online softmax over them; rows of other sequences are masked, so one set of m/l/acc
-accumulators serves all sequences of the block. Padded rows (>= cu_q_lens[num_seqs[0]]) see no key
-and are written as 0.
+rows overlap it. The kernel runs one grid step per q block of `bq` tokens (all heads): for every
+sequence overlapping the block it streams only the pages holding keys some row of the block can
+see (causal upper bound, sliding-window lower bound, never past kv_len) from HBM into VMEM and
+runs a float32 online softmax over them, kv head by kv head; rows of other sequences are masked,
+so one set of m/l/acc accumulators serves all sequences of the block. Padded rows
+(>= cu_q_lens[num_seqs[0]]) see no key and are written as 0.
 
-Grid: (K, Tp // bq), both "parallel": a step starts and waits all of its own DMAs and (re)sets its
-scratch, so steps are independent.
+Grid: (Tp // bq,), "parallel": a step starts and waits all of its own DMAs and (re)sets its
+scratch, so steps are independent (and may be split across TensorCores).
 
-DMA scheme: one "kv step" = up to `ppb` pages of one sequence, each page copied with its own async
-copy of the kv head's [G, H] slice (strided; the pool keeps its [pages, G, K, H] layout) into one
-of two VMEM slots, all pages of a slot signalling that slot's semaphore. The copies of the next
-kv step (the same sequence's next pages, or the first pages of the block's next sequence) start
-before the current step's are waited on, so DMA overlaps compute, also across decode sequences.
+DMA scheme: one "kv step" = up to `ppb` pages of one sequence, each page copied whole ([G, K, H],
+contiguous in the pool's [pages, G, K, H] layout; all kv heads, so the pool is read once per q
+block) with its own async copy into one of two VMEM slots, all pages of a slot signalling that
+slot's semaphore. The copies of the next kv step (the same sequence's next pages, or the first
+pages of the block's next sequence) start before the current step's are waited on, so DMA
+overlaps compute, also across the decode sequences of a block. Named `pl.when` blocks:
+start_first_step, prefetch_same_seq, prefetch_next_seq, start_page, wait_page.
 
 Masks (rows r, keys c of one kv step; t = t0 + r // Q, j = first key of the step + c):
     visible = cu[s] <= t < cu[s+1]  and  j <= pos(t)  and  pos(t) - j < window
@@ -59,6 +61,20 @@ def _div(a, b: int):
 
 def _cdiv_traced(a, b: int):
     return _div(a + b - 1, b)
+
+
+def _start_page(in_seq, copies):
+    @pl.when(in_seq)
+    def start_page():
+        for copy in copies:
+            copy.start()
+
+
+def _wait_page(in_seq, copies):
+    @pl.when(in_seq)
+    def wait_page():
+        for copy in copies:
+            copy.wait()
 
 
 def _kernel(
@@ -109,9 +125,14 @@ def _kernel(
         page_lo, page_hi = _div(key_lo, G), _cdiv_traced(key_hi, G)
         num_steps = jnp.where(row_hi > row_lo, _cdiv_traced(page_hi - page_lo, ppb), 0)
         return dict(
-            q_start=q_start, q_end=q_end, kv_len=kv_len, key_hi=key_hi,
-            page_lo=page_lo, page_hi=page_hi, num_steps=num_steps,
-        )  # fmt: skip
+            q_start=q_start,
+            q_end=q_end,
+            kv_len=kv_len,
+            key_hi=key_hi,
+            page_lo=page_lo,
+            page_hi=page_hi,
+            num_steps=num_steps,
+        )
 
     def page_copies(s, span, step, slot):
         """(condition, k copy, v copy) of each page of kv step `step` of sequence s."""
@@ -127,20 +148,12 @@ def _kernel(
             )
 
     def start_step(s, span, step, slot):
-        for in_seq, ck, cv in page_copies(s, span, step, slot):
-
-            @pl.when(in_seq)
-            def start_page():
-                ck.start()
-                cv.start()
+        for in_seq, *copies in page_copies(s, span, step, slot):
+            _start_page(in_seq, copies)
 
     def wait_step(s, span, step, slot):
-        for in_seq, ck, cv in page_copies(s, span, step, slot):
-
-            @pl.when(in_seq)
-            def wait_page():
-                ck.wait()
-                cv.wait()
+        for in_seq, *copies in page_copies(s, span, step, slot):
+            _wait_page(in_seq, copies)
 
     def attend(span, step, slot):
         """Online-softmax update of all K * R rows with the keys of one kv step."""
@@ -161,9 +174,12 @@ def _kernel(
             k = k_buf[slot, :, :, h, :].reshape(C, H)
             precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
             s = lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), precision=precision,
+                q,
+                k,
+                (((1,), (1,)), ((), ())),
+                precision=precision,
                 preferred_element_type=jnp.float32,
-            )  # fmt: skip
+            )
             s = s * sm_scale  # [R, C]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
@@ -174,9 +190,12 @@ def _kernel(
             alpha = jnp.exp(m_prev - m_new)
             v = jnp.where(v_ok, v_buf[slot, :, :, h, :].reshape(C, H), 0)
             pv = lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                p.astype(v.dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                precision=precision,
                 preferred_element_type=jnp.float32,
-            )  # fmt: skip
+            )
             m_ref[h] = jnp.broadcast_to(m_new, (R, LANES))
             l_ref[h] = jnp.broadcast_to(alpha * l_prev + p.sum(axis=1, keepdims=True), (R, LANES))
             acc_ref[h] = alpha * acc_ref[h] + pv
@@ -205,7 +224,7 @@ def _kernel(
 
             @pl.when(last & next_has_steps)
             def prefetch_next_seq():
-                pass
+                start_step(s_next, span_next, 0, 1 - slot)
 
             wait_step(s, span, step, slot)
             attend(span, step, slot)
@@ -217,8 +236,10 @@ def _kernel(
 
     lax.fori_loop(seq_lo, seq_hi + 1, seq_body, (jnp.int32(0), jnp.int32(0)))
 
-    l = l_ref[:, :, :1]
-    out = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0)  # padded rows -> 0
+    denom = l_ref[:, :, :1]
+    out = jnp.where(
+        denom > 0, acc_ref[...] / jnp.where(denom > 0, denom, 1.0), 0.0
+    )  # padded rows -> 0
     o_ref[...] = out.astype(o_ref.dtype)
 
 
@@ -249,7 +270,7 @@ def ragged_paged_attention_tpu(
     (fast generic interpreter) or a `pltpu.InterpretParams` (TPU simulator: DMAs, races)."""
     T, N, H = q.shape
     _, G, K, _ = k_pages.shape
-    S, P = page_indices.shape
+    P = page_indices.shape[1]
     Q = N // K
     bq = num_queries_per_block or _default_queries_per_block(T)
     ppb = min(num_kv_pages_per_block or NUM_KV_PAGES_PER_BLOCK, P)
@@ -273,9 +294,15 @@ def ragged_paged_attention_tpu(
     seq_hi = jnp.where(empty, -1, seq_hi)
 
     kernel = functools.partial(
-        _kernel, bq=bq, ppb=ppb, pages_per_seq=P, num_queries_per_kv=Q,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-    )  # fmt: skip
+        _kernel,
+        bq=bq,
+        ppb=ppb,
+        pages_per_seq=P,
+        num_queries_per_kv=Q,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     R = bq * Q
     q_spec = pl.BlockSpec((K, R, H), lambda b, *_: (0, b, 0))
     out = pl.pallas_call(
@@ -298,6 +325,16 @@ def ragged_paged_attention_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs, seq_lo, seq_hi, q_kv, k_pages, v_pages)
+    )(
+        kv_lens,
+        page_indices.reshape(-1),
+        cu_q_lens,
+        num_seqs,
+        seq_lo,
+        seq_hi,
+        q_kv,
+        k_pages,
+        v_pages,
+    )
     out = out.reshape(K, Tp, Q, H).transpose(1, 0, 2, 3)[:T]
     return out.reshape(T, N, H)
