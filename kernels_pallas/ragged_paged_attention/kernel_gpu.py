@@ -55,10 +55,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas.ragged_paged_attention.tuning import (
+    GPU_KEYS_PER_BLOCK,
+    GPU_MAX_KV_SPLITS,
+    GPU_MIN_KV_BLOCKS_PER_SPLIT,
+    GPU_ROWS_PER_BLOCK,
+    GPU_TARGET_PROGRAMS,
+)
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows give no NaNs
-TARGET_PROGRAMS = 256  # about two programs per SM on an H200 (132 SMs)
-MAX_KV_SPLITS = 16
-MIN_KV_BLOCKS_PER_SPLIT = 4
 
 
 def _next_pow2(x: int) -> int:
@@ -70,20 +75,21 @@ def default_block_sizes(T: int, S: int, num_queries_per_kv: int, page_size: int)
     more query tokens than a sequence of the bucket has on average (T // S, rounded down to a power
     of two), so a decode bucket (T <= S) gets block_q = 1 and 16-row tiles instead of 64."""
     avg_q_len = max(1, T // S)
-    block_q = max(1, min(64 // _next_pow2(num_queries_per_kv), 1 << (avg_q_len.bit_length() - 1)))
-    return block_q, max(1, 64 // page_size)
+    rows = GPU_ROWS_PER_BLOCK // _next_pow2(num_queries_per_kv)
+    block_q = max(1, min(rows, 1 << (avg_q_len.bit_length() - 1)))
+    return block_q, max(1, GPU_KEYS_PER_BLOCK // page_size)
 
 
 def choose_num_kv_splits(
     T: int, S: int, K: int, P: int, page_size: int, block_q: int, pages_per_block: int
 ) -> int:
     """Split the KV range only when the bucket has too few (q block, kv head) programs to fill the
-    chip, and only as far as each split keeps MIN_KV_BLOCKS_PER_SPLIT KV blocks."""
+    chip, and only as far as each split keeps GPU_MIN_KV_BLOCKS_PER_SPLIT KV blocks."""
     programs = max(min(S, T), pl.cdiv(T, block_q)) * K
-    if programs >= TARGET_PROGRAMS:
+    if programs >= GPU_TARGET_PROGRAMS:
         return 1
-    max_by_len = pl.cdiv(P, pages_per_block) // MIN_KV_BLOCKS_PER_SPLIT
-    splits = min(_next_pow2(pl.cdiv(TARGET_PROGRAMS, programs)), MAX_KV_SPLITS, max_by_len)
+    max_by_len = pl.cdiv(P, pages_per_block) // GPU_MIN_KV_BLOCKS_PER_SPLIT
+    splits = min(_next_pow2(pl.cdiv(GPU_TARGET_PROGRAMS, programs)), GPU_MAX_KV_SPLITS, max_by_len)
     return max(1, splits)
 
 

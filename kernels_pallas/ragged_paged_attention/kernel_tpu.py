@@ -43,8 +43,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-NUM_QUERIES_PER_BLOCK = 16  # q tokens per block (bq); rows per block = bq * Q
-NUM_KV_PAGES_PER_BLOCK = 8  # pages per kv step (ppb)
+from kernels_pallas.ragged_paged_attention.tuning import (
+    TPU_KV_PAGES_PER_BLOCK,  # pages per kv step (ppb)
+    TPU_QUERIES_PER_BLOCK,  # q tokens per block (bq); rows per block = bq * Q
+)
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(MASK - m) is 0, never NaN
 LANES = 128  # m/l scratch lane width (values replicated across lanes)
 
@@ -245,7 +248,7 @@ def _kernel(
 
 def _default_queries_per_block(num_tokens: int) -> int:
     bq = 8
-    while bq < min(num_tokens, NUM_QUERIES_PER_BLOCK):
+    while bq < min(num_tokens, TPU_QUERIES_PER_BLOCK):
         bq *= 2
     return bq
 
@@ -273,7 +276,7 @@ def ragged_paged_attention_tpu(
     P = page_indices.shape[1]
     Q = N // K
     bq = num_queries_per_block or _default_queries_per_block(T)
-    ppb = min(num_kv_pages_per_block or NUM_KV_PAGES_PER_BLOCK, P)
+    ppb = min(num_kv_pages_per_block or TPU_KV_PAGES_PER_BLOCK, P)
     if bq % 8:
         raise ValueError(f"num_queries_per_block must be a multiple of 8: {bq=}")
     num_blocks = _cdiv(T, bq)
