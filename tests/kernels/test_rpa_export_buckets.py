@@ -1,0 +1,71 @@
+"""Every step shape the engine can run lowers for the real targets: the TPU kernel for `tpu` and
+the GPU kernel for `cuda`, at every (T, S, P) bucket of SmolLM2's default engine configuration
+(`Buckets.shapes()`, as precompilation visits them), in bfloat16, the accelerators' dtype. The
+per-kernel test files export a few shapes of several models; this one sweeps the buckets (slow)."""
+
+import re
+import time
+import warnings
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import configs
+from kernels_pallas.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
+from kernels_pallas.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
+from llmjax.engine.batch import Buckets
+from llmjax.engine.block_manager import pages_needed
+
+pytestmark = pytest.mark.slow
+
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+
+
+def _engine_shapes():
+    """SmolLM2 as LLM() serves it by default: budget 512, 32 sequences, 4096 tokens, page 16."""
+    config = configs.get_preset("smollm2-135m-instruct")
+    buckets = Buckets.create(512, 32, pages_needed(4096, 16))
+    return config, buckets.shapes()
+
+
+def _args(config, T, S, P, num_pages=2048, page_size=16):
+    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
+    sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    return (
+        sds((T, N, H), bf16),
+        sds((num_pages, page_size, K, H), bf16),
+        sds((num_pages, page_size, K, H), bf16),
+        sds((S,), jnp.int32),
+        sds((S, P), jnp.int32),
+        sds((S + 1,), jnp.int32),
+        sds((1,), jnp.int32),
+    )
+
+
+def test_every_engine_bucket_exports_for_tpu():
+    config, shapes = _engine_shapes()
+    fn = jax.jit(partial(ragged_paged_attention_tpu, sm_scale=config.head_dim**-0.5))
+    t = time.perf_counter()
+    for T, S, P in shapes:
+        exported = jax.export.export(fn, platforms=["tpu"])(*_args(config, T, S, P))
+        assert "tpu_custom_call" in exported.mlir_module(), (T, S, P)
+    print(f"{len(shapes)} tpu exports in {time.perf_counter() - t:.1f} s")
+
+
+def test_every_engine_bucket_exports_for_cuda():
+    config, shapes = _engine_shapes()
+    fn = jax.jit(partial(ragged_paged_attention_gpu, sm_scale=config.head_dim**-0.5))
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    t = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
+        for T, S, P in shapes:
+            exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[check])(
+                *_args(config, T, S, P)
+            )
+            targets = set(re.findall(r"custom_call @([A-Za-z0-9_$.]+)", exported.mlir_module()))
+            assert "__gpu$xla.gpu.triton" in targets, (T, S, P)
+    print(f"{len(shapes)} cuda exports in {time.perf_counter() - t:.1f} s")
