@@ -19,16 +19,16 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from kernels_pallas.platforms import IMPLEMENTATIONS, choose_implementation, default_implementation
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-IMPLEMENTATIONS = ("tpu", "gpu", "reference")
-
-
-def default_implementation(platform: str | None = None) -> str:
-    """The kernel for `platform` (default: JAX's default backend): tpu on TPU and CPU, gpu on
-    CUDA/ROCm."""
-    platform = platform or jax.default_backend()
-    return "gpu" if platform in ("gpu", "cuda", "rocm") else "tpu"
+__all__ = [
+    "IMPLEMENTATIONS",
+    "check_inputs",
+    "default_implementation",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+]
 
 
 def check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
@@ -83,23 +83,11 @@ def ragged_paged_attention(
     """-> [T, N, H]; see reference.py for the contract. `interpret` defaults to True on the CPU
     (where no kernel compiles) and False elsewhere."""
     check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    platform = jax.default_backend()
-    impl = implementation or default_implementation(platform)
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown {implementation=}; choose one of {IMPLEMENTATIONS}")
+    impl, interpret = choose_implementation("ragged paged attention", implementation, interpret)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
-    if interpret is None:
-        interpret = platform == "cpu"
-    compiled_on = {"tpu": ("tpu",), "gpu": ("gpu", "cuda")}[impl]
-    if not interpret and platform not in compiled_on:
-        raise RuntimeError(
-            f"the {impl!r} ragged paged attention kernel compiles only on {compiled_on}, not on "
-            f"{platform!r}; pass interpret=True to run it in interpret mode (slow), or use "
-            "implementation='reference'"
-        )
     if impl == "tpu":
         from kernels_pallas.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 
