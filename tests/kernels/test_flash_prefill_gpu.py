@@ -17,8 +17,6 @@ sm_scale = H**-0.5, so outputs are O(1):
             term), which the reference does not. 2e-2 is a few bf16 steps at max|ref|.
 """
 
-import re
-import warnings
 from functools import partial
 
 import jax
@@ -28,6 +26,7 @@ import pytest
 
 from kernels_pallas.flash_prefill.kernel_gpu import default_block_sizes, flash_prefill_gpu
 from kernels_pallas.flash_prefill.reference import flash_prefill_reference
+from tests.kernels import kernel_testing
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 
@@ -155,8 +154,6 @@ def test_rejects_bad_shapes():
         flash_prefill_gpu(q[..., :48], k[..., :48], v[..., :48], seq_len, sm_scale=1.0)
 
 
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
-
 # (num_heads N, num_kv_heads K, head_dim H)
 MODELS = {"smollm2": (9, 3, 64), "llama3_8b": (32, 8, 128)}
 
@@ -170,19 +167,8 @@ def export_for_cuda(T, model, dtype=jnp.bfloat16, **kw):
         sds((T, K, H), dtype),
         sds((1,), jnp.int32),
     )
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
     fn = jax.jit(partial(flash_prefill_gpu, sm_scale=H**-0.5, **kw))
-    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-        # Under jit the kernel is lowered here, outside the wrapper's own warning filter.
-        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-        exported = jax.export.export(
-            fn,
-            platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args)
-    targets = set(re.findall(r"custom_call @([A-Za-z0-9_$.]+)", exported.mlir_module()))
-    assert "__gpu$xla.gpu.triton" in targets, targets
-    return exported
+    return kernel_testing.export_for_cuda(fn, args)
 
 
 @pytest.mark.parametrize("T", [128, 512, 2048])

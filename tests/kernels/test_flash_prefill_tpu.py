@@ -23,6 +23,7 @@ from configs.smollm2 import SMOLLM2_135M
 from kernels_pallas.flash_prefill import flash_prefill_attention
 from kernels_pallas.flash_prefill.kernel_tpu import _kv_block_range, flash_prefill_tpu
 from kernels_pallas.flash_prefill.reference import flash_prefill_reference
+from tests.kernels.kernel_testing import assert_matches_reference
 
 NUM_KV_HEADS = 2
 # name: (seq_len, padded T: the power-of-two bucket)
@@ -36,7 +37,6 @@ CONFIGS = {
     "bf16_gqa4_h128": (4, 128, jnp.bfloat16, None, None, None, None),
     "bf16_gqa8_h64_window_cap_blocks32": (8, 64, jnp.bfloat16, 24, 30.0, 32, 32),
 }
-TOLERANCE = {np.dtype(np.float32): 2e-5, np.dtype(jnp.bfloat16): 2e-2}  # bf16: x max|ref|
 
 
 def make_case(case: str, config: str, seed: int = 0):
@@ -71,14 +71,7 @@ def reference(args, config: str):
     )
 
 
-def check(out, ref):
-    tol = TOLERANCE[np.dtype(ref.dtype)]
-    if ref.dtype == jnp.bfloat16:
-        tol *= float(np.abs(np.asarray(ref, np.float32)).max())
-    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    assert np.isfinite(out32).all()
-    np.testing.assert_allclose(out32, ref32, rtol=0, atol=tol)
+check = assert_matches_reference
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -3,9 +3,7 @@ the GPU kernel for `cuda`, at every (T, S, P) bucket of SmolLM2's default engine
 (`Buckets.shapes()`, as precompilation visits them), in bfloat16, the accelerators' dtype. The
 per-kernel test files export a few shapes of several models; this one sweeps the buckets (slow)."""
 
-import re
 import time
-import warnings
 from functools import partial
 
 import jax
@@ -17,10 +15,9 @@ from kernels_pallas.ragged_paged_attention.kernel_gpu import ragged_paged_attent
 from kernels_pallas.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from llmjax.engine.batch import Buckets
 from llmjax.engine.block_manager import pages_needed
+from tests.kernels import kernel_testing
 
 pytestmark = pytest.mark.slow
-
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
 
 
 def _engine_shapes():
@@ -57,15 +54,7 @@ def test_every_engine_bucket_exports_for_tpu():
 def test_every_engine_bucket_exports_for_cuda():
     config, shapes = _engine_shapes()
     fn = jax.jit(partial(ragged_paged_attention_gpu, sm_scale=config.head_dim**-0.5))
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
-    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     t = time.perf_counter()
-    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-        for T, S, P in shapes:
-            exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[check])(
-                *_args(config, T, S, P)
-            )
-            targets = set(re.findall(r"custom_call @([A-Za-z0-9_$.]+)", exported.mlir_module()))
-            assert "__gpu$xla.gpu.triton" in targets, (T, S, P)
+    for T, S, P in shapes:
+        kernel_testing.export_for_cuda(fn, _args(config, T, S, P))
     print(f"{len(shapes)} cuda exports in {time.perf_counter() - t:.1f} s")

@@ -16,8 +16,6 @@ Tolerances, against the float32 reference on the same (rounded) inputs:
             term. 2e-2 is three bf16 steps at max|ref|.
 """
 
-import re
-import warnings
 from functools import partial
 
 import jax
@@ -30,6 +28,7 @@ from kernels_pallas.ragged_paged_attention.kernel_gpu import (
     ragged_paged_attention_gpu,
 )
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
+from tests.kernels import kernel_testing
 from tests.kernels.rpa_cases import RAGGED_CASES, make_case
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
@@ -162,8 +161,6 @@ def test_split_rule():
     )
 
 
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
-
 # (num_heads N, num_kv_heads K, head_dim H): the engine's models
 MODELS = {"smollm2": (9, 3, 64), "tiny": (4, 2, 16), "llama3_8b": (32, 8, 128)}
 
@@ -181,19 +178,8 @@ def export_for_cuda(T, model, dtype, *, P=8, page_size=16, num_pages=64, **kw):
         sds((S + 1,), jnp.int32),
         sds((1,), jnp.int32),
     )
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
     fn = jax.jit(partial(ragged_paged_attention_gpu, sm_scale=H**-0.5, **kw))
-    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-        # Under jit the kernel is lowered here, outside the wrapper's own warning filter.
-        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-        exported = jax.export.export(
-            fn,
-            platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args)
-    targets = set(re.findall(r"custom_call @([A-Za-z0-9_$.]+)", exported.mlir_module()))
-    assert "__gpu$xla.gpu.triton" in targets, targets
-    return exported
+    return kernel_testing.export_for_cuda(fn, args)
 
 
 @pytest.mark.parametrize("T", [1, 16, 512])

@@ -24,6 +24,7 @@ from configs.smollm2 import SMOLLM2_135M
 from configs.tiny import TINY
 from kernels_pallas.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
+from tests.kernels.kernel_testing import assert_matches_reference
 from tests.kernels.rpa_cases import RAGGED_CASES, make_case
 
 # A long sequence (several kv steps, the sliding window skips its early pages) next to a decode.
@@ -40,7 +41,6 @@ CONFIGS = {
     "bf16_gqa4_h128": (4, 128, jnp.bfloat16, None, None, None, None),
     "bf16_gqa8_h64_window_cap_bq8": (8, 64, jnp.bfloat16, 8, 30.0, 8, 2),
 }
-TOLERANCE = {np.dtype(np.float32): 2e-5, np.dtype(jnp.bfloat16): 2e-2}  # bf16: x max|ref|
 
 
 def padded_case(name: str, config: str, seed: int = 0):
@@ -93,14 +93,7 @@ def reference(args, config: str):
     )
 
 
-def check(out, ref):
-    tol = TOLERANCE[np.dtype(ref.dtype)]
-    if ref.dtype == jnp.bfloat16:
-        tol *= float(np.abs(np.asarray(ref, np.float32)).max())
-    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    assert np.isfinite(out32).all()
-    np.testing.assert_allclose(out32, ref32, rtol=0, atol=tol)
+check = assert_matches_reference
 
 
 def poison(args):

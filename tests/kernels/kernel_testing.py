@@ -1,0 +1,47 @@
+"""Shared by the kernel tests: the per-dtype comparison with a reference, and exporting a kernel
+for cuda on a CPU-only machine.
+
+Tolerances: float32 2e-5 absolute (only the summation order differs from the reference);
+bfloat16 2e-2 x max|ref| (both sides round the output to bf16, one step is 2^-8 relative, and the
+kernels round the softmax weights to bf16 before p @ v, as flash kernels do).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TOLERANCE = {np.dtype(np.float32): 2e-5, np.dtype(jnp.bfloat16): 2e-2}  # bf16: x max|ref|
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def assert_matches_reference(out, ref) -> None:
+    tol = TOLERANCE[np.dtype(ref.dtype)]
+    if ref.dtype == jnp.bfloat16:
+        tol *= float(np.abs(np.asarray(ref, np.float32)).max())
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert np.isfinite(out32).all()
+    np.testing.assert_allclose(out32, ref32, rtol=0, atol=tol)
+
+
+def export_for_cuda(fn, args) -> jax.export.Exported:
+    """Export jitted `fn` for cuda under an abstract H200 mesh (the Pallas GPU lowering runs
+    without a GPU) and check that it holds a Triton kernel."""
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+        # Under jit the kernel is lowered here, outside the kernel wrapper's own warning filter.
+        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
+        exported = jax.export.export(
+            fn,
+            platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+        )(*args)
+    targets = set(re.findall(r"custom_call @([A-Za-z0-9_$.]+)", exported.mlir_module()))
+    assert TRITON_CALL in targets, targets
+    return exported
