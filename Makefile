@@ -12,7 +12,7 @@ PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python
 
 PROMPT ?= What is the capital of France?
 
-.PHONY: demo test test-fast lint setup clean
+.PHONY: demo test test-fast lint setup clean wheelhouse
 
 setup: $(STAMP)
 
@@ -40,6 +40,10 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# Wheels that the lent GPU machine lacks (it has no network): see scripts/device_check.sh.
+wheelhouse: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --dest .whl gguf==0.19.0
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
