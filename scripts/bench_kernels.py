@@ -11,6 +11,8 @@ Implementations (--implementations):
   tpu, gpu         our Pallas kernels (compiled on their platform; elsewhere only with --interpret)
   jax_tpu          jax.experimental.pallas.ops.tpu.ragged_paged_attention (TPU; K/V interleaved)
   jax_gpu          jax.experimental.pallas.ops.gpu.paged_attention (CUDA; decode batches only)
+  flash_tpu, flash_gpu  kernels_pallas/flash_prefill (one prompt with no cache hit: the prefill
+                   batch only; its K/V given dense, as the new tokens' projections are)
 Unavailable ones are reported as skipped, with why. Bytes moved = q + output + the K/V of every
 sequence's kv_len keys (each read once); FLOPs = 4 * N * H * (visible keys summed over queries).
 The roofline is --peak_bandwidth_gbs / --peak_tflops, or a table entry for the device kind.
@@ -29,7 +31,7 @@ from absl import app, flags
 
 flags.DEFINE_list(
     "implementations",
-    ["reference", "model_reference", "tpu", "gpu", "jax_tpu", "jax_gpu"],
+    ["reference", "model_reference", "tpu", "gpu", "jax_tpu", "jax_gpu", "flash_tpu", "flash_gpu"],
     "Implementations to time (see the module docstring).",
 )
 flags.DEFINE_list("batches", ["decode", "prefill", "mixed"], "Batch kinds to time.")
@@ -136,6 +138,8 @@ def implementation_fn(name: str, platform: str, case, scale: float):
             interpret=platform not in on_platform if name != "reference" else None,
         )
         return jax.jit(impl)
+    if name in ("flash_tpu", "flash_gpu"):
+        return flash_fn(name.removeprefix("flash_"), platform, case, scale)
     if name == "model_reference":
 
         def model_ref(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs):
@@ -175,6 +179,39 @@ def implementation_fn(name: str, platform: str, case, scale: float):
 
         return jax.jit(jax_gpu)
     return f"unknown implementation {name!r}"
+
+
+def flash_fn(impl: str, platform: str, case, scale: float):
+    """The flash prefill kernel on the case's one prompt (its K/V taken out of the pages once, as
+    dense arrays: the kernel reads the new tokens' projections, not the cache)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels_pallas.flash_prefill import flash_prefill_attention
+
+    n = int(case.cu_q_lens[1])
+    if int(case.num_seqs[0]) != 1 or n != int(case.kv_lens[0]):
+        return "flash prefill is for one prompt with no cache hit (the prefill batch)"
+    on_platform = {"tpu": ("tpu",), "gpu": ("gpu", "cuda")}[impl]
+    if platform not in on_platform and not FLAGS.interpret:
+        return f"compiles only on {on_platform[0]} (--interpret to run it interpreted)"
+    T, _, G, K, H = (case.q.shape[0], *case.k_pages.shape)
+    pages = case.page_indices[0, : -(-n // G)]
+    dense = [np.zeros((T, K, H), np.float32) for _ in range(2)]
+    for d, p in zip(dense, (case.k_pages, case.v_pages), strict=True):
+        d[:n] = p[pages].reshape(-1, K, H)[:n]
+    dtype = FLAGS.dtype or ("float32" if platform == "cpu" else "bfloat16")
+    k, v = (jnp.asarray(d, dtype) for d in dense)
+    seq_len = jnp.array([n], jnp.int32)
+    interpret = platform not in on_platform
+
+    def flash(q, *_):
+        return flash_prefill_attention(
+            q, k, v, seq_len, sm_scale=scale, implementation=impl, interpret=interpret
+        )
+
+    return jax.jit(flash)
 
 
 def time_fn(fn, args) -> float:

@@ -23,7 +23,7 @@ Algorithm (one sequence, no cache: K/V are the prompt's own projections):
   - seq_len is read from a [1] int32 ref (Triton has no scalar prefetch); K/V loads are masked at
     seq_len (a padded key is never read), and rows at or past seq_len are written 0.
 
-Block sizes (module constants; untuned on hardware, `scripts/bench_kernels.py` is how to tune):
+Block sizes (tuning.py; untuned on hardware):
   GPU_ROWS_PER_BLOCK = 128 query rows (tokens x padded heads) per program: every K/V block read is
   reused by 128 rows (the FLOP per byte of K/V traffic is the row count), and the float32 [128, H]
   accumulator plus the [128, 64] score tile still fit in registers with 8 warps (4 for H <= 64),

@@ -27,7 +27,7 @@ Masks (rows r, keys c of one kv step; t = t0 + r // Q, j = first key of the step
 V rows past the sequence's last needed key (stale VMEM, page tails past kv_len) are zeroed
 before p @ v, so garbage there cannot turn into NaN (0 * NaN) in valid rows.
 
-Block sizes (module constants, arguments override): bq = 16 tokens (so bq * Q rows fill MXU rows
+Block sizes (tuning.py; arguments override): bq = 16 tokens (so bq * Q rows fill MXU rows
 for prefill while a decode-heavy block wastes at most bq * Q - Q rows per sequence; at most the
 next power of two >= T, min 8, so a lone decode does not pad to 16); ppb = 8 pages (128 keys at
 page size 16: one MXU-wide tile of scores per step; at most the page table width P).
