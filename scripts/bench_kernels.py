@@ -119,40 +119,60 @@ def cost(q_lens, kv_lens, itemsize) -> tuple[float, float]:
     return kv_bytes + q_out_bytes, 4.0 * N * H * visible
 
 
-def implementation_fn(name: str, platform: str, case, scale: float):
-    """A jitted callable of the case's device arrays, or a string saying why it is skipped."""
+def _interpret(impl: str, platform: str):
+    """Whether kernel `impl` ('tpu' or 'gpu') runs interpreted here, or why it is skipped."""
+    from kernels_pallas.platforms import COMPILES_ON
+
+    if platform in COMPILES_ON[impl]:
+        return False
+    if FLAGS.interpret:
+        return True
+    return f"compiles only on {COMPILES_ON[impl][0]} (--interpret to run it interpreted)"
+
+
+def implementation(name: str, platform: str, case, args: list, scale: float):
+    """(jitted fn, its args) for one implementation on `case`, or a string saying why it is
+    skipped. Inputs in another layout (JAX's kernels, dense K/V for flash prefill) are made here,
+    once, so the timed call does only the attention."""
     import jax
     import jax.numpy as jnp
 
+    from kernels_pallas.flash_prefill import flash_prefill_attention
     from kernels_pallas.ragged_paged_attention import ragged_paged_attention
+    from kernels_pallas.ragged_paged_attention.reference import query_positions
     from llmjax.model.attention import paged_attention_reference
 
+    q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs = args
     if name in ("reference", "tpu", "gpu"):
-        on_platform = {"tpu": ("tpu",), "gpu": ("gpu", "cuda")}.get(name, (platform,))
-        if platform not in on_platform and not FLAGS.interpret:
-            return f"compiles only on {on_platform[0]} (--interpret to run it interpreted)"
-        impl = functools.partial(
-            ragged_paged_attention,
-            sm_scale=scale,
-            implementation=name,
-            interpret=platform not in on_platform if name != "reference" else None,
+        interpret = None if name == "reference" else _interpret(name, platform)
+        if isinstance(interpret, str):
+            return interpret
+        fn = functools.partial(
+            ragged_paged_attention, sm_scale=scale, implementation=name, interpret=interpret
         )
-        return jax.jit(impl)
-    if name in ("flash_tpu", "flash_gpu"):
-        return flash_fn(name.removeprefix("flash_"), platform, case, scale)
+        return jax.jit(fn), args
     if name == "model_reference":
-
-        def model_ref(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs):
-            T = q.shape[0]
-            t = jnp.arange(T, dtype=jnp.int32)
-            seq = jnp.minimum(
-                jnp.searchsorted(cu_q_lens[1:], t, side="right"), kv_lens.shape[0] - 1
-            )
-            q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-            pos = (kv_lens[seq] - q_len + t - cu_q_lens[seq]).astype(jnp.int32)
-            return paged_attention_reference(q, k, v, pos, cu_q_lens, page_indices, scale=scale)
-
-        return jax.jit(model_ref)
+        _, positions = query_positions(cu_q_lens, kv_lens, q.shape[0])
+        fn = functools.partial(paged_attention_reference, scale=scale)
+        return jax.jit(fn), (q, k, v, positions, cu_q_lens, page_indices)
+    if name in ("flash_tpu", "flash_gpu"):
+        impl = name.removeprefix("flash_")
+        n = int(case.cu_q_lens[1])
+        if int(case.num_seqs[0]) != 1 or n != int(case.kv_lens[0]):
+            return "flash prefill is for one prompt with no cache hit (the prefill batch)"
+        interpret = _interpret(impl, platform)
+        if isinstance(interpret, str):
+            return interpret
+        # The prompt's own K/V, dense (as the new tokens' projections are), out of its pages.
+        T, (_, G, K, H) = q.shape[0], k.shape
+        pages = page_indices[0, : -(-n // G)]
+        dense = [
+            jnp.zeros((T, K, H), q.dtype).at[:n].set(x[pages].reshape(-1, K, H)[:n]) for x in (k, v)
+        ]
+        fn = functools.partial(
+            flash_prefill_attention, sm_scale=scale, implementation=impl, interpret=interpret
+        )
+        return jax.jit(fn), (q, *dense, jnp.array([n], jnp.int32))
     if name == "jax_tpu":
         if platform != "tpu":
             return "JAX's TPU ragged paged attention runs on TPU only"
@@ -160,11 +180,9 @@ def implementation_fn(name: str, platform: str, case, scale: float):
             ragged_paged_attention as jax_rpa,
         )
 
-        def jax_tpu(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs):
-            kv = jnp.stack([k, v], axis=3).reshape(*k.shape[:2], -1, k.shape[-1])  # interleaved
-            return jax_rpa(q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=scale)
-
-        return jax.jit(jax_tpu)
+        kv = jnp.stack([k, v], axis=3).reshape(*k.shape[:2], -1, k.shape[-1])  # K/V interleaved
+        fn = functools.partial(jax_rpa, sm_scale=scale)
+        return jax.jit(fn), (q, kv, kv_lens, page_indices, cu_q_lens, num_seqs)
     if name == "jax_gpu":
         if platform not in ("gpu", "cuda"):
             return "JAX's GPU paged attention runs on CUDA only"
@@ -172,46 +190,11 @@ def implementation_fn(name: str, platform: str, case, scale: float):
             return "JAX's GPU paged attention is decode-only (one query per sequence)"
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as jax_pa
 
-        def jax_gpu(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs):
-            S = kv_lens.shape[0]
-            k_hm, v_hm = jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)  # [K, pages, G, H]
-            return jax_pa(q[:S] * scale, k_hm, v_hm, page_indices, kv_lens)
-
-        return jax.jit(jax_gpu)
+        S = kv_lens.shape[0]
+        k_hm, v_hm = jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)  # [K, pages, G, H]
+        # No sm_scale argument: q is pre-scaled.
+        return jax.jit(jax_pa), (q[:S] * scale, k_hm, v_hm, page_indices, kv_lens)
     return f"unknown implementation {name!r}"
-
-
-def flash_fn(impl: str, platform: str, case, scale: float):
-    """The flash prefill kernel on the case's one prompt (its K/V taken out of the pages once, as
-    dense arrays: the kernel reads the new tokens' projections, not the cache)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from kernels_pallas.flash_prefill import flash_prefill_attention
-
-    n = int(case.cu_q_lens[1])
-    if int(case.num_seqs[0]) != 1 or n != int(case.kv_lens[0]):
-        return "flash prefill is for one prompt with no cache hit (the prefill batch)"
-    on_platform = {"tpu": ("tpu",), "gpu": ("gpu", "cuda")}[impl]
-    if platform not in on_platform and not FLAGS.interpret:
-        return f"compiles only on {on_platform[0]} (--interpret to run it interpreted)"
-    T, _, G, K, H = (case.q.shape[0], *case.k_pages.shape)
-    pages = case.page_indices[0, : -(-n // G)]
-    dense = [np.zeros((T, K, H), np.float32) for _ in range(2)]
-    for d, p in zip(dense, (case.k_pages, case.v_pages), strict=True):
-        d[:n] = p[pages].reshape(-1, K, H)[:n]
-    dtype = FLAGS.dtype or ("float32" if platform == "cpu" else "bfloat16")
-    k, v = (jnp.asarray(d, dtype) for d in dense)
-    seq_len = jnp.array([n], jnp.int32)
-    interpret = platform not in on_platform
-
-    def flash(q, *_):
-        return flash_prefill_attention(
-            q, k, v, seq_len, sm_scale=scale, implementation=impl, interpret=interpret
-        )
-
-    return jax.jit(flash)
 
 
 def time_fn(fn, args) -> float:
@@ -248,11 +231,11 @@ def main(argv):
         args += [jnp.asarray(a) for a in case.args[3:]]
         nbytes, flops = cost(q_lens, kv_lens, jnp.dtype(dtype).itemsize)
         for name in FLAGS.implementations:
-            fn = implementation_fn(name, platform, case, scale)
-            if isinstance(fn, str):
-                skipped[f"{kind}/{name}"] = fn
+            impl = implementation(name, platform, case, args, scale)
+            if isinstance(impl, str):
+                skipped[f"{kind}/{name}"] = impl
                 continue
-            s = time_fn(fn, args)
+            s = time_fn(*impl)
             row = {
                 "batch": kind,
                 "implementation": name,

@@ -43,10 +43,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas import online_softmax
 from kernels_pallas.flash_prefill.tuning import GPU_KEYS_PER_BLOCK, GPU_ROWS_PER_BLOCK
 
 MIN_DOT_DIM = 16  # tl.dot needs >= 16 rows and columns
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows give no NaNs
 
 
 def _next_pow2(x: int) -> int:
@@ -106,23 +106,11 @@ def _flash_prefill_kernel(
         visible = (key <= pos) & (key < seq_len)
         if sliding_window is not None:
             visible &= pos - key < sliding_window
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         v = pltriton.load(v_ref.at[pl.ds(start, BK), h, :], mask=in_seq, other=0)  # [BK, H]
-        pv = jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        return alpha[:, None] * acc + pv, m_new, alpha * denom + p.sum(axis=1)
+        return online_softmax.update((acc, m, denom), s, visible, v)
 
-    init = (
-        jnp.zeros((M, H), jnp.float32),
-        jnp.full((M,), MASK_VALUE, jnp.float32),
-        jnp.zeros((M,), jnp.float32),
-    )
-    acc, _, denom = jax.lax.fori_loop(lo_blk, hi_blk, kv_step, init)
-    o = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
+    acc, _, denom = jax.lax.fori_loop(lo_blk, hi_blk, kv_step, online_softmax.init(M, H))
+    o = online_softmax.finalize(acc, denom)
     o = jnp.where(pos < seq_len, o, 0.0)  # rows at or past seq_len are 0
     o_ref[...] = o.reshape(BQ, Qp, H).astype(o_ref.dtype)
 

@@ -42,8 +42,8 @@ from jax.experimental.pallas import tpu as pltpu
 # lane-width wide and keep causal skipping fine-grained (a diagonal block wastes at most half).
 # Both are capped at the padded prompt length (min 8), so short prompts do not pad up to 128.
 from kernels_pallas.flash_prefill.tuning import TPU_BLOCK_KV, TPU_BLOCK_Q
+from kernels_pallas.online_softmax import MASK_VALUE  # finite: exp(MASK - m) is 0, never NaN
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(MASK - m) is 0, never NaN
 LANES = 128  # m/l scratch lane width (values replicated across lanes)
 
 

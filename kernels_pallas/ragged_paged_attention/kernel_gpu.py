@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas import online_softmax
 from kernels_pallas.ragged_paged_attention.tuning import (
     GPU_KEYS_PER_BLOCK,
     GPU_MAX_KV_SPLITS,
@@ -62,8 +63,6 @@ from kernels_pallas.ragged_paged_attention.tuning import (
     GPU_ROWS_PER_BLOCK,
     GPU_TARGET_PROGRAMS,
 )
-
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows give no NaNs
 
 
 def _next_pow2(x: int) -> int:
@@ -167,23 +166,12 @@ def _rpa_kernel(
             visible = (key <= pos) & (key < kv_len)
             if sliding_window is not None:
                 visible &= pos - key < sliding_window
-            s = jnp.where(visible, s, MASK_VALUE)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp(m - m_new)
-            p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
             v = pltriton.load(v_pages_ref.at[idx], mask=in_seq, other=0).reshape(BK, H)
-            pv = jax.lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            return alpha[:, None] * acc + pv, m_new, alpha * denom + p.sum(axis=1)
+            return online_softmax.update((acc, m, denom), s, visible, v)
 
-        init = (
-            jnp.zeros((M, H), jnp.float32),
-            jnp.full((M,), MASK_VALUE, jnp.float32),
-            jnp.zeros((M,), jnp.float32),
-        )
-        acc, m, denom = jax.lax.fori_loop(lo_blk, hi_blk, kv_step, init)
-        o = (acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]).reshape(BQ, Qp, H)
+        state = online_softmax.init(M, H)
+        acc, m, denom = jax.lax.fori_loop(lo_blk, hi_blk, kv_step, state)
+        o = online_softmax.finalize(acc, denom).reshape(BQ, Qp, H)
         row_ok = i < q_len  # [BQ, Qp]: rows of this sequence only
         if num_kv_splits == 1:
             pltriton.store(

@@ -43,12 +43,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels_pallas.online_softmax import MASK_VALUE  # finite: exp(MASK - m) is 0, never NaN
 from kernels_pallas.ragged_paged_attention.tuning import (
     TPU_KV_PAGES_PER_BLOCK,  # pages per kv step (ppb)
     TPU_QUERIES_PER_BLOCK,  # q tokens per block (bq); rows per block = bq * Q
 )
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(MASK - m) is 0, never NaN
 LANES = 128  # m/l scratch lane width (values replicated across lanes)
 
 

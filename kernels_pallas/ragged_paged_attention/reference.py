@@ -24,6 +24,16 @@ import jax
 import jax.numpy as jnp
 
 
+def query_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
+    """-> (seq [T], pos [T]): each query row's sequence (clamped to the last one for padding) and
+    its position in that sequence, kv_lens[s] - q_len + i."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, kv_lens.shape[0] - 1)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    return seq, kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+
+
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [num_pages, G, K, H]
@@ -40,13 +50,9 @@ def ragged_paged_attention_reference(
     """-> [T, N, H]: every query row attends over its own sequence's cached keys."""
     T, N, H = q.shape
     _, G, K, _ = k_pages.shape
-    S, P = page_indices.shape
-    t = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)  # [T]
-    valid = t < cu_q_lens[num_seqs[0]]  # [T]
-    seq = jnp.minimum(seq, S - 1)
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])  # [T]
+    _, P = page_indices.shape
+    seq, pos = query_positions(cu_q_lens, kv_lens, T)  # [T], [T]
+    valid = jnp.arange(T) < cu_q_lens[num_seqs[0]]  # [T]
 
     pages = page_indices[seq]  # [T, P]
     k = k_pages[pages].reshape(T, P * G, K, H).astype(jnp.float32)  # [T, C, K, H]

@@ -198,24 +198,33 @@ class RadixCache(PrefixCache):
 
     # ---- match / insert ------------------------------------------------------------------------
 
-    def _walk(self, key: tuple[int, ...]):
-        """Yield (node, offset) along the longest cached page-aligned prefix of `key`, splitting
-        the last edge if the match ends inside it and touching every node of the path."""
+    def _edges(self, key: tuple[int, ...]):
+        """Yield (child, offset, k) along the longest cached page-aligned prefix of `key`: the
+        edge at `offset` and how many of its pages match (fewer than all only on the last)."""
         ps = self.page_size
-        self._clock += 1
         node, pos = self.root, 0
-        node.last_access = self._clock
         while pos < len(key) and (child := node.children.get(key[pos : pos + ps])) is not None:
             k = 1  # the first page matches (it is the child's key)
             while k < len(child.pages) and (
                 child.token_ids[k * ps : (k + 1) * ps] == key[pos + k * ps : pos + (k + 1) * ps]
             ):
                 k += 1
+            partial = k < len(child.pages)  # (the caller may split `child` while we wait)
+            yield child, pos, k
+            if partial:
+                return
+            node, pos = child, pos + k * ps
+
+    def _walk(self, key: tuple[int, ...]):
+        """Yield (node, offset) along the longest cached page-aligned prefix of `key`, splitting
+        the last edge if the match ends inside it and touching every node of the path."""
+        self._clock += 1
+        self.root.last_access = self._clock
+        for child, pos, k in self._edges(key):
             if k < len(child.pages):
-                child = self._split(child, k)  # the next iteration stops: its child mismatches
+                child = self._split(child, k)
             child.last_access = self._clock
             yield child, pos
-            node, pos = child, pos + k * ps
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Cut `node`'s edge after `num_pages` pages; returns the new upper node."""
@@ -245,20 +254,11 @@ class RadixCache(PrefixCache):
         return MatchResult(len(pages) * self.page_size, pages, node)
 
     def peek(self, token_ids: Sequence[int]) -> PeekResult:
-        ps, key = self.page_size, self._key(token_ids)
-        node, pos, num_pages, num_unlocked = self.root, 0, 0, 0
-        while pos < len(key) and (child := node.children.get(key[pos : pos + ps])) is not None:
-            k = 1
-            while k < len(child.pages) and (
-                child.token_ids[k * ps : (k + 1) * ps] == key[pos + k * ps : pos + (k + 1) * ps]
-            ):
-                k += 1
+        num_pages = num_unlocked = 0
+        for child, _, k in self._edges(self._key(token_ids)):
             num_pages += k
             num_unlocked += 0 if child.lock_ref else k
-            if k < len(child.pages):
-                break
-            node, pos = child, pos + k * ps
-        return PeekResult(num_pages * ps, num_pages, num_unlocked)
+        return PeekResult(num_pages * self.page_size, num_pages, num_unlocked)
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> list[int]:
         _check_insert_args(token_ids, pages, self.page_size)

@@ -11,7 +11,10 @@ from kernels_pallas.ragged_paged_attention import (
     default_implementation,
     ragged_paged_attention,
 )
-from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
+from kernels_pallas.ragged_paged_attention.reference import (
+    query_positions,
+    ragged_paged_attention_reference,
+)
 from llmjax.model.attention import (
     make_attention_fn,
     paged_attention_reference,
@@ -67,10 +70,7 @@ def test_spec_matches_the_models_reference_backend(name):
     want = np.asarray(ragged_paged_attention_reference(*c.args, sm_scale=0.125))
     n = int(c.cu_q_lens[c.num_seqs[0]])
     # The model's reference takes positions instead of kv_lens (the engine packs both).
-    seq = np.searchsorted(c.cu_q_lens[1:], np.arange(len(c.q)), side="right")
-    seq = np.minimum(seq, len(c.kv_lens) - 1)
-    q_len = c.cu_q_lens[seq + 1] - c.cu_q_lens[seq]
-    positions = (c.kv_lens[seq] - q_len + np.arange(len(c.q)) - c.cu_q_lens[seq]).astype(np.int32)
+    _, positions = query_positions(jnp.asarray(c.cu_q_lens), jnp.asarray(c.kv_lens), len(c.q))
     args = [jnp.asarray(a) for a in (c.q, c.k_pages, c.v_pages, positions, c.cu_q_lens)]
     got = np.asarray(paged_attention_reference(*args, c.page_indices, scale=0.125))
     np.testing.assert_allclose(got[:n], want[:n], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,41 @@
+"""The online softmax shared by the attention kernels (flash attention's running max and sum).
+
+Per query row the state is (acc [M, H], m [M], denom [M]), all float32: the weighted sum of
+values, the running max of the scores, and the running sum of exp(score - m). Masked scores are
+MASK_VALUE, finite, so a row that has seen no visible key keeps m = MASK_VALUE, denom = 0 and
+never produces NaN; `finalize` gives 0 for it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def init(num_rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return (
+        jnp.zeros((num_rows, head_dim), jnp.float32),
+        jnp.full((num_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((num_rows,), jnp.float32),
+    )
+
+
+def update(state, s: jax.Array, visible: jax.Array, v: jax.Array):
+    """Fold one block of keys in: s [M, BK] float32 scores (scaled, soft-capped), visible
+    [M, BK] bool, v [BK, H] values (p is rounded to v's dtype for p @ v, as flash kernels do)."""
+    acc, m, denom = state
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+    pv = jax.lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    return alpha[:, None] * acc + pv, m_new, alpha * denom + p.sum(axis=1)
+
+
+def finalize(acc: jax.Array, denom: jax.Array) -> jax.Array:
+    """acc / denom, 0 for rows that saw no key."""
+    return acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
