@@ -1,4 +1,4 @@
-"""Serving benchmark: replay a workload against each scheduling policy and compare them.
+r"""Serving benchmark: replay a workload against each scheduling policy and compare them.
 
     python scripts/benchmark.py                              # SmolLM2: sarathi vs prefill_first
     python scripts/benchmark.py --workload long_prompt_interference --num_requests 16 --qps 2
@@ -6,8 +6,9 @@
     python scripts/benchmark.py --batch_sizes 1,8,32,64           # + throughput at batch N
     python scripts/benchmark.py --host_overhead_requests 256      # + host vs device time per step
     python scripts/benchmark.py --model tiny --load_format dummy --num_requests 8   # smoke test
-    python scripts/benchmark.py --workload shared_system_prompt --policies sarathi \
-        --prefix_caches none,radix --admission_orders fcfs,lpm   # prefix cache off / FCFS / LPM
+    # the prefix cache off, on with FCFS, on with longest-prefix-match admission (few_shot):
+    python scripts/benchmark.py --workload few_shot --prefix_caches none,radix \
+        --admission_orders fcfs,lpm
 
 Every combination of --policies, --prefix_caches and --admission_orders (an admission order only
 with a cache) is a *variant*; columns are named policy[/cache[/order]] when there are several.
