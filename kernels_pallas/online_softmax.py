@@ -14,6 +14,13 @@ import jax.numpy as jnp
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def dot_precision(dtype) -> jax.lax.Precision:
+    """Precision of a kernel matmul on `dtype` operands: float32 is computed in full float32
+    (Triton's and XLA's GPU default for float32 is TF32, 10-bit mantissas: far from the
+    reference), bfloat16 at the MXU/tensor-core default."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def init(num_rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     return (
         jnp.zeros((num_rows, head_dim), jnp.float32),
@@ -31,7 +38,11 @@ def update(state, s: jax.Array, visible: jax.Array, v: jax.Array):
     alpha = jnp.exp(m - m_new)
     p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
     pv = jax.lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        precision=dot_precision(v.dtype),
+        preferred_element_type=jnp.float32,
     )
     return alpha[:, None] * acc + pv, m_new, alpha * denom + p.sum(axis=1)
 

@@ -11,9 +11,18 @@ Implementations (--implementations):
   tpu, gpu         our Pallas kernels (compiled on their platform; elsewhere only with --interpret)
   jax_tpu          jax.experimental.pallas.ops.tpu.ragged_paged_attention (TPU; K/V interleaved)
   jax_gpu          jax.experimental.pallas.ops.gpu.paged_attention (CUDA; decode batches only)
+  jax_gpu_mha      jax.experimental.pallas.ops.gpu.attention.mha, causal (CUDA; the prefill batch
+                   only; K/V repeated to every query head, as it has no GQA)
+  cudnn            jax.nn.dot_product_attention(implementation="cudnn"), causal, GQA (CUDA; the
+                   prefill batch only): the vendor's flash attention, the bar for prefill
   flash_tpu, flash_gpu  kernels_pallas/flash_prefill (one prompt with no cache hit: the prefill
                    batch only; its K/V given dense, as the new tokens' projections are)
-Unavailable ones are reported as skipped, with why. Bytes moved = q + output + the K/V of every
+Kernel block sizes are swept with --variant (repeatable), e.g.
+    --variant gpu:block_q=1,pages_per_block=8,num_kv_splits=4,num_warps=4
+    --variant flash_gpu:block_q=64,block_kv=64,num_warps=8,num_stages=3
+each timed as its own row; the keyword arguments go to the kernel function (kernel_gpu.py,
+kernel_tpu.py). Unavailable ones are reported as skipped, with why; one that fails to compile or
+run is reported with its error and the rest still run. Bytes moved = q + output + the K/V of every
 sequence's kv_len keys (each read once); FLOPs = 4 * N * H * (visible keys summed over queries).
 The roofline is --peak_bandwidth_gbs / --peak_tflops, or a table entry for the device kind.
 Prints a table and writes --json_out.
@@ -31,7 +40,18 @@ from absl import app, flags
 
 flags.DEFINE_list(
     "implementations",
-    ["reference", "model_reference", "tpu", "gpu", "jax_tpu", "jax_gpu", "flash_tpu", "flash_gpu"],
+    [
+        "reference",
+        "model_reference",
+        "tpu",
+        "gpu",
+        "jax_tpu",
+        "jax_gpu",
+        "jax_gpu_mha",
+        "cudnn",
+        "flash_tpu",
+        "flash_gpu",
+    ],
     "Implementations to time (see the module docstring).",
 )
 flags.DEFINE_list("batches", ["decode", "prefill", "mixed"], "Batch kinds to time.")
@@ -50,9 +70,21 @@ flags.DEFINE_integer(
     "prefill_len", None, "Prefill batch: one chunk of this many tokens (default 2048, CPU 256)."
 )
 flags.DEFINE_bool("interpret", False, "Run Pallas kernels in interpret mode off their platform.")
-flags.DEFINE_integer("iters", 10, "Timed calls per implementation and batch (median reported).")
+flags.DEFINE_integer(
+    "iters", 10, "Calls per timing round, issued back to back (one sync at the end of a round)."
+)
+flags.DEFINE_integer("rounds", 5, "Timing rounds per implementation and batch (median reported).")
+flags.DEFINE_multi_string(
+    "variant", [], "IMPL:key=value,...: an implementation with kernel arguments (block sizes)."
+)
 flags.DEFINE_float("peak_bandwidth_gbs", None, "Roofline memory bandwidth (GB/s).")
 flags.DEFINE_float("peak_tflops", None, "Roofline compute (TFLOP/s) for the dtype.")
+flags.DEFINE_bool(
+    "measure_roofline",
+    False,
+    "Also measure this device's achievable ceilings (a large copy's GB/s, read + write; a large "
+    "matmul's TFLOP/s in --dtype) and report each kernel against them too.",
+)
 flags.DEFINE_string("json_out", "out/bench_kernels.json", "Where to write results ('' = nowhere).")
 
 FLAGS = flags.FLAGS
@@ -130,10 +162,40 @@ def _interpret(impl: str, platform: str):
     return f"compiles only on {COMPILES_ON[impl][0]} (--interpret to run it interpreted)"
 
 
-def implementation(name: str, platform: str, case, args: list, scale: float):
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """'gpu:block_q=1,num_warps=4' -> ('gpu', {'block_q': 1, 'num_warps': 4})."""
+    name, _, rest = spec.partition(":")
+    kwargs = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise app.UsageError(f"--variant {spec!r}: want key=value, got {item!r}")
+        kwargs[key.strip()] = int(value)
+    if name not in ("tpu", "gpu", "flash_tpu", "flash_gpu"):
+        raise app.UsageError(f"--variant {spec!r}: only our kernels take block sizes")
+    return name, kwargs
+
+
+def _dense_prompt_kv(case, q, k, v, page_indices):
+    """The prompt's own K/V, dense [T, K, H] (as the new tokens' projections are), out of its
+    pages; None unless the case is one prompt with no cache hit."""
+    import jax.numpy as jnp
+
+    n = int(case.cu_q_lens[1])
+    if int(case.num_seqs[0]) != 1 or n != int(case.kv_lens[0]):
+        return None
+    T, (_, G, K, H) = q.shape[0], k.shape
+    pages = page_indices[0, : -(-n // G)]
+    return n, [
+        jnp.zeros((T, K, H), q.dtype).at[:n].set(x[pages].reshape(-1, K, H)[:n]) for x in (k, v)
+    ]
+
+
+def implementation(name: str, platform: str, case, args: list, scale: float, kernel_kw=None):
     """(jitted fn, its args) for one implementation on `case`, or a string saying why it is
     skipped. Inputs in another layout (JAX's kernels, dense K/V for flash prefill) are made here,
-    once, so the timed call does only the attention."""
+    once, so the timed call does only the attention. `kernel_kw` (block sizes) go to our kernel
+    function directly."""
     import jax
     import jax.numpy as jnp
 
@@ -147,6 +209,17 @@ def implementation(name: str, platform: str, case, args: list, scale: float):
         interpret = None if name == "reference" else _interpret(name, platform)
         if isinstance(interpret, str):
             return interpret
+        if kernel_kw:
+            if name == "gpu":
+                from kernels_pallas.ragged_paged_attention.kernel_gpu import (
+                    ragged_paged_attention_gpu as kernel,
+                )
+            else:
+                from kernels_pallas.ragged_paged_attention.kernel_tpu import (
+                    ragged_paged_attention_tpu as kernel,
+                )
+            fn = functools.partial(kernel, sm_scale=scale, interpret=interpret, **kernel_kw)
+            return jax.jit(fn), args
         fn = functools.partial(
             ragged_paged_attention, sm_scale=scale, implementation=name, interpret=interpret
         )
@@ -157,22 +230,43 @@ def implementation(name: str, platform: str, case, args: list, scale: float):
         return jax.jit(fn), (q, k, v, positions, cu_q_lens, page_indices)
     if name in ("flash_tpu", "flash_gpu"):
         impl = name.removeprefix("flash_")
-        n = int(case.cu_q_lens[1])
-        if int(case.num_seqs[0]) != 1 or n != int(case.kv_lens[0]):
+        dense = _dense_prompt_kv(case, q, k, v, page_indices)
+        if dense is None:
             return "flash prefill is for one prompt with no cache hit (the prefill batch)"
         interpret = _interpret(impl, platform)
         if isinstance(interpret, str):
             return interpret
-        # The prompt's own K/V, dense (as the new tokens' projections are), out of its pages.
-        T, (_, G, K, H) = q.shape[0], k.shape
-        pages = page_indices[0, : -(-n // G)]
-        dense = [
-            jnp.zeros((T, K, H), q.dtype).at[:n].set(x[pages].reshape(-1, K, H)[:n]) for x in (k, v)
-        ]
-        fn = functools.partial(
-            flash_prefill_attention, sm_scale=scale, implementation=impl, interpret=interpret
-        )
-        return jax.jit(fn), (q, *dense, jnp.array([n], jnp.int32))
+        n, (kd, vd) = dense
+        if kernel_kw:
+            if impl == "gpu":
+                from kernels_pallas.flash_prefill.kernel_gpu import flash_prefill_gpu as kernel
+            else:
+                from kernels_pallas.flash_prefill.kernel_tpu import flash_prefill_tpu as kernel
+            fn = functools.partial(kernel, sm_scale=scale, interpret=interpret, **kernel_kw)
+        else:
+            fn = functools.partial(
+                flash_prefill_attention, sm_scale=scale, implementation=impl, interpret=interpret
+            )
+        return jax.jit(fn), (q, kd, vd, jnp.array([n], jnp.int32))
+    if name in ("jax_gpu_mha", "cudnn"):
+        if platform not in ("gpu", "cuda"):
+            return f"{name} runs on CUDA only"
+        dense = _dense_prompt_kv(case, q, k, v, page_indices)
+        if dense is None:
+            return f"{name} is timed on the prefill batch (one prompt, no cache hit)"
+        n, (kd, vd) = dense
+        qn, kd, vd = q[None, :n], kd[None, :n], vd[None, :n]  # [1, n, heads, H]
+        if name == "cudnn":
+            fn = functools.partial(
+                jax.nn.dot_product_attention, scale=scale, is_causal=True, implementation="cudnn"
+            )
+            return jax.jit(fn), (qn, kd, vd)
+        from jax.experimental.pallas.ops.gpu.attention import mha
+
+        rep = q.shape[1] // k.shape[2]
+        kd, vd = (jnp.repeat(x, rep, axis=2) for x in (kd, vd))
+        fn = functools.partial(mha, segment_ids=None, sm_scale=scale, causal=True)
+        return jax.jit(fn), (qn, kd, vd)
     if name == "jax_tpu":
         if platform != "tpu":
             return "JAX's TPU ragged paged attention runs on TPU only"
@@ -198,16 +292,38 @@ def implementation(name: str, platform: str, case, args: list, scale: float):
 
 
 def time_fn(fn, args) -> float:
+    """Seconds per call: the median over --rounds of (a round of --iters calls issued back to back,
+    one sync at the end) / iters, so host dispatch overlaps the device's work as in serving."""
     import jax
     import numpy as np
 
     jax.block_until_ready(fn(*args))  # compile
     times = []
-    for _ in range(FLAGS.iters):
+    for _ in range(FLAGS.rounds):
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
+        for _ in range(FLAGS.iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / FLAGS.iters)
     return float(np.median(times))
+
+
+def measure_roofline(dtype: str) -> tuple[float, float]:
+    """(GB/s of a 1 GiB copy counting read + write, TFLOP/s of an 8192^3 matmul) on this device;
+    on the CPU smaller sizes."""
+    import jax
+    import jax.numpy as jnp
+
+    on_cpu = jax.default_backend() == "cpu"
+    n = (1 << 24) if on_cpu else (1 << 29)  # elements
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32).astype(dtype)
+    copy = jax.jit(lambda a: a * 2)
+    s = time_fn(copy, (x,))
+    gbs = 2 * x.nbytes / s / 1e9
+    m = 1024 if on_cpu else 8192
+    a = jax.random.normal(jax.random.key(1), (m, m), jnp.float32).astype(dtype)
+    s = time_fn(jax.jit(jnp.matmul), (a, a))
+    return gbs, 2 * m**3 / s / 1e12
 
 
 def main(argv):
@@ -223,41 +339,84 @@ def main(argv):
     peak_bw = FLAGS.peak_bandwidth_gbs or peak_bw
     peak_tf = FLAGS.peak_tflops or peak_tf
     scale = FLAGS.head_dim**-0.5
+    measured = None
+    if FLAGS.measure_roofline:
+        measured = measure_roofline(dtype)
+        print(
+            f"[bench_kernels] measured: copy {measured[0]:.0f} GB/s, matmul {measured[1]:.1f} "
+            f"TFLOP/s ({dtype}); data sheet: {peak_bw} GB/s, {peak_tf} TFLOP/s",
+            file=sys.stderr,
+            flush=True,
+        )
     rows, skipped = [], {}
+    runs = [(name, name, None) for name in FLAGS.implementations]
+    runs += [(spec, *parse_variant(spec)) for spec in FLAGS.variant]
     for kind in FLAGS.batches:
         q_lens, kv_lens = batch_specs(kind, on_cpu)
         case = make_case(q_lens, kv_lens)
         args = [jnp.asarray(a, dtype) for a in (case.q, case.k_pages, case.v_pages)]
         args += [jnp.asarray(a) for a in case.args[3:]]
         nbytes, flops = cost(q_lens, kv_lens, jnp.dtype(dtype).itemsize)
-        for name in FLAGS.implementations:
-            impl = implementation(name, platform, case, args, scale)
-            if isinstance(impl, str):
-                skipped[f"{kind}/{name}"] = impl
+        ref = None  # the specification's output, to check every implementation's
+        for label, name, kernel_kw in runs:
+            try:
+                impl = implementation(name, platform, case, args, scale, kernel_kw)
+                if isinstance(impl, str):
+                    skipped[f"{kind}/{label}"] = impl
+                    continue
+                s = time_fn(*impl)
+                out = impl[0](*impl[1])
+            except Exception as e:  # report it, time the others
+                skipped[f"{kind}/{label}"] = f"FAILED: {type(e).__name__}: {str(e)[:400]}"
+                print(f"[bench_kernels] {kind} {label} failed: {e}", file=sys.stderr, flush=True)
                 continue
-            s = time_fn(*impl)
+            out = out.reshape(-1, *out.shape[-2:])  # dense implementations: [1, n, N, H]
+            if name == "reference":
+                ref = out
             row = {
                 "batch": kind,
-                "implementation": name,
+                "implementation": label,
                 "ms": 1e3 * s,
                 "GB/s": nbytes / s / 1e9,
                 "TFLOP/s": flops / s / 1e12,
                 "tokens": sum(q_lens),
                 "kv_tokens": sum(kv_lens),
             }
+            if ref is not None:
+                n = sum(q_lens)
+                err = jnp.abs(out[:n].astype(jnp.float32) - ref[:n].astype(jnp.float32)).max()
+                row["max_err_vs_reference"] = float(err)
             if peak_bw:
                 row["of_peak_bw"] = row["GB/s"] / peak_bw
             if peak_tf:
                 row["of_peak_flops"] = row["TFLOP/s"] / peak_tf
+            if measured:
+                row["of_measured_bw"] = row["GB/s"] / measured[0]
+                row["of_measured_flops"] = row["TFLOP/s"] / measured[1]
             rows.append(row)
-            print(f"[bench_kernels] {kind:8s} {name:16s} {1e3 * s:9.3f} ms", file=sys.stderr)
+            print(
+                f"[bench_kernels] {kind:8s} {label:16s} {1e3 * s:9.3f} ms "
+                f"{row['GB/s']:8.1f} GB/s {row['TFLOP/s']:8.2f} TFLOP/s "
+                f"err {row.get('max_err_vs_reference', float('nan')):.2e}",
+                file=sys.stderr,
+                flush=True,
+            )
     header = ["batch", "implementation", "ms", "GB/s", "of peak BW", "TFLOP/s", "of peak FLOP/s"]
+    header.append("max err")
     lines = [
         f"device {device.device_kind} ({platform}), {dtype}, K={FLAGS.num_kv_heads} "
         f"Q={FLAGS.num_queries_per_kv} H={FLAGS.head_dim} page {FLAGS.page_size}; roofline "
-        f"{peak_bw or '?'} GB/s, {peak_tf or '?'} TFLOP/s",
-        "  ".join(f"{h:>14s}" for h in header),
+        f"{peak_bw or '?'} GB/s, {peak_tf or '?'} TFLOP/s (data sheet)"
+        + (f"; measured {measured[0]:.0f} GB/s, {measured[1]:.1f} TFLOP/s" if measured else ""),
     ]
+    width = max([len(header[1])] + [len(r["implementation"]) for r in rows])
+
+    def fmt(cells):
+        return "  ".join(
+            [f"{cells[0]:8s}", f"{cells[1]:{width}s}"] + [f"{c:>14s}" for c in cells[2:]]
+        )
+
+    lines.append(fmt(header))
     for r in rows:
         cells = [
             r["batch"],
@@ -267,8 +426,9 @@ def main(argv):
             f"{r['of_peak_bw']:.1%}" if "of_peak_bw" in r else "-",
             f"{r['TFLOP/s']:.3f}",
             f"{r['of_peak_flops']:.1%}" if "of_peak_flops" in r else "-",
+            f"{r['max_err_vs_reference']:.1e}" if "max_err_vs_reference" in r else "-",
         ]
-        lines.append("  ".join(f"{c:>14s}" for c in cells))
+        lines.append(fmt(cells))
     for key, why in skipped.items():
         lines.append(f"skipped {key}: {why}")
     print("\n".join(lines))
@@ -279,6 +439,7 @@ def main(argv):
             "platform": platform,
             "dtype": dtype,
             "roofline": {"GB/s": peak_bw, "TFLOP/s": peak_tf},
+            "measured": {"GB/s": measured[0], "TFLOP/s": measured[1]} if measured else None,
             "rows": rows,
             "skipped": skipped,
             "flags": {f.name: f.value for f in FLAGS.get_flags_for_module(sys.argv[0])},

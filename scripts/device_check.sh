@@ -1,45 +1,100 @@
 #!/bin/bash
 # One prepared run for a lent NVIDIA GPU machine (sessions get ~15 minutes of device time in all).
-# It runs on that machine's own python3 (Python 3.12, jax 0.11.2 with CUDA, pytest, tokenizers,
-# jinja2, ... already installed; no network): only `gguf` is missing, carried as a wheel in .whl/
-# (`make wheelhouse` here first). From this machine:
+# It runs on that machine's own python3 (Python 3.12, jax 0.11.2 with CUDA, pytest, absl,
+# tokenizers, jinja2, ... already installed; no network): only `gguf` is missing, carried as a wheel
+# in .whl/ (`make wheelhouse` here first). From this machine:
 #
 #   make wheelhouse
-#   device run: command "bash scripts/device_check.sh", carry [".whl"], timeout_s 540
+#   device run: command "bash scripts/device_check.sh", carry [".whl"], timeout_s 580
+#   (or two shorter runs: STAGES=tests,bench, then STAGES=long,serve)
 #
-# Writes under $OUT (default out/device): the compiled-kernel tests' log, the kernel benchmark
-# (JSON + table) and a short serving benchmark with the Pallas backend vs the reference.
+# Stages, in order of importance, each under its own time limit (STAGES=tests,bench,... picks):
+#   tests   the kernel tests compiled on the GPU (gpu-marked) + the engine with the Pallas backend
+#   bench   scripts/bench_kernels.py: decode-heavy, prefill-heavy and mixed batches (llama3-8b-like
+#           heads, bf16), our kernels against the reference, JAX's Pallas ops and cuDNN, with
+#           block-size variants, and the measured copy/matmul ceilings
+#   long    long-context decodes with few sequences (split-KV) and a long prompt (flash vs ragged)
+#   serve   scripts/benchmark.py on SmolLM2 shapes (random weights), pallas vs reference
+# Results land in $WORK (default /tmp/device_check) and, after every stage, in
+# $OUT/results.tgz (the tool brings back at most 8 files) beside $OUT/summary.txt.
 set -u
 OUT=${OUT:-out/device}
-mkdir -p "$OUT"
+WORK=${WORK:-/tmp/device_check}
+STAGES=${STAGES:-tests,bench,long,serve}
+mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 PLATFORM=${PLATFORM:-cuda}
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+save() { tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null; }
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
 
 log "devices"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 \
+  | tee -a "$OUT/summary.txt"
 $PY -c "import jax; print(jax.__version__, jax.devices())" 2>&1 | tee -a "$OUT/summary.txt"
 if ! $PY -c "import gguf" 2>/dev/null; then
-  log "installing carried wheels from .whl/"
-  $PY -m pip install --quiet --no-index --no-deps --target "$OUT/.site" .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:$OUT/.site
+  log "installing carried wheels from .whl/ into /tmp/site"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 
-log "kernel tests compiled on the device (gpu-marked), 240 s at most"
-JAX_PLATFORMS=$PLATFORM timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels \
-  -x --durations=10 2>&1 | tee "$OUT/kernel_tests.log" | tail -15
+if want tests; then
+  log "tests: kernels compiled on the GPU + the engine on the Pallas backend, 150 s at most"
+  # Full float32 in XLA's matmuls too (the GPU default is TF32), so float32 references are exact.
+  JAX_PLATFORMS=$PLATFORM JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 $PY -m pytest -q \
+    -p no:cacheprovider --timeout 90 -m "gpu or not slow" tests/kernels/test_rpa_gpu.py \
+    tests/kernels/test_flash_prefill_gpu.py tests/kernels/test_rpa_engine.py -k "not Interpret" \
+    --durations=8 > "$WORK/kernel_tests.log" 2>&1
+  tail -25 "$WORK/kernel_tests.log" | tee -a "$OUT/summary.txt"
+  save
+fi
 
-log "kernel benchmark (bf16, llama3-8b-like heads), 150 s at most"
-JAX_PLATFORMS=$PLATFORM timeout 150 $PY scripts/bench_kernels.py --iters 20 \
-  --json_out "$OUT/bench_kernels.json" 2>"$OUT/bench_kernels.log" | tee "$OUT/bench_kernels.txt"
+B="$PY scripts/bench_kernels.py --rounds 5 --iters 20"
+if want bench; then
+  log "bench: decode 64 x 4096, prefill 2048, mixed; variants; 170 s at most"
+  JAX_PLATFORMS=$PLATFORM timeout 170 $B --measure_roofline \
+    --num_decodes 64 --decode_kv_len 4096 --prefill_len 2048 \
+    --variant gpu:pages_per_block=8 --variant gpu:pages_per_block=2 \
+    --variant gpu:num_warps=8 --variant gpu:num_stages=3 --variant gpu:num_warps=2 \
+    --variant gpu:block_q=32 --variant gpu:block_q=32,pages_per_block=8,num_warps=8 \
+    --variant gpu:num_kv_splits=2 \
+    --variant flash_gpu:block_q=64,block_kv=64,num_warps=8,num_stages=3 \
+    --variant flash_gpu:block_q=32,block_kv=128,num_warps=8 \
+    --variant flash_gpu:block_q=64,block_kv=128,num_warps=8,num_stages=2 \
+    --variant flash_gpu:block_q=16,block_kv=64,num_warps=4,num_stages=3 \
+    --json_out "$WORK/bench_kernels.json" 2>"$WORK/bench_kernels.log" | tee "$WORK/bench_kernels.txt"
+  tail -3 "$WORK/bench_kernels.log" >> "$OUT/summary.txt"
+  save
+fi
 
-log "serving: SmolLM2 shapes (random weights), pallas vs reference attention, 120 s at most"
-for backend in pallas reference; do
-  JAX_PLATFORMS=$PLATFORM timeout 60 $PY scripts/benchmark.py --model smollm2-135m-instruct \
-    --load_format dummy --dtype bfloat16 --workload fixed --num_requests 32 --qps inf \
-    --prompt_len 512 --output_len 64 --policies sarathi --tbt_slo 0.1 --warmup 8 --norehearse \
-    --attention_backend $backend --json_out "$OUT/serve_$backend.json" \
-    2>"$OUT/serve_$backend.log" | tee "$OUT/serve_$backend.txt" | grep -E "throughput|TPOT P50|TTFT P50"
-done
+if want long; then
+  log "long: 8 decodes x 32768 (split-KV), then one 8192-token prompt; 90 s at most"
+  JAX_PLATFORMS=$PLATFORM timeout 45 $B --batches decode --num_decodes 8 --decode_kv_len 32768 \
+    --implementations reference,gpu,jax_gpu --variant gpu:num_kv_splits=1 \
+    --variant gpu:num_kv_splits=4 --variant gpu:num_kv_splits=16 \
+    --variant gpu:num_kv_splits=16,pages_per_block=8 \
+    --json_out "$WORK/bench_long_decode.json" 2>"$WORK/bench_long_decode.log" \
+    | tee "$WORK/bench_long_decode.txt"
+  JAX_PLATFORMS=$PLATFORM timeout 45 $B --batches prefill --prefill_len 8192 \
+    --implementations gpu,flash_gpu,jax_gpu_mha,cudnn,model_reference \
+    --variant gpu:block_q=32,pages_per_block=8,num_warps=8 \
+    --variant flash_gpu:block_q=64,block_kv=64,num_warps=8,num_stages=3 \
+    --json_out "$WORK/bench_long_prefill.json" 2>"$WORK/bench_long_prefill.log" \
+    | tee "$WORK/bench_long_prefill.txt"
+  save
+fi
+
+if want serve; then
+  log "serve: SmolLM2 shapes (random weights), pallas vs reference attention, 120 s at most"
+  for backend in pallas reference; do
+    JAX_PLATFORMS=$PLATFORM timeout 60 $PY scripts/benchmark.py --model smollm2-135m-instruct \
+      --load_format dummy --dtype bfloat16 --workload fixed --num_requests 32 --qps inf \
+      --prompt_len 512 --output_len 64 --policies sarathi --tbt_slo 0.1 --warmup 8 --norehearse \
+      --attention_backend $backend --json_out "$WORK/serve_$backend.json" \
+      2>"$WORK/serve_$backend.log" | tee "$WORK/serve_$backend.txt" \
+      | grep -E "throughput|TPOT P50|TTFT P50" | tee -a "$OUT/summary.txt"
+  done
+  save
+fi
 log "done"

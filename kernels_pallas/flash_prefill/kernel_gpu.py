@@ -97,7 +97,11 @@ def _flash_prefill_kernel(
         in_seq = key_col < seq_len  # [BK, H]: never read a padded key
         k = pltriton.load(k_ref.at[pl.ds(start, BK), h, :], mask=in_seq, other=0)  # [BK, H]
         s = jax.lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            q,
+            k,
+            (((1,), (1,)), ((), ())),
+            precision=online_softmax.dot_precision(k.dtype),
+            preferred_element_type=jnp.float32,
         )  # [M, BK]
         s = s * sm_scale
         if soft_cap is not None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+HIGHEST = jax.lax.Precision.HIGHEST  # full float32 on GPUs too (their default is TF32)
+
 
 def flash_prefill_reference(
     q: jax.Array,  # [T, N, H]
@@ -32,7 +34,9 @@ def flash_prefill_reference(
     T, N, H = q.shape
     K = k.shape[1]
     qg = q.reshape(T, K, N // K, H).astype(jnp.float32)
-    s = jnp.einsum("tkqh,ckh->kqtc", qg, k.astype(jnp.float32)) * sm_scale  # [K, Q, T, C]
+    s = (
+        jnp.einsum("tkqh,ckh->kqtc", qg, k.astype(jnp.float32), precision=HIGHEST) * sm_scale
+    )  # [K, Q, T, C]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     row = jnp.arange(T, dtype=jnp.int32)[:, None]  # [T, 1]
@@ -44,5 +48,5 @@ def flash_prefill_reference(
     s = jnp.where(visible, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     p = jnp.where((row < n)[None, None], p, 0.0)  # padding rows: no NaNs, zeros out
-    o = jnp.einsum("kqtc,ckh->tkqh", p, v.astype(jnp.float32)).reshape(T, N, H)
+    o = jnp.einsum("kqtc,ckh->tkqh", p, v.astype(jnp.float32), precision=HIGHEST).reshape(T, N, H)
     return o.astype(q.dtype)

@@ -156,7 +156,11 @@ def _rpa_kernel(
             k = pltriton.load(k_pages_ref.at[idx], mask=in_seq, other=0).reshape(BK, H)
             s = (
                 jax.lax.dot_general(
-                    q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                    q,
+                    k,
+                    (((1,), (1,)), ((), ())),
+                    precision=online_softmax.dot_precision(k.dtype),
+                    preferred_element_type=jnp.float32,
                 )
                 * sm_scale
             )  # [M, BK]

@@ -23,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+HIGHEST = jax.lax.Precision.HIGHEST  # full float32 on GPUs too (their default is TF32)
+
 
 def query_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
     """-> (seq [T], pos [T]): each query row's sequence (clamped to the last one for padding) and
@@ -58,7 +60,7 @@ def ragged_paged_attention_reference(
     k = k_pages[pages].reshape(T, P * G, K, H).astype(jnp.float32)  # [T, C, K, H]
     v = v_pages[pages].reshape(T, P * G, K, H).astype(jnp.float32)
     qg = q.reshape(T, K, N // K, H).astype(jnp.float32)
-    s = jnp.einsum("tkqh,tckh->tkqc", qg, k) * sm_scale  # [T, K, Q, C]
+    s = jnp.einsum("tkqh,tckh->tkqc", qg, k, precision=HIGHEST) * sm_scale  # [T, K, Q, C]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     key = jnp.arange(P * G, dtype=jnp.int32)[None, :]  # [1, C]
@@ -68,5 +70,5 @@ def ragged_paged_attention_reference(
     s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     p = jnp.where(valid[:, None, None, None], p, 0.0)  # padding rows: no NaNs, zeros out
-    o = jnp.einsum("tkqc,tckh->tkqh", p, v).reshape(T, N, H)
+    o = jnp.einsum("tkqc,tckh->tkqh", p, v, precision=HIGHEST).reshape(T, N, H)
     return o.astype(q.dtype)
