@@ -29,14 +29,18 @@ def init(num_rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]
     )
 
 
-def update(state, s: jax.Array, visible: jax.Array, v: jax.Array):
+def update(state, s: jax.Array, visible: jax.Array | None, v: jax.Array):
     """Fold one block of keys in: s [M, BK] float32 scores (scaled, soft-capped), visible
-    [M, BK] bool, v [BK, H] values (p is rounded to v's dtype for p @ v, as flash kernels do)."""
+    [M, BK] bool (None: every key is visible to every row), v [BK, H] values (p is rounded to v's
+    dtype for p @ v, as flash kernels do)."""
     acc, m, denom = state
-    s = jnp.where(visible, s, MASK_VALUE)
+    if visible is not None:
+        s = jnp.where(visible, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp(m - m_new)
-    p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+    p = jnp.exp(s - m_new[:, None])
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)
     pv = jax.lax.dot_general(
         p.astype(v.dtype),
         v,

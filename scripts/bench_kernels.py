@@ -171,8 +171,8 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         if not eq:
             raise app.UsageError(f"--variant {spec!r}: want key=value, got {item!r}")
         kwargs[key.strip()] = int(value)
-    if name not in ("tpu", "gpu", "flash_tpu", "flash_gpu"):
-        raise app.UsageError(f"--variant {spec!r}: only our kernels take block sizes")
+    if name not in ("tpu", "gpu", "flash_tpu", "flash_gpu", "jax_gpu"):
+        raise app.UsageError(f"--variant {spec!r}: only the Pallas kernels take block sizes")
     return name, kwargs
 
 
@@ -195,7 +195,7 @@ def implementation(name: str, platform: str, case, args: list, scale: float, ker
     """(jitted fn, its args) for one implementation on `case`, or a string saying why it is
     skipped. Inputs in another layout (JAX's kernels, dense K/V for flash prefill) are made here,
     once, so the timed call does only the attention. `kernel_kw` (block sizes) go to our kernel
-    function directly."""
+    function directly (jax_gpu: to JAX's paged_attention)."""
     import jax
     import jax.numpy as jnp
 
@@ -286,8 +286,14 @@ def implementation(name: str, platform: str, case, args: list, scale: float, ker
 
         S = kv_lens.shape[0]
         k_hm, v_hm = jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)  # [K, pages, G, H]
+        kw = kernel_kw or {}
+        # It splits each page table into k_splits parts of whole compute blocks: pad the table
+        # (with page 0; lengths mask it).
+        per = kw.get("k_splits", 16) * kw.get("pages_per_compute_block", 8)
+        pages = jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % per)))
         # No sm_scale argument: q is pre-scaled.
-        return jax.jit(jax_pa), (q[:S] * scale, k_hm, v_hm, page_indices, kv_lens)
+        fn = functools.partial(jax_pa, **kw)
+        return jax.jit(fn), (q[:S] * scale, k_hm, v_hm, pages, kv_lens)
     return f"unknown implementation {name!r}"
 
 

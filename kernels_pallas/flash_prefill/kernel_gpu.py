@@ -90,12 +90,21 @@ def _flash_prefill_kernel(
     lo_blk = lo_key // BK
     hi_blk = jnp.where(q0 < seq_len, pl.cdiv(jnp.minimum(q0 + BQ, seq_len), BK), 0)
 
-    def kv_step(blk, carry):
-        acc, m, denom = carry  # [M, H], [M], [M] float32: sum p.v, running max, sum p
+    # Blocks every row sees whole (all keys <= the first row's position and < seq_len) need no
+    # mask: [lo_blk, mid_blk) unmasked, [mid_blk, hi_blk) masked (the diagonal and seq_len edge).
+    if sliding_window is None:
+        mid_blk = jnp.clip(jnp.minimum(q0 + 1, seq_len) // BK, lo_blk, hi_blk)
+    else:
+        mid_blk = lo_blk  # the window's lower edge moves per row: mask every block
+
+    def kv_step(blk, carry, *, masked: bool):
         start = blk * BK
-        key_col = start + jax.lax.broadcasted_iota(jnp.int32, (BK, H), 0)
-        in_seq = key_col < seq_len  # [BK, H]: never read a padded key
-        k = pltriton.load(k_ref.at[pl.ds(start, BK), h, :], mask=in_seq, other=0)  # [BK, H]
+        if masked:
+            key_col = start + jax.lax.broadcasted_iota(jnp.int32, (BK, H), 0)
+            in_seq = key_col < seq_len  # [BK, H]: never read a padded key
+            k = pltriton.load(k_ref.at[pl.ds(start, BK), h, :], mask=in_seq, other=0)  # [BK, H]
+        else:
+            k = k_ref[pl.ds(start, BK), h, :]
         s = jax.lax.dot_general(
             q,
             k,
@@ -106,14 +115,20 @@ def _flash_prefill_kernel(
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
+        if not masked:
+            return online_softmax.update(carry, s, None, v_ref[pl.ds(start, BK), h, :])
         key = start + jax.lax.broadcasted_iota(jnp.int32, (M, BK), 1)
         visible = (key <= pos) & (key < seq_len)
         if sliding_window is not None:
             visible &= pos - key < sliding_window
         v = pltriton.load(v_ref.at[pl.ds(start, BK), h, :], mask=in_seq, other=0)  # [BK, H]
-        return online_softmax.update((acc, m, denom), s, visible, v)
+        return online_softmax.update(carry, s, visible, v)
 
-    acc, _, denom = jax.lax.fori_loop(lo_blk, hi_blk, kv_step, online_softmax.init(M, H))
+    state = online_softmax.init(M, H)  # (acc [M, H], m [M], denom [M]) float32
+    state = jax.lax.fori_loop(lo_blk, mid_blk, functools.partial(kv_step, masked=False), state)
+    acc, _, denom = jax.lax.fori_loop(
+        mid_blk, hi_blk, functools.partial(kv_step, masked=True), state
+    )
     o = online_softmax.finalize(acc, denom)
     o = jnp.where(pos < seq_len, o, 0.0)  # rows at or past seq_len are 0
     o_ref[...] = o.reshape(BQ, Qp, H).astype(o_ref.dtype)
