@@ -297,6 +297,7 @@ PREFIX_CACHES = ("none", "radix")  # implemented in llmjax/engine/radix_cache.py
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+FLASH_PREFILL_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,10 +310,15 @@ class EngineConfig:
     `max_position_embeddings`. `attention_backend` (ATTENTION_BACKENDS): 'reference' (plain jnp,
     llmjax/model/attention.py), 'pallas' (the ragged paged attention kernels of kernels_pallas/:
     compiled on GPU/TPU, interpret mode on the CPU, slow, for checking) or 'auto' (pallas on
-    GPU/TPU, reference on the CPU). `compilation_cache_dir` enables JAX's persistent compilation
-    cache ('' disables it). `precompile` compiles every step shape at start (|token buckets| x
-    |page buckets| variants) so that serving never compiles; off by default because on a CPU
-    that takes minutes for a real model the first time (later starts load the persistent cache).
+    GPU/TPU, reference on the CPU). `flash_prefill` (pallas backend only): a step whose batch is
+    one fresh prompt (one sequence, nothing cached) attends with the flash prefill kernel instead
+    of the ragged one: 'auto' where it was measured faster (token buckets from
+    kernels_pallas/flash_prefill/tuning.py ENGINE_MIN_TOKENS: GPU >= 2048, TPU never), 'on' in
+    every bucket (for checking and measuring), 'off' never. `compilation_cache_dir` enables JAX's
+    persistent compilation cache ('' disables it). `precompile` compiles every step shape at
+    start (|token buckets| x |page buckets| variants) so that serving never compiles; off by
+    default because on a CPU that takes minutes for a real model the first time (later starts
+    load the persistent cache).
     """
 
     model: ModelConfig
@@ -321,6 +327,7 @@ class EngineConfig:
     dtype: str = "float32"
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    flash_prefill: str = "auto"
     seed: int = 0
     precompile: bool = False
     compilation_cache_dir: str = os.path.join(
@@ -343,6 +350,8 @@ class EngineConfig:
             raise ValueError(
                 f"unknown {self.attention_backend=}; choose one of {ATTENTION_BACKENDS}"
             )
+        if self.flash_prefill not in FLASH_PREFILL_MODES:
+            raise ValueError(f"unknown {self.flash_prefill=}; choose one of {FLASH_PREFILL_MODES}")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -51,6 +51,13 @@ flags.DEFINE_enum(
     "Attention: 'pallas' kernels (compiled on GPU/TPU, interpreted on the CPU: slow), 'reference' "
     "(plain jnp), 'auto' (pallas on GPU/TPU, reference on the CPU).",
 )
+flags.DEFINE_enum(
+    "flash_prefill",
+    "auto",
+    ["auto", "on", "off"],
+    "With the pallas backend, attend a step that is one fresh prompt with the flash prefill "
+    "kernel: 'auto' where measured faster (GPU, >= 2048-token buckets), 'on' always, 'off' never.",
+)
 
 FLAGS = flags.FLAGS
 
@@ -68,6 +75,7 @@ def main(argv):
         num_pages=FLAGS.num_pages,
         page_size=FLAGS.page_size,
         attention_backend=FLAGS.attention_backend,
+        flash_prefill=FLAGS.flash_prefill,
     )
     load_s = time.perf_counter() - t0
     params = SamplingParams(

@@ -44,6 +44,8 @@ def test_other_config_errors():
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="dtype='int8'"):
         EngineConfig(model=configs.TINY, dtype="int8")
+    with pytest.raises(ValueError, match="flash_prefill='yes'"):
+        EngineConfig(model=configs.TINY, flash_prefill="yes")
     with pytest.raises(ValueError, match="high_freq_factor"):
         RopeScaling(rope_type="llama3", factor=8, low_freq_factor=4, high_freq_factor=1)
     assert EngineConfig(model=configs.TINY).max_model_len == configs.TINY.max_position_embeddings

@@ -57,9 +57,12 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import online_softmax
 from kernels_pallas.ragged_paged_attention.tuning import (
+    GPU_DECODE_NUM_STAGES,
     GPU_KEYS_PER_BLOCK,
     GPU_MAX_KV_SPLITS,
     GPU_MIN_KV_BLOCKS_PER_SPLIT,
+    GPU_NUM_STAGES,
+    GPU_NUM_WARPS,
     GPU_ROWS_PER_BLOCK,
     GPU_TARGET_PROGRAMS,
 )
@@ -229,8 +232,8 @@ def ragged_paged_attention_gpu(
     block_q: int | None = None,  # query tokens per program (power of two)
     pages_per_block: int | None = None,  # KV pages per inner step (power of two)
     num_kv_splits: int | None = None,  # None: choose_num_kv_splits
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int = GPU_NUM_WARPS,
+    num_stages: int | None = None,  # None: GPU_DECODE_NUM_STAGES for block_q 1, else GPU_NUM_STAGES
 ) -> jax.Array:
     """-> [T, N, H] in q's dtype; see reference.py for the contract and the module doc for the
     design."""
@@ -246,6 +249,8 @@ def ragged_paged_attention_gpu(
     for name, x in [("block_q", block_q), ("pages_per_block", pages_per_block)]:
         if x <= 0 or x & (x - 1):
             raise ValueError(f"{name}={x} must be a power of two")
+    if num_stages is None:
+        num_stages = GPU_DECODE_NUM_STAGES if block_q == 1 else GPU_NUM_STAGES
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(T, S, K, P, G, block_q, pages_per_block)
     Qp = max(_next_pow2(Q), pl.cdiv(16, block_q))  # tl.dot needs >= 16 rows

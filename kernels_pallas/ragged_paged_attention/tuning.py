@@ -1,5 +1,6 @@
-"""Block sizes of the ragged paged attention kernels, in one place (untuned on hardware yet: the
-values are reasoned defaults; `scripts/bench_kernels.py` is how to tune them).
+"""Block sizes of the ragged paged attention kernels, in one place. The GPU values were checked on
+one H200 (2026-11-29, bf16, K=8 Q=4 H=128, page 16; `scripts/bench_kernels.py --variant ...`, the
+sweep in scripts/device_check.sh; README "Kernels"); the TPU values are reasoned, not measured.
 
 TPU (kernel_tpu.py)
   TPU_QUERIES_PER_BLOCK   q tokens per grid step (bq); rows per step = bq * Q query heads per kv
@@ -12,6 +13,16 @@ GPU (kernel_gpu.py)
   GPU_TARGET_PROGRAMS     below this many (q block, kv head) programs the KV range is split
                           (flash decoding): about two per SM on an H200's 132 SMs.
   GPU_MAX_KV_SPLITS, GPU_MIN_KV_BLOCKS_PER_SPLIT  bounds on the split count.
+  GPU_NUM_WARPS           warps per program.
+  GPU_DECODE_NUM_STAGES   Triton software-pipelining stages for decode buckets (block_q = 1) and
+  GPU_NUM_STAGES          for the others. Measured on the H200, 64 decodes x 4096 keys: 1 stage
+                          0.354 ms (3.03 TB/s, 63% of the 4.8 TB/s data sheet), 2 stages 0.488 ms,
+                          3 stages 0.752 ms: pipelining the page-table-indirect loads costs more
+                          than it hides. Prefill chunks: 2 and 3 stages within 1%.
+  Also measured there (64 x 4096 decode): 2 warps 0.479 ms, 1 warp 0.540, 8 warps 0.828; 128 keys
+  per step 0.547, 32 keys 0.569; on 2048-token prefill chunks 64-row q blocks beat 128-row ones
+  (0.241 vs 0.318 ms). 8 decodes x 32768 keys: 16 KV splits 0.478 ms, 4 splits 0.555, 1 split
+  1.288 (the split rule picks 8 there: 0.568).
 """
 
 TPU_QUERIES_PER_BLOCK = 16
@@ -22,3 +33,6 @@ GPU_KEYS_PER_BLOCK = 64
 GPU_TARGET_PROGRAMS = 256
 GPU_MAX_KV_SPLITS = 16
 GPU_MIN_KV_BLOCKS_PER_SPLIT = 4
+GPU_NUM_WARPS = 4
+GPU_DECODE_NUM_STAGES = 1
+GPU_NUM_STAGES = 2

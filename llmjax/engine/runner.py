@@ -48,7 +48,7 @@ class ModelRunner:
         )
         self.num_compiles = 0
         self.attention_backend = resolve_attention_backend(config.attention_backend)
-        attention_fn = make_attention_fn(self.attention_backend)
+        attention_fn = make_attention_fn(self.attention_backend, flash_prefill=config.flash_prefill)
         self._step = jax.jit(
             functools.partial(
                 self._step_impl, model_config=config.model, attention_fn=attention_fn

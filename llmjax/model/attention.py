@@ -2,11 +2,14 @@
 choice of backend by name (`EngineConfig.attention_backend`).
 
 Interface (`AttentionFn`): `attention_fn(q [T, N, H], k_pages, v_pages [num_pages, G, K, H], step:
-StepInput, *, sm_scale, sliding_window) -> [T, N, H]`, the contract of
-kernels_pallas/ragged_paged_attention/reference.py. Backends:
+StepInput, *, sm_scale, sliding_window, new_kv) -> [T, N, H]`, the contract of
+kernels_pallas/ragged_paged_attention/reference.py; `new_kv` = the step's own (k, v) [T, K, H]
+(already written to the pages; a backend may use them for a fresh prompt). Backends:
   reference  `reference_attention` below (plain jnp; fast enough on a CPU).
   pallas     `pallas_attention`: kernels_pallas' ragged paged attention (the TPU or GPU kernel of
-             the platform; in interpret mode on the CPU, slow, for checking).
+             the platform; in interpret mode on the CPU, slow, for checking), and for a step that
+             is one fresh prompt in a big enough bucket, kernels_pallas' flash prefill over
+             `new_kv` (`EngineConfig.flash_prefill`), chosen at run time by `lax.cond`.
   auto       pallas on GPU/TPU, reference on the CPU.
 
 Letters: T tokens, S sequences, P pages per sequence, G page size, K kv heads, Q query heads per kv
@@ -20,6 +23,7 @@ kernels (kernels_pallas/) implement the same contract.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -116,8 +120,11 @@ def reference_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    new_kv: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-    """The 'reference' backend: `paged_attention_reference` on the step's metadata."""
+    """The 'reference' backend: `paged_attention_reference` on the step's metadata (`new_kv` is
+    not needed: the pages hold it)."""
+    del new_kv
     return paged_attention_reference(
         q,
         k_pages,
@@ -138,22 +145,57 @@ def pallas_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    new_kv: tuple[jax.Array, jax.Array] | None = None,
+    flash_min_tokens: int | None = None,
 ) -> jax.Array:
     """The 'pallas' backend: the platform's ragged paged attention kernel (interpret mode on the
-    CPU)."""
+    CPU). In token buckets of at least `flash_min_tokens` (None: never), a step that is one fresh
+    prompt (one sequence, kv_len == its query count: nothing cached) attends with the flash
+    prefill kernel over `new_kv` instead; `lax.cond` picks at run time, so each bucket still
+    compiles once."""
     from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
-    return ragged_paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        step.kv_lens,
-        step.page_indices,
-        step.cu_q_lens,
-        step.num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-    )
+    def ragged():
+        return ragged_paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            step.kv_lens,
+            step.page_indices,
+            step.cu_q_lens,
+            step.num_seqs,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+        )
+
+    if new_kv is None or flash_min_tokens is None or q.shape[0] < flash_min_tokens:
+        return ragged()
+    from kernels_pallas.flash_prefill import flash_prefill_attention
+
+    n = step.cu_q_lens[1]  # the first sequence's query count
+    fresh_prompt = (step.num_seqs[0] == 1) & (step.kv_lens[0] == n)
+
+    def flash():
+        k, v = new_kv
+        return flash_prefill_attention(
+            q, k, v, n[None], sm_scale=sm_scale, sliding_window=sliding_window
+        )
+
+    return jax.lax.cond(fresh_prompt, flash, ragged)
+
+
+def flash_min_tokens(mode: str, platform: str | None = None) -> int | None:
+    """EngineConfig.flash_prefill -> the smallest token bucket that may use flash prefill
+    (None: none). 'auto': the measured threshold of the platform's kernel (flash_prefill/tuning.py
+    ENGINE_MIN_TOKENS), 'on': every bucket, 'off': none."""
+    if mode == "off":
+        return None
+    if mode == "on":
+        return 1
+    from kernels_pallas.flash_prefill.tuning import ENGINE_MIN_TOKENS
+    from kernels_pallas.platforms import default_implementation
+
+    return ENGINE_MIN_TOKENS[default_implementation(platform)]
 
 
 def resolve_attention_backend(name: str, platform: str | None = None) -> str:
@@ -170,7 +212,17 @@ def resolve_attention_backend(name: str, platform: str | None = None) -> str:
     return name
 
 
-def make_attention_fn(name: str, platform: str | None = None) -> AttentionFn:
-    """The attention function of backend `name` ('auto', 'reference' or 'pallas')."""
+def make_attention_fn(
+    name: str, platform: str | None = None, *, flash_prefill: str = "auto"
+) -> AttentionFn:
+    """The attention function of backend `name` ('auto', 'reference' or 'pallas');
+    `flash_prefill` ('auto', 'on', 'off') for the pallas backend (see `pallas_attention`)."""
     backend = resolve_attention_backend(name, platform)
-    return {"reference": reference_attention, "pallas": pallas_attention}[backend]
+    if backend == "reference":
+        return reference_attention
+    if platform == "cpu" or (platform is None and jax.default_backend() == "cpu"):
+        # auto on the CPU: the TPU kernel interpreted; flash prefill was not measured there.
+        min_tokens = 1 if flash_prefill == "on" else None
+    else:
+        min_tokens = flash_min_tokens(flash_prefill, platform)
+    return functools.partial(pallas_attention, flash_min_tokens=min_tokens)

@@ -58,6 +58,7 @@ def _attention_block(
         step,
         sm_scale=config.head_dim**-0.5,
         sliding_window=config.sliding_window,
+        new_kv=(k, v),
     )  # [T, N, H]
     T, N, H = o.shape
     wo = layer["wo"].reshape(N * H, -1)  # [N*H, D]

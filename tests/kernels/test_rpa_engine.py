@@ -44,3 +44,46 @@ def test_smollm2_greedy_outputs_equal_the_reference_backend(smollm2_path):
     ]
     got = [o.token_ids for o in LLM(attention_backend="pallas", **opts).generate(prompts, params)]
     assert got == want
+
+
+@pytest.mark.parametrize("flash_prefill", ["on", "off"])
+def test_flash_prefill_runs_exactly_for_lone_fresh_prompts(monkeypatch, flash_prefill):
+    """With flash_prefill='on', a step that is one prompt with nothing cached attends with the
+    flash prefill kernel (counted at run time inside its lax.cond branch) and the greedy outputs
+    still equal the reference backend's; with 'off' it never runs."""
+    import jax
+
+    import kernels_pallas.flash_prefill as flash_module
+
+    ran = []
+    real = flash_module.flash_prefill_attention
+
+    def counting_flash(q, k, v, seq_len, **kw):
+        jax.debug.callback(lambda n: ran.append(int(n[0])), seq_len)
+        return real(q, k, v, seq_len, **kw)
+
+    monkeypatch.setattr(flash_module, "flash_prefill_attention", counting_flash)
+    opts = dict(
+        load_format="dummy",
+        page_size=4,
+        scheduler_policy="prefill_first",
+        max_num_batched_tokens=64,  # whole prompts of 33-49 tokens: one per prefill step
+        max_num_seqs=8,
+        max_model_len=64,
+        compilation_cache_dir="",
+    )
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = _prompts(3, seed=1, lo=33, hi=50)
+    want = [
+        o.token_ids
+        for o in LLM("tiny", attention_backend="reference", **opts).generate(prompts, params)
+    ]
+    llm = LLM("tiny", attention_backend="pallas", flash_prefill=flash_prefill, **opts)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    n_layers = llm.engine.config.model.num_layers
+    if flash_prefill == "on":
+        # Each prompt's prefill step, in every layer, with the prompt's length.
+        assert sorted(ran) == sorted(len(p) for p in prompts for _ in range(n_layers))
+    else:
+        assert ran == []

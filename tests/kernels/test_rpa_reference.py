@@ -108,5 +108,16 @@ def test_backend_choice():
     assert resolve_attention_backend("auto", "gpu") == "pallas"
     assert resolve_attention_backend("pallas", "cpu") == "pallas"
     assert make_attention_fn("reference") is reference_attention
+
+    # Flash prefill for lone fresh prompts: where measured faster (GPU, >= 2048-token buckets).
+    def min_tokens(platform, mode="auto"):
+        return make_attention_fn("pallas", platform, flash_prefill=mode).keywords[
+            "flash_min_tokens"
+        ]
+
+    assert min_tokens("cuda") == 2048 and min_tokens("gpu") == 2048
+    assert min_tokens("tpu") is None and min_tokens("cpu") is None  # not measured there
+    assert min_tokens("tpu", "on") == 1 and min_tokens("cpu", "on") == 1
+    assert min_tokens("cuda", "off") is None
     with pytest.raises(ValueError, match="unknown attention backend 'triton'"):
         resolve_attention_backend("triton", "cpu")
