@@ -301,6 +301,44 @@ FLASH_PREFILL_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is laid out over devices (llmjax/parallel/; ALGORITHMS.md §3 for PP).
+
+    `tp`: tensor parallelism (Megatron): attention heads and the MLP hidden dimension split over
+    `tp` devices, one all-reduce after attention and one after the MLP; KV pages split by KV head;
+    embedding and LM head split over the vocabulary. tp must divide the model's heads, except that
+    kv heads fewer than tp are repeated (each device keeps a copy of the kv head its query heads
+    use, vLLM's replication), and `pad_heads=True` pads the kv heads (each with its group of query
+    heads) to a multiple of tp with zero weights: exact outputs for more KV memory (SmolLM2's 3
+    kv heads at tp=2 or 4: 4 heads, 33 % more).
+    `pp`: pipeline stages (on disjoint device groups), each holding only its layers' weights and KV
+    pages. `dp`: data-parallel replicas; must be 1 (run one engine per replica).
+    `check_lockstep` (multi-host debugging): after every step each process compares a digest of
+    the sampled tokens with the others' and raises on a difference.
+    The mesh uses the first tp * pp devices of `jax.devices()` (all processes' devices after
+    `jax.distributed.initialize`).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    pad_heads: bool = False
+    check_lockstep: bool = False
+
+    def __post_init__(self):
+        _check_positive(self, "tp", "pp", "dp")
+        if self.dp != 1:
+            raise ValueError(
+                f"{self.dp=}: data-parallel replicas are not supported inside one engine; run "
+                "one engine per replica"
+            )
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights.
 
@@ -324,6 +362,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
     dtype: str = "float32"
     max_model_len: int | None = None
     attention_backend: str = "auto"
@@ -352,6 +391,14 @@ class EngineConfig:
             )
         if self.flash_prefill not in FLASH_PREFILL_MODES:
             raise ValueError(f"unknown {self.flash_prefill=}; choose one of {FLASH_PREFILL_MODES}")
+        from llmjax.parallel.heads import tp_head_layout
+
+        tp_head_layout(self.model, self.parallel.tp, self.parallel.pad_heads)  # raises if invalid
+        if self.parallel.pp > self.model.num_layers:
+            raise ValueError(
+                f"pp={self.parallel.pp} stages need at least as many layers, the model has "
+                f"{self.model.num_layers}"
+            )
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -22,7 +22,13 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from llmjax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmjax.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from llmjax.engine.block_manager import pages_needed
 from llmjax.engine.engine import LLMEngine
 from llmjax.engine.request import RequestOutput
@@ -41,21 +47,34 @@ Message = dict[str, str]
 
 
 def default_num_pages(config: EngineConfig, params_bytes: int) -> int:
-    """Pages for max_num_seqs full-length requests, capped by the memory budget."""
+    """Pages for max_num_seqs full-length requests, capped by the memory budget (per device:
+    tp * pp devices share the weights and the KV pages). In a multi-process run every process
+    takes the smallest process's answer, so their block managers stay in lockstep."""
     import jax
 
     from llmjax.model.kv_cache import kv_cache_bytes
+    from llmjax.parallel.heads import tp_head_layout
 
     page_size = config.cache.page_size
     wanted = config.scheduler.max_num_seqs * pages_needed(config.max_model_len, page_size) + 1
-    per_page = kv_cache_bytes(config.model, 1, page_size, config.dtype)
-    stats = jax.devices()[0].memory_stats() or {}
+    parallel = config.parallel
+    layout = tp_head_layout(config.model, parallel.tp, parallel.pad_heads)
+    per_page = kv_cache_bytes(layout.model_config(config.model), 1, page_size, config.dtype)
+    per_page //= parallel.num_devices
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - params_bytes
+        used = stats.get("bytes_in_use", 0) + params_bytes // parallel.num_devices
+        free = stats["bytes_limit"] - used
         budget = int(config.cache.memory_fraction * max(free, 0))
     else:
         budget = CPU_KV_CACHE_BYTES
-    return max(2, min(wanted, budget // per_page))
+    num_pages = max(2, min(wanted, budget // per_page))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        everyone = multihost_utils.process_allgather(np.array([num_pages], np.int64))
+        num_pages = int(np.min(everyone))
+    return num_pages
 
 
 class LLM:
@@ -69,7 +88,10 @@ class LLM:
     of shared prefixes, 'none' turns that off; see CacheConfig), `admission_order` ('fcfs' or
     'lpm', longest cached prefix first; see SchedulerConfig), `seed` (for requests without their
     own seed), `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig),
-    `precompile` (compile every step shape at start; see EngineConfig).
+    `flash_prefill` ('auto', 'on', 'off'; see EngineConfig), `precompile` (compile every step
+    shape at start; see EngineConfig), `tp` / `pp` / `pad_heads` / `check_lockstep` (tensor and
+    pipeline parallelism over the first tp * pp devices; see ParallelConfig; in a multi-host run
+    call `llmjax.parallel.distributed.initialize` first, in every process).
     """
 
     def __init__(
@@ -89,6 +111,10 @@ class LLM:
         admission_order: str = "fcfs",
         attention_backend: str = "auto",
         flash_prefill: str = "auto",
+        tp: int = 1,
+        pp: int = 1,
+        pad_heads: bool = False,
+        check_lockstep: bool = False,
         seed: int = 0,
         precompile: bool = False,
         compilation_cache_dir: str | None = None,
@@ -99,7 +125,11 @@ class LLM:
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"{load_format=} must be 'auto' or 'dummy'")
         t0 = time.perf_counter()
-        model_config, params, self.tokenizer = _load(model, dtype, load_format, tokenizer)
+        sharded = tp * pp > 1  # then weights load one at a time, each device getting its shard
+        parallel = ParallelConfig(tp=tp, pp=pp, pad_heads=pad_heads, check_lockstep=check_lockstep)
+        model_config, params, self.tokenizer = _load(
+            model, dtype, load_format, tokenizer, parallel if sharded else None
+        )
         if max_model_len is None:
             max_model_len = min(model_config.max_position_embeddings, 4096)
         if max_num_batched_tokens is None:  # whole-prompt policies need room for any prompt
@@ -121,12 +151,16 @@ class LLM:
             max_model_len=max_model_len,
             attention_backend=attention_backend,
             flash_prefill=flash_prefill,
+            parallel=parallel,
             seed=seed,
             precompile=precompile,
             **extra,
         )
-        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-        params_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        if not sharded:  # else ModelRunner places (and converts) each weight on the mesh
+            params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        from llmjax.model.params import num_params
+
+        params_bytes = num_params(model_config) * jnp.dtype(dtype).itemsize
         if num_pages is None:
             num_pages = default_num_pages(config, params_bytes)
         self.config = config
@@ -229,8 +263,16 @@ class LLM:
             self.engine.abort_request(request_id)
 
 
-def _load(model: str, dtype: str, load_format: str, tokenizer_path: str | None):
-    """-> (ModelConfig, params, Tokenizer | None)."""
+def _load(
+    model: str,
+    dtype: str,
+    load_format: str,
+    tokenizer_path: str | None,
+    parallel: ParallelConfig | None = None,
+):
+    """-> (ModelConfig, params, Tokenizer | None). With `parallel` (a sharded run), GGUF/HF
+    weights come as thunks that load one weight each (see `params_from_hf_tensors`) and orbax
+    restores each device's shards directly; ModelRunner then places them on the mesh."""
     import jax
 
     import configs
@@ -251,10 +293,10 @@ def _load(model: str, dtype: str, load_format: str, tokenizer_path: str | None):
     path = resolve_model_path(model)
     if path.endswith(".gguf") and os.path.isfile(path):
         reader = open_gguf(path)  # read once for both weights and tokenizer
-        config, params = load_gguf(reader, np_dtype)
+        config, params = load_gguf(reader, np_dtype, lazy=parallel is not None)
         kind, path = "gguf", reader
     else:
-        config, params, kind = load_model(model, np_dtype)
+        config, params, kind = load_model(model, np_dtype, parallel=parallel)
     source = tokenizer_path or path
     if not isinstance(source, str) or source.endswith(".gguf"):
         tok = Tokenizer.from_gguf(source)

@@ -11,7 +11,7 @@ import numpy as np
 from llmjax.checkpoint.gguf import load_gguf
 from llmjax.checkpoint.hf import load_hf
 from llmjax.checkpoint.orbax_io import is_orbax_dir, restore_params, save_params
-from llmjax.config import ModelConfig
+from llmjax.config import ModelConfig, ParallelConfig
 from llmjax.model.params import Params
 
 __all__ = [
@@ -52,22 +52,27 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
-def load_model(model: str, dtype=np.float32) -> tuple[ModelConfig, Params, str]:
+def load_model(
+    model: str, dtype=np.float32, parallel: ParallelConfig | None = None
+) -> tuple[ModelConfig, Params, str]:
     """Load weights from a preset name, a .gguf file, an HF directory or an orbax directory.
 
     Returns (config, params, kind) with kind in {'gguf', 'hf', 'orbax'}. Params are numpy arrays
-    for GGUF/HF and jax arrays for orbax, in `dtype`.
+    for GGUF/HF and jax arrays for orbax, in `dtype`. With `parallel` (a sharded run), GGUF/HF
+    weights are thunks that load one weight each, and orbax restores every weight straight into
+    its shards on that ParallelConfig's mesh (llmjax.parallel.mesh.place_params finishes both).
     """
+    lazy = parallel is not None
     path = resolve_model_path(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"{path}: unsupported checkpoint file (expected a .gguf file)")
-        return *load_gguf(path, dtype), "gguf"
+        return *load_gguf(path, dtype, lazy), "gguf"
     if os.path.isdir(path):
         if is_orbax_dir(path):
-            return *restore_params(path, dtype), "orbax"
+            return *restore_params(path, dtype, parallel), "orbax"
         if os.path.exists(os.path.join(path, "config.json")):
-            return *load_hf(path, dtype), "hf"
+            return *load_hf(path, dtype, lazy), "hf"
         raise FileNotFoundError(
             f"{path} holds neither an HF checkpoint (config.json + *.safetensors) nor an llmjax "
             "orbax checkpoint"

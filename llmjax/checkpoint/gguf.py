@@ -133,9 +133,9 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def load_gguf(reader_or_path, dtype=np.float32) -> tuple[ModelConfig, Params]:
+def load_gguf(reader_or_path, dtype=np.float32, lazy: bool = False) -> tuple[ModelConfig, Params]:
     """Load a GGUF file (a path or an open reader) -> (ModelConfig, numpy parameter tree in
-    `dtype`), dequantizing."""
+    `dtype`), dequantizing; with `lazy`, a thunk per weight that dequantizes it when called."""
     import gguf
 
     from llmjax.checkpoint.hf import params_from_hf_tensors
@@ -163,4 +163,4 @@ def load_gguf(reader_or_path, dtype=np.float32) -> tuple[ModelConfig, Params]:
             w = unpermute_rope_rows(w, config.num_kv_heads)
         return w
 
-    return config, params_from_hf_tensors(config, get, path, dtype)
+    return config, params_from_hf_tensors(config, get, path, dtype, lazy)

@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from llmjax.config import ModelConfig
@@ -19,9 +20,13 @@ GetTensor = Callable[[str], np.ndarray]  # HF tensor name -> array in HF layout 
 
 
 def params_from_hf_tensors(
-    config: ModelConfig, get: GetTensor, source: str, dtype=np.float32
+    config: ModelConfig, get: GetTensor, source: str, dtype=np.float32, lazy: bool = False
 ) -> Params:
-    """Build our parameter tree from tensors named and laid out as in HF's LlamaForCausalLM."""
+    """Build our parameter tree from tensors named and laid out as in HF's LlamaForCausalLM.
+
+    `lazy=True` returns the tree with a thunk at every leaf (a function that reads and converts
+    that one weight), for loading shard by shard: `llmjax.parallel.mesh.place_params` calls each
+    thunk only when it places that weight, so the host holds one weight at a time."""
     D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
 
@@ -34,32 +39,41 @@ def params_from_hf_tensors(
             )
         return np.asarray(x).astype(dtype)
 
-    def layer(i: int) -> dict[str, np.ndarray]:
+    def weight(name: str, shape: tuple[int, ...], convert=lambda x: x):
+        def load() -> np.ndarray:
+            return np.ascontiguousarray(convert(take(name, shape)))
+
+        return load
+
+    def layer(i: int) -> dict:
         p = f"model.layers.{i}."
         out = {
-            "attn_norm": take(p + "input_layernorm.weight", (D,)),
-            "wq": take(p + "self_attn.q_proj.weight", (N * H, D)).T.reshape(D, N, H),
-            "wk": take(p + "self_attn.k_proj.weight", (K * H, D)).T.reshape(D, K, H),
-            "wv": take(p + "self_attn.v_proj.weight", (K * H, D)).T.reshape(D, K, H),
-            "wo": take(p + "self_attn.o_proj.weight", (D, N * H)).T.reshape(N, H, D),
-            "mlp_norm": take(p + "post_attention_layernorm.weight", (D,)),
-            "w_gate": take(p + "mlp.gate_proj.weight", (F, D)).T,
-            "w_up": take(p + "mlp.up_proj.weight", (F, D)).T,
-            "w_down": take(p + "mlp.down_proj.weight", (D, F)).T,
+            "attn_norm": weight(p + "input_layernorm.weight", (D,)),
+            "wq": weight(p + "self_attn.q_proj.weight", (N * H, D), lambda x: x.T.reshape(D, N, H)),
+            "wk": weight(p + "self_attn.k_proj.weight", (K * H, D), lambda x: x.T.reshape(D, K, H)),
+            "wv": weight(p + "self_attn.v_proj.weight", (K * H, D), lambda x: x.T.reshape(D, K, H)),
+            "wo": weight(p + "self_attn.o_proj.weight", (D, N * H), lambda x: x.T.reshape(N, H, D)),
+            "mlp_norm": weight(p + "post_attention_layernorm.weight", (D,)),
+            "w_gate": weight(p + "mlp.gate_proj.weight", (F, D), lambda x: x.T),
+            "w_up": weight(p + "mlp.up_proj.weight", (F, D), lambda x: x.T),
+            "w_down": weight(p + "mlp.down_proj.weight", (D, F), lambda x: x.T),
         }
         if config.attention_bias:
-            out["bq"] = take(p + "self_attn.q_proj.bias", (N * H,)).reshape(N, H)
-            out["bk"] = take(p + "self_attn.k_proj.bias", (K * H,)).reshape(K, H)
-            out["bv"] = take(p + "self_attn.v_proj.bias", (K * H,)).reshape(K, H)
-        return {k: np.ascontiguousarray(v) for k, v in out.items()}
+            out["bq"] = weight(p + "self_attn.q_proj.bias", (N * H,), lambda x: x.reshape(N, H))
+            out["bk"] = weight(p + "self_attn.k_proj.bias", (K * H,), lambda x: x.reshape(K, H))
+            out["bv"] = weight(p + "self_attn.v_proj.bias", (K * H,), lambda x: x.reshape(K, H))
+        return out
 
     params: Params = {
-        "embed": take("model.embed_tokens.weight", (V, D)),
+        "embed": weight("model.embed_tokens.weight", (V, D)),
         "layers": [layer(i) for i in range(config.num_layers)],
-        "final_norm": take("model.norm.weight", (D,)),
+        "final_norm": weight("model.norm.weight", (D,)),
     }
     if not config.tie_word_embeddings:
-        params["lm_head"] = np.ascontiguousarray(take("lm_head.weight", (V, D)).T)
+        params["lm_head"] = weight("lm_head.weight", (V, D), lambda x: x.T)
+    if lazy:
+        return params
+    params = jax.tree.map(lambda load: load(), params)
     check_params(config, params, source)
     return params
 
@@ -86,8 +100,9 @@ def safetensors_files(directory: str) -> list[str]:
     return files
 
 
-def load_hf(directory: str, dtype=np.float32) -> tuple[ModelConfig, Params]:
-    """Load an HF model directory -> (ModelConfig, numpy parameter tree in `dtype`)."""
+def load_hf(directory: str, dtype=np.float32, lazy: bool = False) -> tuple[ModelConfig, Params]:
+    """Load an HF model directory -> (ModelConfig, numpy parameter tree in `dtype`; with `lazy`,
+    a thunk per weight that reads it when called: see `params_from_hf_tensors`)."""
     from safetensors import SafetensorError, safe_open
 
     directory = os.fspath(directory)
@@ -114,7 +129,8 @@ def load_hf(directory: str, dtype=np.float32) -> tuple[ModelConfig, Params]:
             except Exception as e:
                 raise ValueError(f"{path}: cannot read tensor {name!r}: {e}") from e
 
-        params = params_from_hf_tensors(config, get, directory, dtype)
+        params = params_from_hf_tensors(config, get, directory, dtype, lazy)
     finally:
-        handles.clear()
+        if not lazy:  # lazy thunks keep the (memory-mapped) files open until they are dropped
+            handles.clear()
     return config, params

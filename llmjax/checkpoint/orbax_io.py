@@ -17,7 +17,7 @@ import os
 import jax
 import numpy as np
 
-from llmjax.config import ModelConfig, RopeScaling
+from llmjax.config import ModelConfig, ParallelConfig, RopeScaling
 from llmjax.model.params import Params, abstract_params, check_params
 
 CONFIG_FILE = "llmjax_model_config.json"
@@ -54,8 +54,12 @@ def load_model_config(directory: str) -> ModelConfig:
         raise ValueError(f"{path} is not a valid llmjax model config: {e}") from e
 
 
-def restore_params(directory: str, dtype=np.float32) -> tuple[ModelConfig, Params]:
-    """Restore (ModelConfig, parameter tree of jax arrays in `dtype`)."""
+def restore_params(
+    directory: str, dtype=np.float32, parallel: ParallelConfig | None = None
+) -> tuple[ModelConfig, Params]:
+    """Restore (ModelConfig, parameter tree of jax arrays in `dtype`). With `parallel`, every
+    weight is restored into its shards on that mesh (the rules table applied to the stored
+    layout; orbax reads each device's slice only)."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(os.fspath(directory))
@@ -64,6 +68,13 @@ def restore_params(directory: str, dtype=np.float32) -> tuple[ModelConfig, Param
     if not os.path.isdir(item):
         raise FileNotFoundError(f"llmjax checkpoint {directory} lacks its params/ item")
     target = abstract_params(config, dtype)
+    if parallel is not None and parallel.num_devices > 1:
+        from llmjax.parallel.mesh import make_mesh, param_shardings
+
+        shardings = param_shardings(config, make_mesh(parallel))
+        target = jax.tree.map(
+            lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), target, shardings
+        )
     try:
         with ocp.StandardCheckpointer() as ckptr:
             params = ckptr.restore(item, target)

@@ -212,11 +212,46 @@ def resolve_attention_backend(name: str, platform: str | None = None) -> str:
     return name
 
 
+def shard_heads(attention_fn: AttentionFn, mesh) -> AttentionFn:
+    """`attention_fn` run per device on its own heads (tensor parallelism): q [T, N, H] and the
+    new k/v split over heads, KV pages [num_pages, G, K, H] over kv heads, the step metadata
+    replicated; the kernels see a plain single-device problem with N/tp and K/tp heads (query
+    heads of a kv head stay on its device: llmjax/parallel/heads.py)."""
+    from jax.sharding import PartitionSpec as P
+
+    heads, pages = P(None, "tp", None), P(None, None, "tp", None)
+
+    def sharded(q, k_pages, v_pages, step, *, sm_scale, sliding_window=None, new_kv=None):
+        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+        if new_kv is None:
+            f = functools.partial(attention_fn, **kw)
+            specs, args = (heads, pages, pages, P()), (q, k_pages, v_pages, step)
+        else:
+
+            def f(q, k_pages, v_pages, step, k, v):
+                return attention_fn(q, k_pages, v_pages, step, new_kv=(k, v), **kw)
+
+            specs, args = (heads, pages, pages, P(), heads, heads), (q, k_pages, v_pages, step)
+            args += tuple(new_kv)
+        # check_vma=False: Pallas kernels inside shard_map do not carry varying-axis types.
+        return jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)(*args)
+
+    return sharded
+
+
 def make_attention_fn(
-    name: str, platform: str | None = None, *, flash_prefill: str = "auto"
+    name: str, platform: str | None = None, *, flash_prefill: str = "auto", mesh=None
 ) -> AttentionFn:
     """The attention function of backend `name` ('auto', 'reference' or 'pallas');
-    `flash_prefill` ('auto', 'on', 'off') for the pallas backend (see `pallas_attention`)."""
+    `flash_prefill` ('auto', 'on', 'off') for the pallas backend (see `pallas_attention`); with
+    a `mesh` whose 'tp' axis is > 1, run per device on its heads (`shard_heads`)."""
+    fn = _attention_fn(name, platform, flash_prefill)
+    if mesh is not None and mesh.shape.get("tp", 1) > 1:
+        return shard_heads(fn, mesh)
+    return fn
+
+
+def _attention_fn(name: str, platform: str | None, flash_prefill: str) -> AttentionFn:
     backend = resolve_attention_backend(name, platform)
     if backend == "reference":
         return reference_attention

@@ -1,0 +1,139 @@
+"""The device mesh, the one logical-axis -> mesh-axis rules table, and weight placement.
+
+Every weight's `ParamSpec` (llmjax/model/params.py) names its axes (`vocab`, `embed`, `q_heads`,
+`kv_heads`, `head_dim`, `mlp`); `SHARDING_RULES` maps them to mesh axes, and that table alone
+decides the tensor-parallel layout (Megatron's):
+  wq, wk, wv [D, heads, H]  column-parallel (split over heads)
+  wo [N, H, D]              row-parallel: the attention output is a partial sum -> all-reduce
+  w_gate, w_up [D, F]       column-parallel; w_down [F, D] row-parallel -> all-reduce
+  embed [V, D], lm_head     split over the vocabulary
+  norms                     replicated
+XLA's SPMD partitioner inserts the collectives; the attention kernels run per device on the local
+heads (shard_map, llmjax/model/attention.py). An axis whose size the mesh axis does not divide
+(a vocabulary of 49153 at tp=2, say) stays replicated, and the log says so.
+
+Mesh axes: ('pp', 'tp'), pipeline stages x tensor-parallel devices; Auto axis types (GSPMD).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from llmjax.config import ModelConfig, ParallelConfig
+from llmjax.model.params import ParamSpec, map_specs, param_specs
+from llmjax.parallel.heads import HeadLayout, transform_weight
+
+logger = logging.getLogger(__name__)
+
+MESH_AXES = ("pp", "tp")
+
+# Logical axis -> mesh axis (None: replicated). The only place the TP layout is written down.
+SHARDING_RULES: dict[str, str | None] = {
+    "vocab": "tp",
+    "embed": None,
+    "q_heads": "tp",
+    "kv_heads": "tp",
+    "head_dim": None,
+    "mlp": "tp",
+}
+
+# KV pages [num_pages, page_size, K, H]: split by kv head, like wk/wv.
+KV_PAGES_AXES = (None, None, "kv_heads", "head_dim")
+
+
+def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
+    """A (pp, tp) mesh over the first pp * tp of `devices` (default: all processes' devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = parallel.pp * parallel.tp
+    if n > len(devices):
+        platform = devices[0].platform if devices else "?"
+        hint = (
+            " (on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)"
+            if platform == "cpu"
+            else ""
+        )
+        raise ValueError(
+            f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}) needs {n} devices; "
+            f"{len(devices)} {platform} device(s) are available{hint}"
+        )
+    return jax.make_mesh(
+        (parallel.pp, parallel.tp),
+        MESH_AXES,
+        axis_types=(AxisType.Auto,) * len(MESH_AXES),
+        devices=devices[:n],
+    )
+
+
+def partition_spec(shape, logical_axes, mesh: Mesh, rules=None, name: str = "") -> P:
+    """The PartitionSpec of an array with these logical axes: each axis goes to its mesh axis
+    when that divides it, else it is replicated (logged once per weight)."""
+    rules = SHARDING_RULES if rules is None else rules
+    out = []
+    for size, axis in zip(shape, logical_axes, strict=True):
+        mesh_axis = rules.get(axis)
+        if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+            logger.info(
+                "%s: %s axis of size %d not divisible by %s=%d; replicated",
+                name or "array",
+                axis,
+                size,
+                mesh_axis,
+                mesh.shape[mesh_axis],
+            )
+            mesh_axis = None
+        out.append(mesh_axis if mesh_axis is not None and mesh.shape[mesh_axis] > 1 else None)
+    return P(*out)
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, rules=None):
+    """NamedSharding for every weight of `config` (the tree of `param_specs`)."""
+
+    def one(spec: ParamSpec) -> NamedSharding:
+        return NamedSharding(mesh, partition_spec(spec.shape, spec.logical_axes, mesh, rules))
+
+    return map_specs(one, param_specs(config))
+
+
+def kv_pages_sharding(config: ModelConfig, mesh: Mesh, num_pages: int, page_size: int):
+    shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+    return NamedSharding(mesh, partition_spec(shape, KV_PAGES_AXES, mesh, name="kv_pages"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def place(x, sharding: NamedSharding) -> jax.Array:
+    """An array (the same on every process) -> a global array with `sharding`. Each device
+    receives only its own shard: `make_array_from_callback` asks for the slices of this process's
+    devices only, so the same code serves one host and many."""
+    # A device array moves with device_put unless it is local and the target spans processes.
+    if isinstance(x, jax.Array) and x.is_fully_addressable == sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def place_params(params, config: ModelConfig, layout: HeadLayout, mesh: Mesh, dtype=None):
+    """Original-layout weights -> the device layout (`layout`, heads.py), placed on `mesh` one
+    weight at a time. A leaf may be a thunk (a function that loads the weight): it is called
+    only when that weight is placed, and its host copy is dropped right after, so the host holds
+    one weight at a time and every device receives only its shard."""
+    device_config = layout.model_config(config)
+    shardings = param_shardings(device_config, mesh)
+    Q = config.num_heads // config.num_kv_heads
+
+    def one(path, leaf, sharding):
+        x = leaf() if callable(leaf) else leaf
+        name = str(getattr(path[-1], "key", ""))
+        x = transform_weight(name, x, layout, Q)
+        if dtype is not None and x.dtype != dtype:
+            x = x.astype(dtype)
+        return place(x, sharding)
+
+    return jax.tree_util.tree_map_with_path(one, params, shardings)

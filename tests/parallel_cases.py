@@ -1,0 +1,26 @@
+"""Workloads shared by the parallelism tests and their multi-process worker."""
+
+import numpy as np
+
+# Chunked prefill beside running decodes (budget 32 < prompts), prefix caching on.
+ENGINE_OPTS = dict(
+    load_format="dummy",
+    page_size=4,
+    max_num_batched_tokens=32,
+    max_num_seqs=8,
+    max_model_len=128,
+    scheduler_policy="sarathi",
+    prefix_cache="radix",
+    compilation_cache_dir="",
+)
+
+
+def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
+    """Random prompts, half of them sharing a 24-token prefix (prefix-cache hits)."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, 256, 24).tolist()
+    out = []
+    for i in range(n):
+        tail = rng.integers(3, 256, int(rng.integers(4, 40))).tolist()
+        out.append(shared + tail if i % 2 else tail)
+    return out
