@@ -9,6 +9,7 @@ r"""Serving benchmark: replay a workload against each scheduling policy and comp
     # the prefix cache off, on with FCFS, on with longest-prefix-match admission (few_shot):
     python scripts/benchmark.py --workload few_shot --prefix_caches none,radix \
         --admission_orders fcfs,lpm
+    python scripts/benchmark.py --tp 2 --pad_heads        # sharded (flags as scripts/generate.py)
 
 Every combination of --policies, --prefix_caches and --admission_orders (an admission order only
 with a cache) is a *variant*; columns are named policy[/cache[/order]] when there are several.
@@ -33,6 +34,8 @@ import time
 from typing import NamedTuple
 
 from absl import app, flags
+
+from llmjax.parallel import flags as parallel_flags
 
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf file or checkpoint dir.")
 flags.DEFINE_enum(
@@ -183,13 +186,25 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_string("json_out", "out/benchmark.json", "Where to write the results ('' = nowhere).")
 
+parallel_flags.define_flags()
+
 FLAGS = flags.FLAGS
 _MODULE = sys.argv[0] if __name__ == "__main__" else __name__  # absl's key for these flags
 DECODE_SLACK = 32  # extra max_tokens for the decode-step measurements
 
 
 def _log(msg: str) -> None:
-    print(f"[benchmark] {msg}", file=sys.stderr, flush=True)
+    if parallel_flags.is_leader(FLAGS):
+        print(f"[benchmark] {msg}", file=sys.stderr, flush=True)
+
+
+def _clock():
+    """Real-time replay's clock: process 0's, shared, in a multi-process run (lockstep)."""
+    import jax
+
+    from llmjax.parallel.distributed import leader_clock
+
+    return leader_clock if jax.process_count() > 1 else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,6 +234,7 @@ def build_llm(policy: str, **overrides):
         precompile=FLAGS.precompile,
         attention_backend=FLAGS.attention_backend,
         flash_prefill=FLAGS.flash_prefill,
+        **parallel_flags.llm_kwargs(FLAGS),
     )
     budget = overrides.pop("max_num_batched_tokens", FLAGS.max_num_batched_tokens)
     if budget is not None and _is_whole_prompt(policy):
@@ -507,7 +523,7 @@ def run_variant(variant: Variant, state: dict) -> dict:
     if FLAGS.rehearse:
         t = time.perf_counter()
         engine.reset_prefix_cache()  # as the measured run will start
-        replay(engine, specs, realtime=True, seed=FLAGS.seed)
+        replay(engine, specs, realtime=True, seed=FLAGS.seed, clock=_clock())
         _log(f"{name}: rehearsal {time.perf_counter() - t:.1f} s")
     if "tbt_slo" not in state:
         state["tbt_slo"], state["slo_reference"] = choose_tbt_slo(llm)
@@ -519,7 +535,7 @@ def run_variant(variant: Variant, state: dict) -> dict:
     engine.reset_stats()
     compiles = engine.num_compiles
     t = time.perf_counter()
-    outputs = replay(engine, specs, realtime=True, seed=FLAGS.seed)
+    outputs = replay(engine, specs, realtime=True, seed=FLAGS.seed, clock=_clock())
     _log(f"{name}: replayed {len(specs)} requests in {time.perf_counter() - t:.1f} s")
     result = {
         "engine": info,
@@ -539,7 +555,7 @@ def run_variant(variant: Variant, state: dict) -> dict:
                 retime_trace=True,
             )
             engine.reset_prefix_cache()
-            return summarize(replay(engine, trial, seed=FLAGS.seed), **slos)
+            return summarize(replay(engine, trial, seed=FLAGS.seed, clock=_clock()), **slos)
 
         cap: CapacityResult = capacity_search(
             run_at_qps,
@@ -706,6 +722,7 @@ def _jsonable(obj):
 
 def main(argv):
     del argv
+    parallel_flags.initialize(FLAGS)  # jax.distributed, for a multi-process run
     import jax
 
     runs = variants()
@@ -719,6 +736,8 @@ def main(argv):
         gc.collect()  # free this variant's engine before the next is built
         if FLAGS.host_overhead_requests:
             results[v.name]["host_overhead"] = host_overhead(v, FLAGS.host_overhead_requests)
+    if not parallel_flags.is_leader(FLAGS):
+        return  # every process ran the same replays in lockstep; process 0 reports
     print(report(results, state), flush=True)
     if FLAGS.json_out:
         os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)

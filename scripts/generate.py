@@ -1,8 +1,14 @@
-"""Generate text with llmjax (SmolLM2-135M-Instruct by default).
+r"""Generate text with llmjax (SmolLM2-135M-Instruct by default).
 
     python scripts/generate.py --chat --prompt "What is the capital of France?"
     python scripts/generate.py --prompt "Once upon a time" --temperature 0.8 --top_p 0.95 --seed 1
     python scripts/generate.py --model /path/to/hf_dir --dtype bfloat16 --nostream
+    # tensor parallel over 2 devices (on a CPU, fake ones:
+    # XLA_FLAGS=--xla_force_host_platform_device_count=2); SmolLM2's 3 kv heads need --pad_heads
+    python scripts/generate.py --tp 2 --pad_heads
+    # the same over two processes, one per shell (README "Parallelism"):
+    python scripts/generate.py --tp 2 --pad_heads --coordinator_address 127.0.0.1:1234 \
+        --num_processes 2 --process_id 0      # and --process_id 1
 
 The answer is streamed token by token unless --nostream; a line of timings follows on stderr.
 """
@@ -13,6 +19,8 @@ import sys
 import time
 
 from absl import app, flags, logging
+
+from llmjax.parallel import flags as parallel_flags
 
 flags.DEFINE_string(
     "model",
@@ -59,11 +67,14 @@ flags.DEFINE_enum(
     "kernel: 'auto' where measured faster (GPU, >= 2048-token buckets), 'on' always, 'off' never.",
 )
 
+parallel_flags.define_flags()
+
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
+    parallel_flags.initialize(FLAGS)  # jax.distributed, for a multi-process run
     from llmjax import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -76,6 +87,7 @@ def main(argv):
         page_size=FLAGS.page_size,
         attention_backend=FLAGS.attention_backend,
         flash_prefill=FLAGS.flash_prefill,
+        **parallel_flags.llm_kwargs(FLAGS),
     )
     load_s = time.perf_counter() - t0
     params = SamplingParams(
@@ -91,17 +103,19 @@ def main(argv):
         messages = [{"role": "system", "content": FLAGS.system}] if FLAGS.system else []
         messages.append({"role": "user", "content": prompt})
         prompt = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
-    print(f">>> {FLAGS.prompt}", flush=True)
+    # Every process runs the same requests (lockstep); process 0 prints.
+    show = print if parallel_flags.is_leader(FLAGS) else (lambda *a, **k: None)
+    show(f">>> {FLAGS.prompt}", flush=True)
     t1 = time.perf_counter()
     if FLAGS.stream:
         for piece in llm.stream(prompt, params):
-            print(piece, end="", flush=True)
-        print()
+            show(piece, end="", flush=True)
+        show()
     else:
         out = llm.generate([prompt], params)[0]
-        print(out.text)
+        show(out.text)
     gen_s = time.perf_counter() - t1
-    print(
+    show(
         f"[llmjax] load {load_s:.1f} s, generation {gen_s:.1f} s (first run includes compilation; "
         f"steps={llm.engine.stats.num_steps}, compiles={llm.engine.num_compiles})",
         file=sys.stderr,

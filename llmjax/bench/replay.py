@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from llmjax.bench.workloads import RequestSpec, with_token_ids
 from llmjax.engine.request import RequestMetrics, RequestOutput
@@ -25,7 +25,12 @@ FAILED_FINISH_REASONS = ("error", "abort")  # a parent finishing so has no conve
 
 
 def replay(
-    engine, specs: Sequence[RequestSpec], *, realtime: bool = True, seed: int = 0
+    engine,
+    specs: Sequence[RequestSpec],
+    *,
+    realtime: bool = True,
+    seed: int = 0,
+    clock: Callable[[], float] | None = None,
 ) -> list[RequestOutput]:
     """Run `specs` through `engine` (an `LLMEngine` with no unfinished requests); returns one
     finished `RequestOutput` per spec, in the order of `specs`.
@@ -33,6 +38,10 @@ def replay(
     realtime: add request i at start + specs[i].arrival_time (time.perf_counter seconds, passed to
         `add_request` as its arrival time); False adds all at once, arriving at the start.
     seed: for the random token ids of length-only specs (`with_token_ids`).
+    clock: a shared clock for multi-process runs (every process must see the same arrivals at
+        the same step: `llmjax.parallel.distributed.leader_clock` gives process 0's
+        time.perf_counter to all); then dependents also arrive relative to that clock's reading
+        when their parent's output is seen, not to the parent's local finished_time.
 
     Dependent specs (`parent` set) are added only once the parent's output has finished, with the
     prompt token ids parent prompt + parent output + own ids (and no text `prompt`), arriving
@@ -51,7 +60,9 @@ def replay(
     for i, spec in enumerate(specs):
         if spec.parent is not None:
             children.setdefault(spec.parent, []).append(i)
-    start = time.perf_counter()
+    shared = clock is not None
+    clock = clock or time.perf_counter
+    start = clock()
     # Requests due to be added, as (due time, index, arrival stamp, prompt token ids): ties go in
     # list order. Independent ones from the start; a dependent one when its parent finishes.
     due: list[tuple[float, int, float, list[int]]] = []
@@ -75,15 +86,15 @@ def replay(
                 if out.error is not None or out.finish_reason in FAILED_FINISH_REASONS:
                     why = out.error or f"finish_reason={out.finish_reason!r}"
                     error = f"not run: its parent (request {i}) failed: {why}"
-                    stack.append((c, _not_run(c, ids, error, time.perf_counter())))
+                    stack.append((c, _not_run(c, ids, error, clock())))
                 else:
-                    end = out.metrics.finished_time
-                    end = time.perf_counter() if end is None else end
+                    end = None if shared else out.metrics.finished_time
+                    end = clock() if end is None else end
                     t = end + spec.arrival_time
                     heapq.heappush(due, (t, c, t if realtime else end, ids))
 
     while due or engine.has_unfinished_requests():
-        now = time.perf_counter()
+        now = clock()
         while due and (not realtime or due[0][0] <= now):
             _, i, arrival, ids = heapq.heappop(due)
             spec = specs[i]
@@ -99,7 +110,7 @@ def replay(
                 if out.finished and out.request_id in index_of:
                     finished(index_of[out.request_id], out)
         elif due:
-            time.sleep(max(0.0, due[0][0] - time.perf_counter()))
+            time.sleep(max(0.0, due[0][0] - now))
     missing = [i for i, out in enumerate(results) if out is None]
     if missing:
         raise RuntimeError(f"the engine went idle without finishing requests {missing[:10]}")

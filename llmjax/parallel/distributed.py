@@ -49,6 +49,18 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(x.addressable_data(0))
 
 
+def leader_clock() -> float:
+    """Process 0's time.perf_counter(), the same value in every process (a collective: all
+    processes must call it together). Real-time benchmark replay reads it, so every process sees
+    a request arrive at the same step."""
+    import time
+
+    from jax.experimental import multihost_utils
+
+    now = np.array([time.perf_counter()], np.float64)
+    return float(np.asarray(multihost_utils.broadcast_one_to_all(now))[0])
+
+
 def digest(token_ids: np.ndarray) -> int:
     return int.from_bytes(hashlib.sha256(np.ascontiguousarray(token_ids).tobytes()).digest()[:4])
 
