@@ -18,3 +18,6 @@ TINY = ModelConfig(
 
 # One KV head shared by all query heads (multi-query attention), tied embeddings.
 TINY_GQA1 = TINY.replace(name="tiny-gqa1", num_kv_heads=1, tie_word_embeddings=True)
+
+# Five layers: pipeline stages of unequal size (pp=2: 3 + 2, pp=4: 2 + 1 + 1 + 1).
+TINY_DEEP = TINY.replace(name="tiny-deep", num_layers=5)

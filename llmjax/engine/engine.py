@@ -164,6 +164,8 @@ class LLMEngine:
         t_start = time.perf_counter()
         outputs = [self._output(r) for r in self._rejected]
         self._rejected.clear()
+        if self.runner.pipelined:
+            return outputs + self._pipelined_step(t_start)
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
@@ -187,6 +189,41 @@ class LLMEngine:
             num_evictions=bm.prefix_cache.num_evictions,
         )
         return outputs
+
+    def _pipelined_step(self, t_start: float) -> list[RequestOutput]:
+        """pp > 1: one pipeline tick. A micro-batch of requests not in flight enters stage 0
+        (none if nothing can be scheduled); the micro-batch leaving the last stage updates its
+        requests. At most pp micro-batches are in flight, one per stage."""
+        batch = self.scheduler.schedule()
+        if not batch and not self.runner.num_in_flight:
+            return []
+        step_input = sampling = None
+        if batch:
+            step_input, sampling = pack(
+                batch, self.block_manager.page_tables, self.block_manager.page_size, self.buckets
+            )
+            self.scheduler.in_flight.update(s.request.request_id for s in batch.seqs)
+        t_run = time.perf_counter()
+        exited, stage_tokens = self.runner.tick(step_input, sampling, batch if batch else None)
+        t_update = time.perf_counter()
+        self.stats.record_tick(stage_tokens)
+        if exited is None:
+            return []
+        done, next_ids = exited
+        self.scheduler.in_flight.difference_update(s.request.request_id for s in done.seqs)
+        sampled = [s.request for s in done.seqs if s.samples and not s.request.status.is_done]
+        for req in self.scheduler.update(done, next_ids[: len(done.seqs)].tolist()):
+            self._live.discard(req.request_id)
+        bm = self.block_manager
+        self.stats.record_step(
+            done,
+            host_s=(t_run - t_start) + (time.perf_counter() - t_update),
+            device_s=t_update - t_run,
+            num_used_pages=bm.num_used_pages,
+            num_cached_pages=bm.prefix_cache.num_cached_pages,
+            num_evictions=bm.prefix_cache.num_evictions,
+        )
+        return [self._output(r) for r in sampled]
 
     def _output(self, req: Request) -> RequestOutput:
         done = req.status.is_done

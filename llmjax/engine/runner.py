@@ -9,6 +9,7 @@ not recompile; `precompile` compiles every bucket up front.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -16,6 +17,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from llmjax.config import EngineConfig
 from llmjax.engine.batch import SamplingInput
@@ -25,6 +27,7 @@ from llmjax.model.llama import forward
 from llmjax.model.params import Params
 from llmjax.model.sampler import sample
 from llmjax.model.step_input import StepInput
+from llmjax.parallel import pipeline
 from llmjax.parallel.distributed import check_lockstep, to_host
 from llmjax.parallel.heads import tp_head_layout
 from llmjax.parallel.mesh import (
@@ -61,6 +64,16 @@ class ModelRunner:
         parallel = config.parallel
         self.mesh = make_mesh(parallel) if parallel.num_devices > 1 else None
         page_size = config.cache.page_size
+        self.num_compiles = 0
+        self.num_steps = 0
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        attention_fn = make_attention_fn(
+            self.attention_backend, flash_prefill=config.flash_prefill, mesh=self.mesh
+        )
+        self.pipelined = parallel.pp > 1
+        if self.pipelined:
+            self._init_pipeline(params, num_pages, attention_fn)
+            return
         if self.mesh is None:
             self.model_config = config.model
             self.params = params
@@ -94,6 +107,77 @@ class ModelRunner:
             donate_argnames=("kv_pages",),
             out_shardings=out_shardings,
         )
+
+    def _init_pipeline(self, params, num_pages: int, attention_fn) -> None:
+        """pp > 1: weights and KV pages per stage, and the jitted pipeline tick
+        (llmjax/parallel/pipeline.py)."""
+        config, mesh = self.config, self.mesh
+        layout = tp_head_layout(config.model, config.parallel.tp, config.parallel.pad_heads)
+        self.model_config = layout.model_config(config.model)
+        self.params = pipeline.place_pp_params(params, config.model, layout, mesh, self.dtype)
+        num_slots = len(self.params["stages"])
+        self.kv_pages = pipeline.allocate_pp_kv_pages(
+            self.model_config, mesh, num_slots, num_pages, config.cache.page_size, self.dtype
+        )
+        pp = mesh.shape["pp"]
+        carry = NamedSharding(mesh, PartitionSpec("pp"))
+        self._h = jax.device_put(
+            jnp.zeros((pp, 1, self.model_config.hidden_size), self.dtype), carry
+        )
+        self._slots: collections.deque = collections.deque()  # index = stage; None = empty
+        tick = pipeline.make_tick(self.model_config, attention_fn, mesh, num_slots)
+
+        def tick_impl(params, kv, h, metas, sampling):
+            self.num_compiles += 1  # runs only while tracing
+            return tick(params, kv, h, metas, sampling)
+
+        self._tick = jax.jit(
+            tick_impl,
+            donate_argnames=("kv", "h"),
+            out_shardings=(
+                replicated(mesh),
+                carry,
+                jax.tree.map(lambda x: x.sharding, self.kv_pages),
+            ),
+        )
+
+    @property
+    def num_in_flight(self) -> int:
+        """Micro-batches in the pipeline (pp > 1)."""
+        return sum(s is not None for s in self._slots) if self.pipelined else 0
+
+    def tick(self, step: StepInput | None, sampling: SamplingInput | None, tag=None):
+        """pp > 1: one pipeline tick. The micro-batch (`step`, `sampling`; None for none) enters
+        stage 0. Returns (exited, tokens): exited = (tag, next token ids) of the micro-batch
+        leaving the last stage, or None; tokens = each stage's token count this tick (0 for an
+        empty stage), for the bubble statistics."""
+        pp = self.mesh.shape["pp"]
+        self._slots.appendleft(None if step is None else (tag, step, sampling))
+        while len(self._slots) < pp:
+            self._slots.append(None)
+        steps = [None if s is None else s[1] for s in self._slots]
+        T, S, P = pipeline.step_bucket(steps)
+        padded = [pipeline.pad_step(x, T, S, P) for x in steps]
+        metas = StepInput(*(np.stack(field) for field in zip(*padded, strict=True)))
+        exiting = self._slots[pp - 1]
+        arrays = self._sampling_arrays(exiting[2]) if exiting else None
+        sampling_arrays = _pad_sampling(arrays, S)
+        sharding = NamedSharding(self.mesh, PartitionSpec("pp"))
+        metas = jax.tree.map(lambda x: place(x, sharding), metas)
+        sampling_arrays = tuple(place(x, replicated(self.mesh)) for x in sampling_arrays)
+        h = pipeline.resize_carry(self._h, T)
+        next_ids, self._h, self.kv_pages = self._tick(
+            self.params, self.kv_pages, h, metas, sampling_arrays
+        )
+        self._slots.pop()
+        tokens = [0 if x is None else int(x.cu_q_lens[-1]) for x in steps]
+        self.num_steps += 1
+        if exiting is None:
+            return None, tokens
+        next_ids = to_host(next_ids)
+        if self.config.parallel.check_lockstep:
+            check_lockstep(next_ids, self.num_steps)
+        return (exiting[0], next_ids), tokens
 
     def _step_impl(self, params, kv_pages, step, sampling, *, model_config, attention_fn):
         self.num_compiles += 1  # runs only while tracing
@@ -139,6 +223,9 @@ class ModelRunner:
     def precompile(self, shapes: list[tuple[int, int, int]]) -> None:
         """Compile (or load from the persistent cache) the step for every (T, S, P) shape by
         running it once on an all-padding input, which writes only to the reserved page."""
+        if self.pipelined:
+            logger.warning("precompile is not implemented for pp > 1; ticks compile on first use")
+            return
         for T, S, P in shapes:
             step = StepInput(
                 token_ids=np.zeros(T, np.int32),
@@ -160,3 +247,14 @@ class ModelRunner:
                 all_greedy=True,
             )
             self.run(step, sampling)
+
+
+def _pad_sampling(arrays: tuple | None, S: int) -> tuple:
+    """The exiting micro-batch's sampling arrays padded to S rows (greedy rows for padding and
+    for a tick with no micro-batch leaving)."""
+    if arrays is None:
+        z = np.zeros(S, np.float32)
+        return (z, z.astype(np.int32), z + 1, z.astype(np.uint32), z.astype(np.int32), np.bool_(1))
+    temperature, top_k, top_p, seeds, counters, all_greedy = arrays
+    pad = lambda x, v=0: np.pad(np.asarray(x), (0, S - len(x)), constant_values=v)
+    return (pad(temperature), pad(top_k), pad(top_p, 1), pad(seeds), pad(counters), all_greedy)

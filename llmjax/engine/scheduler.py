@@ -90,6 +90,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Requests in a micro-batch still in the pipeline (pp > 1): not scheduled again and not
+        # preempted until their tokens come back (Sarathi-Serve's "paused" sequences).
+        self.in_flight: set[str] = set()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -125,6 +128,8 @@ class Scheduler:
         for req in [r for r in self.running if r.num_uncomputed_tokens == 1]:
             if req.status is not RequestStatus.RUNNING or self._budget(batch) < 1:
                 continue
+            if req.request_id in self.in_flight:
+                continue
             if self._grow(req, req.num_tokens, batch):
                 batch.add(req, 1)
 
@@ -133,6 +138,8 @@ class Scheduler:
         a longer cached prefix if another request inserted one meanwhile)."""
         for req in [r for r in self.running if r.num_uncomputed_tokens > 1]:
             if req.status is not RequestStatus.RUNNING or self._budget(batch) <= 0:
+                continue
+            if req.request_id in self.in_flight:
                 continue
             self._match_prefix(req, batch)
             n = min(req.num_uncomputed_tokens, self._budget(batch))
@@ -253,9 +260,13 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give `req` pages for `num_tokens` tokens, preempting the newest running requests if
-        needed. Returns False if `req` itself had to be preempted."""
+        needed (never one in flight). Returns False if `req` itself had to be preempted, or if
+        only requests in flight could free pages (`req` then waits for them)."""
         while not self.block_manager.can_allocate(req.request_id, num_tokens):
-            victim = self.running[-1]
+            victims = [r for r in self.running if r.request_id not in self.in_flight]
+            if not victims:
+                return False
+            victim = victims[-1]
             self._preempt(victim, batch)
             if victim is req:
                 return False
@@ -281,6 +292,8 @@ class Scheduler:
         finished = []
         for seq, token_id in zip(batch.seqs, next_token_ids, strict=True):
             req = seq.request
+            if req.status.is_done:  # aborted while its micro-batch was in the pipeline
+                continue
             req.num_computed_tokens += seq.num_new_tokens
             if seq.samples:
                 req.append_token(int(token_id), now)

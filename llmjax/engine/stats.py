@@ -1,5 +1,12 @@
 """Engine-level counters: steps, tokens per step, preemptions, page usage, prefix-cache hits and
-evictions, host vs device time."""
+evictions, host vs device time; with pipeline parallelism, the bubbles.
+
+Pipeline bubbles (pp > 1, llmjax/parallel/pipeline.py): every tick runs all stages at the size of
+its largest micro-batch, so a stage holding a smaller micro-batch (or none) idles for the
+difference. `pipeline_bubble_fraction` = 1 - (tokens the stages computed) / (pp x the largest
+micro-batch's tokens, summed over ticks): the share of stage time spent waiting, counted in
+tokens (a shape-level measure that holds on fake devices; token count stands in for time).
+`pipeline_idle_fraction` counts whole empty stage-ticks (pipeline fill and drain)."""
 
 from __future__ import annotations
 
@@ -24,6 +31,11 @@ class EngineStats:
     evictions_base: int = 0  # the cache's eviction count when these stats started
     host_time_s: float = 0.0  # schedule + pack + update
     device_time_s: float = 0.0  # the jitted step, including the transfer of its results
+    num_pipeline_ticks: int = 0
+    pipeline_stage_tokens: int = 0  # sum over ticks and stages of the micro-batch's tokens
+    pipeline_capacity_tokens: int = 0  # sum over ticks of pp x the tick's largest micro-batch
+    num_idle_stage_ticks: int = 0  # (tick, stage) pairs with no micro-batch
+    num_stage_ticks: int = 0  # (tick, stage) pairs
 
     def record_step(
         self,
@@ -51,6 +63,23 @@ class EngineStats:
         self.host_time_s += host_s
         self.device_time_s += device_s
 
+    def record_tick(self, stage_tokens: list[int]) -> None:
+        """One pipeline tick: each stage's micro-batch size in tokens (0: empty)."""
+        self.num_pipeline_ticks += 1
+        self.pipeline_stage_tokens += sum(stage_tokens)
+        self.pipeline_capacity_tokens += len(stage_tokens) * max(stage_tokens)
+        self.num_idle_stage_ticks += sum(t == 0 for t in stage_tokens)
+        self.num_stage_ticks += len(stage_tokens)
+
+    @property
+    def pipeline_bubble_fraction(self) -> float:
+        cap = self.pipeline_capacity_tokens
+        return 1.0 - self.pipeline_stage_tokens / cap if cap else 0.0
+
+    @property
+    def pipeline_idle_fraction(self) -> float:
+        return self.num_idle_stage_ticks / self.num_stage_ticks if self.num_stage_ticks else 0.0
+
     @property
     def tokens_per_step(self) -> float:
         return self.num_batched_tokens / max(self.num_steps, 1)
@@ -72,5 +101,7 @@ class EngineStats:
             "tokens_per_step": self.tokens_per_step,
             "page_usage": self.page_usage,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "pipeline_bubble_fraction": self.pipeline_bubble_fraction,
+            "pipeline_idle_fraction": self.pipeline_idle_fraction,
         }
         return d

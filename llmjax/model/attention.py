@@ -233,8 +233,12 @@ def shard_heads(attention_fn: AttentionFn, mesh) -> AttentionFn:
 
             specs, args = (heads, pages, pages, P(), heads, heads), (q, k_pages, v_pages, step)
             args += tuple(new_kv)
-        # check_vma=False: Pallas kernels inside shard_map do not carry varying-axis types.
-        return jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)(*args)
+        # Inside the pipeline's shard_map (manual over 'pp') the mesh in context is that mesh
+        # with 'pp' manual: nest in it. check_vma=False: Pallas kernels carry no varying-axis
+        # types.
+        context = jax.sharding.get_abstract_mesh()
+        m = context if not context.empty and context.manual_axes else mesh
+        return jax.shard_map(f, mesh=m, in_specs=specs, out_specs=heads, check_vma=False)(*args)
 
     return sharded
 

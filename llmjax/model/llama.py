@@ -65,6 +65,34 @@ def _attention_block(
     return o.reshape(T, N * H) @ wo, (k_pages, v_pages)
 
 
+def decoder_layer(
+    layer: Params,
+    x: jax.Array,  # [T, D]
+    kv: tuple[jax.Array, jax.Array],
+    step: StepInput,
+    cos: jax.Array,
+    sin: jax.Array,
+    config: ModelConfig,
+    attention_fn: AttentionFn,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """One pre-norm decoder layer: x + attention, then + SwiGLU MLP -> (x [T, D], kv)."""
+    with jax.named_scope("attention"):
+        attn_out, kv = _attention_block(layer, x, kv, step, cos, sin, config, attention_fn)
+    x = x + attn_out
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+        x = x + swiglu_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
+    return x, kv
+
+
+def lm_head(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
+    """Final norm + vocabulary projection of the rows `x` [L, D] -> logits [L, V] float32."""
+    x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    if config.tie_word_embeddings:
+        return jnp.einsum("ld,vd->lv", x, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("ld,dv->lv", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
 def forward(
     params: Params,
     kv_pages: KVPages,
@@ -73,27 +101,15 @@ def forward(
     attention_fn: AttentionFn = reference_attention,
 ) -> tuple[jax.Array, KVPages]:
     """One model step -> (logits [L, V] float32, updated kv_pages). `attention_fn`: see
-    llmjax/model/attention.py (`make_attention_fn` picks one by backend name)."""
+    llmjax/model/attention.py (`make_attention_fn` picks one by backend name). The pipeline-
+    parallel step (llmjax/parallel/pipeline.py) runs the same pieces split over stages."""
     x = params["embed"][step.token_ids]  # [T, D]
     cos, sin = rope_cos_sin(step.positions, config)  # [T, H/2]
     new_kv_pages = []
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
-            with jax.named_scope("attention"):
-                attn_out, kv = _attention_block(
-                    layer, x, kv_pages[i], step, cos, sin, config, attention_fn
-                )
-            x = x + attn_out
+            x, kv = decoder_layer(layer, x, kv_pages[i], step, cos, sin, config, attention_fn)
             new_kv_pages.append(kv)
-            with jax.named_scope("mlp"):
-                h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-                x = x + swiglu_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
     with jax.named_scope("lm_head"):
-        x = rms_norm(x[step.logits_indices], params["final_norm"], config.rms_norm_eps)  # [L, D]
-        if config.tie_word_embeddings:
-            logits = jnp.einsum("ld,vd->lv", x, params["embed"], preferred_element_type=jnp.float32)
-        else:
-            logits = jnp.einsum(
-                "ld,dv->lv", x, params["lm_head"], preferred_element_type=jnp.float32
-            )
+        logits = lm_head(params, x[step.logits_indices], config)  # [L, V]
     return logits, new_kv_pages

@@ -1,0 +1,192 @@
+"""Pipeline parallelism: the layers split into `pp` stages on disjoint device groups (the 'pp' rows
+of the mesh), with up to `pp` micro-batches in flight (Sarathi-Serve's scheduler keeps at most pp
+batches in flight, ALGORITHMS.md §3.1; its point is that uniform chunked-prefill micro-batches
+leave smaller pipeline bubbles than prefill-first's mix of long prompts and short decodes).
+
+One SPMD program per pipeline *tick*, so the same code runs on one host and across hosts (every
+process runs every tick, in lockstep): at tick t stage s runs micro-batch t - s.
+
+    tick(params, kv, h [pp, T, D], metas [pp, ...], sampling) -> (next_ids [S], h', kv)
+      h[0] <- embed(the entering micro-batch's tokens)
+      every stage s: its own layers over h[s], with its own micro-batch's metadata metas[s]
+                     (shard_map manual over 'pp'; tensor parallelism inside stays automatic)
+      next_ids <- sample(lm_head(h[pp-1] at the exiting micro-batch's logits rows))
+      h' <- h rolled by one stage (stage s's output is stage s+1's input next tick)
+
+Layout. Stage s holds layers `stage_layers(L, pp)[s]` (np.array_split: the first L % pp stages get
+one more). Weights live per *slot*: slot j stacks layer j of every stage, [pp, ...] sharded over
+'pp' (each device group holds only its own layers) and over 'tp' as the rules table says; a
+shorter stage's missing slot is a zero layer, which is exactly the identity (its norms, wo and
+w_down are zero: x + 0 + 0), so uneven splits (SmolLM2's 30 layers over 4 stages: 8, 8, 7, 7)
+cost one idle layer's compute on the short stages. KV pages per slot: [pp, num_pages, G, K, H].
+The embedding, final norm and LM head are replicated over 'pp'.
+
+Shapes. All stages of a tick share one (T, S, P) bucket (the largest of the micro-batches in
+flight; the host pads the others, see `pad_step`), so a tick whose stages hold a long prefill and a
+short decode computes the decode at the prefill's size: in this lockstep schedule that padding *is*
+the pipeline bubble, and `EngineStats` counts it (pipeline_bubble_fraction).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from llmjax.config import ModelConfig
+from llmjax.model.kv_cache import kv_page_shape
+from llmjax.model.layers import rope_cos_sin
+from llmjax.model.llama import decoder_layer, lm_head
+from llmjax.model.params import param_specs
+from llmjax.model.sampler import sample
+from llmjax.model.step_input import StepInput
+from llmjax.parallel.heads import HeadLayout, transform_weight
+from llmjax.parallel.mesh import KV_PAGES_AXES, partition_spec, place
+
+
+def stage_layers(num_layers: int, pp: int) -> list[list[int]]:
+    """The layers of each stage: contiguous, sizes differing by at most one (larger first)."""
+    return [[int(i) for i in a] for a in np.array_split(np.arange(num_layers), pp)]
+
+
+def place_pp_params(params, config: ModelConfig, layout: HeadLayout, mesh: Mesh, dtype):
+    """Original-layout weights (arrays or thunks) -> {'embed', 'final_norm', ('lm_head',)
+    replicated over 'pp'; 'stages': one dict per slot of [pp, ...] arrays}, placed on `mesh`.
+    The host holds one weight of every stage at a time."""
+    pp = mesh.shape["pp"]
+    device_config = layout.model_config(config)
+    specs = param_specs(device_config)
+    Q = config.num_heads // config.num_kv_heads
+    stages = stage_layers(config.num_layers, pp)
+
+    def host(leaf, name):
+        x = leaf() if callable(leaf) else leaf
+        return np.asarray(transform_weight(name, np.asarray(x), layout, Q)).astype(dtype)
+
+    out = {}
+    for name in ("embed", "final_norm", "lm_head"):
+        if name in specs:
+            spec = specs[name]
+            sharding = NamedSharding(mesh, partition_spec(spec.shape, spec.logical_axes, mesh))
+            out[name] = place(host(params[name], name), sharding)
+    slots = []
+    for j in range(max(len(s) for s in stages)):
+        slot = {}
+        for name, spec in specs["layers"][0].items():
+            per_stage = [
+                host(params["layers"][layers[j]][name], name)
+                if j < len(layers)
+                else np.zeros(spec.shape, dtype)  # a zero layer is the identity
+                for layers in stages
+            ]
+            tp_spec = partition_spec(spec.shape, spec.logical_axes, mesh, name=name)
+            slot[name] = place(np.stack(per_stage), NamedSharding(mesh, P("pp", *tp_spec)))
+        slots.append(slot)
+    out["stages"] = slots
+    return out
+
+
+def allocate_pp_kv_pages(
+    config: ModelConfig, mesh: Mesh, num_slots: int, num_pages: int, page_size: int, dtype
+):
+    """Zero KV pages per slot: [(k, v) each [pp, num_pages, G, K, H]], sharded over 'pp' and
+    over 'tp' by kv head, created in place on the devices."""
+    shape = (mesh.shape["pp"], *kv_page_shape(config, num_pages, page_size))
+    tp_spec = partition_spec(shape[1:], KV_PAGES_AXES, mesh, name="kv_pages")
+    sharding = NamedSharding(mesh, P("pp", *tp_spec))
+    zeros = jax.jit(
+        lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_slots)],
+        out_shardings=[(sharding, sharding)] * num_slots,
+    )
+    return zeros()
+
+
+def make_tick(config: ModelConfig, attention_fn, mesh: Mesh, num_slots: int):
+    """The pipeline tick (see the module doc) for the device model `config`."""
+    pp = mesh.shape["pp"]
+
+    def run_stage(slots, kv, h, meta):
+        """One stage (inside shard_map, manual over 'pp': every leaf has a leading 1)."""
+        slots, kv, meta = (jax.tree.map(lambda a: a[0], t) for t in (slots, kv, meta))
+        x = h[0]  # [T, D]
+        cos, sin = rope_cos_sin(meta.positions, config)
+        new_kv = []
+        for j in range(num_slots):
+            with jax.named_scope(f"slot_{j}"):
+                x, kv_j = decoder_layer(slots[j], x, kv[j], meta, cos, sin, config, attention_fn)
+            new_kv.append(kv_j)
+        return x[None], jax.tree.map(lambda a: a[None], new_kv)
+
+    stage_fn = jax.shard_map(
+        run_stage,
+        mesh=mesh,
+        in_specs=(P("pp"), P("pp"), P("pp"), P("pp")),
+        out_specs=(P("pp"), P("pp")),
+        axis_names=frozenset({"pp"}),
+        check_vma=False,
+    )
+
+    def tick(params, kv, h, metas: StepInput, sampling):
+        x0 = params["embed"][metas.token_ids[0]]  # the entering micro-batch, [T, D]
+        h = h.at[0].set(x0.astype(h.dtype))
+        h, kv = stage_fn(params["stages"], kv, h, metas)
+        last = h[pp - 1][metas.logits_indices[pp - 1]]  # the exiting micro-batch's rows
+        next_ids = sample(lm_head(params, last, config), *sampling)
+        return next_ids, jnp.roll(h, 1, axis=0), kv
+
+    return tick
+
+
+def pad_step(step: StepInput | None, T: int, S: int, P_: int) -> StepInput:
+    """A host StepInput padded to the tick's bucket (T tokens, S sequences, P pages); None -> an
+    all-padding step (an empty pipeline slot: writes only to the reserved page 0)."""
+    if step is None:
+        z = lambda *shape: np.zeros(shape, np.int32)
+        return StepInput(z(T), z(T), z(T), z(S + 1), z(S), z(S, P_), z(1), z(S))
+
+    def pad(x, *shape, value=0):
+        x = np.asarray(x)
+        widths = [(0, n - m) for n, m in zip(shape, x.shape, strict=True)]
+        return np.pad(x, widths, constant_values=value)
+
+    cu = np.asarray(step.cu_q_lens)
+    return StepInput(
+        token_ids=pad(step.token_ids, T),
+        positions=pad(step.positions, T),
+        slot_mapping=pad(step.slot_mapping, T),
+        cu_q_lens=pad(cu, S + 1, value=int(cu[-1])),
+        kv_lens=pad(step.kv_lens, S),
+        page_indices=pad(step.page_indices, S, P_),
+        num_seqs=np.asarray(step.num_seqs),
+        logits_indices=pad(step.logits_indices, S),
+    )
+
+
+def step_bucket(steps: list[StepInput | None]) -> tuple[int, int, int]:
+    """The (T, S, P) that every micro-batch of a tick fits."""
+    real = [s for s in steps if s is not None]
+    return (
+        max(len(s.token_ids) for s in real),
+        max(len(s.kv_lens) for s in real),
+        max(s.page_indices.shape[1] for s in real),
+    )
+
+
+@functools.cache
+def _resize(T: int):
+    """h [pp, T_old, D] -> [pp, T, D] (rows past a micro-batch's tokens are padding)."""
+
+    def resize(h):
+        if h.shape[1] >= T:
+            return h[:, :T]
+        return jnp.pad(h, ((0, 0), (0, T - h.shape[1]), (0, 0)))
+
+    return jax.jit(resize)
+
+
+def resize_carry(h: jax.Array, T: int) -> jax.Array:
+    return h if h.shape[1] == T else _resize(T)(h)
