@@ -620,6 +620,18 @@ def report(results: dict, state: dict) -> str:
             ]
         ],
         ("compiles during run", {p: r["num_compiles_during_run"] for p, r in results.items()}),
+        *(
+            [
+                (label, {p: fmt.format(r["engine_stats"][key]) for p, r in results.items()})
+                for label, key, fmt in [
+                    ("pipeline ticks", "num_pipeline_ticks", "{}"),
+                    ("pipeline bubble", "pipeline_bubble_fraction", "{:.1%}"),
+                    ("pipeline idle stages", "pipeline_idle_fraction", "{:.1%}"),
+                ]
+            ]
+            if FLAGS.pp > 1
+            else []
+        ),
         (
             "token budget",
             {p: r["engine"]["max_num_batched_tokens"] for p, r in results.items()},

@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import types
+from collections import deque
 
 import numpy as np
 import pytest
@@ -84,6 +85,9 @@ class Scenario:
     vocab_size: int = 256
     prefix_cache: str = "none"
     admission_order: str = "fcfs"
+    # Pipeline parallelism: a batch's tokens come back this many steps after it is scheduled
+    # (LLMEngine._pipelined_step); meanwhile its requests are in flight (Scheduler.in_flight).
+    pipeline_depth: int = 1
 
     def config(self) -> EngineConfig:
         return EngineConfig(
@@ -225,6 +229,7 @@ def scenarios(draw, policy: str, prefix_cache: str = "none", admission_order: st
         requests=tuple(specs),
         watermark=watermark,
         vocab_size=vocab_size,
+        pipeline_depth=draw(st.sampled_from([1, 1, 2, 3]), label="pipeline depth"),
     )
 
 
@@ -247,12 +252,15 @@ def max_steps(sc: Scenario) -> int:
     steps in all, preemptions included. Four times that is a generous bound."""
     budget = sc.max_num_batched_tokens
     serial = sum(-(-len(r.prompt) // budget) + r.max_tokens for r in sc.requests)
+    serial *= sc.pipeline_depth  # each step's tokens come back pipeline_depth steps later
     return max(r.arrival for r in sc.requests) + 1 + 4 * serial + 20
 
 
 def run_scenario(sc: Scenario) -> Result:
     """Serve `sc` through schedule -> pack -> fake model -> update, checking invariants after
-    every step; returns the requests in their final state."""
+    every step; returns the requests in their final state. With `pipeline_depth` d > 1 a batch
+    runs on the fake model when scheduled (its reads are checked then) but updates its requests
+    d - 1 steps later, as the engine's pipeline does; an empty step then only drains."""
     config = sc.config()
     ps, mml = sc.page_size, sc.max_model_len
     bm = BlockManager(sc.num_pages, ps, make_prefix_cache(sc.prefix_cache, ps))
@@ -265,6 +273,7 @@ def run_scenario(sc: Scenario) -> Result:
     order = sorted(range(len(sc.requests)), key=lambda i: (sc.requests[i].arrival, i))
     num_preempted = peak_running = 0
     bound = max_steps(sc)
+    pipeline: deque = deque()  # (batch, next_ids) in flight, newest first
     for step in range(bound):
         # 1. Arrivals, validated as LLMEngine.add_request does.
         for i in order:
@@ -312,6 +321,7 @@ def run_scenario(sc: Scenario) -> Result:
         before = Before.of(sched, bm)
         batch = sched.schedule()
         check_batch(sc, sched, bm, batch, before)
+        assert not {s.request.request_id for s in batch.seqs} & before.in_flight
         num_preempted += len(batch.preempted)
         peak_running = max(peak_running, len(sched.running))
 
@@ -326,12 +336,27 @@ def run_scenario(sc: Scenario) -> Result:
                 want = seq.request.all_token_ids[: seq.start + seq.num_new_tokens]
                 assert UNWRITTEN not in read, f"{seq.request.request_id} read an unwritten slot"
                 assert read.tolist() == want, f"{seq.request.request_id}: KV read back is wrong"
-            sampled = {s.request.request_id for s in batch.seqs if s.samples}
-            finished = sched.update(batch, next_ids[: len(batch.seqs)].tolist())
+            sched.in_flight.update(s.request.request_id for s in batch.seqs)
+            pipeline.appendleft((batch, next_ids))
+        else:
+            assert not sched.has_unfinished() or sched.in_flight, (
+                "stall: an empty step while requests wait or run and none is in flight"
+            )
+            if any(x is not None for x in pipeline):
+                pipeline.appendleft(None)  # an empty micro-batch: the pipeline drains
+        if len(pipeline) >= sc.pipeline_depth and (exiting := pipeline.pop()) is not None:
+            done_batch, next_ids = exiting
+            sched.in_flight.difference_update(s.request.request_id for s in done_batch.seqs)
+            sampled = {
+                s.request.request_id
+                for s in done_batch.seqs
+                if s.samples and not s.request.status.is_done  # not aborted in flight
+            }
+            finished = sched.update(done_batch, next_ids[: len(done_batch.seqs)].tolist())
             done = {r.request_id for r in requests.values() if r.status is RequestStatus.FINISHED}
             assert {r.request_id for r in finished} == sampled & done
-        else:
-            assert not sched.has_unfinished(), "stall: an empty step while requests wait or run"
+        if all(x is None for x in pipeline):
+            pipeline.clear()
         check_state(sc, sched, bm, requests)
         owned = {p for table in bm.page_tables.values() for p in table} | cache_pages(bm)
         model.poison(p for p in range(1, sc.num_pages) if p not in owned)
@@ -364,7 +389,8 @@ class Before:
 
     running: list[Request]
     waiting: list[Request]
-    ready: set[str]  # running requests with one token left to compute: decodes
+    ready: set[str]  # running requests with one token left to compute (decodes), not in flight
+    in_flight: set[str]  # requests whose batch is still in the pipeline
     outputs: dict[str, list[int]]
     head: Request | None  # the first request admission tries
     head_admissible: bool  # it fits now (seqs, pages, watermark)
@@ -381,7 +407,12 @@ class Before:
         return cls(
             running=running,
             waiting=waiting,
-            ready={r.request_id for r in running if r.num_uncomputed_tokens == 1},
+            ready={
+                r.request_id
+                for r in running
+                if r.num_uncomputed_tokens == 1 and r.request_id not in sched.in_flight
+            },
+            in_flight=set(sched.in_flight),
             outputs={r.request_id: list(r.output_token_ids) for r in running + waiting},
             head=head,
             head_admissible=head_admissible,
@@ -424,7 +455,7 @@ def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) ->
         assert req.output_token_ids == before.outputs[rid], "preemption lost generated tokens"
         assert rid not in bm.page_tables
         for other in sched.running:
-            if other.request_id in was_running:
+            if other.request_id in was_running and other.request_id not in before.in_flight:
                 assert other.metrics.arrival_time < req.metrics.arrival_time, (
                     f"preempted {rid} while the newer {other.request_id} keeps running"
                 )
@@ -446,7 +477,9 @@ def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) ->
             assert before.head.request_id in admitted, "decode_first idles"
     if sc.policy in CHUNKED and batch.num_tokens < cfg.max_num_batched_tokens:
         # Budget left: nothing running was left out, and the queue's head could not be admitted.
-        assert set(running_ids) <= set(ids), f"{sc.policy} left budget and a request unscheduled"
+        assert set(running_ids) - before.in_flight <= set(ids), (
+            f"{sc.policy} left budget and a request unscheduled"
+        )
         if sched.waiting and len(running_ids) < cfg.max_num_seqs:
             # Admission stopped at a request that does not fit (evictions for the admitted ones
             # may have shrunk its cache hit since the order was made: LPM's order is per step).
@@ -575,6 +608,8 @@ def test_small_cache_preempts_and_outputs_match(policy):
 
 class _FakeRunner:
     """Stands in for `llmjax.engine.runner.ModelRunner` (the engine's only jax module)."""
+
+    pipelined = False  # the pipeline path is covered by run_scenario's pipeline_depth
 
     def __init__(self, config: EngineConfig, params, num_pages: int):
         self.model = FakePagedModel(num_pages, config.cache.page_size, config.model.vocab_size)
