@@ -1,15 +1,18 @@
 """One process of a multi-host run (started by tests/test_parallel.py, two at a time on
 127.0.0.1): joins jax.distributed, serves fixed prompts with the tiny model sharded over both
-processes' devices, with the lockstep check on, and writes its outputs as JSON.
+processes' devices (tensor parallel, or one pipeline stage per process), with the lockstep check
+on, and writes its outputs as JSON.
 
-    python tests/multihost_worker.py ADDRESS NUM_PROCESSES PROCESS_ID TP OUT_JSON
+    python tests/multihost_worker.py ADDRESS NUM_PROCESSES PROCESS_ID TP PP OUT_JSON
 """
 
 import json
 import sys
 
 
-def main(address: str, num_processes: int, process_id: int, tp: int, out_path: str) -> None:
+def main(
+    address: str, num_processes: int, process_id: int, tp: int, pp: int, out_path: str
+) -> None:
     from llmjax.parallel.distributed import initialize
 
     initialize(address, num_processes, process_id)
@@ -18,7 +21,7 @@ def main(address: str, num_processes: int, process_id: int, tp: int, out_path: s
     from llmjax import LLM, SamplingParams
     from tests.parallel_cases import ENGINE_OPTS, prompts
 
-    llm = LLM("tiny", tp=tp, check_lockstep=True, **ENGINE_OPTS)
+    llm = LLM("tiny", tp=tp, pp=pp, check_lockstep=True, **ENGINE_OPTS)
     outs = llm.generate(prompts(), SamplingParams(max_tokens=8, ignore_eos=True))
     with open(out_path, "w") as f:
         json.dump(
@@ -35,5 +38,5 @@ def main(address: str, num_processes: int, process_id: int, tp: int, out_path: s
 
 
 if __name__ == "__main__":
-    addr, n, pid, tp, out = sys.argv[1:6]
-    main(addr, int(n), int(pid), int(tp), out)
+    addr, n, pid, tp, pp, out = sys.argv[1:7]
+    main(addr, int(n), int(pid), int(tp), int(pp), out)

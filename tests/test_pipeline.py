@@ -2,6 +2,8 @@
 outputs equal to one device's (uneven stages, with tensor parallelism, chunked prefill and prefix
 caching, two policies), each stage holding only its layers, the in-flight rule, bubble counts."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -152,3 +154,18 @@ def test_smollm2_greedy_outputs_equal_one_device(smollm2_path, pp, tp):
     want = [o.token_ids for o in LLM(**opts).generate(texts, params)]
     llm = LLM(pp=pp, tp=tp, pad_heads=True, **opts)
     assert [o.token_ids for o in llm.generate(texts, params)] == want
+
+
+def test_tick_collectives():
+    """tiny-deep, pp=2 x tp=2: per stage 3 slots x 2 all-reduces of [T, D] (+1 for the embedding
+    lookup), a collective-permute passing [1, T, D] activations to the next stage, all-gathers
+    only of per-sequence sampling values; no weight moves."""
+    llm = LLM("tiny-deep", pp=2, tp=2, **ENGINE_OPTS)
+    T, S, P, D = 16, 4, 8, configs.TINY_DEEP.hidden_size
+    hlo = llm.engine.runner.lower_tick(T, S, P).compile().as_text()
+    ops = re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather|collective-permute)\(", hlo)
+    slots = len(llm.engine.runner.params["stages"])
+    assert slots == 3
+    assert sum(1 for o in ops if o[2] == "all-reduce" and o[1] == f"{T},{D}") == 2 * slots + 1
+    assert any(o[2] == "collective-permute" and o[1] == f"1,{T},{D}" for o in ops), ops
+    assert {o[1].split(",")[0] for o in ops if o[2] == "all-gather"} <= {str(S)}, ops

@@ -179,6 +179,18 @@ class ModelRunner:
             check_lockstep(next_ids, self.num_steps)
         return (exiting[0], next_ids), tokens
 
+    def lower_tick(self, T: int, S: int, P: int):
+        """pp > 1: the lowered pipeline tick of one (T, S, P) bucket (for HLO inspection)."""
+        pp = self.mesh.shape["pp"]
+        padded = [pipeline.pad_step(None, T, S, P)] * pp
+        metas = StepInput(*(np.stack(field) for field in zip(*padded, strict=True)))
+        metas = jax.tree.map(
+            lambda x: place(x, NamedSharding(self.mesh, PartitionSpec("pp"))), metas
+        )
+        sampling = tuple(place(x, replicated(self.mesh)) for x in _pad_sampling(None, S))
+        h = pipeline.resize_carry(self._h, T)
+        return self._tick.lower(self.params, self.kv_pages, h, metas, sampling)
+
     def _step_impl(self, params, kv_pages, step, sampling, *, model_config, attention_fn):
         self.num_compiles += 1  # runs only while tracing
         logits, kv_pages = forward(params, kv_pages, step, model_config, attention_fn)
