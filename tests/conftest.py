@@ -33,3 +33,14 @@ def smollm2_path():
     from llmjax.checkpoint import smollm2_gguf_path
 
     return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_single_device(smollm2_path):
+    """Greedy token ids of tests/parallel_cases.py's SmolLM2 case on one device (the reference
+    of the tensor- and pipeline-parallel tests)."""
+    from llmjax import LLM, SamplingParams
+    from tests.parallel_cases import SMOLLM2_MAX_TOKENS, SMOLLM2_OPTS, SMOLLM2_TEXTS
+
+    params = SamplingParams(max_tokens=SMOLLM2_MAX_TOKENS)
+    return [o.token_ids for o in LLM(**SMOLLM2_OPTS).generate(SMOLLM2_TEXTS, params)]

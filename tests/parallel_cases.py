@@ -24,3 +24,13 @@ def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
         tail = rng.integers(3, 256, int(rng.integers(4, 40))).tolist()
         out.append(shared + tail if i % 2 else tail)
     return out
+
+
+# SmolLM2 on 8 fake devices (slow tests): chunked prefill beside decodes, a shared prefix.
+SMOLLM2_OPTS = dict(max_model_len=160, max_num_batched_tokens=32, compilation_cache_dir="")
+SMOLLM2_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "The capital of France is a city where",  # shares a prefix with the first
+]
+SMOLLM2_MAX_TOKENS = 8

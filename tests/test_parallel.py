@@ -26,7 +26,13 @@ from llmjax.model.params import init_params
 from llmjax.model.step_input import StepInput
 from llmjax.parallel.heads import HeadLayout, tp_head_layout, transform_params
 from llmjax.parallel.mesh import make_mesh, param_shardings, place_params
-from tests.parallel_cases import ENGINE_OPTS, prompts
+from tests.parallel_cases import (
+    ENGINE_OPTS,
+    SMOLLM2_MAX_TOKENS,
+    SMOLLM2_OPTS,
+    SMOLLM2_TEXTS,
+    prompts,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -118,8 +124,10 @@ def _logits(config, params, step):
 # The engine, sharded
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-gqa1"])
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize(
+    "model, tp",
+    [("tiny", 2), ("tiny", 4), ("tiny-gqa1", 4)],  # as is; kv heads repeated x2; x4 (MQA)
+)
 def test_greedy_outputs_equal_one_device(single_device, model, tp):
     want, cached = single_device[model]
     assert sum(cached) > 0  # the workload does hit the prefix cache
@@ -228,18 +236,11 @@ def test_sharded_orbax_restore(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
-def test_smollm2_greedy_outputs_equal_one_device(smollm2_path, tp):
+def test_smollm2_greedy_outputs_equal_one_device(smollm2_single_device, tp):
     """SmolLM2 (9 query / 3 kv heads: padded to 12 / 4), loaded shard by shard from the GGUF."""
-    opts = dict(max_model_len=160, max_num_batched_tokens=32, compilation_cache_dir="")
-    texts = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "The capital of France is a city where",  # shares a prefix with the first
-    ]
-    params = SamplingParams(max_tokens=12)
-    want = [o.token_ids for o in LLM(**opts).generate(texts, params)]
-    got = [o.token_ids for o in LLM(tp=tp, pad_heads=True, **opts).generate(texts, params)]
-    assert got == want
+    llm = LLM(tp=tp, pad_heads=True, **SMOLLM2_OPTS)
+    outs = llm.generate(SMOLLM2_TEXTS, SamplingParams(max_tokens=SMOLLM2_MAX_TOKENS))
+    assert [o.token_ids for o in outs] == smollm2_single_device
 
 
 # ---------------------------------------------------------------------------------------------

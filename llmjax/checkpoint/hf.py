@@ -10,7 +10,6 @@ import json
 import os
 from collections.abc import Callable
 
-import jax
 import numpy as np
 
 from llmjax.config import ModelConfig
@@ -73,9 +72,18 @@ def params_from_hf_tensors(
         params["lm_head"] = weight("lm_head.weight", (V, D), lambda x: x.T)
     if lazy:
         return params
-    params = jax.tree.map(lambda load: load(), params)
+    params = _load_all(params)
     check_params(config, params, source)
     return params
+
+
+def _load_all(tree):
+    """Call every thunk, in the tree's own order (the model's: errors name the first bad weight)."""
+    if isinstance(tree, dict):
+        return {k: _load_all(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_load_all(v) for v in tree]
+    return tree()
 
 
 def safetensors_files(directory: str) -> list[str]:

@@ -179,6 +179,10 @@ class LLMEngine:
         for req in self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist()):
             self._live.discard(req.request_id)
         outputs += [self._output(r) for r in sampled]
+        self._record(batch, t_start, t_run, t_update)
+        return outputs
+
+    def _record(self, batch, t_start: float, t_run: float, t_update: float) -> None:
         bm = self.block_manager
         self.stats.record_step(
             batch,
@@ -188,7 +192,6 @@ class LLMEngine:
             num_cached_pages=bm.prefix_cache.num_cached_pages,
             num_evictions=bm.prefix_cache.num_evictions,
         )
-        return outputs
 
     def _pipelined_step(self, t_start: float) -> list[RequestOutput]:
         """pp > 1: one pipeline tick. A micro-batch of requests not in flight enters stage 0
@@ -214,15 +217,7 @@ class LLMEngine:
         sampled = [s.request for s in done.seqs if s.samples and not s.request.status.is_done]
         for req in self.scheduler.update(done, next_ids[: len(done.seqs)].tolist()):
             self._live.discard(req.request_id)
-        bm = self.block_manager
-        self.stats.record_step(
-            done,
-            host_s=(t_run - t_start) + (time.perf_counter() - t_update),
-            device_s=t_update - t_run,
-            num_used_pages=bm.num_used_pages,
-            num_cached_pages=bm.prefix_cache.num_cached_pages,
-            num_evictions=bm.prefix_cache.num_evictions,
-        )
+        self._record(done, t_start, t_run, t_update)
         return [self._output(r) for r in sampled]
 
     def _output(self, req: Request) -> RequestOutput:

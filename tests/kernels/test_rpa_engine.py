@@ -37,7 +37,7 @@ def test_tiny_model_greedy_outputs_equal_the_reference_backend(model):
 @pytest.mark.slow
 def test_smollm2_greedy_outputs_equal_the_reference_backend(smollm2_path):
     opts = dict(max_model_len=128, max_num_batched_tokens=16, compilation_cache_dir="")
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)  # interpreted kernels: keep it short
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
     want = [
         o.token_ids for o in LLM(attention_backend="reference", **opts).generate(prompts, params)
