@@ -5,9 +5,9 @@ r"""Generate text with llmjax (SmolLM2-135M-Instruct by default).
     python scripts/generate.py --model /path/to/hf_dir --dtype bfloat16 --nostream
     # tensor parallel over 2 devices (on a CPU, fake ones:
     # XLA_FLAGS=--xla_force_host_platform_device_count=2); SmolLM2's 3 kv heads need --pad_heads
-    python scripts/generate.py --tp 2 --pad_heads
+    python scripts/generate.py --chat --tp 2 --pad_heads
     # the same over two processes, one per shell (README "Parallelism"):
-    python scripts/generate.py --tp 2 --pad_heads --coordinator_address 127.0.0.1:1234 \
+    python scripts/generate.py --chat --tp 2 --pad_heads --coordinator_address 127.0.0.1:1234 \
         --num_processes 2 --process_id 0      # and --process_id 1
 
 The answer is streamed token by token unless --nostream; a line of timings follows on stderr.
