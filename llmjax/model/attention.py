@@ -259,9 +259,6 @@ def _attention_fn(name: str, platform: str | None, flash_prefill: str) -> Attent
     backend = resolve_attention_backend(name, platform)
     if backend == "reference":
         return reference_attention
-    if platform == "cpu" or (platform is None and jax.default_backend() == "cpu"):
-        # auto on the CPU: the TPU kernel interpreted; flash prefill was not measured there.
-        min_tokens = 1 if flash_prefill == "on" else None
-    else:
-        min_tokens = flash_min_tokens(flash_prefill, platform)
+    # On the CPU the kernels are the TPU ones, interpreted: 'auto' leaves flash prefill off there.
+    min_tokens = flash_min_tokens(flash_prefill, platform)
     return functools.partial(pallas_attention, flash_min_tokens=min_tokens)

@@ -109,11 +109,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def place(x, sharding: NamedSharding) -> jax.Array:
-    """An array (the same on every process) -> a global array with `sharding`. Each device
-    receives only its own shard: `make_array_from_callback` asks for the slices of this process's
-    devices only, so the same code serves one host and many."""
-    # A device array moves with device_put unless it is local and the target spans processes.
-    if isinstance(x, jax.Array) and x.is_fully_addressable == sharding.is_fully_addressable:
+    """An array (the same on every process) -> a global array with `sharding`; each device
+    receives only its own shard. Across processes, `make_array_from_callback` asks for the slices
+    of this process's devices only."""
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return jax.device_put(x, sharding)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
