@@ -23,6 +23,12 @@ The request lifecycle, driven by the scheduler:
                                  points at the cache's copies
     free                         on finish, abort or preemption: offer the computed full pages,
                                  unlock, and free the private rest
+
+Holes (sparse KV, `llmjax/sparse/host_pool.py`). `evict_page` frees one private page of a running
+request and leaves RESERVED_PAGE in its table slot: a *hole*, whose positions the attention masks.
+A hole keeps its slot (table length still counts the request's tokens, so `allocate` never refills
+it), is never freed again, and breaks the prefix: only the full pages before a request's first
+hole are offered to the prefix cache, since a cached page must hold every token's KV.
 """
 
 from __future__ import annotations
@@ -132,7 +138,8 @@ class BlockManager:
         table = self.page_tables.setdefault(request_id, [])
         for i in range(have, len(m.pages)):
             if i < len(table):
-                self._free.append(table[i])
+                if table[i] != RESERVED_PAGE:  # a hole (evicted page) has nothing to free
+                    self._free.append(table[i])
                 table[i] = m.pages[i]
             else:
                 table.append(m.pages[i])
@@ -161,7 +168,8 @@ class BlockManager:
 
     def cache_computed(self, request_id: str, computed_token_ids: Sequence[int]) -> None:
         """Offer the full pages of `computed_token_ids` (the request's tokens whose KV is in its
-        pages) to the prefix cache and share the cache's copy of each from now on."""
+        pages) before its first hole to the prefix cache and share the cache's copy of each from
+        now on."""
         if not self.caching:
             return
         num_full = len(computed_token_ids) // self.page_size
@@ -169,6 +177,9 @@ class BlockManager:
         if num_full <= (head.num_offered if head else 0):
             return
         table = self.page_tables[request_id]
+        num_full = min(num_full, _first_hole(table))  # a hole breaks the prefix
+        if num_full <= (head.num_offered if head else 0):
+            return
         tokens = computed_token_ids[: num_full * self.page_size]
         not_adopted = set(self.prefix_cache.insert(tokens, table[:num_full]))
         m = self.prefix_cache.match(tokens)
@@ -198,7 +209,27 @@ class BlockManager:
         if head is not None:
             self.prefix_cache.unlock(head.node)
             shared = head.num_pages
-        self._free.extend(table[shared:])
+        self._free.extend(p for p in table[shared:] if p != RESERVED_PAGE)  # not the holes
+
+    def evict_page(self, request_id: str, index: int) -> int:
+        """Free the private page at `index` of `request_id`'s table and leave a hole
+        (RESERVED_PAGE) in its slot; returns the freed page. Raises ValueError for an unknown
+        request, an index out of range, in the shared head (the cache's pages are never evicted
+        per request), or already a hole."""
+        table = self.page_tables.get(request_id)
+        if table is None:
+            raise ValueError(f"evict_page: unknown {request_id=}")
+        if not 0 <= index < len(table):
+            raise ValueError(f"evict_page: {index=} out of range for {len(table)} pages")
+        shared = self.num_shared_pages(request_id)
+        if index < shared:
+            raise ValueError(f"evict_page: {index=} is in the shared head ({shared} pages)")
+        page = table[index]
+        if page == RESERVED_PAGE:
+            raise ValueError(f"evict_page: {index=} is already a hole")
+        table[index] = RESERVED_PAGE
+        self._free.append(page)
+        return page
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache. Pages that running requests share stay (they are locked);
@@ -214,6 +245,10 @@ class BlockManager:
         head = self._heads.get(request_id)
         return head.num_pages if head else 0
 
+    def num_resident_pages(self, request_id: str) -> int:
+        """Entries of `request_id`'s table that hold a page (not holes)."""
+        return sum(p != RESERVED_PAGE for p in self.page_tables.get(request_id, ()))
+
     def num_offered_pages(self, request_id: str) -> int:
         """Full pages of `request_id` offered to the cache so far (`cache_computed` with no more
         full pages than this does nothing)."""
@@ -224,11 +259,15 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Every usable page has exactly one owner; shared heads are the cache's pages, pinned,
-        and referenced exactly as often as their nodes' lock counts say (tests only)."""
+        and referenced exactly as often as their nodes' lock counts say; holes only among the
+        private pages (tests only)."""
         cache = self.prefix_cache
         cache.check_invariants()
         private = [
-            p for rid, t in self.page_tables.items() for p in t[self.num_shared_pages(rid) :]
+            p
+            for rid, t in self.page_tables.items()
+            for p in t[self.num_shared_pages(rid) :]
+            if p != RESERVED_PAGE  # a hole
         ]
         cached = _cache_pages(cache)
         all_pages = private + list(self._free) + cached
@@ -252,6 +291,11 @@ class BlockManager:
                     )
         else:
             assert not refs
+
+
+def _first_hole(table: Sequence[int]) -> int:
+    """The index of the first hole in `table` (its length if none)."""
+    return next((i for i, p in enumerate(table) if p == RESERVED_PAGE), len(table))
 
 
 def _cache_pages(cache: PrefixCache) -> list[int]:
