@@ -338,6 +338,90 @@ class ParallelConfig:
         return self.tp * self.pp * self.dp
 
 
+SPARSE_KV_MODES = ("none", "offload", "infinigen")
+SPARSE_GRANULARITIES = ("token", "page")
+POOL_MEMORIES = ("auto", "pinned_host", "device")
+EVICTION_POLICIES = ("counter", "lru", "fifo")  # implemented in llmjax/sparse/host_pool.py
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseKVConfig:
+    """Where the KV cache lives and which of it each layer reads (llmjax/sparse/; ALGORITHMS.md
+    §11, InfiniGen).
+
+    `mode`:
+      none       the paged KV cache in device memory, full attention (the default).
+      offload    the paged KV cache in a host-memory pool; every layer fetches all of each
+                 sequence's pages to the device (FlexGen-style full offload, the baseline).
+      infinigen  the same host pool; in decode-only steps, while layer i runs, the tokens layer
+                 i+1 will attend to are predicted from layer i's attention input, a partial
+                 query (the next layer's query skewed and cut to `partial_weight_ratio` of its
+                 columns) and a device-resident partial key cache; only those tokens' KV is
+                 fetched. Steps with prefill tokens and the first `num_dense_layers` layers
+                 attend fully (fetching everything), as InfiniGen's prefill and layer 0 do.
+    Selection (per query token and kv head): tokens whose speculated logit is within `alpha` of
+    the maximum (5 for Llama in InfiniGen); the count is averaged over kv heads and capped at
+    `max_num_kv` (None: no cap); the first `num_sink_tokens` and the last `num_recent_tokens`
+    (the new token included) are always fetched. `granularity` 'token' gathers single tokens
+    through the page table; 'page' scores a page by its best token and fetches whole pages
+    (`max_num_kv` // page_size of them).
+    `pool_memory`: 'pinned_host' (a JAX host memory kind, gathers run on the host via
+    `compute_on`), 'device' (the pool in device memory: the same algorithm, for comparing), 'auto'
+    (pinned_host where the backend has it).
+    `capacity` (InfiniGen's pool bound, 1.0 = unlimited; 0.8 in its eviction study): a request
+    keeps at most this fraction of its pages, evicting by `eviction` ('counter': fewest
+    selections, InfiniGen's; 'lru'; 'fifo') among its older half; prefix-cached pages shared with
+    other requests are never evicted (llmjax/sparse/host_pool.py).
+    `skew_dir`: a directory for infinigen_skew.npz (llmjax/sparse/skew.py), e.g. beside the
+    checkpoint: `LLM` reads it, or calibrates on a bundled public-domain text and writes it
+    there; None calibrates at every start-up and keeps the matrices in memory.
+    The host pool path (`compute_on('device_host')` gathers and writes) has been compiled and
+    tested on the CPU backend only; on a GPU or TPU, `pool_memory='device'` runs the same
+    algorithm with the pool in device memory if the host path does not compile there.
+    """
+
+    mode: str = "none"
+    alpha: float = 5.0
+    partial_weight_ratio: float = 0.2
+    max_num_kv: int | None = 400
+    num_sink_tokens: int = 1
+    num_recent_tokens: int = 16
+    num_dense_layers: int = 2
+    granularity: str = "token"
+    pool_memory: str = "auto"
+    capacity: float = 1.0
+    eviction: str = "counter"
+    skew_dir: str | None = None
+
+    def __post_init__(self):
+        if self.mode not in SPARSE_KV_MODES:
+            raise ValueError(
+                f"unknown sparse_kv mode {self.mode!r}; choose one of {SPARSE_KV_MODES}"
+            )
+        if self.granularity not in SPARSE_GRANULARITIES:
+            raise ValueError(f"unknown {self.granularity=}; choose one of {SPARSE_GRANULARITIES}")
+        if self.pool_memory not in POOL_MEMORIES:
+            raise ValueError(f"unknown {self.pool_memory=}; choose one of {POOL_MEMORIES}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"unknown {self.eviction=}; choose one of {EVICTION_POLICIES}")
+        _check_positive(self, "max_num_kv", "num_dense_layers")
+        if not 0 < self.partial_weight_ratio <= 1:
+            raise ValueError(f"{self.partial_weight_ratio=} must be in (0, 1]")
+        if not 0 < self.capacity <= 1:
+            raise ValueError(f"{self.capacity=} must be in (0, 1]")
+        if self.alpha < 0:
+            raise ValueError(f"{self.alpha=} must be >= 0")
+        if self.num_sink_tokens < 0 or self.num_recent_tokens < 1:
+            raise ValueError(
+                f"{self.num_sink_tokens=} must be >= 0 and {self.num_recent_tokens=} >= 1 (the "
+                "new token attends to itself)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights.
@@ -353,7 +437,9 @@ class EngineConfig:
     of the ragged one: 'auto' where it was measured faster (token buckets from
     kernels_pallas/flash_prefill/tuning.py ENGINE_MIN_TOKENS: GPU >= 2048, TPU never), 'on' in
     every bucket (for checking and measuring), 'off' never. `compilation_cache_dir` enables JAX's
-    persistent compilation cache ('' disables it). `precompile` compiles every step shape at
+    persistent compilation cache ('' disables it). `sparse_kv` (SparseKVConfig): the KV cache in
+    host memory with full or InfiniGen-selected fetches ('none' by default). `precompile`
+    compiles every step shape at
     start (|token buckets| x |page buckets| variants) so that serving never compiles; off by
     default because on a CPU that takes minutes for a real model the first time (later starts
     load the persistent cache).
@@ -363,6 +449,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    sparse_kv: SparseKVConfig = SparseKVConfig()
     dtype: str = "float32"
     max_model_len: int | None = None
     attention_backend: str = "auto"
@@ -394,6 +481,17 @@ class EngineConfig:
         from llmjax.parallel.heads import tp_head_layout
 
         tp_head_layout(self.model, self.parallel.tp, self.parallel.pad_heads)  # raises if invalid
+        if self.sparse_kv.enabled:
+            if self.parallel.num_devices > 1:
+                raise ValueError(
+                    f"sparse_kv={self.sparse_kv.mode!r} runs on one device; got tp="
+                    f"{self.parallel.tp} pp={self.parallel.pp}"
+                )
+            if self.sparse_kv.num_dense_layers > self.model.num_layers:
+                raise ValueError(
+                    f"sparse_kv.num_dense_layers={self.sparse_kv.num_dense_layers} exceeds the "
+                    f"model's {self.model.num_layers} layers"
+                )
         if self.parallel.pp > self.model.num_layers:
             raise ValueError(
                 f"pp={self.parallel.pp} stages need at least as many layers, the model has "

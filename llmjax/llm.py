@@ -28,6 +28,7 @@ from llmjax.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SparseKVConfig,
 )
 from llmjax.engine.block_manager import pages_needed
 from llmjax.engine.engine import LLMEngine
@@ -91,7 +92,11 @@ class LLM:
     `flash_prefill` ('auto', 'on', 'off'; see EngineConfig), `precompile` (compile every step
     shape at start; see EngineConfig), `tp` / `pp` / `pad_heads` / `check_lockstep` (tensor and
     pipeline parallelism over the first tp * pp devices; see ParallelConfig; in a multi-host run
-    call `llmjax.parallel.distributed.initialize` first, in every process).
+    call `llmjax.parallel.distributed.initialize` first, in every process), `sparse_kv` ('none',
+    'offload', 'infinigen', or a SparseKVConfig with InfiniGen's parameters: the KV cache in a
+    host-memory pool, fetched whole or selectively; with 'infinigen' and no `skew_dir` the
+    skewing matrices are calibrated at start-up on the first `calibration_tokens` tokens of a
+    bundled public-domain text, llmjax/sparse/).
     """
 
     def __init__(
@@ -115,6 +120,8 @@ class LLM:
         pp: int = 1,
         pad_heads: bool = False,
         check_lockstep: bool = False,
+        sparse_kv: str | SparseKVConfig = "none",
+        calibration_tokens: int = 2048,
         seed: int = 0,
         precompile: bool = False,
         compilation_cache_dir: str | None = None,
@@ -152,6 +159,9 @@ class LLM:
             attention_backend=attention_backend,
             flash_prefill=flash_prefill,
             parallel=parallel,
+            sparse_kv=sparse_kv
+            if isinstance(sparse_kv, SparseKVConfig)
+            else SparseKVConfig(mode=sparse_kv),
             seed=seed,
             precompile=precompile,
             **extra,
@@ -164,7 +174,10 @@ class LLM:
         if num_pages is None:
             num_pages = default_num_pages(config, params_bytes)
         self.config = config
-        self.engine = LLMEngine(config, params, num_pages, self.tokenizer)
+        skew = None
+        if config.sparse_kv.mode == "infinigen":
+            skew = _infinigen_skew(config, params, self.tokenizer, calibration_tokens)
+        self.engine = LLMEngine(config, params, num_pages, self.tokenizer, skew=skew)
         logger.info(
             "loaded %s (%.1f M params, %s) with %d KV pages in %.1f s",
             model,
@@ -261,6 +274,23 @@ class LLM:
                         return
         finally:
             self.engine.abort_request(request_id)
+
+
+def _infinigen_skew(config: EngineConfig, params, tokenizer, num_tokens: int):
+    """InfiniGen's skew for `config.model`: read from `sparse_kv.skew_dir` if it holds one, else
+    calibrated on the bundled text (and written there when a skew_dir is given)."""
+    from llmjax.sparse.skew import SKEW_FILE, calibrate_on_text, load_skew, save_skew
+
+    skew_dir = config.sparse_kv.skew_dir
+    if skew_dir and os.path.exists(os.path.join(skew_dir, SKEW_FILE)):
+        return load_skew(skew_dir, config.model)
+    t = time.perf_counter()
+    n = min(num_tokens, config.max_model_len)
+    skew = calibrate_on_text(params, config.model, tokenizer, n)
+    logger.info("InfiniGen skew calibrated on %d tokens in %.1f s", n, time.perf_counter() - t)
+    if skew_dir:
+        logger.info("wrote %s", save_skew(skew_dir, *skew, n))
+    return skew
 
 
 def _load(

@@ -611,7 +611,7 @@ class _FakeRunner:
 
     pipelined = False  # the pipeline path is covered by run_scenario's pipeline_depth
 
-    def __init__(self, config: EngineConfig, params, num_pages: int):
+    def __init__(self, config: EngineConfig, params, num_pages: int, skew=None):
         self.model = FakePagedModel(num_pages, config.cache.page_size, config.model.vocab_size)
         self.num_compiles = 0
 

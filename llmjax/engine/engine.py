@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, params, num_pages: int, tokenizer=None):
+    def __init__(self, config: EngineConfig, params, num_pages: int, tokenizer=None, skew=None):
         from llmjax.engine.runner import ModelRunner  # the one jax-importing engine module
 
         self.config = config
@@ -40,7 +40,14 @@ class LLMEngine:
             num_pages, page_size, make_prefix_cache(config.cache.prefix_cache, page_size)
         )
         self.scheduler = make_scheduler(config, self.block_manager)
-        self.runner = ModelRunner(config, params, num_pages)
+        self.runner = ModelRunner(config, params, num_pages, skew=skew)
+        self.evictor = None  # InfiniGen's host pool bound (llmjax/sparse/host_pool.py)
+        self._pool_tables: dict[str, list[int]] = {}
+        sparse = config.sparse_kv
+        if sparse.enabled and sparse.capacity < 1:
+            from llmjax.sparse.host_pool import PoolEvictor
+
+            self.evictor = PoolEvictor(sparse.eviction, sparse.capacity, page_size)
         self.buckets = Buckets.create(
             config.scheduler.max_num_batched_tokens,
             config.scheduler.max_num_seqs,
@@ -179,8 +186,54 @@ class LLMEngine:
         for req in self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist()):
             self._live.discard(req.request_id)
         outputs += [self._output(r) for r in sampled]
+        if self.config.sparse_kv.enabled:
+            self._sparse_step_done(batch, step_input)
         self._record(batch, t_start, t_run, t_update)
         return outputs
+
+    def _sparse_step_done(self, batch, step_input) -> None:
+        """sparse_kv: count the step's host -> device KV bytes; bound the host pool (evict
+        pages of requests over `capacity`, counter/LRU/FIFO)."""
+        st = self.runner.last_sparse_stats
+        m, sparse = self.config.model, self.config.sparse_kv
+        row = 2 * m.head_dim * np.dtype(self.config.dtype).itemsize  # one K and one V row
+        cached_tokens = sum(seq.start + seq.num_new_tokens for seq in batch.seqs)
+        is_sparse = bool(st.sparse)
+        dense_layers = sparse.num_dense_layers if is_sparse else m.num_layers
+        rows = dense_layers * cached_tokens * m.num_kv_heads + int(st.rows.sum())
+        S, P = step_input.page_indices.shape
+        T = len(step_input.token_ids)
+        G = self.block_manager.page_size
+        buffer_rows = dense_layers * S * P * G * m.num_kv_heads
+        if is_sparse:
+            sparse_layers = m.num_layers - sparse.num_dense_layers
+            per_token = self.runner.fetch_rows_per_token(P)
+            buffer_rows += sparse_layers * T * m.num_kv_heads * per_token
+        decode_only = all(
+            s.num_new_tokens == 1 and s.start >= len(s.request.prompt_token_ids) for s in batch.seqs
+        )
+        self.stats.record_fetch(
+            rows * row, buffer_rows * row, decode_only, is_sparse, len(batch.seqs)
+        )
+        if self.evictor is None:
+            return
+        bm = self.block_manager
+        for i, seq in enumerate(batch.seqs):
+            rid = seq.request.request_id
+            table = bm.page_tables.get(rid)
+            if table is None:  # finished or aborted
+                continue
+            if self._pool_tables.get(rid) is not table:  # new, or recomputed after preemption
+                self.evictor.forget(rid)
+                self._pool_tables[rid] = table
+            hits = st.page_hits[i] if is_sparse else None
+            self.evictor.record_step(rid, len(table), hits, self.stats.num_steps)
+            self.stats.num_pool_evictions += len(
+                self.evictor.evict(bm, rid, seq.start + seq.num_new_tokens)
+            )
+        for rid in [r for r in self._pool_tables if r not in bm.page_tables]:
+            self.evictor.forget(rid)
+            del self._pool_tables[rid]
 
     def _record(self, batch, t_start: float, t_run: float, t_update: float) -> None:
         bm = self.block_manager

@@ -57,7 +57,7 @@ class ModelRunner:
     tensor-parallel head layout and placed shard by shard. `model_config` is the model the
     devices run (heads repeated or padded for tp; the same as `config.model` otherwise)."""
 
-    def __init__(self, config: EngineConfig, params: Params, num_pages: int):
+    def __init__(self, config: EngineConfig, params: Params, num_pages: int, skew=None):
         enable_compilation_cache(config.compilation_cache_dir)
         self.config = config
         self.dtype = jnp.dtype(config.dtype)
@@ -71,6 +71,11 @@ class ModelRunner:
             self.attention_backend, flash_prefill=config.flash_prefill, mesh=self.mesh
         )
         self.pipelined = parallel.pp > 1
+        self.sparse = config.sparse_kv
+        self.last_sparse_stats = None
+        if self.sparse.enabled:
+            self._init_sparse(params, num_pages, skew)
+            return
         if self.pipelined:
             self._init_pipeline(params, num_pages, attention_fn)
             return
@@ -107,6 +112,59 @@ class ModelRunner:
             donate_argnames=("kv_pages",),
             out_shardings=out_shardings,
         )
+
+    def _init_sparse(self, params, num_pages: int, skew) -> None:
+        """sparse_kv != 'none': the KV pool in host memory, InfiniGen's partial keys and
+        speculation weights, and the jitted sparse step (llmjax/sparse/infinigen.py)."""
+        from llmjax.sparse import infinigen
+        from llmjax.sparse.skew import load_skew
+
+        config, sparse = self.config, self.sparse
+        if self.attention_backend != "reference":
+            raise ValueError(
+                f"sparse_kv={sparse.mode!r} attends with its own jnp code over the fetched rows; "
+                f"attention_backend={config.attention_backend!r} resolved to "
+                f"{self.attention_backend!r}: use 'reference' (or 'auto' on the CPU)"
+            )
+        self.model_config = config.model
+        self.params = params
+        page_size = config.cache.page_size
+        self.pool_memory_kind = infinigen.pool_memory_kind(sparse.pool_memory)
+        self.kv_pages = infinigen.allocate_pool(
+            config.model, num_pages, page_size, self.dtype, self.pool_memory_kind
+        )
+        self.partial_keys = infinigen.allocate_partial_keys(
+            config.model, sparse, num_pages, page_size, self.dtype
+        )
+        self.spec_weights = [None] * config.model.num_layers
+        if sparse.mode == "infinigen":
+            if skew is None:
+                if sparse.skew_dir is None:
+                    raise ValueError(
+                        "sparse_kv='infinigen' needs the skewing matrices: pass skew=(A, energy) "
+                        "(llmjax.sparse.skew.calibrate) or set SparseKVConfig.skew_dir (LLM "
+                        "calibrates on a bundled text when neither is given)"
+                    )
+                skew = load_skew(sparse.skew_dir, config.model)
+            self.spec_weights = infinigen.speculation_weights(*skew, config.model, sparse)
+        host = self.pool_memory_kind is not None
+
+        def step_impl(params, pool, partial, weights, step, sampling):
+            self.num_compiles += 1  # runs only while tracing
+            logits, pool, partial, stats = infinigen.sparse_forward(
+                params, pool, partial, weights, step, config.model, sparse, host
+            )
+            return sample(logits, *sampling), pool, partial, stats
+
+        self._sparse_step = jax.jit(step_impl, donate_argnames=("pool", "partial"))
+
+    def fetch_rows_per_token(self, P: int) -> int:
+        """sparse_kv='infinigen': rows per (token, kv head) of a sparse layer's fetch buffer, in
+        a bucket of P pages per sequence."""
+        from llmjax.sparse.infinigen import _num_rows
+
+        G = self.config.cache.page_size
+        return _num_rows(self.sparse, P * G, G)
 
     def _init_pipeline(self, params, num_pages: int, attention_fn) -> None:
         """pp > 1: weights and KV pages per stage, and the jitted pipeline tick
@@ -218,7 +276,19 @@ class ModelRunner:
         return jax.tree.map(lambda x: place(np.asarray(x), sharding), arrays)
 
     def run(self, step: StepInput, sampling: SamplingInput) -> np.ndarray:
-        """Run one step; returns the next token id of every (padded) sequence row."""
+        """Run one step; returns the next token id of every (padded) sequence row. With
+        sparse_kv, `last_sparse_stats` then holds the step's `SparseStats` (numpy)."""
+        if self.sparse.enabled:
+            next_ids, self.kv_pages, self.partial_keys, stats = self._sparse_step(
+                self.params,
+                self.kv_pages,
+                self.partial_keys,
+                self.spec_weights,
+                *self._inputs(step, sampling),
+            )
+            self.last_sparse_stats = jax.tree.map(np.asarray, stats)
+            self.num_steps += 1
+            return to_host(next_ids)
         next_ids, self.kv_pages = self._step(
             self.params, self.kv_pages, *self._inputs(step, sampling)
         )
@@ -230,6 +300,14 @@ class ModelRunner:
 
     def lower(self, step: StepInput, sampling: SamplingInput):
         """The lowered step for these shapes (for HLO inspection in tests)."""
+        if self.sparse.enabled:
+            return self._sparse_step.lower(
+                self.params,
+                self.kv_pages,
+                self.partial_keys,
+                self.spec_weights,
+                *self._inputs(step, sampling),
+            )
         return self._step.lower(self.params, self.kv_pages, *self._inputs(step, sampling))
 
     def precompile(self, shapes: list[tuple[int, int, int]]) -> None:

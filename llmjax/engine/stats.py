@@ -36,6 +36,15 @@ class EngineStats:
     pipeline_capacity_tokens: int = 0  # sum over ticks of pp x the tick's largest micro-batch
     num_idle_stage_ticks: int = 0  # (tick, stage) pairs with no micro-batch
     num_stage_ticks: int = 0  # (tick, stage) pairs
+    # sparse_kv (llmjax/sparse/): KV bytes fetched host -> device. `h2d_bytes` counts the rows
+    # each step needs (full fetches: every cached token of every layer; InfiniGen: the selected
+    # rows of speculated layers); `h2d_buffer_bytes` what the static-shape buffers copy.
+    h2d_bytes: int = 0
+    h2d_buffer_bytes: int = 0
+    decode_h2d_bytes: int = 0  # in decode-only steps
+    num_decode_only_tokens: int = 0  # tokens of decode-only steps
+    num_sparse_steps: int = 0  # steps that took InfiniGen's sparse path
+    num_pool_evictions: int = 0  # pages the host pool evicted (SparseKVConfig.capacity < 1)
 
     def record_step(
         self,
@@ -71,6 +80,22 @@ class EngineStats:
         self.num_idle_stage_ticks += sum(t == 0 for t in stage_tokens)
         self.num_stage_ticks += len(stage_tokens)
 
+    def record_fetch(
+        self, h2d_bytes: int, buffer_bytes: int, decode_only: bool, sparse: bool, tokens: int
+    ) -> None:
+        """One sparse_kv step's host -> device KV traffic."""
+        self.h2d_bytes += h2d_bytes
+        self.h2d_buffer_bytes += buffer_bytes
+        self.num_sparse_steps += sparse
+        if decode_only:
+            self.decode_h2d_bytes += h2d_bytes
+            self.num_decode_only_tokens += tokens
+
+    @property
+    def h2d_bytes_per_decode_token(self) -> float:
+        """KV bytes fetched per generated token in decode-only steps (InfiniGen's metric)."""
+        return self.decode_h2d_bytes / max(self.num_decode_only_tokens, 1)
+
     @property
     def pipeline_bubble_fraction(self) -> float:
         cap = self.pipeline_capacity_tokens
@@ -103,5 +128,6 @@ class EngineStats:
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "pipeline_bubble_fraction": self.pipeline_bubble_fraction,
             "pipeline_idle_fraction": self.pipeline_idle_fraction,
+            "h2d_bytes_per_decode_token": self.h2d_bytes_per_decode_token,
         }
         return d

@@ -59,8 +59,12 @@ def paged_attention_reference(
     *,
     scale: float,
     sliding_window: int | None = None,
+    mask_holes: bool = False,
 ) -> jax.Array:
     """Causal attention of every query token over its sequence's cached keys -> [T, N, H].
+
+    `mask_holes`: keys in pages whose table entry is the reserved page 0 are invisible (pages a
+    sparse-KV pool evicted, llmjax/sparse/host_pool.py); off, page 0 is never read in range.
 
     Query tokens go in blocks of REFERENCE_Q_BLOCK. A block whose tokens all belong to one
     sequence (the body of a prefill chunk) gathers that sequence's pages once; a mixed block
@@ -72,16 +76,22 @@ def paged_attention_reference(
     page_indices = jnp.asarray(page_indices)  # indexed by traced ids inside lax.map/cond
     seq_ids = token_seq_ids(jnp.asarray(cu_q_lens), T)  # [T]
 
-    def attend(qg, k, v, pos_blk, kv_spec):
+    G = k_pages.shape[1]
+
+    def attend(qg, k, v, pos_blk, kv_spec, pages):
         """qg: [B, K, Q, H]; k, v: [C, K, H] shared by the block ("ckh") or [B, C, K, H] one per
-        token ("bckh") -> [B, N, H]."""
+        token ("bckh"); pages: [P] or [B, P] their page ids -> [B, N, H]."""
         B = qg.shape[0]
         s = jnp.einsum(f"bkqh,{kv_spec}->bkqc", qg, k, preferred_element_type=jnp.float32)
         key_pos = jnp.arange(s.shape[-1], dtype=jnp.int32)[None, :]  # [1, C]
         visible = key_pos <= pos_blk[:, None]  # [B, C]
+        if mask_holes:
+            visible &= jnp.repeat(pages != 0, G, axis=-1).reshape(-1, s.shape[-1])
         if sliding_window is not None:
             visible &= key_pos > pos_blk[:, None] - sliding_window
-        s = jnp.where(visible[:, None, None, :], s * scale, -jnp.inf)
+        # With holes a padded token may see no key at all: a finite floor keeps it from NaN.
+        floor = -1e30 if mask_holes else -jnp.inf
+        s = jnp.where(visible[:, None, None, :], s * scale, floor)
         p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
         o = jnp.einsum(f"bkqc,{kv_spec}->bkqh", p, v, preferred_element_type=jnp.float32)
         return o.reshape(B, N, H).astype(q.dtype)
@@ -91,14 +101,14 @@ def paged_attention_reference(
         pages = page_indices[seq_blk]  # [B, P]
         k = k_pages[pages].reshape(B, -1, K, H)  # [B, C, K, H]
         v = v_pages[pages].reshape(B, -1, K, H)
-        return attend(q_blk.reshape(B, K, N // K, H), k, v, pos_blk, "bckh")
+        return attend(q_blk.reshape(B, K, N // K, H), k, v, pos_blk, "bckh", pages)
 
     def one_sequence(q_blk, pos_blk, seq_blk):
         B = q_blk.shape[0]
         pages = page_indices[seq_blk[0]]  # [P]
         k = k_pages[pages].reshape(-1, K, H)  # [C, K, H]
         v = v_pages[pages].reshape(-1, K, H)
-        return attend(q_blk.reshape(B, K, N // K, H), k, v, pos_blk, "ckh")
+        return attend(q_blk.reshape(B, K, N // K, H), k, v, pos_blk, "ckh", pages)
 
     def block(q_blk, pos_blk, seq_blk):
         # Sequence ids never decrease along the flat batch, so first == last means one sequence.

@@ -1,0 +1,429 @@
+"""The model step with the KV cache in a host pool: full fetches (`offload`) or InfiniGen's
+speculated, selective fetches (`infinigen`), ALGORITHMS.md §11.3 and §13.2.
+
+`sparse_forward(params, pool, partial_keys, weights, step, config, sparse, host)` runs one ragged
+step like `llmjax.model.llama.forward`, but every layer's K/V pages live in `pool` (a JAX host
+memory kind when `host`: gathers and writes run on the host under `compute_on('device_host')`,
+and only what they return crosses to the device).
+
+Per layer i of a step:
+  - the new tokens' K/V go to their pool slots (and, for speculated layers, their skewed partial
+    keys to the device-resident `partial_keys`);
+  - a *dense* layer (every layer of a step that has prefill tokens, every layer in `offload`,
+    the first `num_dense_layers` in `infinigen`) fetches all pages of each sequence and attends
+    over them (`fetch_pages` + the jnp reference, evicted pages masked);
+  - a *sparse* layer attends over the rows selected for it while the previous layer ran
+    (`speculate`: the next layer's query from this layer's attention input, skewed and cut to the
+    partial columns, against the partial key cache; `fetch_rows` gathers them through the page
+    table), plus the new token's own K/V (decode-only steps: the pool does not hold it yet when
+    the fetch is issued).
+  Which of the two a step takes is decided at run time (`lax.cond` on "every sequence decodes one
+  token"), so each shape bucket compiles once.
+
+Selection is per query token and *kv head* (GQA: a token is fetched for a kv head when any of its
+query heads' speculated logits is within `alpha` of that head's best; with one query per kv head
+this is InfiniGen's per-head rule). Fetch units are rows [H] of K and V per (token, kv head).
+
+Letters: T tokens, S sequences, P pages per sequence, G page size, C = P * G key positions,
+K kv heads, Q query heads per kv head, N = K * Q, H head dim, c partial columns, M fetched rows.
+
+Static shapes: XLA copies the fetch buffer whole ([T, K, M, H], M = sink + recent + max_num_kv),
+so the bytes an accelerator moves are bounded by `max_num_kv`; the rows actually selected (what
+InfiniGen transfers) are counted and returned as `SparseStats`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.compute_on import compute_on
+
+from llmjax.config import ModelConfig, SparseKVConfig
+from llmjax.model.attention import paged_attention_reference, token_seq_ids
+from llmjax.model.kv_cache import KVPages
+from llmjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
+from llmjax.model.llama import _project, lm_head
+from llmjax.model.params import Params
+from llmjax.model.step_input import RESERVED_PAGE, StepInput
+from llmjax.sparse.skew import partial_columns
+
+HOST_MEMORY_KIND = "pinned_host"
+
+
+class SparseStats(NamedTuple):
+    """Per step, from the device: `sparse` whether the step took the sparse path; `rows` [T] the
+    (token, kv head) rows each query token fetched over all speculated layers (sink, recent and
+    its own row included); `page_hits` [S, P] how often each page index of each sequence was
+    speculatively selected (over layers and kv heads; the counter eviction policy's input)."""
+
+    sparse: jax.Array
+    rows: jax.Array
+    page_hits: jax.Array
+
+
+# ---- the pool --------------------------------------------------------------------------------
+
+
+def pool_memory_kind(name: str, device=None) -> str | None:
+    """SparseKVConfig.pool_memory -> the memory kind of the pool's arrays (None: the device's
+    default). 'auto' takes pinned_host where the device has it."""
+    device = device or jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if name == "device":
+        return None
+    if name == "pinned_host" or (name == "auto" and HOST_MEMORY_KIND in kinds):
+        if HOST_MEMORY_KIND not in kinds:
+            raise ValueError(
+                f"pool_memory='pinned_host' but {device.platform} device {device} has memory "
+                f"kinds {sorted(kinds)}; use pool_memory='device'"
+            )
+        return HOST_MEMORY_KIND
+    return None
+
+
+def allocate_pool(
+    config: ModelConfig, num_pages: int, page_size: int, dtype, memory_kind: str | None
+) -> KVPages:
+    """The paged KV pool [num_pages, G, K, H] per layer (K and V), in `memory_kind`."""
+    shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+    device = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+    # device_put of a host buffer: no device memory is touched for a host pool, and the arrays'
+    # types carry the memory space (jit's out_shardings gave the kind but not the type, so the
+    # first step traced twice).
+    zeros = lambda: jax.device_put(np.zeros(shape, jnp.dtype(dtype)), sharding)
+    return [(zeros(), zeros()) for _ in range(config.num_layers)]
+
+
+def allocate_partial_keys(
+    config: ModelConfig, sparse: SparseKVConfig, num_pages: int, page_size: int, dtype
+) -> list[jax.Array | None]:
+    """Device-resident skewed partial keys [num_pages, G, K, c] of every speculated layer (None
+    for dense layers): `partial_weight_ratio` of the key cache, as in InfiniGen."""
+    c = partial_columns(np.zeros((1, 1, config.head_dim)), sparse.partial_weight_ratio).shape[-1]
+    shape = (num_pages, page_size, config.num_kv_heads, c)
+    out = [None] * config.num_layers
+    if sparse.mode == "infinigen":
+        for i in range(sparse.num_dense_layers, config.num_layers):
+            out[i] = jnp.zeros(shape, dtype)
+    return out
+
+
+def speculation_weights(
+    skew: np.ndarray, energy: np.ndarray, config: ModelConfig, sparse: SparseKVConfig
+) -> list[jax.Array | None]:
+    """Per layer, the skew's kept columns A[:, :, idx] [K, H, c] (None for dense layers): q_rope
+    @ it is the partial skewed query, k_rope @ it the partial skewed key."""
+    idx = partial_columns(energy, sparse.partial_weight_ratio)  # [L, K, c]
+    out: list[jax.Array | None] = [None] * config.num_layers
+    if sparse.mode != "infinigen":
+        return out
+    for i in range(sparse.num_dense_layers, config.num_layers):
+        cols = np.take_along_axis(skew[i], idx[i][:, None, :], axis=-1)  # [K, H, c]
+        out[i] = jnp.asarray(cols, jnp.float32)
+    return out
+
+
+def _on_host(fn, *args, host: bool):
+    """fn(*args) run where the pool lives (host compute when `host`), result in the same space."""
+    if not host:
+        return fn(*args)
+    args = [jax.device_put(a, jax.memory.Space.Host) for a in args]
+    return compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
+        *args
+    )
+
+
+def _to_device(x, host: bool):
+    return jax.device_put(x, jax.memory.Space.Device) if host else x
+
+
+def write_pool(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array, host: bool) -> jax.Array:
+    """Scatter the new tokens' rows [T, K, H] into pool pages [P, G, K, H] at their slots."""
+    shape = pages.shape
+
+    # Host computations take their index arrays ready-made: constants made inside one live in
+    # device memory, and XLA rejects mixing the two.
+    def write(pages, new, slots):
+        flat = pages.reshape(-1, *shape[2:])
+        return flat.at[slots].set(new.astype(pages.dtype)).reshape(shape)
+
+    return _on_host(write, pages, new, slot_mapping, host=host)
+
+
+def fetch_pages(pages: jax.Array, page_indices: jax.Array, host: bool) -> jax.Array:
+    """All pages of every sequence's table [S, P] -> [S * P, G, K, H] on the device (a full
+    fetch; pages of holes and padding come along and are masked by the attention)."""
+    rows = _on_host(lambda p, idx: p[idx.reshape(-1)], pages, page_indices, host=host)
+    return _to_device(rows, host)
+
+
+def fetch_rows(pages: jax.Array, slots: jax.Array, host: bool) -> jax.Array:
+    """Rows [T, K, M, H] at pool slots [T, K, M] (row (t, k, m) from kv head k) -> the device."""
+    K, H = pages.shape[2:]
+    rows = slots * K + jnp.arange(K, dtype=jnp.int32)[None, :, None]  # into [P * G * K, H]
+
+    def gather(pages, rows):
+        return pages.reshape(-1, H)[rows]
+
+    return _to_device(_on_host(gather, pages, rows, host=host), host)
+
+
+# ---- selection -------------------------------------------------------------------------------
+
+
+def _page_of(step: StepInput, seq_ids: jax.Array, positions: jax.Array, G: int) -> jax.Array:
+    """The page id holding each position [T, ...] of the token's sequence."""
+    table = step.page_indices[seq_ids]  # [T, P]
+    shape = positions.shape
+    flat = positions.reshape(shape[0], -1) // G
+    return jnp.take_along_axis(table, flat, axis=1).reshape(shape)
+
+
+def speculate(
+    q_next: jax.Array,  # [T, N, H] the next layer's query (post-RoPE) from this layer's input
+    partial_pages: jax.Array,  # [num_pages, G, K, c] the next layer's partial keys
+    a_part: jax.Array,  # [K, H, c]
+    step: StepInput,
+    seq_ids: jax.Array,  # [T]
+    sparse: SparseKVConfig,
+    sm_scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """InfiniGen's speculation for decode tokens -> (positions [T, K, M], valid [T, K, M]) of the
+    rows the next layer attends to besides the token itself: the sink tokens, the recent ones,
+    and the speculated ones (M = num_sink + num_recent - 1 + the cap)."""
+    T, N, H = q_next.shape
+    _, G, K, c = partial_pages.shape
+    Q = N // K
+    P = step.page_indices.shape[1]
+    C = P * G
+    pos = step.positions  # [T]
+    qp = jnp.einsum(
+        "tkqh,khc->tkqc", q_next.reshape(T, K, Q, H).astype(jnp.float32), a_part
+    )  # partial skewed query
+    keys = partial_pages[step.page_indices[seq_ids]].reshape(T, C, K, c)
+    s = jnp.einsum("tkqc,tjkc->tkqj", qp, keys.astype(jnp.float32)) * sm_scale
+    s = s.max(axis=2)  # [T, K, C]: the group's best query head
+    key_pos = jnp.arange(C, dtype=jnp.int32)
+    n_sink, n_recent = sparse.num_sink_tokens, sparse.num_recent_tokens
+    table = step.page_indices[seq_ids]  # [T, P]
+    resident = jnp.repeat(table != RESERVED_PAGE, G, axis=1)  # [T, C]
+    candidate = (
+        (key_pos[None] < pos[:, None] - (n_recent - 1))  # older than the recent window
+        & (key_pos[None] >= n_sink)
+        & resident
+    )
+    s = jnp.where(candidate[:, None, :], s, -jnp.inf)
+    cap = C if sparse.max_num_kv is None else min(sparse.max_num_kv, C)
+    if sparse.granularity == "page":
+        page_scores = s.reshape(T, K, P, G).max(axis=-1)  # [T, K, P]
+        n_sel = _count(page_scores, sparse.alpha, max(cap // G, 1))
+        top_val, top_page = jax.lax.top_k(page_scores, max(cap // G, 1))
+        rank = jnp.arange(top_page.shape[-1])
+        page_ok = (rank[None, None] < n_sel[:, None, None]) & (top_val > -jnp.inf)
+        top_pos = (top_page[..., None] * G + jnp.arange(G)).reshape(T, K, -1)
+        ok = jnp.repeat(page_ok, G, axis=-1)
+        ok &= jnp.take_along_axis(
+            jnp.broadcast_to(candidate[:, None, :], (T, K, C)), top_pos, axis=-1
+        )
+    else:
+        n_sel = _count(s, sparse.alpha, cap)
+        top_val, top_pos = jax.lax.top_k(s, cap)  # [T, K, cap]
+        rank = jnp.arange(cap)
+        ok = (rank[None, None] < n_sel[:, None, None]) & (top_val > -jnp.inf)
+    sink = jnp.broadcast_to(jnp.arange(n_sink, dtype=jnp.int32), (T, K, n_sink))
+    sink_ok = sink <= pos[:, None, None] - n_recent  # older than the recent window
+    recent = pos[:, None, None] - jnp.arange(1, n_recent, dtype=jnp.int32)  # the token: own row
+    recent = jnp.broadcast_to(recent, (T, K, n_recent - 1))
+    recent_ok = recent >= 0
+    positions = jnp.concatenate([sink, recent, top_pos.astype(jnp.int32)], axis=-1)
+    valid = jnp.concatenate([sink_ok, recent_ok, ok], axis=-1)
+    positions = jnp.where(valid, positions, 0)
+    # Sinks and recent tokens are always fetched, unless evicted (never, by the pool's rules:
+    # index 0 and the newest half stay; masked anyway).
+    valid &= _page_of(step, seq_ids, positions, G) != RESERVED_PAGE
+    return positions, valid
+
+
+def _count(scores: jax.Array, alpha: float, cap: int) -> jax.Array:
+    """[T, K, X] speculated logits -> [T] rows to keep per kv head: the mean over kv heads of the
+    entries within `alpha` of the head's best, at most `cap` (InfiniGen's n_sel)."""
+    best = scores.max(axis=-1, keepdims=True)
+    within = (scores > best - alpha) & (scores > -jnp.inf)
+    cnt = within.sum(axis=-1).mean(axis=-1)  # [T]
+    return jnp.minimum(cnt.astype(jnp.int32), cap)
+
+
+def sparse_attention(
+    q: jax.Array,  # [T, N, H]
+    k_rows: jax.Array,  # [T, K, M, H]
+    v_rows: jax.Array,
+    valid: jax.Array,  # [T, K, M]
+    k_new: jax.Array,  # [T, K, H] each token's own key and value
+    v_new: jax.Array,
+    sm_scale: float,
+) -> jax.Array:
+    """Each token over its fetched rows and itself -> [T, N, H] (float32 softmax)."""
+    T, N, H = q.shape
+    K = k_rows.shape[1]
+    k = jnp.concatenate([k_rows, k_new[:, :, None].astype(k_rows.dtype)], axis=2)
+    v = jnp.concatenate([v_rows, v_new[:, :, None].astype(v_rows.dtype)], axis=2)
+    valid = jnp.concatenate([valid, jnp.ones((T, K, 1), bool)], axis=2)
+    v = jnp.where(valid[..., None], v, 0)  # unselected rows (page 0's garbage) weigh exactly 0
+    qg = q.reshape(T, K, N // K, H)
+    s = jnp.einsum("tkqh,tkmh->tkqm", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("tkqm,tkmh->tkqh", p, v, preferred_element_type=jnp.float32)
+    return o.reshape(T, N, H).astype(q.dtype)
+
+
+def dense_attention(q, pages_k, pages_v, step: StepInput, host: bool, sm_scale, window):
+    """Full attention over each sequence's fetched pages (holes masked)."""
+    S, P = step.page_indices.shape
+    k_all = fetch_pages(pages_k, step.page_indices, host)  # [S * P, G, K, H]
+    v_all = fetch_pages(pages_v, step.page_indices, host)
+    local = jnp.arange(S * P, dtype=jnp.int32).reshape(S, P)
+    # Holes and padding keep page id 0 in the local table, so mask_holes sees them.
+    local = jnp.where(step.page_indices == RESERVED_PAGE, 0, local + 1)
+    pad = jnp.zeros((1, *k_all.shape[1:]), k_all.dtype)
+    return paged_attention_reference(
+        q,
+        jnp.concatenate([pad, k_all]),
+        jnp.concatenate([pad, v_all]),
+        step.positions,
+        step.cu_q_lens,
+        local,
+        scale=sm_scale,
+        sliding_window=window,
+        mask_holes=True,
+    )
+
+
+# ---- the step --------------------------------------------------------------------------------
+
+
+def decode_only(step: StepInput) -> jax.Array:
+    """Every sequence of the step decodes one token (no prefill chunk): the sparse path's steps."""
+    n = step.num_seqs[0]
+    return (step.cu_q_lens[n] == n) & (n > 0)
+
+
+def sparse_forward(
+    params: Params,
+    pool: KVPages,
+    partial_keys: list,
+    weights: list,
+    step: StepInput,
+    config: ModelConfig,
+    sparse: SparseKVConfig,
+    host: bool,
+) -> tuple[jax.Array, KVPages, list, SparseStats]:
+    """One model step over the host pool -> (logits [L, V] float32, pool, partial_keys, stats).
+    `weights`: `speculation_weights` (None entries for dense layers)."""
+    L = config.num_layers
+    T = step.token_ids.shape[0]
+    S, P = step.page_indices.shape
+    G = pool[0][0].shape[1]
+    scale = config.head_dim**-0.5
+    window = config.sliding_window
+    seq_ids = token_seq_ids(step.cu_q_lens, T)
+    use_sparse = decode_only(step) if sparse.mode == "infinigen" else jnp.bool_(False)
+    x = params["embed"][step.token_ids]
+    cos, sin = rope_cos_sin(step.positions, config)
+    rows = jnp.zeros(T, jnp.int32)
+    hits = jnp.zeros((S, P), jnp.int32)
+    fetched = None  # (k_rows, v_rows, valid) for this layer, fetched while the previous ran
+    new_pool, new_partial = [], list(partial_keys)
+    layers = params["layers"]
+    for i, layer in enumerate(layers):
+        with jax.named_scope(f"layer_{i}"):
+            h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+            q, k, v = (_project(h, layer[w]) for w in ("wq", "wk", "wv"))
+            if config.attention_bias:
+                q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k_pages = write_pool(pool[i][0], k, step.slot_mapping, host)
+            v_pages = write_pool(pool[i][1], v, step.slot_mapping, host)
+            new_pool.append((k_pages, v_pages))
+            if partial_keys[i] is not None:
+                kp = jnp.einsum("tkh,khc->tkc", k.astype(jnp.float32), weights[i])
+                slots = step.slot_mapping
+                new_partial[i] = (
+                    partial_keys[i].at[slots // G, slots % G].set(kp.astype(partial_keys[i].dtype))
+                )
+
+            def dense(q=q, k_pages=k_pages, v_pages=v_pages):
+                return dense_attention(q, k_pages, v_pages, step, host, scale, window)
+
+            if fetched is None:
+                o = dense()
+            else:
+                k_rows, v_rows, valid = fetched
+
+                def sparse_path(q=q, k=k, v=v, k_rows=k_rows, v_rows=v_rows, valid=valid):
+                    return sparse_attention(q, k_rows, v_rows, valid, k, v, scale)
+
+                o = jax.lax.cond(use_sparse, sparse_path, dense)
+            T_, N, H = o.shape
+            x = x + o.reshape(T_, N * H) @ layer["wo"].reshape(N * H, -1)
+            fetched = None
+            if i + 1 < L and weights[i + 1] is not None:
+                # Speculate layer i+1 from this layer's attention input and issue its fetch
+                # now, so the copy can overlap the rest of this layer.
+                nxt = layers[i + 1]
+                a_part, partial_next = weights[i + 1], new_partial[i + 1]
+                pool_next = pool[i + 1]
+
+                def spec(
+                    h=h, nxt=nxt, a_part=a_part, partial_next=partial_next, pool_next=pool_next
+                ):
+                    q_next = _project(h, nxt["wq"])
+                    if config.attention_bias:
+                        q_next = q_next + nxt["bq"]
+                    q_next = apply_rope(q_next, cos, sin)
+                    positions, valid = speculate(
+                        q_next, partial_next, a_part, step, seq_ids, sparse, scale
+                    )
+                    slots = _page_of(step, seq_ids, positions, G) * G + positions % G
+                    slots = jnp.where(valid, slots, 0)
+                    return (
+                        fetch_rows(pool_next[0], slots, host),
+                        fetch_rows(pool_next[1], slots, host),
+                        valid,
+                        positions,
+                    )
+
+                def no_spec(pool_next=pool_next):
+                    M = _num_rows(sparse, P * G, G)
+                    Kh, H_ = pool_next[0].shape[2:]
+                    z = jnp.zeros((T, Kh, M, H_), pool_next[0].dtype)
+                    return z, z, jnp.zeros((T, Kh, M), bool), jnp.zeros((T, Kh, M), jnp.int32)
+
+                k_rows, v_rows, valid, positions = jax.lax.cond(use_sparse, spec, no_spec)
+                fetched = (k_rows, v_rows, valid)
+                real = seq_ids < step.num_seqs[0]
+                valid_real = valid & real[:, None, None]
+                own = real * k.shape[1]  # each token's own rows (from the step, not the pool)
+                rows += jnp.where(use_sparse, valid_real.sum(axis=(1, 2)) + own, 0)
+                top = valid_real.at[:, :, : sparse.num_sink_tokens + sparse.num_recent_tokens - 1]
+                top = top.set(False)
+                hits = hits.at[seq_ids[:, None, None], positions // G].add(top.astype(jnp.int32))
+        with jax.named_scope("mlp"):
+            hm = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+            x = x + swiglu_mlp(hm, layer["w_gate"], layer["w_up"], layer["w_down"])
+    with jax.named_scope("lm_head"):
+        logits = lm_head(params, x[step.logits_indices], config)
+    return logits, new_pool, new_partial, SparseStats(use_sparse, rows, hits)
+
+
+def _num_rows(sparse: SparseKVConfig, C: int, G: int) -> int:
+    """M: the fetch buffer's rows per (token, kv head): sinks, recent tokens but the token
+    itself, and the speculated ones (`cap` tokens, or `cap // G` whole pages)."""
+    cap = C if sparse.max_num_kv is None else min(sparse.max_num_kv, C)
+    if sparse.granularity == "page":
+        cap = max(cap // G, 1) * G
+    return sparse.num_sink_tokens + sparse.num_recent_tokens - 1 + cap
