@@ -10,9 +10,14 @@ r"""Serving benchmark: replay a workload against each scheduling policy and comp
     python scripts/benchmark.py --workload few_shot --prefix_caches none,radix \
         --admission_orders fcfs,lpm
     python scripts/benchmark.py --tp 2 --pad_heads        # sharded (flags as scripts/generate.py)
+    # the KV cache in host memory: full attention on the device vs full offload vs InfiniGen
+    python scripts/benchmark.py --workload long_context --sparse_kv none,offload,infinigen \
+        --num_requests 4 --long_prompt_len 1920 --output_len 128 --max_model_len 2048
 
-Every combination of --policies, --prefix_caches and --admission_orders (an admission order only
-with a cache) is a *variant*; columns are named policy[/cache[/order]] when there are several.
+Every combination of --policies, --prefix_caches, --admission_orders (an admission order only
+with a cache) and --sparse_kv modes is a *variant*; columns are named policy[/cache[/order]]
+[/sparse mode] when there are several. With sparse KV modes the table adds the KV bytes fetched
+host -> device per decode token and each column's greedy agreement with the first column.
 For each variant a fresh engine is built and warmed up (compilation excluded from measurements as
 far as the warm-up covers the step shapes; the table reports compiles during the run), the same
 requests are replayed in real time (Poisson arrivals at --qps, or all at once with --qps inf), and
@@ -62,7 +67,15 @@ PREFIX_WORKLOADS = ("shared_system_prompt", "few_shot", "multi_turn_chat")
 flags.DEFINE_enum(
     "workload",
     "sharegpt",
-    ["sharegpt", "arxiv", "long_prompt_interference", "fixed", *PREFIX_WORKLOADS, "trace"],
+    [
+        "sharegpt",
+        "arxiv",
+        "long_prompt_interference",
+        "fixed",
+        "long_context",
+        *PREFIX_WORKLOADS,
+        "trace",
+    ],
     "sharegpt/arxiv: lognormal lengths with the published medians and P90s, times --scale. "
     "long_prompt_interference: decode-heavy short requests at t=0 plus long prompts arriving at "
     "--qps while they decode. fixed: --prompt_len/--output_len each. shared_system_prompt: one "
@@ -70,7 +83,8 @@ flags.DEFINE_enum(
     "--num_shots examples of --shot_len tokens + a question. multi_turn_chat: sessions of "
     "--num_turns turns, each turn's prompt = the previous prompt + its generated output + "
     "--user_turn_len new tokens, --think_time s after the previous turn (sessions start at "
-    "--qps). trace: --trace.",
+    "--qps). long_context: --num_requests windows of --long_prompt_len tokens (default 2048) of "
+    "a bundled public-domain book, --output_len each (InfiniGen's setting). trace: --trace.",
 )
 flags.DEFINE_integer("system_prompt_len", 1024, "shared_system_prompt: shared prompt tokens.")
 flags.DEFINE_integer(
@@ -111,7 +125,9 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_float("long_fraction", 0.25, "long_prompt_interference: fraction of long prompts.")
 flags.DEFINE_integer(
-    "long_prompt_len", None, "long_prompt_interference: long prompt tokens (default 2048, capped)."
+    "long_prompt_len",
+    None,
+    "long_prompt_interference / long_context: long prompt tokens (default 2048, capped).",
 )
 flags.DEFINE_integer("long_output_len", 8, "long_prompt_interference: long requests' outputs.")
 flags.DEFINE_integer(
@@ -184,6 +200,23 @@ flags.DEFINE_enum(
     "With the pallas backend, attend a step that is one fresh prompt with the flash prefill "
     "kernel: 'auto' where measured faster (GPU, >= 2048-token buckets), 'on' always, 'off' never.",
 )
+flags.DEFINE_list(
+    "sparse_kv",
+    ["none"],
+    "KV cache placement and fetching per variant (SparseKVConfig.mode): none (device memory), "
+    "offload (host pool, every layer fetches everything), infinigen (host pool, speculated "
+    "fetches).",
+)
+flags.DEFINE_float("sparse_alpha", 5.0, "infinigen: logit gap to the best token that is fetched.")
+flags.DEFINE_float("partial_weight_ratio", 0.2, "infinigen: skewed columns kept for speculation.")
+flags.DEFINE_integer("max_num_kv", 400, "infinigen: cap on speculated tokens (0 = no cap).")
+flags.DEFINE_enum("sparse_granularity", "token", ["token", "page"], "infinigen: fetch unit.")
+flags.DEFINE_integer("num_dense_layers", 2, "infinigen: leading layers that attend fully.")
+flags.DEFINE_integer("num_recent_tokens", 16, "infinigen: recent tokens always fetched.")
+flags.DEFINE_float("kv_capacity", 1.0, "Host pool: fraction of each request's pages kept.")
+flags.DEFINE_enum(
+    "kv_eviction", "counter", ["counter", "lru", "fifo"], "Host pool eviction policy."
+)
 flags.DEFINE_string("json_out", "out/benchmark.json", "Where to write the results ('' = nowhere).")
 
 parallel_flags.define_flags()
@@ -243,6 +276,21 @@ def build_llm(policy: str, **overrides):
     if budget is not None:  # else the LLM's default for the policy
         kwargs["max_num_batched_tokens"] = budget
     kwargs.update(overrides)
+    mode = kwargs.pop("sparse_mode", "none")
+    if mode != "none":
+        from llmjax.config import SparseKVConfig
+
+        kwargs["sparse_kv"] = SparseKVConfig(
+            mode=mode,
+            alpha=FLAGS.sparse_alpha,
+            partial_weight_ratio=FLAGS.partial_weight_ratio,
+            max_num_kv=FLAGS.max_num_kv or None,
+            granularity=FLAGS.sparse_granularity,
+            num_dense_layers=FLAGS.num_dense_layers,
+            num_recent_tokens=FLAGS.num_recent_tokens,
+            capacity=FLAGS.kv_capacity,
+            eviction=FLAGS.kv_eviction,
+        )
     return LLM(FLAGS.model, **kwargs)
 
 
@@ -260,6 +308,7 @@ def engine_info(llm) -> dict:
         "dtype": config.dtype,
         "attention_backend": llm.engine.runner.attention_backend,
         "flash_prefill": FLAGS.flash_prefill,
+        "sparse_kv": config.sparse_kv.mode,
     }
 
 
@@ -296,7 +345,13 @@ def load_trace() -> list:
 
 
 def build_specs(
-    qps: float, max_model_len: int, vocab_size: int, trace=None, *, retime_trace: bool = False
+    qps: float,
+    max_model_len: int,
+    vocab_size: int,
+    trace=None,
+    *,
+    retime_trace: bool = False,
+    tokenizer=None,
 ):
     """The workload at `qps` (a trace keeps its own arrival times unless `retime_trace`)."""
     from llmjax.bench import workloads
@@ -325,6 +380,13 @@ def build_specs(
         )
     if FLAGS.workload == "fixed":
         kwargs |= dict(prompt_len=FLAGS.prompt_len, output_len=FLAGS.output_len)
+    if FLAGS.workload == "long_context":
+        kwargs |= dict(
+            prompt_len=FLAGS.long_prompt_len or 2048,
+            output_len=FLAGS.output_len,
+            vocab_size=vocab_size,
+            tokenizer=tokenizer,
+        )
     if FLAGS.workload == "long_prompt_interference":
         kwargs |= dict(
             long_fraction=FLAGS.long_fraction,
@@ -460,13 +522,14 @@ class Variant(NamedTuple):
     policy: str
     prefix_cache: str
     admission_order: str
+    sparse_kv: str
     name: str  # its column in the report
 
 
 def variants() -> list[Variant]:
     """Every policy x prefix cache x admission order (an order only with a cache), from the
     flags; named by policy alone when the cache options give one variant per policy."""
-    from llmjax.config import ADMISSION_ORDERS, PREFIX_CACHES, SCHEDULER_POLICIES
+    from llmjax.config import ADMISSION_ORDERS, PREFIX_CACHES, SCHEDULER_POLICIES, SPARSE_KV_MODES
 
     def names(flag: str, allowed) -> list[str]:
         values = [v.strip() for v in FLAGS[flag].value if v.strip()]
@@ -480,14 +543,17 @@ def variants() -> list[Variant]:
     policies = names("policies", SCHEDULER_POLICIES)
     caches = names("prefix_caches", PREFIX_CACHES)
     orders = names("admission_orders", ADMISSION_ORDERS)
+    sparse = names("sparse_kv", SPARSE_KV_MODES)
     combos = [
         (p, c, o) for p in policies for c in caches for o in (orders if c != "none" else ["fcfs"])
     ]
     one_per_policy = len(combos) == len(policies)
-    return [
-        Variant(p, c, o, p if one_per_policy else f"{p}/{c}" + (f"/{o}" if c != "none" else ""))
-        for p, c, o in combos
-    ]
+    out = []
+    for p, c, o in combos:
+        name = p if one_per_policy else f"{p}/{c}" + (f"/{o}" if c != "none" else "")
+        for m in sparse:
+            out.append(Variant(p, c, o, m, name if len(sparse) == 1 else f"{name}/{m}"))
+    return out
 
 
 def run_variant(variant: Variant, state: dict) -> dict:
@@ -500,6 +566,7 @@ def run_variant(variant: Variant, state: dict) -> dict:
         variant.policy,
         prefix_cache=variant.prefix_cache,
         admission_order=variant.admission_order,
+        sparse_mode=variant.sparse_kv,
     )
     engine = llm.engine
     info = engine_info(llm)
@@ -514,6 +581,7 @@ def run_variant(variant: Variant, state: dict) -> dict:
             state["vocab_size"],
             state.get("trace"),
             retime_trace=_qps_given(),
+            tokenizer=llm.tokenizer,
         )
     specs = state["specs"]
     if FLAGS.warmup:
@@ -543,6 +611,7 @@ def run_variant(variant: Variant, state: dict) -> dict:
         "engine_stats": engine.stats.as_dict(),
         "step_times": step_times(engine.stats),
         "num_compiles_during_run": engine.num_compiles - compiles,
+        "output_token_ids": [list(o.token_ids) for o in outputs],
     }
     if FLAGS.capacity_search:
 
@@ -553,6 +622,7 @@ def run_variant(variant: Variant, state: dict) -> dict:
                 state["vocab_size"],
                 state.get("trace"),
                 retime_trace=True,
+                tokenizer=llm.tokenizer,
             )
             engine.reset_prefix_cache()
             return summarize(replay(engine, trial, seed=FLAGS.seed, clock=_clock()), **slos)
@@ -636,6 +706,7 @@ def report(results: dict, state: dict) -> str:
             "token budget",
             {p: r["engine"]["max_num_batched_tokens"] for p, r in results.items()},
         ),
+        *sparse_rows(results),
     ]
     specs = state["specs"]
     # Prompt lengths as run (a dependent request's prompt includes its parent's conversation).
@@ -689,6 +760,59 @@ def report(results: dict, state: dict) -> str:
         ]
         lines += ["", "host overhead per decode step", format_table(header, rows)]
     return "\n".join(lines)
+
+
+def sparse_rows(results: dict) -> list:
+    """With sparse KV modes: host -> device KV traffic, and agreement with the first column."""
+    if all(r["engine"]["sparse_kv"] == "none" for r in results.values()):
+        return []
+    rows = [
+        (
+            "KV MiB host->device / decode token",
+            {
+                p: f"{r['engine_stats']['h2d_bytes_per_decode_token'] / 2**20:.2f}"
+                for p, r in results.items()
+            },
+        ),
+        (
+            "KV fetched vs offload",
+            _relative(results, lambda r: r["engine_stats"]["h2d_bytes_per_decode_token"]),
+        ),
+        ("sparse steps", {p: r["engine_stats"]["num_sparse_steps"] for p, r in results.items()}),
+        (
+            "pool evictions",
+            {p: r["engine_stats"]["num_pool_evictions"] for p, r in results.items()},
+        ),
+    ]
+    first_name, first = next(iter(results.items()))
+    same, prefix = {}, {}
+    for p, r in results.items():
+        equal, lead = [], []
+        for a, b in zip(first["output_token_ids"], r["output_token_ids"], strict=True):
+            n = min(len(a), len(b))
+            if not n:
+                continue
+            eq = [x == y for x, y in zip(a[:n], b[:n], strict=True)]
+            equal.append(sum(eq) / n)
+            lead.append((eq.index(False) if False in eq else n) / n)
+        same[p] = f"{sum(equal) / len(equal):.1%}" if equal else "-"
+        prefix[p] = f"{sum(lead) / len(lead):.1%}" if lead else "-"
+    rows += [
+        (f"greedy tokens equal to {first_name}", same),
+        (f"matching prefix vs {first_name}", prefix),
+    ]
+    return rows
+
+
+def _relative(results: dict, get) -> dict:
+    """Each column's value / the offload column's (the full fetch), where there is one."""
+    base = [get(r) for r in results.values() if r["engine"]["sparse_kv"] == "offload"]
+    if not base or not base[0]:
+        return {p: "-" for p in results}
+    return {
+        p: (f"{get(r) / base[0]:.3f}" if r["engine"]["sparse_kv"] != "none" else "-")
+        for p, r in results.items()
+    }
 
 
 def speedup_rows(results: dict) -> list:

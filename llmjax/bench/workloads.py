@@ -492,7 +492,51 @@ def multi_turn_chat(
     return specs
 
 
+def long_context(
+    num_requests: int,
+    *,
+    prompt_len: int = 2048,
+    output_len: int = 128,
+    qps: float = math.inf,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    tokenizer=None,
+    scale: float | None = None,  # accepted for a uniform signature; lengths are not scaled
+) -> list[RequestSpec]:
+    """Long real-text prompts with long generations (InfiniGen's setting, ALGORITHMS.md §11.5:
+    1920-token prompts, 128 generated): request i's prompt is a `prompt_len`-token window of the
+    bundled public-domain text (llmjax/bench/data/), starting at a seeded offset, tokenized with
+    `tokenizer` (its bytes folded into the vocabulary without one). Real text, because sparse
+    attention's selection and accuracy mean little on random tokens."""
+    del scale
+    from llmjax.bench.texts import public_domain_text
+
+    _check_positive(prompt_len=prompt_len, output_len=output_len)
+    text = public_domain_text()
+    ids = (
+        tokenizer.encode(text) if tokenizer is not None else [b % vocab_size for b in text.encode()]
+    )
+    if max_model_len is not None and prompt_len + output_len > max_model_len:
+        prompt_len = max(1, max_model_len - output_len)
+    if len(ids) < prompt_len:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than {prompt_len=}")
+    rng = np.random.default_rng([seed, 3])
+    starts = rng.integers(0, len(ids) - prompt_len + 1, num_requests)
+    _, arrival_rng = _streams(seed)
+    arrivals = arrival_times(num_requests, qps, arrival_rng)
+    return [
+        RequestSpec(
+            arrival_time=float(t),
+            output_len=output_len,
+            prompt_token_ids=tuple(ids[s : s + prompt_len]),
+        )
+        for s, t in zip(starts, arrivals, strict=True)
+    ]
+
+
 WORKLOADS: dict[str, Callable[..., list[RequestSpec]]] = {
+    "long_context": long_context,
     "sharegpt": sharegpt,
     "arxiv": arxiv,
     "long_prompt_interference": long_prompt_interference,

@@ -1,0 +1,159 @@
+"""Accuracy of sparse KV fetching against full attention (InfiniGen's evaluation, ALGORITHMS.md
+§11.5): perplexity on held-out text and greedy-token agreement, with the bytes each setting
+fetches.
+
+`teacher_forced` runs B equal-length token sequences through `sparse_forward` the way a server
+would: one prefill of the first `prefix_len` tokens (full attention, as InfiniGen's prefill),
+then one decode step per remaining token, fed the *given* next token (teacher forcing), so every
+scored position attends through the sparse path with the history it would have when decoding.
+It returns each scored position's negative log-likelihood of the next given token, the argmax
+(the greedy token), and the KV rows fetched.
+
+- Perplexity: exp(mean NLL) over held-out text.
+- Greedy agreement: feed the full-attention model's own greedy continuation; the share of
+  positions where the sparse setting's greedy token is the same (teacher-forced, so one early
+  difference does not make every later position disagree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmjax.config import ModelConfig, SparseKVConfig
+from llmjax.model.step_input import StepInput
+from llmjax.sparse import infinigen
+
+
+@dataclasses.dataclass
+class TeacherForced:
+    nll: np.ndarray  # [B, n] -log p(next given token) at each scored position
+    argmax: np.ndarray  # [B, n] the greedy token at each scored position
+    rows: np.ndarray  # [B, n] KV rows (token x kv head, K and V) fetched, all layers
+    sparse_steps: int
+
+    @property
+    def perplexity(self) -> float:
+        return float(np.exp(self.nll.mean()))
+
+
+def _steps(sequences: np.ndarray, prefix_len: int, page_size: int):
+    """The prefill step, then one decode step per position: StepInputs for B sequences, each
+    on its own run of pages (1 + b * pages_per_seq ...)."""
+    B, n = sequences.shape
+    pages_per_seq = -(-n // page_size)
+    tables = 1 + np.arange(B * pages_per_seq, dtype=np.int32).reshape(B, pages_per_seq)
+
+    def slots(b, pos):
+        return tables[b, pos // page_size] * page_size + pos % page_size
+
+    pos = np.arange(prefix_len)
+    prefill = StepInput(
+        token_ids=sequences[:, :prefix_len].reshape(-1).astype(np.int32),
+        positions=np.tile(pos, B).astype(np.int32),
+        slot_mapping=np.concatenate([slots(b, pos) for b in range(B)]).astype(np.int32),
+        cu_q_lens=(np.arange(B + 1) * prefix_len).astype(np.int32),
+        kv_lens=np.full(B, prefix_len, np.int32),
+        page_indices=tables,
+        num_seqs=np.array([B], np.int32),
+        logits_indices=(np.arange(1, B + 1) * prefix_len - 1).astype(np.int32),
+    )
+    yield prefill
+    for t in range(prefix_len, n - 1):
+        yield StepInput(
+            token_ids=sequences[:, t].astype(np.int32),
+            positions=np.full(B, t, np.int32),
+            slot_mapping=np.array([slots(b, t) for b in range(B)], np.int32),
+            cu_q_lens=np.arange(B + 1, dtype=np.int32),
+            kv_lens=np.full(B, t + 1, np.int32),
+            page_indices=tables,
+            num_seqs=np.array([B], np.int32),
+            logits_indices=np.arange(B, dtype=np.int32),
+        )
+
+
+def teacher_forced(
+    params,
+    config: ModelConfig,
+    sparse: SparseKVConfig,
+    skew,
+    sequences,
+    prefix_len: int,
+    page_size: int = 16,
+) -> TeacherForced:
+    """Score positions prefix_len - 1 .. n - 2 of every sequence ([B, n] token ids) under
+    `sparse` ('offload' is exact full attention). `skew`: (A, energy) for 'infinigen'."""
+    sequences = np.asarray(sequences)
+    B, n = sequences.shape
+    if not 0 < prefix_len < n:
+        raise ValueError(f"{prefix_len=} must be in (0, {n}) for sequences of {n} tokens")
+    dtype = jax.tree.leaves(params)[0].dtype
+    num_pages = 1 + B * -(-n // page_size)
+    kind = infinigen.pool_memory_kind(sparse.pool_memory)
+    pool = infinigen.allocate_pool(config, num_pages, page_size, dtype, kind)
+    partial = infinigen.allocate_partial_keys(config, sparse, num_pages, page_size, dtype)
+    weights = [None] * config.num_layers
+    if sparse.mode == "infinigen":
+        weights = infinigen.speculation_weights(*skew, config, sparse)
+    step_fn = jax.jit(
+        functools.partial(
+            infinigen.sparse_forward, config=config, sparse=sparse, host=kind is not None
+        ),
+        donate_argnums=(1, 2),
+    )
+
+    @jax.jit
+    def score(logits, targets):
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
+        return nll, jnp.argmax(logits, axis=-1)
+
+    nll, argmax, rows = [], [], []
+    sparse_steps = 0
+    row_per_token = config.num_kv_heads  # rows per cached token and layer
+    for i, step in enumerate(_steps(sequences, prefix_len, page_size)):
+        logits, pool, partial, stats = step_fn(params, pool, partial, weights, step)
+        t = prefix_len - 1 + i  # the position whose next token these logits predict
+        nl, am = score(logits, jnp.asarray(sequences[:, t + 1]))
+        nll.append(np.asarray(nl))
+        argmax.append(np.asarray(am))
+        is_sparse = bool(stats.sparse)
+        sparse_steps += is_sparse
+        dense_layers = sparse.num_dense_layers if is_sparse else config.num_layers
+        fetched = dense_layers * row_per_token * (t + 1) + np.asarray(stats.rows)[:B]
+        rows.append(fetched)
+    return TeacherForced(
+        nll=np.stack(nll, axis=1),
+        argmax=np.stack(argmax, axis=1),
+        rows=np.stack(rows, axis=1),
+        sparse_steps=sparse_steps,
+    )
+
+
+def greedy_continuations(params, config: ModelConfig, prompts, num_tokens: int, page_size=16):
+    """Full attention's greedy continuation of each prompt ([B, n] token ids) -> [B, n +
+    num_tokens]: the sequences on which greedy agreement is measured."""
+    prompts = np.asarray(prompts)
+    B, n = prompts.shape
+    seqs = np.concatenate([prompts, np.zeros((B, num_tokens), prompts.dtype)], axis=1)
+    full = SparseKVConfig(mode="offload", pool_memory="device")
+    dtype = jax.tree.leaves(params)[0].dtype
+    num_pages = 1 + B * -(-seqs.shape[1] // page_size)
+    pool = infinigen.allocate_pool(config, num_pages, page_size, dtype, None)
+    partial = [None] * config.num_layers
+    step_fn = jax.jit(
+        functools.partial(infinigen.sparse_forward, config=config, sparse=full, host=False),
+        donate_argnums=(1, 2),
+    )
+    steps = _steps(seqs, n, page_size)
+    for i in range(num_tokens):
+        step = next(steps)
+        if i > 0:  # the decode step feeds the token chosen last
+            step = step._replace(token_ids=seqs[:, n - 1 + i].astype(np.int32))
+        logits, pool, partial, _ = step_fn(params, pool, partial, partial, step)
+        seqs[:, n + i] = np.asarray(jnp.argmax(logits, axis=-1))[:B]
+    return seqs

@@ -1,0 +1,450 @@
+"""InfiniGen's sparse KV fetching (llmjax/sparse/infinigen.py) and the full-offload baseline.
+
+- With `alpha` huge and no cap the selection is every cached token: logits equal full attention
+  (the paged reference) to float32 rounding, and greedy outputs equal `sparse_kv='none'`, with
+  chunked prefill mixing prompts and decodes, for token and page granularity, pool in host memory
+  (`pinned_host` on the CPU) or in device memory.
+- The selection rules on hand-made scores: sinks and recent tokens always, the rest within alpha
+  of the best, the count averaged over kv heads and capped; whole pages at page granularity.
+- Engine: bytes moved are counted (full offload = every cached token of every layer), the step
+  compiles once per bucket, evictions (capacity < 1) keep serving with invariants intact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import configs
+from llmjax import LLM, SamplingParams
+from llmjax.config import SparseKVConfig
+from llmjax.model.kv_cache import allocate_kv_pages
+from llmjax.model.llama import forward
+from llmjax.model.params import init_params
+from llmjax.sparse import infinigen as ig
+from llmjax.sparse.skew import calibrate
+from tests.helpers import make_step
+
+CFG = configs.TINY_DEEP  # 5 layers: 1 dense + 4 speculated
+EVERYTHING = dict(alpha=1e9, max_num_kv=None, num_dense_layers=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    params = init_params(CFG, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(3, 256, 48).tolist()
+    return params, calibrate(params, CFG, tokens)
+
+
+def _run_both(params, skew, sparse, steps, page_size, num_pages, host):
+    """Each step through sparse_forward and through the paged reference -> logits pairs."""
+    mk = "pinned_host" if host else None
+    pool = ig.allocate_pool(CFG, num_pages, page_size, jnp.float32, mk)
+    partial = ig.allocate_partial_keys(CFG, sparse, num_pages, page_size, jnp.float32)
+    weights = ig.speculation_weights(*skew, CFG, sparse)
+    kv = allocate_kv_pages(CFG, num_pages, page_size, jnp.float32)
+    sparse_fn = jax.jit(
+        functools.partial(ig.sparse_forward, config=CFG, sparse=sparse, host=host),
+        donate_argnums=(1, 2),
+    )
+    ref_fn = jax.jit(functools.partial(forward, config=CFG), donate_argnums=(1,))
+    out = []
+    for step in steps:
+        logits, pool, partial, stats = sparse_fn(params, pool, partial, weights, step)
+        ref, kv = ref_fn(params, kv, step)
+        out.append(
+            (
+                np.asarray(logits),
+                np.asarray(ref),
+                bool(stats.sparse),
+                jax.tree.map(np.asarray, stats),
+            )
+        )
+    if host:
+        assert pool[0][0].sharding.memory_kind == "pinned_host"
+    return out
+
+
+def _steps(rng, page_size):
+    """Two sequences on shuffled pages: prefill chunks (one crossing pages), then decodes."""
+    pages = rng.permutation(np.arange(1, 25))
+    tables = [pages[:12].tolist(), pages[12:].tolist()]
+    seqs = [rng.integers(3, 256, 40).tolist() for _ in range(2)]
+    steps = [
+        make_step(
+            [(seqs[0][:9], 0, tables[0]), (seqs[1][:6], 0, tables[1])], page_size, num_tokens=16
+        ),
+        make_step(
+            [(seqs[0][9:14], 9, tables[0]), (seqs[1][6:7], 6, tables[1])], page_size, num_tokens=8
+        ),
+    ]
+    for j in range(3):  # decode-only steps
+        a, b = 14 + j, 7 + j
+        steps.append(
+            make_step(
+                [(seqs[0][a : a + 1], a, tables[0]), (seqs[1][b : b + 1], b, tables[1])],
+                page_size,
+                num_tokens=4,
+            )
+        )
+    return steps
+
+
+@pytest.mark.parametrize("granularity, host", [("token", True), ("token", False), ("page", True)])
+def test_selecting_everything_equals_full_attention(model, granularity, host):
+    params, skew = model
+    sparse = SparseKVConfig(mode="infinigen", granularity=granularity, **EVERYTHING)
+    out = _run_both(params, skew, sparse, _steps(np.random.default_rng(1), 4), 4, 30, host)
+    assert [s for *_, s, _ in out] == [False, False] + [True] * 3  # prefill steps attend fully
+    for logits, ref, *_ in out:
+        np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_offload_fetches_everything_and_equals_full_attention(model):
+    params, skew = model
+    out = _run_both(
+        params,
+        skew,
+        SparseKVConfig(mode="offload"),
+        _steps(np.random.default_rng(2), 4),
+        4,
+        30,
+        True,
+    )
+    for logits, ref, is_sparse, _ in out:
+        assert not is_sparse
+        np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_small_alpha_changes_attention_but_keeps_sinks_and_recent(model):
+    """alpha 0 keeps only the best speculated token(s): the outputs move away from full
+    attention, yet stay finite, and far less is fetched."""
+    params, skew = model
+    few = SparseKVConfig(mode="infinigen", alpha=0.0, num_dense_layers=1, num_recent_tokens=2)
+    last = _run_both(params, skew, few, _steps(np.random.default_rng(3), 4), 4, 30, False)[-1]
+    logits, ref, is_sparse, stats = last
+    assert is_sparse and np.isfinite(logits).all()
+    assert np.abs(logits - ref).max() > 1e-3  # sparse now: not full attention
+    # Full attention would read kv_len rows per kv head in each of the 4 speculated layers; here
+    # a sink, one recent token, the token itself and the few best speculated ones.
+    kv_lens = np.array([17, 10])
+    assert (stats.rows[:2] < 4 * CFG.num_kv_heads * kv_lens).all()
+    assert (stats.rows[:2] >= 4 * CFG.num_kv_heads * 3).all()
+
+
+# ---- the selection rule on hand-made scores -----------------------------------------------
+
+
+def _spec_inputs(scores_by_pos, kv_len, page_size=4, K=1, Q=1):
+    """A one-token step at position kv_len - 1 whose speculated logit for key position j is
+    scores_by_pos[j] (partial keys one-hot, partial query = 1)."""
+    c = 1
+    P = -(-kv_len // page_size)
+    table = np.arange(1, P + 1)
+    partial = np.zeros((P + 1, page_size, K, c), np.float32)
+    for j, sc in enumerate(scores_by_pos):
+        partial[table[j // page_size], j % page_size, :, 0] = sc
+    step = make_step([([5], kv_len - 1, table.tolist())], page_size)
+    q_next = np.ones((1, K * Q, 1), np.float32)
+    a_part = np.ones((K, 1, c), np.float32)
+    return q_next, jnp.asarray(partial), jnp.asarray(a_part), step
+
+
+def _select(scores, sparse, **kw):
+    q, partial, a, step = _spec_inputs(scores, len(scores), **kw)
+    pos, valid = ig.speculate(
+        jnp.asarray(q), partial, a, step, jnp.zeros(1, jnp.int32), sparse, sm_scale=1.0
+    )
+    return set(np.asarray(pos)[0, 0][np.asarray(valid)[0, 0]].tolist())
+
+
+def test_selection_keeps_sinks_recent_and_tokens_within_alpha():
+    scores = [0.0] * 20
+    scores[5], scores[9], scores[11] = 10.0, 7.0, 4.0  # within 5 of the best: 5 and 9
+    sparse = SparseKVConfig(mode="infinigen", alpha=5.0, num_sink_tokens=1, num_recent_tokens=3)
+    # position 19 is the token itself (its own row comes from the step): recent = 17, 18
+    assert _select(scores, sparse) == {0, 17, 18, 5, 9}
+    # the cap keeps the best
+    capped = SparseKVConfig(mode="infinigen", alpha=5.0, max_num_kv=1, num_recent_tokens=3)
+    assert _select(scores, capped) == {0, 17, 18, 5}
+    # alpha large: everything
+    assert _select(scores, SparseKVConfig(mode="infinigen", alpha=1e9, num_recent_tokens=3)) == set(
+        range(19)
+    )
+
+
+def test_page_granularity_fetches_whole_pages():
+    scores = [0.0] * 20
+    scores[6] = 10.0  # page 1 (positions 4..7)
+    sparse = SparseKVConfig(
+        mode="infinigen", alpha=5.0, granularity="page", num_sink_tokens=1, num_recent_tokens=2
+    )
+    assert _select(scores, sparse) == {0, 18, 4, 5, 6, 7}
+
+
+def test_count_is_averaged_over_kv_heads():
+    """Two kv heads: one has 4 tokens within alpha, the other 2 -> each keeps its best 3."""
+    K = 2
+    kv_len, page_size = 16, 4
+    P = kv_len // page_size
+    partial = np.zeros((P + 1, page_size, K, 1), np.float32)
+    s0 = np.zeros(kv_len)
+    s0[[3, 5, 7, 9]] = [10, 9, 8, 7]
+    s1 = np.zeros(kv_len)
+    s1[[4, 6]] = [10, 9]
+    for j in range(kv_len):
+        partial[1 + j // page_size, j % page_size, 0, 0] = s0[j]
+        partial[1 + j // page_size, j % page_size, 1, 0] = s1[j]
+    step = make_step([([5], kv_len - 1, list(range(1, P + 1)))], page_size)
+    sparse = SparseKVConfig(mode="infinigen", alpha=5.0, num_sink_tokens=0, num_recent_tokens=1)
+    pos, valid = ig.speculate(
+        jnp.ones((1, K, 1)),
+        jnp.asarray(partial),
+        jnp.ones((K, 1, 1)),
+        step,
+        jnp.zeros(1, jnp.int32),
+        sparse,
+        sm_scale=1.0,
+    )
+    pos, valid = np.asarray(pos)[0], np.asarray(valid)[0]
+    assert set(pos[0][valid[0]]) == {3, 5, 7}  # mean count (4 + 2) / 2 = 3
+    assert set(pos[1][valid[1]]) == {4, 6} | {int(pos[1][valid[1]][-1])}
+    assert valid[1].sum() == 3
+
+
+def test_evicted_pages_are_never_attended_or_selected():
+    """A hole (evicted page: table entry 0) is invisible to the dense path and never chosen by
+    the speculation, however high its tokens score."""
+    rng = np.random.default_rng(6)
+    G, K, Q, H = 4, 2, 2, 8
+    pages_k = jnp.asarray(rng.standard_normal((6, G, K, H)), jnp.float32)
+    pages_v = jnp.asarray(rng.standard_normal((6, G, K, H)), jnp.float32)
+    table = [3, 0, 5, 1]  # page index 1 (positions 4..7) evicted
+    step = make_step([([7], 14, table)], G)
+    q = jnp.asarray(rng.standard_normal((1, K * Q, H)), jnp.float32)
+    out = ig.dense_attention(q, pages_k, pages_v, step, False, 0.5, None)
+    visible = [p for p in range(15) if not 4 <= p < 8]
+    keys = np.stack([np.asarray(pages_k)[table[p // G], p % G] for p in visible])  # [n, K, H]
+    vals = np.stack([np.asarray(pages_v)[table[p // G], p % G] for p in visible])
+    qg = np.asarray(q)[0].reshape(K, Q, H)
+    s = np.einsum("kqh,nkh->kqn", qg, keys) * 0.5
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    expect = np.einsum("kqn,nkh->kqh", w, vals).reshape(1, K * Q, H)
+    np.testing.assert_allclose(np.asarray(out), expect, rtol=1e-5, atol=1e-5)
+
+    scores = [0.0] * 16
+    scores[5] = 100.0  # in the hole
+    scores[9] = 10.0
+    q_next, partial, a_part, one = _spec_inputs(scores, 16)
+    one = one._replace(page_indices=np.array([[1, 0, 3, 4]], np.int32))
+    sparse = SparseKVConfig(mode="infinigen", alpha=5.0, num_recent_tokens=2)
+    pos, valid = ig.speculate(
+        jnp.asarray(q_next), partial, a_part, one, jnp.zeros(1, jnp.int32), sparse, sm_scale=1.0
+    )
+    chosen = set(np.asarray(pos)[0, 0][np.asarray(valid)[0, 0]].tolist())
+    assert chosen == {0, 14, 9}
+
+
+# ---- through the engine --------------------------------------------------------------------
+
+
+def _llm(sparse, **kw):
+    opts = dict(
+        load_format="dummy",
+        page_size=4,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=128,
+        compilation_cache_dir="",
+        sparse_kv=sparse,
+        calibration_tokens=64,
+    )
+    opts.update(kw)
+    return LLM("tiny-deep", **opts)
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, rng.integers(20, 60)).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def dense_outputs():
+    llm = _llm("none")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(_prompts(5), params)]
+
+
+def test_engine_selecting_everything_equals_dense(dense_outputs, tmp_path):
+    skew_dir = str(tmp_path / "ckpt")
+    llm = _llm(SparseKVConfig(mode="infinigen", skew_dir=skew_dir, **EVERYTHING))
+    # calibrated at start-up and stored beside the "checkpoint"; the engine uses what is stored
+    from llmjax.sparse.skew import load_skew
+
+    stored = ig.speculation_weights(*load_skew(skew_dir, CFG), CFG, llm.config.sparse_kv)
+    for a, b in zip(stored[1:], llm.engine.runner.spec_weights[1:], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = llm.generate(_prompts(5), params)
+    assert [o.token_ids for o in outs] == dense_outputs
+    stats = llm.engine.stats
+    assert stats.num_sparse_steps > 0 and stats.h2d_bytes > 0
+    compiles = llm.engine.num_compiles
+    llm.reset_prefix_cache()  # the same prompts again run the same buckets: no new compile
+    llm.generate(_prompts(5), params)
+    assert llm.engine.num_compiles == compiles
+
+
+def test_engine_offload_counts_every_cached_token(dense_outputs):
+    llm = _llm("offload")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompts = _prompts(5)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == dense_outputs
+    stats = llm.engine.stats
+    # every step fetches every cached token's K and V rows of every layer: a decode token of a
+    # sequence with n cached tokens costs n rows per kv head and layer
+    row = 2 * CFG.head_dim * 4 * CFG.num_kv_heads * CFG.num_layers
+    assert stats.h2d_bytes % row == 0 and stats.num_sparse_steps == 0
+    assert stats.num_decode_only_tokens > 0
+    lens = [len(p) for p in prompts]
+    assert row * min(lens) < stats.h2d_bytes_per_decode_token < row * (max(lens) + 10)
+
+
+def test_engine_evicts_within_capacity_and_keeps_serving():
+    """Policies are checked one by one in tests/test_sparse_host_pool.py; here the engine path."""
+    sparse = SparseKVConfig(
+        mode="infinigen", alpha=3.0, num_dense_layers=1, capacity=0.5, eviction="counter"
+    )
+    llm = _llm(sparse)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    system = list(range(3, 19))  # 16 shared tokens: 4 prefix-cached pages
+    prompts = [system + p for p in _prompts(4, seed=7)]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=1))  # the shared prefix enters the cache
+    outs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == 40 for o in outs)
+    engine = llm.engine
+    assert engine.stats.num_pool_evictions > 0
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_available_pages == bm.num_usable_pages
+
+
+def test_errors(model):
+    with pytest.raises(ValueError, match="unknown sparse_kv mode"):
+        SparseKVConfig(mode="quest")
+    with pytest.raises(ValueError, match="capacity"):
+        SparseKVConfig(mode="infinigen", capacity=1.5)
+    with pytest.raises(ValueError, match="num_recent_tokens"):
+        SparseKVConfig(mode="infinigen", num_recent_tokens=0)
+    with pytest.raises(ValueError, match="num_dense_layers=9 exceeds"):
+        _llm(SparseKVConfig(mode="infinigen", num_dense_layers=9))
+    with pytest.raises(ValueError, match="attends with its own jnp code"):
+        _llm("offload", attention_backend="pallas")
+    from llmjax.config import EngineConfig
+    from llmjax.engine.engine import LLMEngine
+
+    params, _ = model
+    config = EngineConfig(
+        model=CFG, sparse_kv=SparseKVConfig(mode="infinigen"), compilation_cache_dir=""
+    )
+    with pytest.raises(ValueError, match="needs the skewing matrices"):
+        LLMEngine(config, params, 20)
+
+
+# ---- accuracy evaluation and the benchmark ------------------------------------------------
+
+
+def test_teacher_forced_scores_equal_full_logits(model):
+    """'offload' is exact full attention: its per-position NLL and greedy tokens equal those
+    of one prefill over the whole sequence; selecting everything gives the same numbers."""
+    from llmjax.sparse.evaluate import greedy_continuations, teacher_forced
+    from tests.helpers import full_logits
+
+    params, skew = model
+    rng = np.random.default_rng(4)
+    seqs = rng.integers(3, 256, (2, 24))
+    full = teacher_forced(params, CFG, SparseKVConfig(mode="offload"), skew, seqs, 16, page_size=4)
+    assert full.nll.shape == (2, 8) and full.sparse_steps == 0
+    for b in range(2):
+        logits = full_logits(params, CFG, seqs[b].tolist(), page_size=4)
+        logp = jax.nn.log_softmax(jnp.asarray(logits[15:23]), axis=-1)
+        expect = -np.take_along_axis(np.asarray(logp), seqs[b, 16:24, None], axis=1)[:, 0]
+        np.testing.assert_allclose(full.nll[b], expect, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(full.argmax[b], logits[15:23].argmax(-1))
+    everything = SparseKVConfig(mode="infinigen", **EVERYTHING)
+    same = teacher_forced(params, CFG, everything, skew, seqs, 16, page_size=4)
+    assert same.sparse_steps == 7  # every decode step
+    np.testing.assert_allclose(same.nll, full.nll, rtol=1e-4, atol=1e-5)
+    cont = greedy_continuations(params, CFG, seqs[:, :12], 5, page_size=4)
+    assert cont.shape == (2, 17)
+    for b in range(2):
+        logits = full_logits(params, CFG, cont[b].tolist(), page_size=4)
+        np.testing.assert_array_equal(cont[b, 12:], logits[11:16].argmax(-1))
+
+
+def test_long_context_workload_is_real_text():
+    from llmjax.bench.texts import public_domain_text
+    from llmjax.bench.workloads import make_workload
+
+    specs = make_workload("long_context", 3, prompt_len=50, output_len=7, vocab_size=256)
+    assert [s.prompt_len for s in specs] == [50] * 3 and {s.output_len for s in specs} == {7}
+    text = public_domain_text().encode()
+    for s in specs:
+        assert bytes(s.prompt_token_ids) in text
+    capped = make_workload("long_context", 1, prompt_len=500, output_len=20, max_model_len=100)
+    assert capped[0].prompt_len == 80
+
+
+def test_benchmark_compares_sparse_modes(tmp_path, capsys):
+    import importlib.util
+    import json
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_sparse", os.path.join(root, "scripts", "benchmark.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = str(tmp_path / "bench.json")
+    bench.FLAGS(
+        [
+            "benchmark.py",
+            "--model=tiny-deep",
+            "--load_format=dummy",
+            "--policies=sarathi",
+            "--workload=long_context",
+            "--sparse_kv=offload,infinigen",
+            "--num_dense_layers=1",
+            "--max_num_kv=8",
+            "--num_recent_tokens=4",
+            "--num_requests=2",
+            "--long_prompt_len=40",
+            "--output_len=6",
+            "--max_model_len=64",
+            "--page_size=4",
+            "--warmup=2",
+            "--norehearse",
+            "--tbt_slo=10",
+            f"--json_out={out}",
+        ]
+    )
+    try:
+        bench.main([])
+    finally:
+        bench.FLAGS.unparse_flags()
+    table = capsys.readouterr().out
+    assert "KV MiB host->device / decode token" in table and "greedy tokens equal" in table
+    doc = json.load(open(out))
+    offload, infinigen = doc["variants"]["sarathi/offload"], doc["variants"]["sarathi/infinigen"]
+    assert offload["engine"]["sparse_kv"] == "offload"
+    per_token = [v["engine_stats"]["h2d_bytes_per_decode_token"] for v in (offload, infinigen)]
+    assert 0 < per_token[1] < per_token[0]
+    assert infinigen["engine_stats"]["num_sparse_steps"] > 0
+    assert all(len(ids) == 6 for ids in infinigen["output_token_ids"])
