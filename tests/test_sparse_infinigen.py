@@ -265,7 +265,7 @@ def _llm(sparse, **kw):
         calibration_tokens=64,
     )
     opts.update(kw)
-    return LLM("tiny-deep", **opts)
+    return LLM("tiny", **opts)  # 2 layers: 1 dense + 1 speculated (faster to compile)
 
 
 def _prompts(n, seed=0):
@@ -286,7 +286,8 @@ def test_engine_selecting_everything_equals_dense(dense_outputs, tmp_path):
     # calibrated at start-up and stored beside the "checkpoint"; the engine uses what is stored
     from llmjax.sparse.skew import load_skew
 
-    stored = ig.speculation_weights(*load_skew(skew_dir, CFG), CFG, llm.config.sparse_kv)
+    tiny = configs.TINY
+    stored = ig.speculation_weights(*load_skew(skew_dir, tiny), tiny, llm.config.sparse_kv)
     for a, b in zip(stored[1:], llm.engine.runner.spec_weights[1:], strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -309,7 +310,8 @@ def test_engine_offload_counts_every_cached_token(dense_outputs):
     stats = llm.engine.stats
     # every step fetches every cached token's K and V rows of every layer: a decode token of a
     # sequence with n cached tokens costs n rows per kv head and layer
-    row = 2 * CFG.head_dim * 4 * CFG.num_kv_heads * CFG.num_layers
+    tiny = configs.TINY
+    row = 2 * tiny.head_dim * 4 * tiny.num_kv_heads * tiny.num_layers
     assert stats.h2d_bytes % row == 0 and stats.num_sparse_steps == 0
     assert stats.num_decode_only_tokens > 0
     lens = [len(p) for p in prompts]
@@ -416,7 +418,7 @@ def test_benchmark_compares_sparse_modes(tmp_path, capsys):
     bench.FLAGS(
         [
             "benchmark.py",
-            "--model=tiny-deep",
+            "--model=tiny",
             "--load_format=dummy",
             "--policies=sarathi",
             "--workload=long_context",
