@@ -4,7 +4,15 @@ The public API reads like vLLM's: `LLM(model).generate(prompts, SamplingParams(.
 See docs/structure.md for the request lifecycle and where each stage lives.
 """
 
-from llmjax.config import CacheConfig, EngineConfig, ModelConfig, RopeScaling, SchedulerConfig
+from llmjax.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    RopeScaling,
+    SchedulerConfig,
+    SparseKVConfig,
+)
 from llmjax.engine.request import RequestOutput
 from llmjax.llm import LLM
 from llmjax.sampling_params import SamplingParams
@@ -14,9 +22,11 @@ __all__ = [
     "CacheConfig",
     "EngineConfig",
     "ModelConfig",
+    "ParallelConfig",
     "RequestOutput",
     "RopeScaling",
     "SamplingParams",
     "SchedulerConfig",
+    "SparseKVConfig",
 ]
 __version__ = "0.1.0"

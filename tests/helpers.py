@@ -63,3 +63,22 @@ def full_logits(params, config, token_ids, *, page_size=4, num_pages=None, dtype
     step = make_step([(list(token_ids), 0, table)], page_size, all_logits=True)
     logits, _ = forward(params, kv, step, config)
     return np.asarray(logits)
+
+
+def run_benchmark_script(args: list[str]) -> None:
+    """scripts/benchmark.py's main with these flags, in this process (loaded as a module, its
+    absl flags parsed and reset afterwards)."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_script", os.path.join(root, "scripts", "benchmark.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.FLAGS(["benchmark.py", *args])
+    try:
+        bench.main([])
+    finally:
+        bench.FLAGS.unparse_flags()

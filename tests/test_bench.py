@@ -3,7 +3,6 @@ token ids, replay of dependent requests on a host-only fake engine, metrics with
 the capacity search on a synthetic system, and an end-to-end run on the tiny model."""
 
 import ast
-import importlib.util
 import json
 import math
 import os
@@ -616,15 +615,11 @@ def test_replay_realtime_on_tiny(tiny_llm):
 
 
 def test_benchmark_script_in_process(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_script", os.path.join(ROOT, "scripts", "benchmark.py")
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tests.helpers import run_benchmark_script
+
     out = str(tmp_path / "bench.json")
-    bench.FLAGS(
+    run_benchmark_script(
         [
-            "benchmark.py",
             "--model=tiny",
             "--load_format=dummy",
             "--policies=sarathi,prefill_first",
@@ -642,10 +637,6 @@ def test_benchmark_script_in_process(tmp_path, capsys):
             f"--json_out={out}",
         ]
     )
-    try:
-        bench.main([])
-    finally:
-        bench.FLAGS.unparse_flags()
     table = capsys.readouterr().out
     header = next(line for line in table.splitlines() if line.startswith("metric"))
     assert "sarathi" in header and "prefill_first" in header

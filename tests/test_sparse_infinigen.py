@@ -359,6 +359,26 @@ def test_errors(model):
         LLMEngine(config, params, 20)
 
 
+@pytest.mark.parametrize("pool_memory", ["pinned_host", "device"])
+def test_compiled_step_updates_pool_and_partial_keys_in_place(pool_memory):
+    """The step reads layer i+1's pool pages and partial keys (speculation and fetch, during
+    layer i) before layer i+1 writes them; XLA must not copy them to do that (it copied both
+    every step until the writes were ordered after the reads)."""
+    from llmjax.engine.batch import pack
+
+    sparse = SparseKVConfig(mode="infinigen", num_dense_layers=1, pool_memory=pool_memory)
+    llm = _llm(sparse, num_pages=50)
+    engine = llm.engine
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=4))
+    batch = engine.scheduler.schedule()
+    step, sampling = pack(batch, engine.block_manager.page_tables, 4, engine.buckets)
+    hlo = engine.runner.lower(step, sampling).compile().as_text()
+    copies = [line for line in hlo.splitlines() if " copy(" in line and "[50," in line]
+    assert not copies, copies
+    if pool_memory == "pinned_host":
+        assert engine.runner.kv_pages[1][0].sharding.memory_kind == "pinned_host"
+
+
 # ---- accuracy evaluation and the benchmark ------------------------------------------------
 
 
@@ -404,20 +424,13 @@ def test_long_context_workload_is_real_text():
 
 
 def test_benchmark_compares_sparse_modes(tmp_path, capsys):
-    import importlib.util
     import json
-    import os
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_sparse", os.path.join(root, "scripts", "benchmark.py")
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tests.helpers import run_benchmark_script
+
     out = str(tmp_path / "bench.json")
-    bench.FLAGS(
+    run_benchmark_script(
         [
-            "benchmark.py",
             "--model=tiny",
             "--load_format=dummy",
             "--policies=sarathi",
@@ -437,10 +450,6 @@ def test_benchmark_compares_sparse_modes(tmp_path, capsys):
             f"--json_out={out}",
         ]
     )
-    try:
-        bench.main([])
-    finally:
-        bench.FLAGS.unparse_flags()
     table = capsys.readouterr().out
     assert "KV MiB host->device / decode token" in table and "greedy tokens equal" in table
     doc = json.load(open(out))

@@ -184,11 +184,11 @@ def _page_of(step: StepInput, seq_ids: jax.Array, positions: jax.Array, G: int) 
 
 
 def speculate(
-    q_next: jax.Array,  # [T, N, H] the next layer's query (post-RoPE) from this layer's input
+    q_next: jax.Array,  # [T, N, H] the next layer's query (post-RoPE) of the step's first T tokens
     partial_pages: jax.Array,  # [num_pages, G, K, c] the next layer's partial keys
     a_part: jax.Array,  # [K, H, c]
     step: StepInput,
-    seq_ids: jax.Array,  # [T]
+    seq_ids: jax.Array,  # [T] their sequences
     sparse: SparseKVConfig,
     sm_scale: float,
 ) -> tuple[jax.Array, jax.Array]:
@@ -200,7 +200,7 @@ def speculate(
     Q = N // K
     P = step.page_indices.shape[1]
     C = P * G
-    pos = step.positions  # [T]
+    pos = step.positions[:T]  # the step's first T tokens (its decodes)
     qp = jnp.einsum(
         "tkqh,khc->tkqc", q_next.reshape(T, K, Q, H).astype(jnp.float32), a_part
     )  # partial skewed query
@@ -331,12 +331,16 @@ def sparse_forward(
     scale = config.head_dim**-0.5
     window = config.sliding_window
     seq_ids = token_seq_ids(step.cu_q_lens, T)
+    # A decode-only step has one token per sequence, so its tokens are the first D = S rows
+    # (S <= T): speculation, fetch buffers and sparse attention are sized for them.
+    D = S
     use_sparse = decode_only(step) if sparse.mode == "infinigen" else jnp.bool_(False)
     x = params["embed"][step.token_ids]
     cos, sin = rope_cos_sin(step.positions, config)
     rows = jnp.zeros(T, jnp.int32)
     hits = jnp.zeros((S, P), jnp.int32)
     fetched = None  # (k_rows, v_rows, valid) for this layer, fetched while the previous ran
+    pool = list(pool)
     new_pool, new_partial = [], list(partial_keys)
     layers = params["layers"]
     for i, layer in enumerate(layers):
@@ -353,7 +357,7 @@ def sparse_forward(
                 kp = jnp.einsum("tkh,khc->tkc", k.astype(jnp.float32), weights[i])
                 slots = step.slot_mapping
                 new_partial[i] = (
-                    partial_keys[i].at[slots // G, slots % G].set(kp.astype(partial_keys[i].dtype))
+                    new_partial[i].at[slots // G, slots % G].set(kp.astype(new_partial[i].dtype))
                 )
 
             def dense(q=q, k_pages=k_pages, v_pages=v_pages):
@@ -365,53 +369,56 @@ def sparse_forward(
                 k_rows, v_rows, valid = fetched
 
                 def sparse_path(q=q, k=k, v=v, k_rows=k_rows, v_rows=v_rows, valid=valid):
-                    return sparse_attention(q, k_rows, v_rows, valid, k, v, scale)
+                    o = sparse_attention(q[:D], k_rows, v_rows, valid, k[:D], v[:D], scale)
+                    return jnp.concatenate([o, jnp.zeros((T - D, *o.shape[1:]), o.dtype)])
 
                 o = jax.lax.cond(use_sparse, sparse_path, dense)
-            T_, N, H = o.shape
-            x = x + o.reshape(T_, N * H) @ layer["wo"].reshape(N * H, -1)
+            N, H = o.shape[1:]
+            x = x + o.reshape(T, N * H) @ layer["wo"].reshape(N * H, -1)
             fetched = None
             if i + 1 < L and weights[i + 1] is not None:
                 # Speculate layer i+1 from this layer's attention input and issue its fetch
-                # now, so the copy can overlap the rest of this layer.
+                # now, so the copy can overlap the rest of this layer. Only the selection is
+                # conditional: a fetch inside lax.cond made XLA copy the whole pool layer to
+                # keep it for the read before layer i+1 writes it; outside, a dense step
+                # fetches D x K x M rows of the reserved page (all masked).
                 nxt = layers[i + 1]
                 a_part, partial_next = weights[i + 1], new_partial[i + 1]
-                pool_next = pool[i + 1]
 
-                def spec(
-                    h=h, nxt=nxt, a_part=a_part, partial_next=partial_next, pool_next=pool_next
-                ):
-                    q_next = _project(h, nxt["wq"])
+                def spec(h=h, nxt=nxt, a_part=a_part, partial_next=partial_next):
+                    q_next = _project(h[:D], nxt["wq"])
                     if config.attention_bias:
                         q_next = q_next + nxt["bq"]
-                    q_next = apply_rope(q_next, cos, sin)
-                    positions, valid = speculate(
-                        q_next, partial_next, a_part, step, seq_ids, sparse, scale
-                    )
-                    slots = _page_of(step, seq_ids, positions, G) * G + positions % G
-                    slots = jnp.where(valid, slots, 0)
-                    return (
-                        fetch_rows(pool_next[0], slots, host),
-                        fetch_rows(pool_next[1], slots, host),
-                        valid,
-                        positions,
-                    )
+                    q_next = apply_rope(q_next, cos[:D], sin[:D])
+                    return speculate(q_next, partial_next, a_part, step, seq_ids[:D], sparse, scale)
 
-                def no_spec(pool_next=pool_next):
-                    M = _num_rows(sparse, P * G, G)
-                    Kh, H_ = pool_next[0].shape[2:]
-                    z = jnp.zeros((T, Kh, M, H_), pool_next[0].dtype)
-                    return z, z, jnp.zeros((T, Kh, M), bool), jnp.zeros((T, Kh, M), jnp.int32)
+                def no_spec():
+                    shape = (D, config.num_kv_heads, _num_rows(sparse, P * G, G))
+                    return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool)
 
-                k_rows, v_rows, valid, positions = jax.lax.cond(use_sparse, spec, no_spec)
+                positions, valid = jax.lax.cond(use_sparse, spec, no_spec)
+                positions, valid, new_partial[i + 1] = jax.lax.optimization_barrier(
+                    (positions, valid, partial_next)
+                )  # as for the pool below: layer i+1's partial-key write waits for this read
+                slots = _page_of(step, seq_ids[:D], positions, G) * G + positions % G
+                slots = jnp.where(valid, slots, 0)
+                pool_next = pool[i + 1]
+                k_rows = fetch_rows(pool_next[0], slots, host)
+                v_rows = fetch_rows(pool_next[1], slots, host)
+                # Layer i+1 writes its pages in place only after these reads: the barrier makes
+                # the write depend on them (without it XLA copied the pool layer every step).
+                k_rows, v_rows, pool_next = jax.lax.optimization_barrier(
+                    (k_rows, v_rows, pool_next)
+                )
+                pool[i + 1] = pool_next
                 fetched = (k_rows, v_rows, valid)
-                real = seq_ids < step.num_seqs[0]
+                real = seq_ids[:D] < step.num_seqs[0]
                 valid_real = valid & real[:, None, None]
                 own = real * k.shape[1]  # each token's own rows (from the step, not the pool)
-                rows += jnp.where(use_sparse, valid_real.sum(axis=(1, 2)) + own, 0)
+                rows = rows.at[:D].add(jnp.where(use_sparse, valid_real.sum(axis=(1, 2)) + own, 0))
                 top = valid_real.at[:, :, : sparse.num_sink_tokens + sparse.num_recent_tokens - 1]
                 top = top.set(False)
-                hits = hits.at[seq_ids[:, None, None], positions // G].add(top.astype(jnp.int32))
+                hits = hits.at[seq_ids[:D, None, None], positions // G].add(top.astype(jnp.int32))
         with jax.named_scope("mlp"):
             hm = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
             x = x + swiglu_mlp(hm, layer["w_gate"], layer["w_up"], layer["w_down"])
