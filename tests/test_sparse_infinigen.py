@@ -136,6 +136,30 @@ def test_small_alpha_changes_attention_but_keeps_sinks_and_recent(model):
     assert (stats.rows[:2] >= 4 * CFG.num_kv_heads * 3).all()
 
 
+@pytest.mark.parametrize(
+    "D, K, Q, M, H, dtype",
+    [(3, 2, 2, 21, 16, "float32"), (2, 1, 4, 40, 64, "float32"), (4, 2, 1, 9, 32, "bfloat16")],
+)
+def test_pallas_kernel_over_the_fetched_rows_equals_jnp(D, K, Q, M, H, dtype):
+    """The ragged paged attention kernel (interpreted) attends the fetched rows as one decode
+    sequence per (token, kv head): equal to the jnp sparse attention, random validity masks
+    (one (token, head) with no valid row: only its own)."""
+    rng = np.random.default_rng(D * 100 + M)
+    dt = jnp.dtype(dtype)
+    q = jnp.asarray(rng.standard_normal((D, K * Q, H)), dt)
+    k_rows, v_rows = (jnp.asarray(rng.standard_normal((D, K, M, H)), dt) for _ in range(2))
+    k_new, v_new = (jnp.asarray(rng.standard_normal((D, K, H)), dt) for _ in range(2))
+    valid = rng.random((D, K, M)) < 0.6
+    valid[0, 0] = False
+    valid = jnp.asarray(valid)
+    want = ig.sparse_attention(q, k_rows, v_rows, valid, k_new, v_new, H**-0.5)
+    got = ig.sparse_attention_pallas(q, k_rows, v_rows, valid, k_new, v_new, H**-0.5)
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol
+    )
+
+
 # ---- the selection rule on hand-made scores -----------------------------------------------
 
 
@@ -301,6 +325,16 @@ def test_engine_selecting_everything_equals_dense(dense_outputs, tmp_path):
     assert llm.engine.num_compiles == compiles
 
 
+def test_engine_with_pallas_kernels_selecting_everything_equals_dense(dense_outputs):
+    """attention_backend='pallas' (interpreted here): the kernel attends the fetched pages and
+    the fetched rows; with everything selected the outputs are full attention's."""
+    llm = _llm(SparseKVConfig(mode="infinigen", **EVERYTHING), attention_backend="pallas")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)  # interpreted: keep it short
+    outs = llm.generate(_prompts(5)[:2], params)
+    assert [o.token_ids for o in outs] == [ids[:4] for ids in dense_outputs[:2]]
+    assert llm.engine.stats.num_sparse_steps > 0
+
+
 def test_engine_offload_counts_every_cached_token(dense_outputs):
     llm = _llm("offload")
     params = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -346,8 +380,8 @@ def test_errors(model):
         SparseKVConfig(mode="infinigen", num_recent_tokens=0)
     with pytest.raises(ValueError, match="num_dense_layers=9 exceeds"):
         _llm(SparseKVConfig(mode="infinigen", num_dense_layers=9))
-    with pytest.raises(ValueError, match="attends with its own jnp code"):
-        _llm("offload", attention_backend="pallas")
+    with pytest.raises(ValueError, match="only the jnp attention masks"):
+        _llm(SparseKVConfig(mode="offload", capacity=0.5), attention_backend="pallas")
     from llmjax.config import EngineConfig
     from llmjax.engine.engine import LLMEngine
 
@@ -384,7 +418,8 @@ def test_compiled_step_updates_pool_and_partial_keys_in_place(pool_memory):
 
 def test_teacher_forced_scores_equal_full_logits(model):
     """'offload' is exact full attention: its per-position NLL and greedy tokens equal those
-    of one prefill over the whole sequence; selecting everything gives the same numbers."""
+    of one prefill over the whole sequence; a sparse setting runs its decode steps sparse and
+    fetches fewer rows (selecting everything equals full attention: tested above)."""
     from llmjax.sparse.evaluate import greedy_continuations, teacher_forced
     from tests.helpers import full_logits
 
@@ -399,10 +434,11 @@ def test_teacher_forced_scores_equal_full_logits(model):
         expect = -np.take_along_axis(np.asarray(logp), seqs[b, 16:24, None], axis=1)[:, 0]
         np.testing.assert_allclose(full.nll[b], expect, rtol=1e-4, atol=1e-5)
         np.testing.assert_array_equal(full.argmax[b], logits[15:23].argmax(-1))
-    everything = SparseKVConfig(mode="infinigen", **EVERYTHING)
-    same = teacher_forced(params, CFG, everything, skew, seqs, 16, page_size=4)
-    assert same.sparse_steps == 7  # every decode step
-    np.testing.assert_allclose(same.nll, full.nll, rtol=1e-4, atol=1e-5)
+    few = SparseKVConfig(mode="infinigen", alpha=0.0, num_dense_layers=1, num_recent_tokens=2)
+    sparse = teacher_forced(params, CFG, few, skew, seqs, 16, page_size=4)
+    assert sparse.sparse_steps == 7  # every decode step
+    assert (sparse.rows[:, 1:] < full.rows[:, 1:]).all()  # fetched less
+    np.testing.assert_allclose(sparse.nll[:, 0], full.nll[:, 0], rtol=1e-5)  # the prefill step
     cont = greedy_continuations(params, CFG, seqs[:, :12], 5, page_size=4)
     assert cont.shape == (2, 17)
     for b in range(2):

@@ -202,13 +202,12 @@ class LLMEngine:
         dense_layers = sparse.num_dense_layers if is_sparse else m.num_layers
         rows = dense_layers * cached_tokens * m.num_kv_heads + int(st.rows.sum())
         S, P = step_input.page_indices.shape
-        T = len(step_input.token_ids)
         G = self.block_manager.page_size
         buffer_rows = dense_layers * S * P * G * m.num_kv_heads
         if is_sparse:
             sparse_layers = m.num_layers - sparse.num_dense_layers
             per_token = self.runner.fetch_rows_per_token(P)
-            buffer_rows += sparse_layers * T * m.num_kv_heads * per_token
+            buffer_rows += sparse_layers * S * m.num_kv_heads * per_token
         decode_only = all(
             s.num_new_tokens == 1 and s.start >= len(s.request.prompt_token_ids) for s in batch.seqs
         )

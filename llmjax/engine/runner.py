@@ -120,11 +120,12 @@ class ModelRunner:
         from llmjax.sparse.skew import load_skew
 
         config, sparse = self.config, self.sparse
-        if self.attention_backend != "reference":
+        pallas = self.attention_backend == "pallas"
+        if pallas and sparse.capacity < 1:
             raise ValueError(
-                f"sparse_kv={sparse.mode!r} attends with its own jnp code over the fetched rows; "
-                f"attention_backend={config.attention_backend!r} resolved to "
-                f"{self.attention_backend!r}: use 'reference' (or 'auto' on the CPU)"
+                f"sparse_kv capacity={sparse.capacity} evicts pages (holes in the page tables), "
+                "which only the jnp attention masks: use attention_backend='reference' or "
+                "capacity=1.0"
             )
         self.model_config = config.model
         self.params = params
@@ -152,7 +153,7 @@ class ModelRunner:
         def step_impl(params, pool, partial, weights, step, sampling):
             self.num_compiles += 1  # runs only while tracing
             logits, pool, partial, stats = infinigen.sparse_forward(
-                params, pool, partial, weights, step, config.model, sparse, host
+                params, pool, partial, weights, step, config.model, sparse, host, pallas
             )
             return sample(logits, *sampling), pool, partial, stats
 
@@ -161,10 +162,10 @@ class ModelRunner:
     def fetch_rows_per_token(self, P: int) -> int:
         """sparse_kv='infinigen': rows per (token, kv head) of a sparse layer's fetch buffer, in
         a bucket of P pages per sequence."""
-        from llmjax.sparse.infinigen import _num_rows
+        from llmjax.sparse.infinigen import fetch_buffer_rows
 
         G = self.config.cache.page_size
-        return _num_rows(self.sparse, P * G, G)
+        return fetch_buffer_rows(self.sparse, P * G, G)
 
     def _init_pipeline(self, params, num_pages: int, attention_fn) -> None:
         """pp > 1: weights and KV pages per stage, and the jitted pipeline tick

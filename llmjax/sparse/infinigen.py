@@ -27,9 +27,14 @@ this is InfiniGen's per-head rule). Fetch units are rows [H] of K and V per (tok
 Letters: T tokens, S sequences, P pages per sequence, G page size, C = P * G key positions,
 K kv heads, Q query heads per kv head, N = K * Q, H head dim, c partial columns, M fetched rows.
 
-Static shapes: XLA copies the fetch buffer whole ([T, K, M, H], M = sink + recent + max_num_kv),
-so the bytes an accelerator moves are bounded by `max_num_kv`; the rows actually selected (what
-InfiniGen transfers) are counted and returned as `SparseStats`.
+Static shapes: a decode-only step's tokens are its first S rows (one per sequence), so the fetch
+buffer is [S, K, M, H] (M = sink + recent + max_num_kv) and XLA copies it whole: the bytes an
+accelerator moves are bounded by `max_num_kv`; the rows actually selected (what InfiniGen
+transfers) are counted and returned as `SparseStats`.
+
+In place: layer i+1's pool pages and partial keys are read during layer i (speculation, fetch)
+and written by layer i+1; optimization barriers order the writes after the reads, without which
+XLA copied both every step (tests/test_sparse_infinigen.py checks the compiled HLO).
 """
 
 from __future__ import annotations
@@ -191,6 +196,7 @@ def speculate(
     seq_ids: jax.Array,  # [T] their sequences
     sparse: SparseKVConfig,
     sm_scale: float,
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """InfiniGen's speculation for decode tokens -> (positions [T, K, M], valid [T, K, M]) of the
     rows the next layer attends to besides the token itself: the sink tokens, the recent ones,
@@ -216,6 +222,8 @@ def speculate(
         & (key_pos[None] >= n_sink)
         & resident
     )
+    if window is not None:  # a sliding-window model never attends further back
+        candidate &= key_pos[None] > pos[:, None] - window
     s = jnp.where(candidate[:, None, :], s, -jnp.inf)
     cap = C if sparse.max_num_kv is None else min(sparse.max_num_kv, C)
     if sparse.granularity == "page":
@@ -239,6 +247,9 @@ def speculate(
     recent = pos[:, None, None] - jnp.arange(1, n_recent, dtype=jnp.int32)  # the token: own row
     recent = jnp.broadcast_to(recent, (T, K, n_recent - 1))
     recent_ok = recent >= 0
+    if window is not None:
+        sink_ok &= sink > pos[:, None, None] - window
+        recent_ok &= recent > pos[:, None, None] - window
     positions = jnp.concatenate([sink, recent, top_pos.astype(jnp.int32)], axis=-1)
     valid = jnp.concatenate([sink_ok, recent_ok, ok], axis=-1)
     positions = jnp.where(valid, positions, 0)
@@ -281,8 +292,47 @@ def sparse_attention(
     return o.reshape(T, N, H).astype(q.dtype)
 
 
-def dense_attention(q, pages_k, pages_v, step: StepInput, host: bool, sm_scale, window):
-    """Full attention over each sequence's fetched pages (holes masked)."""
+def sparse_attention_pallas(
+    q, k_rows, v_rows, valid, k_new, v_new, sm_scale, page_size: int = 16
+) -> jax.Array:
+    """`sparse_attention` with the ragged paged attention kernel (kernels_pallas/; interpreted
+    on the CPU): each (token, kv head) becomes one decode sequence with a single kv head, its
+    valid rows moved to the front and its own row after them, laid out as pages of
+    `page_size`, so the kernel attends exactly those kv_len = n_valid + 1 rows."""
+    from kernels_pallas.ragged_paged_attention import ragged_paged_attention
+
+    D, K, M, H = k_rows.shape
+    N = q.shape[1]
+    order = jnp.argsort(~valid, axis=-1, stable=True)  # valid rows first, in their order
+    n = valid.sum(axis=-1).astype(jnp.int32)  # [D, K]
+    Mp = -(-(M + 1) // page_size) * page_size
+
+    def compact(rows, new):
+        rows = jnp.take_along_axis(rows, order[..., None], axis=2)
+        buf = jnp.zeros((D, K, Mp, H), rows.dtype).at[:, :, :M].set(rows)
+        d, k = jnp.meshgrid(jnp.arange(D), jnp.arange(K), indexing="ij")
+        buf = buf.at[d, k, n].set(new.astype(rows.dtype))  # the token's own row after them
+        return buf.reshape(D * K * Mp // page_size, page_size, 1, H)
+
+    pages_per_seq = Mp // page_size
+    out = ragged_paged_attention(
+        q.reshape(D * K, N // K, H),
+        compact(k_rows, k_new),
+        compact(v_rows, v_new),
+        (n + 1).reshape(-1),
+        jnp.arange(D * K * pages_per_seq, dtype=jnp.int32).reshape(D * K, pages_per_seq),
+        jnp.arange(D * K + 1, dtype=jnp.int32),
+        jnp.array([D * K], jnp.int32),
+        sm_scale=sm_scale,
+    )
+    return out.reshape(D, N, H)
+
+
+def dense_attention(
+    q, pages_k, pages_v, step: StepInput, host: bool, sm_scale, window, pallas: bool = False
+):
+    """Full attention over each sequence's fetched pages (holes masked; with `pallas`, the
+    ragged paged attention kernel over them, for pools without holes)."""
     S, P = step.page_indices.shape
     k_all = fetch_pages(pages_k, step.page_indices, host)  # [S * P, G, K, H]
     v_all = fetch_pages(pages_v, step.page_indices, host)
@@ -290,6 +340,20 @@ def dense_attention(q, pages_k, pages_v, step: StepInput, host: bool, sm_scale, 
     # Holes and padding keep page id 0 in the local table, so mask_holes sees them.
     local = jnp.where(step.page_indices == RESERVED_PAGE, 0, local + 1)
     pad = jnp.zeros((1, *k_all.shape[1:]), k_all.dtype)
+    if pallas:
+        from kernels_pallas.ragged_paged_attention import ragged_paged_attention
+
+        return ragged_paged_attention(
+            q,
+            jnp.concatenate([pad, k_all]),
+            jnp.concatenate([pad, v_all]),
+            step.kv_lens,
+            local,
+            step.cu_q_lens,
+            step.num_seqs,
+            sm_scale=sm_scale,
+            sliding_window=window,
+        )
     return paged_attention_reference(
         q,
         jnp.concatenate([pad, k_all]),
@@ -321,9 +385,12 @@ def sparse_forward(
     config: ModelConfig,
     sparse: SparseKVConfig,
     host: bool,
+    pallas: bool = False,
 ) -> tuple[jax.Array, KVPages, list, SparseStats]:
     """One model step over the host pool -> (logits [L, V] float32, pool, partial_keys, stats).
-    `weights`: `speculation_weights` (None entries for dense layers)."""
+    `weights`: `speculation_weights` (None entries for dense layers). `pallas`: attend with the
+    ragged paged attention kernel (over the fetched pages and over the fetched rows) instead of
+    jnp; needs a pool without holes (capacity 1)."""
     L = config.num_layers
     T = step.token_ids.shape[0]
     S, P = step.page_indices.shape
@@ -361,7 +428,7 @@ def sparse_forward(
                 )
 
             def dense(q=q, k_pages=k_pages, v_pages=v_pages):
-                return dense_attention(q, k_pages, v_pages, step, host, scale, window)
+                return dense_attention(q, k_pages, v_pages, step, host, scale, window, pallas)
 
             if fetched is None:
                 o = dense()
@@ -369,7 +436,8 @@ def sparse_forward(
                 k_rows, v_rows, valid = fetched
 
                 def sparse_path(q=q, k=k, v=v, k_rows=k_rows, v_rows=v_rows, valid=valid):
-                    o = sparse_attention(q[:D], k_rows, v_rows, valid, k[:D], v[:D], scale)
+                    attend = sparse_attention_pallas if pallas else sparse_attention
+                    o = attend(q[:D], k_rows, v_rows, valid, k[:D], v[:D], scale)
                     return jnp.concatenate([o, jnp.zeros((T - D, *o.shape[1:]), o.dtype)])
 
                 o = jax.lax.cond(use_sparse, sparse_path, dense)
@@ -390,10 +458,12 @@ def sparse_forward(
                     if config.attention_bias:
                         q_next = q_next + nxt["bq"]
                     q_next = apply_rope(q_next, cos[:D], sin[:D])
-                    return speculate(q_next, partial_next, a_part, step, seq_ids[:D], sparse, scale)
+                    return speculate(
+                        q_next, partial_next, a_part, step, seq_ids[:D], sparse, scale, window
+                    )
 
                 def no_spec():
-                    shape = (D, config.num_kv_heads, _num_rows(sparse, P * G, G))
+                    shape = (D, config.num_kv_heads, fetch_buffer_rows(sparse, P * G, G))
                     return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool)
 
                 positions, valid = jax.lax.cond(use_sparse, spec, no_spec)
@@ -427,7 +497,7 @@ def sparse_forward(
     return logits, new_pool, new_partial, SparseStats(use_sparse, rows, hits)
 
 
-def _num_rows(sparse: SparseKVConfig, C: int, G: int) -> int:
+def fetch_buffer_rows(sparse: SparseKVConfig, C: int, G: int) -> int:
     """M: the fetch buffer's rows per (token, kv head): sinks, recent tokens but the token
     itself, and the speculated ones (`cap` tokens, or `cap // G` whole pages)."""
     cap = C if sparse.max_num_kv is None else min(sparse.max_num_kv, C)
