@@ -341,7 +341,7 @@ class ParallelConfig:
 SPARSE_KV_MODES = ("none", "offload", "infinigen")
 SPARSE_GRANULARITIES = ("token", "page")
 POOL_MEMORIES = ("auto", "pinned_host", "device")
-EVICTION_POLICIES = ("counter", "lru", "fifo")  # implemented in llmjax/sparse/host_pool.py
+EVICTION_POLICIES = ("counter", "lru", "fifo")  # the host pool's (llmjax/sparse/host_pool.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,13 +25,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llmjax.config import EVICTION_POLICIES  # the one list; SparseKVConfig checks it too
 from llmjax.engine.block_manager import pages_needed
 from llmjax.model.step_input import RESERVED_PAGE
 
 if TYPE_CHECKING:
     from llmjax.engine.block_manager import BlockManager
-
-EVICTION_POLICIES = ("counter", "lru", "fifo")
 
 
 @dataclasses.dataclass
