@@ -2,12 +2,18 @@
 
 - With `alpha` huge and no cap the selection is every cached token: logits equal full attention
   (the paged reference) to float32 rounding, and greedy outputs equal `sparse_kv='none'`, with
-  chunked prefill mixing prompts and decodes, for token and page granularity, pool in host memory
-  (`pinned_host` on the CPU) or in device memory.
+  chunked prefill mixing prompts and decodes, for token and page granularity, the pool in host
+  memory (`pinned_host` on the CPU), with the jnp attention and with the Pallas kernel
+  (interpreted), which is also checked alone against the jnp attention over fetched rows.
 - The selection rules on hand-made scores: sinks and recent tokens always, the rest within alpha
-  of the best, the count averaged over kv heads and capped; whole pages at page granularity.
+  of the best, the count averaged over kv heads and capped; whole pages at page granularity;
+  evicted pages (holes) never attended or selected.
 - Engine: bytes moved are counted (full offload = every cached token of every layer), the step
-  compiles once per bucket, evictions (capacity < 1) keep serving with invariants intact.
+  compiles once per bucket and updates the pool and partial keys in place (no copies in the
+  HLO), evictions (capacity < 1) keep serving with invariants intact; the skew is stored beside
+  the checkpoint.
+- Accuracy tools: teacher-forced scores under offload equal one whole-sequence prefill's; the
+  long_context workload is real text; the benchmark compares sparse modes.
 """
 
 from __future__ import annotations
