@@ -314,6 +314,9 @@ def test_engine_selecting_everything_equals_dense(dense_outputs, tmp_path):
     llm.reset_prefix_cache()  # the same prompts again run the same buckets: no new compile
     llm.generate(_prompts(5), params)
     assert llm.engine.num_compiles == compiles
+    # ... nor a second executable for a traced bucket (an uncommitted first input once made
+    # the same trace compile again when the committed outputs came back)
+    assert llm.engine.runner._sparse_step._cache_size() == compiles
 
 
 def test_engine_with_pallas_kernels_selecting_everything_equals_dense(dense_outputs):

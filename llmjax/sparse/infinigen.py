@@ -112,8 +112,11 @@ def allocate_partial_keys(
     shape = (num_pages, page_size, config.num_kv_heads, c)
     out = [None] * config.num_layers
     if sparse.mode == "infinigen":
+        # Committed to the device like the step's outputs: an uncommitted first input made the
+        # second call of the same bucket compile again (same trace, other shardings).
+        device = jax.devices()[0]
         for i in range(sparse.num_dense_layers, config.num_layers):
-            out[i] = jnp.zeros(shape, dtype)
+            out[i] = jax.device_put(np.zeros(shape, jnp.dtype(dtype)), device)
     return out
 
 
