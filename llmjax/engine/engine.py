@@ -208,9 +208,7 @@ class LLMEngine:
             sparse_layers = m.num_layers - sparse.num_dense_layers
             per_token = self.runner.fetch_rows_per_token(P)
             buffer_rows += sparse_layers * S * m.num_kv_heads * per_token
-        decode_only = all(
-            s.num_new_tokens == 1 and s.start >= len(s.request.prompt_token_ids) for s in batch.seqs
-        )
+        decode_only = all(s.is_decode for s in batch.seqs)
         self.stats.record_fetch(
             rows * row, buffer_rows * row, decode_only, is_sparse, len(batch.seqs)
         )

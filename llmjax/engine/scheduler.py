@@ -44,6 +44,11 @@ class ScheduledSeq:
         """Whether this step reaches the end of the request's tokens, so a new token is sampled."""
         return self.start + self.num_new_tokens == self.request.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token past the prompt (not a prefill chunk, nor recomputation)."""
+        return self.num_new_tokens == 1 and self.start >= len(self.request.prompt_token_ids)
+
 
 @dataclasses.dataclass
 class ScheduledBatch:

@@ -57,8 +57,7 @@ class EngineStats:
     ) -> None:
         self.num_steps += 1
         for seq in batch.seqs:
-            is_decode = seq.num_new_tokens == 1 and seq.start >= len(seq.request.prompt_token_ids)
-            if is_decode:
+            if seq.is_decode:
                 self.num_decode_tokens += 1
             else:
                 self.num_prefill_tokens += seq.num_new_tokens

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
+
 # Page 0 is never handed to a request: padded tokens write their K/V there.
 RESERVED_PAGE = 0
 
@@ -37,3 +39,26 @@ class StepInput(NamedTuple):
     page_indices: Any  # [S, max_pages] int32, each sequence's page table
     num_seqs: Any  # [1] int32, sequences in use (the rest is padding)
     logits_indices: Any  # [num_logits] int32, flat token rows whose logits are returned
+
+
+def contiguous_prefill(sequences, n: int, page_size: int) -> tuple[StepInput, np.ndarray]:
+    """One step prefilling the first `n` tokens of each row of `sequences` [B, >= n], row b on
+    its own run of pages (1 + b * pages_per_row, ...; page 0 stays the sink) sized for the whole
+    row; logits of each row's last prefilled token. Returns (step, page tables [B, pages])."""
+    sequences = np.asarray(sequences)
+    B, total = sequences.shape
+    pages_per_row = -(-total // page_size)
+    tables = 1 + np.arange(B * pages_per_row, dtype=np.int32).reshape(B, pages_per_row)
+    pos = np.arange(n)
+    slots = tables[:, pos // page_size] * page_size + pos % page_size  # [B, n]
+    step = StepInput(
+        token_ids=sequences[:, :n].reshape(-1).astype(np.int32),
+        positions=np.tile(pos, B).astype(np.int32),
+        slot_mapping=slots.reshape(-1).astype(np.int32),
+        cu_q_lens=(np.arange(B + 1) * n).astype(np.int32),
+        kv_lens=np.full(B, n, np.int32),
+        page_indices=tables,
+        num_seqs=np.array([B], np.int32),
+        logits_indices=(np.arange(1, B + 1) * n - 1).astype(np.int32),
+    )
+    return step, tables

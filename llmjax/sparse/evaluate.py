@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmjax.config import ModelConfig, SparseKVConfig
-from llmjax.model.step_input import StepInput
+from llmjax.model.step_input import StepInput, contiguous_prefill
 from llmjax.sparse import infinigen
 
 
@@ -45,23 +45,11 @@ def _steps(sequences: np.ndarray, prefix_len: int, page_size: int):
     """The prefill step, then one decode step per position: StepInputs for B sequences, each
     on its own run of pages (1 + b * pages_per_seq ...)."""
     B, n = sequences.shape
-    pages_per_seq = -(-n // page_size)
-    tables = 1 + np.arange(B * pages_per_seq, dtype=np.int32).reshape(B, pages_per_seq)
+    prefill, tables = contiguous_prefill(sequences, prefix_len, page_size)
 
     def slots(b, pos):
         return tables[b, pos // page_size] * page_size + pos % page_size
 
-    pos = np.arange(prefix_len)
-    prefill = StepInput(
-        token_ids=sequences[:, :prefix_len].reshape(-1).astype(np.int32),
-        positions=np.tile(pos, B).astype(np.int32),
-        slot_mapping=np.concatenate([slots(b, pos) for b in range(B)]).astype(np.int32),
-        cu_q_lens=(np.arange(B + 1) * prefix_len).astype(np.int32),
-        kv_lens=np.full(B, prefix_len, np.int32),
-        page_indices=tables,
-        num_seqs=np.array([B], np.int32),
-        logits_indices=(np.arange(1, B + 1) * prefix_len - 1).astype(np.int32),
-    )
     yield prefill
     for t in range(prefix_len, n - 1):
         yield StepInput(

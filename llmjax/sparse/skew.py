@@ -100,20 +100,11 @@ def collect_qk(params, config: ModelConfig, token_ids, page_size: int = 16):
     from llmjax.model.attention import reference_attention
     from llmjax.model.kv_cache import allocate_kv_pages
     from llmjax.model.llama import forward
-    from llmjax.model.step_input import StepInput
+    from llmjax.model.step_input import contiguous_prefill
 
     n = len(token_ids)
+    step, _ = contiguous_prefill([list(token_ids)], n, page_size)  # pages 1.. (0: the sink)
     pages = -(-n // page_size)
-    step = StepInput(
-        token_ids=np.asarray(token_ids, np.int32),
-        positions=np.arange(n, dtype=np.int32),
-        slot_mapping=np.arange(page_size, page_size + n, dtype=np.int32),  # pages 1.. (0: sink)
-        cu_q_lens=np.array([0, n], np.int32),
-        kv_lens=np.array([n], np.int32),
-        page_indices=np.arange(1, 1 + pages, dtype=np.int32)[None],
-        num_seqs=np.array([1], np.int32),
-        logits_indices=np.array([n - 1], np.int32),
-    )
 
     def run(params, kv, step):
         queries, keys = [], []
