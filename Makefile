@@ -32,11 +32,12 @@ demo: $(STAMP)
 	@echo "==> generating with SmolLM2-135M-Instruct (first run compiles for ~20 s)"
 	$(PY) scripts/generate.py --chat --prompt "$(PROMPT)" --max_tokens 64
 
+# Tests run in parallel over the CPU cores (pytest-xdist, at most 4 workers: each holds models).
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n auto --maxprocesses 4 -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
