@@ -2,7 +2,7 @@ r"""Serving benchmark: replay a workload against each scheduling policy and comp
 
     python scripts/benchmark.py                              # SmolLM2: sarathi vs prefill_first
     python scripts/benchmark.py --workload long_prompt_interference --num_requests 16 --qps 2
-    python scripts/benchmark.py --capacity_search --tbt_slo 0.2   # capacity per policy
+    python scripts/benchmark.py --capacity_search --tbt_slo 0.2 --plot_dir out/plots  # capacity
     python scripts/benchmark.py --batch_sizes 1,8,32,64           # + throughput at batch N
     python scripts/benchmark.py --host_overhead_requests 256      # + host vs device time per step
     python scripts/benchmark.py --model tiny --load_format dummy --num_requests 8   # smoke test
@@ -10,6 +10,9 @@ r"""Serving benchmark: replay a workload against each scheduling policy and comp
     python scripts/benchmark.py --workload few_shot --prefix_caches none,radix \
         --admission_orders fcfs,lpm
     python scripts/benchmark.py --tp 2 --pad_heads        # sharded (flags as scripts/generate.py)
+    # all four policies on long prompts arriving among decodes, with PNG plots in out/plots:
+    python scripts/benchmark.py --workload long_prompt_interference --num_requests 12 --qps 1 \
+        --policies sarathi,prefill_first,decode_first,splitfuse --plot_dir out/plots
     # the KV cache in host memory: full attention on the device vs full offload vs InfiniGen
     python scripts/benchmark.py --workload long_context --sparse_kv none,offload,infinigen \
         --num_requests 4 --long_prompt_len 1920 --output_len 128 --max_model_len 2048
@@ -24,6 +27,8 @@ requests are replayed in real time (Poisson arrivals at --qps, or all at once wi
 the metrics of ALGORITHMS.md §1 are printed side by side and written to --json_out with the
 engine's counters (prefill tokens computed, prefix-cache hits and evictions among them). The
 prefix cache is emptied before each measured replay, so warm-up and rehearsal do not pre-fill it.
+--plot_dir draws the measured replays (llmjax/viz/latency.py): each variant's per-token latency
+over time, the TBT CDFs side by side, and the capacity and throughput-at-batch results.
 Without --tbt_slo the TBT SLO is --tbt_slo_factor x a measured decode step of
 --slo_reference_batch requests (Sarathi-Serve chose its SLOs as ~5x / ~25x a decode iteration).
 """
@@ -218,6 +223,14 @@ flags.DEFINE_enum(
     "kv_eviction", "counter", ["counter", "lru", "fifo"], "Host pool eviction policy."
 )
 flags.DEFINE_string("json_out", "out/benchmark.json", "Where to write the results ('' = nowhere).")
+flags.DEFINE_string(
+    "plot_dir",
+    "",
+    "If set, write PNG plots there (llmjax/viz/latency.py; needs matplotlib, the viz extra): "
+    "timeline_<variant>.png (each generated token's gap to its request's previous token against "
+    "time), tbt_cdf.png (TBT CDFs of all variants), with --capacity_search capacity.png (capacity "
+    "QPS per variant) and with --batch_sizes throughput_vs_batch.png.",
+)
 
 parallel_flags.define_flags()
 
@@ -605,6 +618,8 @@ def run_variant(variant: Variant, state: dict) -> dict:
     t = time.perf_counter()
     outputs = replay(engine, specs, realtime=True, seed=FLAGS.seed, clock=_clock())
     _log(f"{name}: replayed {len(specs)} requests in {time.perf_counter() - t:.1f} s")
+    if FLAGS.plot_dir:  # the plots need every token's time, which the JSON does not keep
+        state.setdefault("outputs", {})[name] = outputs
     result = {
         "engine": info,
         "summary": summarize(outputs, **slos),
@@ -762,6 +777,42 @@ def report(results: dict, state: dict) -> str:
     return "\n".join(lines)
 
 
+def write_plots(results: dict, state: dict, plot_dir: str) -> list[str]:
+    """The --plot_dir PNGs (see the flag); returns their paths."""
+    import re
+
+    from llmjax.viz import latency, save_figure
+
+    runs = state["outputs"]
+    tbt_slo = state["tbt_slo"]
+    # long_prompt_interference: mark where the long prompts arrive (the short ones have
+    # exactly --prompt_len tokens).
+    long_from = FLAGS.prompt_len + 1 if FLAGS.workload == "long_prompt_interference" else None
+    paths = []
+    for i, (name, outputs) in enumerate(runs.items()):
+        ax = latency.plot_token_latency(
+            outputs,
+            label=name,
+            color=latency.run_color(name, i),
+            tbt_slo=tbt_slo,
+            mark_prompts_from=long_from,
+        )
+        ax.legend(loc="upper right", fontsize="small")
+        safe = re.sub(r"[^\w.-]+", "_", name)
+        paths.append(save_figure(ax, os.path.join(plot_dir, f"timeline_{safe}.png")))
+    ax = latency.plot_tbt_cdf(runs, tbt_slo=tbt_slo)
+    paths.append(save_figure(ax, os.path.join(plot_dir, "tbt_cdf.png")))
+    if FLAGS.capacity_search:
+        ax = latency.plot_capacity({p: r["capacity"] for p, r in results.items()})
+        paths.append(save_figure(ax, os.path.join(plot_dir, "capacity.png")))
+    if FLAGS.batch_sizes:
+        ax = latency.plot_throughput_vs_batch(
+            {p: r["throughput_at_batch"] for p, r in results.items()}
+        )
+        paths.append(save_figure(ax, os.path.join(plot_dir, "throughput_vs_batch.png")))
+    return paths
+
+
 def sparse_rows(results: dict) -> list:
     """With sparse KV modes: host -> device KV traffic, and agreement with the first column."""
     if all(r["engine"]["sparse_kv"] == "none" for r in results.values()):
@@ -875,6 +926,9 @@ def main(argv):
     if not parallel_flags.is_leader(FLAGS):
         return  # every process ran the same replays in lockstep; process 0 reports
     print(report(results, state), flush=True)
+    if FLAGS.plot_dir:
+        for path in write_plots(results, state, FLAGS.plot_dir):
+            print(f"wrote {path}")
     if FLAGS.json_out:
         os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
         doc = {

@@ -635,9 +635,24 @@ def test_benchmark_script_in_process(tmp_path, capsys):
             "--warmup=4",
             "--tbt_slo=10",
             f"--json_out={out}",
+            f"--plot_dir={tmp_path / 'plots'}",
+            "--batch_sizes=2",
+            "--capacity_search",
+            "--capacity_start_qps=50",
+            "--capacity_max_iters=2",
         ]
     )
     table = capsys.readouterr().out
+    for name in [
+        "timeline_sarathi",
+        "timeline_prefill_first",
+        "tbt_cdf",
+        "capacity",
+        "throughput_vs_batch",
+    ]:
+        png = (tmp_path / "plots" / f"{name}.png").read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000, name
+    assert "capacity qps" in table and "throughput at batch N" in table
     header = next(line for line in table.splitlines() if line.startswith("metric"))
     assert "sarathi" in header and "prefill_first" in header
     assert "TBT P99 ms" in table and "host ms/step" in table
