@@ -284,7 +284,7 @@ class BlockManager:
             for p in path:
                 refs[p] = refs.get(p, 0) + 1
         if isinstance(cache, RadixCache):
-            for node in cache._nodes():
+            for node in cache.nodes():
                 for p in node.pages:
                     assert refs.get(p, 0) == node.lock_ref, (
                         f"page {p}: {refs.get(p, 0)} tables share it, lock_ref {node.lock_ref}"
@@ -300,7 +300,7 @@ def _first_hole(table: Sequence[int]) -> int:
 
 def _cache_pages(cache: PrefixCache) -> list[int]:
     if isinstance(cache, RadixCache):
-        return [p for node in cache._nodes() for p in node.pages]
+        return [p for node in cache.nodes() for p in node.pages]
     return []
 
 

@@ -313,8 +313,9 @@ class RadixCache(PrefixCache):
 
     # ---- evict / reset -------------------------------------------------------------------------
 
-    def _nodes(self) -> list[RadixNode]:
-        """Every node but the root, parents before children."""
+    def nodes(self) -> list[RadixNode]:
+        """Every node but the root, parents before children (a list: safe to mutate the tree while
+        iterating it). `llmjax.viz.radix.snapshot_tree` copies the tree with depths and offsets."""
         nodes, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -328,7 +329,7 @@ class RadixCache(PrefixCache):
             return freed
         heap = [
             (n.last_access, n.node_id, n)
-            for n in self._nodes()
+            for n in self.nodes()
             if not n.children and not n.lock_ref
         ]
         heapq.heapify(heap)
@@ -347,8 +348,8 @@ class RadixCache(PrefixCache):
     def reset(self) -> list[int]:
         if self._num_locked_pages:
             raise RuntimeError(f"reset while {self._num_locked_pages} pages are locked")
-        pages = [p for n in self._nodes() for p in n.pages]
-        for n in self._nodes():
+        pages = [p for n in self.nodes() for p in n.pages]
+        for n in self.nodes():
             n.parent = None
         self.root = self._new_root()
         self._pages.clear()
@@ -368,7 +369,7 @@ class RadixCache(PrefixCache):
         ps, root = self.page_size, self.root
         assert root.token_ids == () and root.pages == [] and root.parent is None
         owned, locked = [], 0
-        for node in self._nodes():
+        for node in self.nodes():
             assert node.token_ids and len(node.token_ids) % ps == 0, f"edge {node.token_ids}"
             assert len(node.pages) == len(node.token_ids) // ps, "one page per page_size tokens"
             assert node.parent.children.get(node.token_ids[:ps]) is node, "child key / parent"
