@@ -251,11 +251,15 @@ class LLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[str]:
         """Yield the generated text piece by piece as tokens arrive (other requests added to
-        `self.engine` keep running alongside)."""
+        `self.engine` keep running alongside). With stop strings, the last len(longest) - 1
+        characters are held back until they cannot be the start of one, so the pieces join to
+        the final `RequestOutput.text`."""
         token_ids, text = self._encode(prompt)
         request_id = self.engine.add_request(token_ids, sampling_params, prompt=text)
         detok = IncrementalDetokenizer(self.get_tokenizer())
-        seen = 0
+        stop = sampling_params.stop if sampling_params else ()
+        hold = max((len(s) for s in stop), default=1) - 1
+        seen = emitted = 0
         try:
             while True:
                 outputs = [o for o in self.engine.step() if o.request_id == request_id]
@@ -263,15 +267,18 @@ class LLM:
                     if out.error:
                         raise ValueError(f"request rejected: {out.error}")
                     for tid in out.token_ids[seen:]:
-                        piece = detok.add(tid)
-                        if piece:
-                            yield piece
+                        detok.add(tid)
                     seen = len(out.token_ids)
-                    if out.finished:
-                        rest = detok.finish()
-                        if rest:
-                            yield rest
+                    if out.finished:  # the final text: cut at a stop string, held-back bytes in
+                        detok.finish()
+                        final = out.text if stop else detok.text
+                        if final[emitted:]:
+                            yield final[emitted:]
                         return
+                    safe = len(detok.text) - hold
+                    if safe > emitted:
+                        yield detok.text[emitted:safe]
+                        emitted = safe
         finally:
             self.engine.abort_request(request_id)
 

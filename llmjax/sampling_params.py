@@ -17,6 +17,10 @@ class SamplingParams:
     stop_token_ids: extra token ids that end the request (the model's EOS ids always do, unless
         ignore_eos).
     ignore_eos: keep generating past EOS until max_tokens.
+    stop: strings that end the request when the generated text contains one (a str or a list);
+        the text ends before it (with it if include_stop_str_in_output); the token ids end with
+        the token that completed it. Needs a tokenizer.
+    include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
 
     max_tokens: int = 64
@@ -26,8 +30,16 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list | set):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not isinstance(t, str) or not t for t in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got stop={self.stop!r}")
         if isinstance(self.stop_token_ids, list | set):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

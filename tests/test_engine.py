@@ -119,6 +119,15 @@ def test_bad_prompts_are_rejected_and_others_served(llm, alone_outputs):
     assert outs[1].token_ids == alone_outputs[0]
 
 
+def test_stop_strings_without_a_tokenizer_are_rejected_and_others_served(llm, alone_outputs):
+    good = _prompts(7)[0]
+    outs = llm.generate(
+        [good, good], [SamplingParams(max_tokens=12, stop="x"), SamplingParams(max_tokens=12)]
+    )
+    assert outs[0].finish_reason == "error" and "need a tokenizer" in outs[0].error
+    assert outs[1].token_ids == alone_outputs[0]
+
+
 def test_prompt_larger_than_the_cache_is_rejected():
     tiny_cache = _llm(num_pages=5, max_model_len=64)
     out = tiny_cache.generate([list(range(3, 40))], SamplingParams(max_tokens=4))[0]

@@ -20,11 +20,18 @@ from llmjax.model.sampler import sample
         ({"top_p": 1.5}, "top_p"),
         ({"seed": -1}, "seed"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["ok", 3]}, "stop"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_stop_accepts_one_string_or_a_list():
+    assert SamplingParams(stop="\n\n").stop == ("\n\n",)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
 
 
 def _run(logits, temperature, top_k=0, top_p=1.0, seed=0, counter=0, all_greedy=False):

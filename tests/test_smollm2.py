@@ -69,6 +69,39 @@ def test_stream_yields_the_generated_text(llm):
     assert "".join(pieces) == llm.generate([prompt], params)[0].text
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_cut_the_text_and_stream_alike(llm, include):
+    """A stop string taken from the middle of a greedy continuation ends the same request there
+    (text before it, or through it with include_stop_str_in_output; token ids a prefix of the
+    full run's ending with the token that completed it), batched beside a request without one,
+    and the streamed pieces join to the same text."""
+    from llmjax import SamplingParams
+
+    prompt = "Once upon a time,"
+    full = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    start = len(full.text) // 2
+    stop = full.text[start : start + 4]
+    index = full.text.find(stop)  # its first occurrence may come earlier
+    params = SamplingParams(
+        max_tokens=40,
+        ignore_eos=True,
+        stop=[stop, "never in this text"],
+        include_stop_str_in_output=include,
+    )
+    other = "def fibonacci(n):"
+    outs = llm.generate([prompt, other], [params, SamplingParams(max_tokens=8, ignore_eos=True)])
+    out = outs[0]
+    end = index + len(stop) if include else index
+    assert out.finish_reason == "stop" and out.text == full.text[:end]
+    n = len(out.token_ids)
+    assert out.token_ids == full.token_ids[:n] and n < len(full.token_ids)
+    tok = llm.get_tokenizer()
+    assert stop in tok.decode(out.token_ids) and stop not in tok.decode(out.token_ids[:-1])
+    alone = llm.generate([other], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert outs[1].token_ids == alone.token_ids and outs[1].finish_reason == "length"
+    assert "".join(llm.stream(prompt, params)) == out.text
+
+
 def test_chats_sharing_a_system_prompt_reuse_its_pages_and_answer_the_same(llm):
     from llmjax import LLM, SamplingParams
 

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmjax.tokenizer import IncrementalDetokenizer, Tokenizer
+from llmjax.tokenizer.detokenizer import StopStringMatcher
 from llmjax.tokenizer.gguf_vocab import _bytes_to_unicode
 
 GOLDEN_PATH = os.path.join(os.path.dirname(__file__), "testdata", "tokenizer_golden.json")
@@ -307,3 +308,25 @@ def test_from_gguf_unsupported_model(tmp_path):
     path = _write_gguf(tmp_path / "bert.gguf", model="bert", meta=meta)
     with pytest.raises(NotImplementedError, match=r"'bert'.*bert\.gguf"):
         Tokenizer.from_gguf(path)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_matcher_stops_at_the_first_occurrence(smol, include):
+    """Fed one id at a time, the matcher fires at the token that completes the earliest stop
+    string (multi-byte characters included) and cuts the text before it (or after it)."""
+    text = "The cat sat on the mat. The dog ate the cat's food; émigrés say 日本語 too."
+    ids = smol.encode(text)
+    full = smol.decode(ids)
+    cases = [["cat"], ["mat. The"], ["日本"], ["food;"], ["é"], ["zzz"], ["sat", "cat"], ["e c"]]
+    for stop in cases:
+        m = StopStringMatcher(smol, [*stop, "never there"], include_stop_str=include)
+        n = next((k + 1 for k in range(len(ids)) if m.add(ids[k])), None)
+        hits = [(full.find(s), s) for s in stop if s in full]
+        if not hits:
+            assert n is None and m.matched is None and m.text_end is None, stop
+            continue
+        index, want = min(hits)
+        assert m.matched == want, stop
+        assert m.text_end == index + (len(want) if include else 0), stop
+        assert want in smol.decode(ids[:n]) and want not in smol.decode(ids[: n - 1]), stop
+        assert m.add(ids[0]) is True  # stays stopped

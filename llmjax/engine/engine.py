@@ -25,6 +25,7 @@ from llmjax.engine.radix_cache import make_prefix_cache
 from llmjax.engine.request import Request, RequestOutput, RequestStatus
 from llmjax.engine.stats import EngineStats
 from llmjax.sampling_params import SamplingParams
+from llmjax.tokenizer.detokenizer import StopStringMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,10 @@ class LLMEngine:
         )
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
+        if sampling_params.stop and self.tokenizer is not None:
+            req.stop_matcher = StopStringMatcher(
+                self.tokenizer, sampling_params.stop, sampling_params.include_stop_str_in_output
+            )
         error = self._validate(req)
         if error:
             req.error = error
@@ -137,6 +142,8 @@ class LLMEngine:
         max_len = self.config.max_model_len
         if n == 0:
             return "empty prompt: at least one token is needed"
+        if req.sampling_params.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer; this engine has none (use stop_token_ids)"
         if n >= max_len:
             return (
                 f"prompt has {n} tokens but max_model_len={max_len} leaves no room for a new token"
@@ -275,6 +282,8 @@ class LLMEngine:
         text = ""
         if done and self.tokenizer is not None and req.output_token_ids:
             text = self.tokenizer.decode(req.output_token_ids)
+            if req.stop_matcher is not None and req.stop_matcher.text_end is not None:
+                text = text[: req.stop_matcher.text_end]
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,

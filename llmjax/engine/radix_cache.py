@@ -328,9 +328,7 @@ class RadixCache(PrefixCache):
         if num_pages <= 0:
             return freed
         heap = [
-            (n.last_access, n.node_id, n)
-            for n in self.nodes()
-            if not n.children and not n.lock_ref
+            (n.last_access, n.node_id, n) for n in self.nodes() if not n.children and not n.lock_ref
         ]
         heapq.heapify(heap)
         while heap and len(freed) < num_pages:

@@ -92,6 +92,8 @@ class Request:
     metrics: RequestMetrics = dataclasses.field(
         default_factory=lambda: RequestMetrics(arrival_time=time.perf_counter())
     )
+    # Set by the engine when sampling_params.stop is given (a StopStringMatcher).
+    stop_matcher: object | None = dataclasses.field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -121,8 +123,10 @@ class Request:
             self.metrics.first_token_time = now
         self.metrics.token_times.append(now)
         params = self.sampling_params
-        if token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in self.eos_token_ids
+        if (
+            token_id in params.stop_token_ids
+            or (not params.ignore_eos and token_id in self.eos_token_ids)
+            or (self.stop_matcher is not None and self.stop_matcher.add(token_id))
         ):
             self.finish("stop", now)
         elif len(self.output_token_ids) >= params.max_tokens:
@@ -138,8 +142,9 @@ class Request:
 class RequestOutput:
     """The result of one request (names as in vLLM).
 
-    `text` is the detokenized `token_ids` (generated tokens only). `finish_reason` is 'stop'
-    (EOS or a stop token), 'length' (max_tokens or max_model_len), 'abort', or 'error' with
+    `text` is the detokenized `token_ids` (generated tokens only; cut before a matched stop
+    string unless include_stop_str_in_output). `finish_reason` is 'stop' (EOS, a stop token or a
+    stop string), 'length' (max_tokens or max_model_len), 'abort', or 'error' with
     `error` saying why (e.g. a prompt too long for the model). `num_cached_tokens` is the prompt
     tokens whose KV came from the prefix cache instead of being computed (its hit).
     """

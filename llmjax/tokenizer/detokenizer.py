@@ -1,4 +1,5 @@
-"""`IncrementalDetokenizer`: turns a stream of generated ids into printable text pieces.
+"""`IncrementalDetokenizer`: turns a stream of generated ids into printable text pieces;
+`StopStringMatcher`: finds the first stop string in a request's generated text as it grows.
 
 No jax here: the engine's host side uses this module.
 """
@@ -89,3 +90,38 @@ class IncrementalDetokenizer:
         if len(self._ids) == self._read:
             return ""
         return self._emit(self._decode(self._ids))
+
+
+class StopStringMatcher:
+    """Watches a request's generated text for stop strings (`SamplingParams.stop`).
+
+    `add(token_id)` returns True once the text decoded so far (the same text as
+    `tokenizer.decode(generated_ids)`, held back only inside a split character) contains a stop
+    string; `text_end` is then where the request's text ends: before the earliest match, or after
+    it with `include_stop_str`. Only the tail that a new piece can complete is searched.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], include_stop_str: bool = False):
+        if not stop:
+            raise ValueError("StopStringMatcher needs at least one stop string")
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = tuple(stop)
+        self._longest = max(len(s) for s in self._stop)
+        self._include = include_stop_str
+        self.matched: str | None = None
+        self.text_end: int | None = None
+
+    def add(self, token_id: int) -> bool:
+        if self.matched is not None:
+            return True
+        old = len(self._detok.text)
+        if not self._detok.add(token_id):
+            return False
+        text = self._detok.text
+        lo = max(0, old - self._longest + 1)  # a match must end in the new piece
+        hits = [(i, s) for s in self._stop if (i := text.find(s, lo)) >= 0]
+        if not hits:
+            return False
+        index, self.matched = min(hits, key=lambda h: (h[0], -len(h[1])))
+        self.text_end = index + len(self.matched) if self._include else index
+        return True
