@@ -54,7 +54,12 @@ def main(argv):
     from llmjax import LLM
     from llmjax.bench.texts import public_domain_text
     from llmjax.config import SparseKVConfig
-    from llmjax.sparse.evaluate import greedy_continuations, teacher_forced
+    from llmjax.sparse.evaluate import (
+        fetched_fraction,
+        greedy_agreement,
+        greedy_continuations,
+        teacher_forced,
+    )
     from llmjax.sparse.skew import calibrate
 
     llm = LLM(FLAGS.model, load_format=FLAGS.load_format, num_pages=4, max_model_len=64)
@@ -104,9 +109,8 @@ def main(argv):
         gen_run = teacher_forced(params, config, sparse, skew, continued, FLAGS.prefix_len)
         if full is None:
             full = (ppl_run, gen_run)
-        agree = float((gen_run.argmax[:, :-1] == full[1].argmax[:, :-1]).mean())
-        # scored decode positions only (the prefill step's row is the same for everyone)
-        fetched = float(ppl_run.rows[:, 1:].sum() / full[0].rows[:, 1:].sum())
+        agree = greedy_agreement(gen_run, full[1])
+        fetched = fetched_fraction(ppl_run, full[0])
         row = {
             "setting": name,
             "mode": sparse.mode,

@@ -41,6 +41,18 @@ class TeacherForced:
         return float(np.exp(self.nll.mean()))
 
 
+def greedy_agreement(run: TeacherForced, reference: TeacherForced) -> float:
+    """The share of scored positions whose greedy token equals `reference`'s (runs over the same
+    sequences; the last position has no next given token and is left out)."""
+    return float((run.argmax[:, :-1] == reference.argmax[:, :-1]).mean())
+
+
+def fetched_fraction(run: TeacherForced, reference: TeacherForced) -> float:
+    """KV rows `run` fetched over the decode steps relative to `reference` (full attention); the
+    prefill step's row, full for every setting, is left out."""
+    return float(run.rows[:, 1:].sum() / reference.rows[:, 1:].sum())
+
+
 def _steps(sequences: np.ndarray, prefix_len: int, page_size: int):
     """The prefill step, then one decode step per position: StepInputs for B sequences, each
     on its own run of pages (1 + b * pages_per_seq ...)."""

@@ -539,15 +539,17 @@ def accuracy_row(setting: str, sparse, ppl_run, gen_run, full_ppl, full_gen) -> 
     perplexity, greedy agreement (the share of positions whose greedy token equals full
     attention's; the last position has no next given token and is left out) and the fraction of
     full attention's KV rows fetched over the decode steps (the prefill, full for everyone, left
-    out), as scripts/eval_sparse.py computes them."""
+    out): `llmjax.sparse.evaluate`'s measures, as scripts/eval_sparse.py reports them."""
+    from llmjax.sparse.evaluate import fetched_fraction, greedy_agreement
+
     return {
         "setting": setting,
         "mode": sparse.mode,
         "granularity": sparse.granularity,
         "alpha": sparse.alpha,
         "perplexity": ppl_run.perplexity,
-        "greedy_agreement": float((gen_run.argmax[:, :-1] == full_gen.argmax[:, :-1]).mean()),
-        "fetched_fraction": float(ppl_run.rows[:, 1:].sum() / full_ppl.rows[:, 1:].sum()),
+        "greedy_agreement": greedy_agreement(gen_run, full_gen),
+        "fetched_fraction": fetched_fraction(ppl_run, full_ppl),
     }
 
 
