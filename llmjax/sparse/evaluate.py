@@ -76,6 +76,23 @@ def _steps(sequences: np.ndarray, prefix_len: int, page_size: int):
         )
 
 
+@functools.cache
+def _step_fn(config: ModelConfig, sparse: SparseKVConfig, host: bool):
+    """The jitted sparse step for one setting, built once (so the runs of one setting on other
+    sequences of the same shape reuse its executable)."""
+    return jax.jit(
+        functools.partial(infinigen.sparse_forward, config=config, sparse=sparse, host=host),
+        donate_argnums=(1, 2),
+    )
+
+
+@jax.jit
+def _score(logits, targets):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
+    return nll, jnp.argmax(logits, axis=-1)
+
+
 def teacher_forced(
     params,
     config: ModelConfig,
@@ -99,19 +116,8 @@ def teacher_forced(
     weights = [None] * config.num_layers
     if sparse.mode == "infinigen":
         weights = infinigen.speculation_weights(*skew, config, sparse)
-    step_fn = jax.jit(
-        functools.partial(
-            infinigen.sparse_forward, config=config, sparse=sparse, host=kind is not None
-        ),
-        donate_argnums=(1, 2),
-    )
-
-    @jax.jit
-    def score(logits, targets):
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
-        return nll, jnp.argmax(logits, axis=-1)
-
+    step_fn = _step_fn(config, sparse, kind is not None)
+    score = _score
     nll, argmax, rows = [], [], []
     sparse_steps = 0
     row_per_token = config.num_kv_heads  # rows per cached token and layer
