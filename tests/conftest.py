@@ -14,6 +14,26 @@ import pytest  # noqa: E402
 TESTDATA = os.path.join(os.path.dirname(__file__), "testdata")
 
 
+def pytest_configure(config):
+    """One persistent compilation cache for the whole run, shared by the xdist workers: many
+    tests compile the same step shapes (the tiny model's buckets, SmolLM2's), and on a fresh
+    machine compiling dominates the suite. Tests that pass compilation_cache_dir="" use it too
+    (the engine leaves a configured cache alone); the test of the engine's own cache runs in
+    subprocesses with their own directory. LLMJAX_TEST_COMPILATION_CACHE='' turns it off."""
+    import jax
+
+    cache_dir = os.environ.get(
+        "LLMJAX_TEST_COMPILATION_CACHE",
+        os.path.join(
+            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llmjax", "jax-tests"
+        ),
+    )
+    if cache_dir:
+        os.makedirs(cache_dir, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip `gpu` tests unless JAX sees a GPU (run them with JAX_PLATFORMS=cuda)."""
     import jax
