@@ -10,13 +10,14 @@ from configs.llama3 import LLAMA3_8B, LLAMA31_8B
 from configs.mistral import MISTRAL_7B
 from configs.qwen2 import QWEN2_0_5B, QWEN2_7B
 from configs.smollm2 import SMOLLM2_135M
-from configs.tiny import TINY, TINY_DEEP, TINY_GQA1
+from configs.tiny import TINY, TINY_DEEP, TINY_GQA1, TINY_H64
 from llmjax.config import ModelConfig
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": TINY,
     "tiny-gqa1": TINY_GQA1,
     "tiny-deep": TINY_DEEP,
+    "tiny-h64": TINY_H64,
     "smollm2-135m-instruct": SMOLLM2_135M,
     "llama3-8b": LLAMA3_8B,
     "llama3.1-8b": LLAMA31_8B,

@@ -21,3 +21,6 @@ TINY_GQA1 = TINY.replace(name="tiny-gqa1", num_kv_heads=1, tie_word_embeddings=T
 
 # Five layers: pipeline stages of unequal size (pp=2: 3 + 2, pp=4: 2 + 1 + 1 + 1).
 TINY_DEEP = TINY.replace(name="tiny-deep", num_layers=5)
+
+# Head dim 64 (the smallest the Mosaic GPU attention kernel takes), 2 query heads per kv head.
+TINY_H64 = TINY.replace(name="tiny-h64", hidden_size=256, head_dim=64)

@@ -1,17 +1,18 @@
 """Which implementation of a kernel runs where, shared by every kernel folder's wrapper.
 
-Implementations: 'tpu' (Pallas Mosaic TPU), 'gpu' (Pallas GPU), 'reference' (plain jnp). With no
-name, the platform's kernel: gpu on CUDA/ROCm, tpu on TPU and on the CPU (in interpret mode, for
-checking). A kernel named on a platform where it cannot compile raises unless interpret=True:
-nothing silently falls back.
+Implementations: 'tpu' (Pallas Mosaic TPU), 'gpu' (Pallas on the Triton lowering), 'mgpu' (Pallas
+Mosaic GPU, Hopper; ragged paged attention only), 'reference' (plain jnp). With no name, the
+platform's kernel: gpu on CUDA/ROCm, tpu on TPU and on the CPU (in interpret mode, for checking). A
+kernel named on a platform where it cannot compile raises unless interpret=True: nothing silently
+falls back.
 """
 
 from __future__ import annotations
 
 import jax
 
-IMPLEMENTATIONS = ("tpu", "gpu", "reference")
-COMPILES_ON = {"tpu": ("tpu",), "gpu": ("gpu", "cuda")}
+IMPLEMENTATIONS = ("tpu", "gpu", "mgpu", "reference")
+COMPILES_ON = {"tpu": ("tpu",), "gpu": ("gpu", "cuda"), "mgpu": ("gpu", "cuda")}
 
 
 def default_implementation(platform: str | None = None) -> str:

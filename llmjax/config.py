@@ -298,6 +298,7 @@ PREFIX_CACHES = ("none", "radix")  # implemented in llmjax/engine/radix_cache.py
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 FLASH_PREFILL_MODES = ("auto", "on", "off")
+PALLAS_KERNELS = ("auto", "tpu", "gpu", "mgpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,7 +437,12 @@ class EngineConfig:
     one fresh prompt (one sequence, nothing cached) attends with the flash prefill kernel instead
     of the ragged one: 'auto' where it was measured faster (token buckets from
     kernels_pallas/flash_prefill/tuning.py ENGINE_MIN_TOKENS: GPU >= 2048, TPU never), 'on' in
-    every bucket (for checking and measuring), 'off' never. `compilation_cache_dir` enables JAX's
+    every bucket (for checking and measuring), 'off' never. `pallas_kernel` (PALLAS_KERNELS, pallas
+    backend only): which ragged paged attention kernel, 'auto' the platform's (gpu on CUDA, tpu on
+    TPU and, interpreted, on the CPU), or one by name: 'tpu' (Mosaic TPU), 'gpu' (Triton),
+    'mgpu' (Mosaic GPU for Hopper: bfloat16/float16, head_dim % 64 == 0, page_size % 8 == 0;
+    flash prefill then uses the Triton kernel; interpreted on the CPU).
+    `compilation_cache_dir` enables JAX's
     persistent compilation cache ('' disables it). `sparse_kv` (SparseKVConfig): the KV cache in
     host memory with full or InfiniGen-selected fetches ('none' by default). `precompile`
     compiles every step shape at
@@ -454,6 +460,7 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: str = "auto"
     flash_prefill: str = "auto"
+    pallas_kernel: str = "auto"
     seed: int = 0
     precompile: bool = False
     compilation_cache_dir: str = os.path.join(
@@ -478,6 +485,20 @@ class EngineConfig:
             )
         if self.flash_prefill not in FLASH_PREFILL_MODES:
             raise ValueError(f"unknown {self.flash_prefill=}; choose one of {FLASH_PREFILL_MODES}")
+        if self.pallas_kernel not in PALLAS_KERNELS:
+            raise ValueError(f"unknown {self.pallas_kernel=}; choose one of {PALLAS_KERNELS}")
+        if self.pallas_kernel != "auto" and self.sparse_kv.enabled:
+            raise ValueError(
+                f"sparse_kv={self.sparse_kv.mode!r} attends with the platform's kernel; "
+                f"pallas_kernel={self.pallas_kernel!r} must be 'auto' there"
+            )
+        if self.pallas_kernel == "mgpu":
+            from kernels_pallas.ragged_paged_attention.kernel_mgpu import check_supported
+
+            m = self.model
+            check_supported(
+                self.dtype, m.head_dim, self.cache.page_size, m.num_heads // m.num_kv_heads
+            )
         from llmjax.parallel.heads import tp_head_layout
 
         tp_head_layout(self.model, self.parallel.tp, self.parallel.pad_heads)  # raises if invalid

@@ -85,18 +85,19 @@ class LLM:
     context, capped at 4096), `page_size`, `num_pages` (default: what the memory budget allows),
     `scheduler_policy` (sarathi | prefill_first | decode_first | splitfuse, see SchedulerConfig),
     `max_num_seqs`, `max_num_batched_tokens` (the token budget; default 512 for the chunking
-    policies, max_model_len for the whole-prompt ones), `prefix_cache` ('radix' reuses the KV
-    of shared prefixes, 'none' turns that off; see CacheConfig), `admission_order` ('fcfs' or
-    'lpm', longest cached prefix first; see SchedulerConfig), `seed` (for requests without their
-    own seed), `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig),
-    `flash_prefill` ('auto', 'on', 'off'; see EngineConfig), `precompile` (compile every step
-    shape at start; see EngineConfig), `tp` / `pp` / `pad_heads` / `check_lockstep` (tensor and
-    pipeline parallelism over the first tp * pp devices; see ParallelConfig; in a multi-host run
-    call `llmjax.parallel.distributed.initialize` first, in every process), `sparse_kv` ('none',
+    policies, max_model_len for the whole-prompt ones), `prefix_cache` ('radix' reuses the KV of
+    shared prefixes, 'none' turns that off; see CacheConfig), `admission_order` ('fcfs' or 'lpm',
+    longest cached prefix first; see SchedulerConfig), `seed` (for requests without their own seed),
+    `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig), `flash_prefill`
+    ('auto', 'on', 'off'; see EngineConfig), `pallas_kernel` ('auto', 'tpu', 'gpu', 'mgpu': the
+    ragged paged attention kernel; see EngineConfig), `precompile` (compile every step shape at
+    start; see EngineConfig), `tp` / `pp` / `pad_heads` / `check_lockstep` (tensor and pipeline
+    parallelism over the first tp * pp devices; see ParallelConfig; in a multi-host run call
+    `llmjax.parallel.distributed.initialize` first, in every process), `sparse_kv` ('none',
     'offload', 'infinigen', or a SparseKVConfig with InfiniGen's parameters: the KV cache in a
-    host-memory pool, fetched whole or selectively; with 'infinigen' and no `skew_dir` the
-    skewing matrices are calibrated at start-up on the first `calibration_tokens` tokens of a
-    bundled public-domain text, llmjax/sparse/).
+    host-memory pool, fetched whole or selectively; with 'infinigen' and no `skew_dir` the skewing
+    matrices are calibrated at start-up on the first `calibration_tokens` tokens of a bundled
+    public-domain text, llmjax/sparse/).
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class LLM:
         admission_order: str = "fcfs",
         attention_backend: str = "auto",
         flash_prefill: str = "auto",
+        pallas_kernel: str = "auto",
         tp: int = 1,
         pp: int = 1,
         pad_heads: bool = False,
@@ -158,6 +160,7 @@ class LLM:
             max_model_len=max_model_len,
             attention_backend=attention_backend,
             flash_prefill=flash_prefill,
+            pallas_kernel=pallas_kernel,
             parallel=parallel,
             sparse_kv=sparse_kv
             if isinstance(sparse_kv, SparseKVConfig)

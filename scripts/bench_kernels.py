@@ -8,24 +8,28 @@ mixed batches, with achieved memory bandwidth and FLOP/s next to the device's ro
 Implementations (--implementations):
   reference        the jnp specification (kernels_pallas/ragged_paged_attention/reference.py)
   model_reference  the engine's blocked jnp reference (llmjax/model/attention.py)
-  tpu, gpu         our Pallas kernels (compiled on their platform; elsewhere only with --interpret)
+  tpu, gpu, mgpu   our Pallas kernels: Mosaic TPU, Triton GPU, Mosaic GPU (Hopper; bf16/f16 only)
+                   (compiled on their platform; elsewhere only with --interpret)
   jax_tpu          jax.experimental.pallas.ops.tpu.ragged_paged_attention (TPU; K/V interleaved)
   jax_gpu          jax.experimental.pallas.ops.gpu.paged_attention (CUDA; decode batches only)
   jax_gpu_mha      jax.experimental.pallas.ops.gpu.attention.mha, causal (CUDA; the prefill batch
                    only; K/V repeated to every query head, as it has no GQA)
+  jax_gpu_fa3      jax.experimental.pallas.ops.gpu.attention_mgpu.attention, causal, GQA: JAX's
+                   FlashAttention-3 on Mosaic GPU (Hopper; bf16/f16; the prefill batch only)
   cudnn            jax.nn.dot_product_attention(implementation="cudnn"), causal, GQA (CUDA; the
                    prefill batch only): the vendor's flash attention, the bar for prefill
   flash_tpu, flash_gpu  kernels_pallas/flash_prefill (one prompt with no cache hit: the prefill
                    batch only; its K/V given dense, as the new tokens' projections are)
 Kernel block sizes are swept with --variant (repeatable), e.g.
     --variant gpu:block_q=1,pages_per_block=8,num_kv_splits=4,num_warps=4
+    --variant mgpu:pages_per_block=8,num_stages=2
     --variant flash_gpu:block_q=64,block_kv=64,num_warps=8,num_stages=3
 each timed as its own row; the keyword arguments go to the kernel function (kernel_gpu.py,
-kernel_tpu.py). Unavailable ones are reported as skipped, with why; one that fails to compile or
-run is reported with its error and the rest still run. Bytes moved = q + output + the K/V of every
-sequence's kv_len keys (each read once); FLOPs = 4 * N * H * (visible keys summed over queries).
-The roofline is --peak_bandwidth_gbs / --peak_tflops, or a table entry for the device kind.
-Prints a table and writes --json_out.
+kernel_tpu.py, kernel_mgpu.py). Unavailable ones are reported as skipped, with why; one that fails
+to compile or run is reported with its error and the rest still run. Bytes moved = q + output + the
+K/V of every sequence's kv_len keys (each read once); FLOPs = 4 * N * H * (visible keys summed over
+queries). The roofline is --peak_bandwidth_gbs / --peak_tflops, or a table entry for the device
+kind. Prints a table and writes --json_out.
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ flags.DEFINE_list(
         "model_reference",
         "tpu",
         "gpu",
+        "mgpu",
         "jax_tpu",
         "jax_gpu",
         "jax_gpu_mha",
+        "jax_gpu_fa3",
         "cudnn",
         "flash_tpu",
         "flash_gpu",
@@ -152,7 +158,8 @@ def cost(q_lens, kv_lens, itemsize) -> tuple[float, float]:
 
 
 def _interpret(impl: str, platform: str):
-    """Whether kernel `impl` ('tpu' or 'gpu') runs interpreted here, or why it is skipped."""
+    """Whether kernel `impl` ('tpu', 'gpu' or 'mgpu') runs interpreted here, or why it is
+    skipped."""
     from kernels_pallas.platforms import COMPILES_ON
 
     if platform in COMPILES_ON[impl]:
@@ -171,7 +178,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         if not eq:
             raise app.UsageError(f"--variant {spec!r}: want key=value, got {item!r}")
         kwargs[key.strip()] = int(value)
-    if name not in ("tpu", "gpu", "flash_tpu", "flash_gpu", "jax_gpu"):
+    if name not in ("tpu", "gpu", "mgpu", "flash_tpu", "flash_gpu", "jax_gpu"):
         raise app.UsageError(f"--variant {spec!r}: only the Pallas kernels take block sizes")
     return name, kwargs
 
@@ -205,12 +212,18 @@ def implementation(name: str, platform: str, case, args: list, scale: float, ker
     from llmjax.model.attention import paged_attention_reference
 
     q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs = args
-    if name in ("reference", "tpu", "gpu"):
+    if name in ("reference", "tpu", "gpu", "mgpu"):
         interpret = None if name == "reference" else _interpret(name, platform)
         if isinstance(interpret, str):
             return interpret
+        if name == "mgpu" and q.dtype not in (jnp.bfloat16, jnp.float16):
+            return f"the Mosaic GPU kernel takes bfloat16/float16, not {q.dtype} (--dtype)"
         if kernel_kw:
-            if name == "gpu":
+            if name == "mgpu":
+                from kernels_pallas.ragged_paged_attention.kernel_mgpu import (
+                    ragged_paged_attention_mgpu as kernel,
+                )
+            elif name == "gpu":
                 from kernels_pallas.ragged_paged_attention.kernel_gpu import (
                     ragged_paged_attention_gpu as kernel,
                 )
@@ -248,7 +261,7 @@ def implementation(name: str, platform: str, case, args: list, scale: float, ker
                 flash_prefill_attention, sm_scale=scale, implementation=impl, interpret=interpret
             )
         return jax.jit(fn), (q, kd, vd, jnp.array([n], jnp.int32))
-    if name in ("jax_gpu_mha", "cudnn"):
+    if name in ("jax_gpu_mha", "jax_gpu_fa3", "cudnn"):
         if platform not in ("gpu", "cuda"):
             return f"{name} runs on CUDA only"
         dense = _dense_prompt_kv(case, q, k, v, page_indices)
@@ -256,6 +269,17 @@ def implementation(name: str, platform: str, case, args: list, scale: float, ker
             return f"{name} is timed on the prefill batch (one prompt, no cache hit)"
         n, (kd, vd) = dense
         qn, kd, vd = q[None, :n], kd[None, :n], vd[None, :n]  # [1, n, heads, H]
+        if name == "jax_gpu_fa3":
+            from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+            if q.dtype not in (jnp.bfloat16, jnp.float16) or n % 128:
+                return "JAX's Mosaic GPU attention takes bf16/f16 and a multiple of 128 tokens"
+            config = attention_mgpu.TuningConfig(
+                block_q=64, block_kv=64, max_concurrent_steps=2, causal=True
+            )
+            # No sm_scale argument: q is pre-scaled.
+            fn = functools.partial(attention_mgpu.attention, config=config)
+            return jax.jit(fn), (qn * scale, kd, vd)
         if name == "cudnn":
             fn = functools.partial(
                 jax.nn.dot_product_attention, scale=scale, is_causal=True, implementation="cudnn"

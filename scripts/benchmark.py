@@ -45,6 +45,7 @@ from typing import NamedTuple
 
 from absl import app, flags
 
+from llmjax.model import attention_flags
 from llmjax.parallel import flags as parallel_flags
 
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf file or checkpoint dir.")
@@ -192,19 +193,7 @@ flags.DEFINE_bool(
     "shapes that real-time arrivals produce are compiled too.",
 )
 flags.DEFINE_bool("precompile", False, "Compile every step shape at engine start.")
-flags.DEFINE_enum(
-    "attention_backend",
-    "auto",
-    ["auto", "reference", "pallas"],
-    "Attention backend: 'auto' = Pallas kernels on GPU/TPU, the jnp reference on the CPU.",
-)
-flags.DEFINE_enum(
-    "flash_prefill",
-    "auto",
-    ["auto", "on", "off"],
-    "With the pallas backend, attend a step that is one fresh prompt with the flash prefill "
-    "kernel: 'auto' where measured faster (GPU, >= 2048-token buckets), 'on' always, 'off' never.",
-)
+attention_flags.define_flags()
 flags.DEFINE_list(
     "sparse_kv",
     ["none"],
@@ -278,8 +267,7 @@ def build_llm(policy: str, **overrides):
         seed=FLAGS.seed,
         scheduler_policy=policy,
         precompile=FLAGS.precompile,
-        attention_backend=FLAGS.attention_backend,
-        flash_prefill=FLAGS.flash_prefill,
+        **attention_flags.llm_kwargs(FLAGS),
         **parallel_flags.llm_kwargs(FLAGS),
     )
     budget = overrides.pop("max_num_batched_tokens", FLAGS.max_num_batched_tokens)
@@ -321,6 +309,7 @@ def engine_info(llm) -> dict:
         "dtype": config.dtype,
         "attention_backend": llm.engine.runner.attention_backend,
         "flash_prefill": FLAGS.flash_prefill,
+        "pallas_kernel": FLAGS.pallas_kernel,
         "sparse_kv": config.sparse_kv.mode,
     }
 

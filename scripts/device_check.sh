@@ -10,14 +10,16 @@
 #   TESTS_K=expression narrow the tests)
 #
 # Stages, in order of importance, each under its own time limit (STAGES=tests,bench,... picks):
-#   tests   the kernel tests compiled on the GPU (gpu-marked) + the engine with the Pallas backend
+#   tests   the kernel tests compiled on the GPU (gpu-marked; the Mosaic GPU kernel's first, as it
+#           has never run on hardware) + the engine with the Pallas backend
 #   bench   scripts/bench_kernels.py: decode-heavy, prefill-heavy and mixed batches (llama3-8b-like
-#           heads, bf16), our kernels against the reference, JAX's Pallas ops and cuDNN, with
-#           block-size variants, and the measured copy/matmul ceilings
+#           heads, bf16), our kernels (Mosaic GPU, Triton) against the reference, JAX's Pallas ops
+#           and cuDNN, with Mosaic GPU block-size/stage variants, and the measured copy/matmul
+#           ceilings (the Triton sweeps of 2026-11-29 are in tuning.py)
 #   decode  decode batches of several shapes (long contexts with few sequences: split-KV), ours
-#           against JAX's paged_attention, with variants
-#   prefill one 2048- and one 8192-token prompt: flash vs ragged vs cuDNN vs JAX's Triton mha
-#   serve   scripts/benchmark.py on SmolLM2 shapes (random weights), pallas vs reference
+#           (mgpu, gpu) against JAX's paged_attention, with variants
+#   prefill one 2048- and one 8192-token prompt: flash vs ragged vs cuDNN vs JAX's mha and FA3
+#   serve   scripts/benchmark.py on SmolLM2 shapes (random weights): mgpu and gpu kernels vs reference
 # Results land in $WORK (default /tmp/device_check) and, after every stage, in
 # $OUT/results.tgz (the tool brings back at most 8 files) beside $OUT/summary.txt.
 set -u
@@ -46,8 +48,9 @@ if want tests; then
   log "tests: kernels compiled on the GPU + the engine on the Pallas backend, 150 s at most"
   # Full float32 in XLA's matmuls too (the GPU default is TF32), so float32 references are exact.
   JAX_PLATFORMS=$PLATFORM JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 $PY -m pytest -q \
-    -p no:cacheprovider --timeout 90 -m "gpu or not slow" ${TESTS:-tests/kernels/test_rpa_gpu.py \
-    tests/kernels/test_flash_prefill_gpu.py tests/kernels/test_rpa_engine.py} \
+    -p no:cacheprovider --timeout 90 -m "gpu or not slow" ${TESTS:-tests/kernels/test_rpa_mgpu.py \
+    tests/kernels/test_rpa_gpu.py tests/kernels/test_flash_prefill_gpu.py \
+    tests/kernels/test_rpa_engine.py} \
     -k "not Interpret${TESTS_K:+ and $TESTS_K}" --durations=8 > "$WORK/kernel_tests.log" 2>&1
   tail -25 "$WORK/kernel_tests.log" | tee -a "$OUT/summary.txt"
   save
@@ -58,14 +61,9 @@ if want bench; then
   log "bench: decode 64 x 4096, prefill 2048, mixed; variants; 170 s at most"
   JAX_PLATFORMS=$PLATFORM timeout 170 $B --measure_roofline \
     --num_decodes 64 --decode_kv_len 4096 --prefill_len 2048 \
-    --variant gpu:pages_per_block=8 --variant gpu:pages_per_block=2 \
-    --variant gpu:num_warps=8 --variant gpu:num_stages=3 --variant gpu:num_warps=2 \
-    --variant gpu:block_q=32 --variant gpu:block_q=32,pages_per_block=8,num_warps=8 \
-    --variant gpu:num_kv_splits=2 \
-    --variant flash_gpu:block_q=64,block_kv=64,num_warps=8,num_stages=3 \
-    --variant flash_gpu:block_q=32,block_kv=128,num_warps=8 \
-    --variant flash_gpu:block_q=64,block_kv=128,num_warps=8,num_stages=2 \
-    --variant flash_gpu:block_q=16,block_kv=64,num_warps=4,num_stages=3 \
+    --variant mgpu:num_stages=2 --variant mgpu:num_stages=3 --variant mgpu:num_stages=6 \
+    --variant mgpu:pages_per_block=8 --variant mgpu:pages_per_block=8,num_stages=2 \
+    --variant mgpu:num_kv_splits=2 --variant gpu:block_q=32,pages_per_block=8,num_warps=8 \
     --json_out "$WORK/bench_kernels.json" 2>"$WORK/bench_kernels.log" | tee "$WORK/bench_kernels.txt"
   tail -3 "$WORK/bench_kernels.log" >> "$OUT/summary.txt"
   save
@@ -73,45 +71,42 @@ fi
 
 if want decode; then
   log "decode: 64 x 4096, 256 x 2048, 8 x 32768 (split-KV), ours vs JAX's paged_attention; 120 s"
-  D="$B --batches decode --implementations reference,gpu,jax_gpu"
+  D="$B --batches decode --implementations reference,mgpu,gpu,jax_gpu"
   JAX_PLATFORMS=$PLATFORM timeout 45 $D --num_decodes 64 --decode_kv_len 4096 \
-    --variant gpu:num_warps=2 --variant gpu:num_warps=1 --variant gpu:num_warps=2,num_kv_splits=2 \
-    --variant gpu:num_warps=2,pages_per_block=8 --variant gpu:num_stages=1 \
-    --variant jax_gpu:k_splits=4 --variant jax_gpu:num_warps=4 \
+    --variant mgpu:num_stages=2 --variant mgpu:num_stages=8 --variant mgpu:pages_per_block=8 \
+    --variant mgpu:pages_per_block=8,num_stages=4 --variant mgpu:num_kv_splits=2 \
+    --variant jax_gpu:num_warps=4 \
     --json_out "$WORK/decode_64x4096.json" 2>"$WORK/decode_64x4096.log" | tee "$WORK/decode_64x4096.txt"
   JAX_PLATFORMS=$PLATFORM timeout 35 $D --num_decodes 256 --decode_kv_len 2048 \
-    --variant gpu:num_warps=2 \
+    --variant mgpu:num_stages=2 \
     --json_out "$WORK/decode_256x2048.json" 2>"$WORK/decode_256x2048.log" | tee "$WORK/decode_256x2048.txt"
   JAX_PLATFORMS=$PLATFORM timeout 40 $D --num_decodes 8 --decode_kv_len 32768 \
-    --variant gpu:num_kv_splits=1 --variant gpu:num_kv_splits=4 --variant gpu:num_kv_splits=16 \
-    --variant gpu:num_kv_splits=16,num_warps=2 \
+    --variant mgpu:num_kv_splits=4 --variant mgpu:num_kv_splits=16 \
+    --variant mgpu:num_kv_splits=16,num_stages=2 \
     --json_out "$WORK/decode_8x32768.json" 2>"$WORK/decode_8x32768.log" | tee "$WORK/decode_8x32768.txt"
   save
 fi
 
 if want prefill; then
   log "prefill: one 2048- and one 8192-token prompt, flash vs ragged vs cuDNN; 90 s at most"
-  P="$B --batches prefill --implementations reference,gpu,flash_gpu,jax_gpu_mha,cudnn"
+  P="$B --batches prefill --implementations reference,mgpu,gpu,flash_gpu,jax_gpu_mha,jax_gpu_fa3,cudnn"
   for n in 2048 8192; do
     JAX_PLATFORMS=$PLATFORM timeout 45 $P --prefill_len $n \
-      --variant flash_gpu:block_q=16,block_kv=64,num_warps=4,num_stages=3 \
-      --variant flash_gpu:block_q=32,block_kv=64,num_warps=4,num_stages=3 \
-      --variant flash_gpu:block_q=32,block_kv=64,num_warps=8,num_stages=3 \
-      --variant flash_gpu:block_q=16,block_kv=128,num_warps=4,num_stages=2 \
-      --variant gpu:block_q=16,pages_per_block=4,num_warps=4,num_stages=3 \
+      --variant mgpu:num_stages=2 --variant mgpu:pages_per_block=8,num_stages=2 \
       --json_out "$WORK/prefill_$n.json" 2>"$WORK/prefill_$n.log" | tee "$WORK/prefill_$n.txt"
   done
   save
 fi
 
 if want serve; then
-  log "serve: SmolLM2 shapes (random weights), pallas vs reference attention, 120 s at most"
-  for backend in pallas reference; do
-    JAX_PLATFORMS=$PLATFORM timeout 60 $PY scripts/benchmark.py --model smollm2-135m-instruct \
+  log "serve: SmolLM2 shapes (random weights), mgpu / gpu kernels vs reference attention, 150 s"
+  for name in mgpu gpu reference; do
+    backend=pallas kernel=$name; [[ $name == reference ]] && backend=reference kernel=auto
+    JAX_PLATFORMS=$PLATFORM timeout 50 $PY scripts/benchmark.py --model smollm2-135m-instruct \
       --load_format dummy --dtype bfloat16 --workload fixed --num_requests 16 --qps inf \
       --prompt_len 256 --output_len 32 --policies sarathi --tbt_slo 0.1 --warmup 4 --norehearse \
-      --attention_backend $backend --json_out "$WORK/serve_$backend.json" \
-      2>"$WORK/serve_$backend.log" | tee "$WORK/serve_$backend.txt" \
+      --attention_backend $backend --pallas_kernel $kernel --json_out "$WORK/serve_$name.json" \
+      2>"$WORK/serve_$name.log" | tee "$WORK/serve_$name.txt" \
       | grep -E "throughput|TPOT P50|TTFT P50" | tee -a "$OUT/summary.txt"
   done
   save

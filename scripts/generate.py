@@ -20,6 +20,7 @@ import time
 
 from absl import app, flags, logging
 
+from llmjax.model import attention_flags
 from llmjax.parallel import flags as parallel_flags
 
 flags.DEFINE_string(
@@ -52,21 +53,7 @@ flags.DEFINE_enum(
     "load_format", "auto", ["auto", "dummy"], "'dummy' uses random weights (presets only)."
 )
 flags.DEFINE_bool("stream", True, "Print tokens as they are generated.")
-flags.DEFINE_enum(
-    "attention_backend",
-    "auto",
-    ["auto", "reference", "pallas"],
-    "Attention: 'pallas' kernels (compiled on GPU/TPU, interpreted on the CPU: slow), 'reference' "
-    "(plain jnp), 'auto' (pallas on GPU/TPU, reference on the CPU).",
-)
-flags.DEFINE_enum(
-    "flash_prefill",
-    "auto",
-    ["auto", "on", "off"],
-    "With the pallas backend, attend a step that is one fresh prompt with the flash prefill "
-    "kernel: 'auto' where measured faster (GPU, >= 2048-token buckets), 'on' always, 'off' never.",
-)
-
+attention_flags.define_flags()
 parallel_flags.define_flags()
 
 FLAGS = flags.FLAGS
@@ -85,8 +72,7 @@ def main(argv):
         max_model_len=FLAGS.max_model_len,
         num_pages=FLAGS.num_pages,
         page_size=FLAGS.page_size,
-        attention_backend=FLAGS.attention_backend,
-        flash_prefill=FLAGS.flash_prefill,
+        **attention_flags.llm_kwargs(FLAGS),
         **parallel_flags.llm_kwargs(FLAGS),
     )
     load_s = time.perf_counter() - t0

@@ -51,6 +51,25 @@ def test_other_config_errors():
     assert EngineConfig(model=configs.TINY).max_model_len == configs.TINY.max_position_embeddings
 
 
+def test_pallas_kernel_choice_is_checked_against_the_model():
+    from llmjax.config import SparseKVConfig
+
+    with pytest.raises(ValueError, match="pallas_kernel='cuda'"):
+        EngineConfig(model=configs.TINY, pallas_kernel="cuda")
+    h64 = configs.get_preset("tiny-h64")
+    with pytest.raises(ValueError, match="bfloat16 or float16.*got float32"):
+        EngineConfig(model=h64, pallas_kernel="mgpu")  # float32 by default
+    with pytest.raises(ValueError, match="head_dim % 64 == 0, got 16"):
+        EngineConfig(model=configs.TINY, dtype="bfloat16", pallas_kernel="mgpu")
+    with pytest.raises(ValueError, match="page_size % 8 == 0, got 4"):
+        EngineConfig(
+            model=h64, dtype="bfloat16", cache=CacheConfig(page_size=4), pallas_kernel="mgpu"
+        )
+    with pytest.raises(ValueError, match="pallas_kernel='gpu' must be 'auto'"):
+        EngineConfig(model=h64, sparse_kv=SparseKVConfig(mode="offload"), pallas_kernel="gpu")
+    assert EngineConfig(model=h64, dtype="bfloat16", pallas_kernel="mgpu").pallas_kernel == "mgpu"
+
+
 def test_from_hf_config_reads_old_and_new_rope_keys(tmp_path):
     base = {
         "model_type": "llama",

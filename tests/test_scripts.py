@@ -53,7 +53,7 @@ def test_bench_kernels_times_what_runs_here_and_says_what_it_skips(tmp_path):
     out = tmp_path / "k.json"
     _run(
         "bench_kernels.py",
-        "--implementations=reference,model_reference,jax_gpu,flash_gpu",
+        "--implementations=reference,model_reference,jax_gpu,flash_gpu,mgpu",
         "--batches=decode,mixed",
         "--num_kv_heads=2",
         "--num_queries_per_kv=2",
@@ -73,3 +73,4 @@ def test_bench_kernels_times_what_runs_here_and_says_what_it_skips(tmp_path):
         assert r["ms"] > 0 and r["GB/s"] > 0 and r["of_peak_bw"] == r["GB/s"] / 10
     assert "CUDA only" in doc["skipped"]["decode/jax_gpu"]
     assert "one prompt with no cache hit" in doc["skipped"]["mixed/flash_gpu"]
+    assert "compiles only on gpu" in doc["skipped"]["decode/mgpu"]

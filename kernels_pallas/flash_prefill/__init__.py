@@ -72,6 +72,11 @@ def flash_prefill_attention(
     check_inputs(q, k, v, seq_len)
     impl, interpret = choose_implementation("flash prefill", implementation, interpret)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if impl == "mgpu":
+        raise ValueError(
+            "there is no Mosaic GPU flash prefill kernel yet: use implementation='gpu' (Triton), "
+            "'tpu' or 'reference'"
+        )
     if impl == "reference":
         return flash_prefill_reference(q, k, v, seq_len, **kwargs)
     if impl == "tpu":

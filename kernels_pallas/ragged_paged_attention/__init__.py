@@ -8,7 +8,10 @@ Implementations, chosen by name (`implementation=`) or by the platform (None):
   tpu        Pallas Mosaic TPU kernel (kernel_tpu.py): scalar-prefetched page tables, KV pages
              copied from HBM with double-buffered async DMAs. The default on TPU, and on the CPU
              (interpret mode) for checking.
-  gpu        Pallas GPU kernel (kernel_gpu.py). The default on CUDA.
+  gpu        Pallas GPU kernel on the Triton lowering (kernel_gpu.py). The default on CUDA.
+  mgpu       Pallas Mosaic GPU kernel for Hopper (kernel_mgpu.py): TMA page copies, wgmma;
+             bf16/f16, head_dim % 64 == 0, page_size % 8 == 0. By name only (not yet timed on
+             hardware); on the CPU it runs in Mosaic GPU's interpreter.
   reference  the plain-jnp specification.
 A kernel asked for by name on a platform it cannot run on raises; nothing silently falls back.
 On the CPU, kernels run in interpret mode (slow; for tests).
@@ -92,6 +95,10 @@ def ragged_paged_attention(
         from kernels_pallas.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 
         return ragged_paged_attention_tpu(*args, **kwargs, interpret=interpret)
+    if impl == "mgpu":
+        from kernels_pallas.ragged_paged_attention.kernel_mgpu import ragged_paged_attention_mgpu
+
+        return ragged_paged_attention_mgpu(*args, **kwargs, interpret=interpret)
     from kernels_pallas.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
 
     return ragged_paged_attention_gpu(*args, **kwargs, interpret=interpret)

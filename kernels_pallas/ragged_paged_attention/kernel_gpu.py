@@ -9,8 +9,10 @@ and its interpret mode (`InterpretGPUParams`) accepts code that export then reje
 CPU-only machine. The Triton kernel runs on the CPU with `interpret=True` and exports for cuda under
 an abstract H200 mesh (custom call `__gpu$xla.gpu.triton`, allowed with
 `DisabledSafetyCheck.custom_call`). The Triton backend is deprecated ("The Pallas Triton backend is
-deprecated..."), so a Mosaic GPU port is the planned follow-up; the warning is silenced only around
-our own `pallas_call`.
+deprecated..."); the warning is silenced only around our own `pallas_call`. The Mosaic GPU port is
+kernel_mgpu.py (implementation 'mgpu'; bf16/f16 on Hopper): it was later built on the CPU after
+all, against the interpreter and the cuda export (which does run Mosaic GPU's layout inference),
+and stays opt-in until it has been timed on hardware.
 
 Algorithm (flash attention over pages, online softmax in float32):
   - The wrapper splits each sequence's query rows into q blocks of `block_q` tokens (a block never

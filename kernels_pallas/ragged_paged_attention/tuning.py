@@ -23,6 +23,12 @@ GPU (kernel_gpu.py)
   per step 0.547, 32 keys 0.569; on 2048-token prefill chunks 64-row q blocks beat 128-row ones
   (0.241 vs 0.318 ms). 8 decodes x 32768 keys: 16 KV splits 0.478 ms, 4 splits 0.555, 1 split
   1.288 (the split rule picks 8 there: 0.568).
+Mosaic GPU (kernel_mgpu.py), reasoned, not yet measured:
+  MGPU_KEYS_PER_BLOCK     keys per pipeline step (pages_per_block = this // page_size): the
+                          [64, keys] score tile and wgmma's N dimension.
+  MGPU_NUM_STAGES         KV steps in flight (SMEM slots): 4 x 2 x 64 keys x 128 x 2 bytes =
+                          128 KiB of K and V per program, ~4x what one SM needs in flight to
+                          cover HBM latency at full bandwidth.
 """
 
 TPU_QUERIES_PER_BLOCK = 16
@@ -36,3 +42,6 @@ GPU_MIN_KV_BLOCKS_PER_SPLIT = 4
 GPU_NUM_WARPS = 4
 GPU_DECODE_NUM_STAGES = 1
 GPU_NUM_STAGES = 2
+
+MGPU_KEYS_PER_BLOCK = 64
+MGPU_NUM_STAGES = 4

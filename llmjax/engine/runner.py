@@ -68,7 +68,10 @@ class ModelRunner:
         self.num_steps = 0
         self.attention_backend = resolve_attention_backend(config.attention_backend)
         attention_fn = make_attention_fn(
-            self.attention_backend, flash_prefill=config.flash_prefill, mesh=self.mesh
+            self.attention_backend,
+            flash_prefill=config.flash_prefill,
+            pallas_kernel=config.pallas_kernel,
+            mesh=self.mesh,
         )
         self.pipelined = parallel.pp > 1
         self.sparse = config.sparse_kv
@@ -101,10 +104,6 @@ class ModelRunner:
             )
         self.num_compiles = 0
         self.num_steps = 0
-        self.attention_backend = resolve_attention_backend(config.attention_backend)
-        attention_fn = make_attention_fn(
-            self.attention_backend, flash_prefill=config.flash_prefill, mesh=self.mesh
-        )
         self._step = jax.jit(
             functools.partial(
                 self._step_impl, model_config=self.model_config, attention_fn=attention_fn

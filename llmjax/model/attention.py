@@ -7,9 +7,10 @@ kernels_pallas/ragged_paged_attention/reference.py; `new_kv` = the step's own (k
 (already written to the pages; a backend may use them for a fresh prompt). Backends:
   reference  `reference_attention` below (plain jnp; fast enough on a CPU).
   pallas     `pallas_attention`: kernels_pallas' ragged paged attention (the TPU or GPU kernel of
-             the platform; in interpret mode on the CPU, slow, for checking), and for a step that
-             is one fresh prompt in a big enough bucket, kernels_pallas' flash prefill over
-             `new_kv` (`EngineConfig.flash_prefill`), chosen at run time by `lax.cond`.
+             the platform, or one by name: `EngineConfig.pallas_kernel`; in interpret mode on the
+             CPU, slow, for checking), and for a step that is one fresh prompt in a big enough
+             bucket, kernels_pallas' flash prefill over `new_kv` (`EngineConfig.flash_prefill`),
+             chosen at run time by `lax.cond`.
   auto       pallas on GPU/TPU, reference on the CPU.
 
 Letters: T tokens, S sequences, P pages per sequence, G page size, K kv heads, Q query heads per kv
@@ -157,12 +158,13 @@ def pallas_attention(
     sliding_window: int | None = None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     flash_min_tokens: int | None = None,
+    implementation: str | None = None,
 ) -> jax.Array:
-    """The 'pallas' backend: the platform's ragged paged attention kernel (interpret mode on the
-    CPU). In token buckets of at least `flash_min_tokens` (None: never), a step that is one fresh
-    prompt (one sequence, kv_len == its query count: nothing cached) attends with the flash
-    prefill kernel over `new_kv` instead; `lax.cond` picks at run time, so each bucket still
-    compiles once."""
+    """The 'pallas' backend: the ragged paged attention kernel `implementation` (None: the
+    platform's; kernels_pallas/platforms.py), in interpret mode on the CPU. In token buckets of at
+    least `flash_min_tokens` (None: never), a step that is one fresh prompt (one sequence, kv_len ==
+    its query count: nothing cached) attends with the flash prefill kernel over `new_kv` instead;
+    `lax.cond` picks at run time, so each bucket still compiles once."""
     from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
     def ragged():
@@ -176,6 +178,7 @@ def pallas_attention(
             step.num_seqs,
             sm_scale=sm_scale,
             sliding_window=sliding_window,
+            implementation=implementation,
         )
 
     if new_kv is None or flash_min_tokens is None or q.shape[0] < flash_min_tokens:
@@ -188,7 +191,14 @@ def pallas_attention(
     def flash():
         k, v = new_kv
         return flash_prefill_attention(
-            q, k, v, n[None], sm_scale=sm_scale, sliding_window=sliding_window
+            q,
+            k,
+            v,
+            n[None],
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            # No Mosaic GPU flash prefill yet: the Triton one beside the Mosaic ragged kernel.
+            implementation="gpu" if implementation == "mgpu" else implementation,
         )
 
     return jax.lax.cond(fresh_prompt, flash, ragged)
@@ -254,21 +264,32 @@ def shard_heads(attention_fn: AttentionFn, mesh) -> AttentionFn:
 
 
 def make_attention_fn(
-    name: str, platform: str | None = None, *, flash_prefill: str = "auto", mesh=None
+    name: str,
+    platform: str | None = None,
+    *,
+    flash_prefill: str = "auto",
+    pallas_kernel: str = "auto",
+    mesh=None,
 ) -> AttentionFn:
     """The attention function of backend `name` ('auto', 'reference' or 'pallas');
-    `flash_prefill` ('auto', 'on', 'off') for the pallas backend (see `pallas_attention`); with
-    a `mesh` whose 'tp' axis is > 1, run per device on its heads (`shard_heads`)."""
-    fn = _attention_fn(name, platform, flash_prefill)
+    `flash_prefill` ('auto', 'on', 'off') and `pallas_kernel` ('auto' or a kernel's name) for
+    the pallas backend (see `pallas_attention`); with a `mesh` whose 'tp' axis is > 1, run per
+    device on its heads (`shard_heads`)."""
+    fn = _attention_fn(name, platform, flash_prefill, pallas_kernel)
     if mesh is not None and mesh.shape.get("tp", 1) > 1:
         return shard_heads(fn, mesh)
     return fn
 
 
-def _attention_fn(name: str, platform: str | None, flash_prefill: str) -> AttentionFn:
+def _attention_fn(
+    name: str, platform: str | None, flash_prefill: str, pallas_kernel: str
+) -> AttentionFn:
     backend = resolve_attention_backend(name, platform)
     if backend == "reference":
         return reference_attention
     # On the CPU the kernels are the TPU ones, interpreted: 'auto' leaves flash prefill off there.
     min_tokens = flash_min_tokens(flash_prefill, platform)
-    return functools.partial(pallas_attention, flash_min_tokens=min_tokens)
+    implementation = None if pallas_kernel == "auto" else pallas_kernel
+    return functools.partial(
+        pallas_attention, flash_min_tokens=min_tokens, implementation=implementation
+    )

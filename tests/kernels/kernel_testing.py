@@ -18,6 +18,7 @@ import numpy as np
 TOLERANCE = {np.dtype(np.float32): 2e-5, np.dtype(jnp.bfloat16): 2e-2}  # bf16: x max|ref|
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
 TRITON_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_GPU_CALL = "mosaic_gpu_v2"
 
 
 def assert_matches_reference(out, ref) -> None:
@@ -30,9 +31,10 @@ def assert_matches_reference(out, ref) -> None:
     np.testing.assert_allclose(out32, ref32, rtol=0, atol=tol)
 
 
-def export_for_cuda(fn, args) -> jax.export.Exported:
-    """Export jitted `fn` for cuda under an abstract H200 mesh (the Pallas GPU lowering runs
-    without a GPU) and check that it holds a Triton kernel."""
+def export_for_cuda(fn, args, custom_call: str = TRITON_CALL) -> jax.export.Exported:
+    """Export jitted `fn` for cuda under an abstract H200 mesh (the Pallas GPU lowerings run
+    without a GPU) and check that it holds the kernel's custom call (Triton's, or Mosaic GPU's:
+    its lowering runs layout inference and checks tile shapes and the SMEM size for sm_90)."""
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
     with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
         # Under jit the kernel is lowered here, outside the kernel wrapper's own warning filter.
@@ -40,8 +42,8 @@ def export_for_cuda(fn, args) -> jax.export.Exported:
         exported = jax.export.export(
             fn,
             platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(custom_call)],
         )(*args)
     targets = set(re.findall(r"custom_call @([A-Za-z0-9_$.]+)", exported.mlir_module()))
-    assert TRITON_CALL in targets, targets
+    assert custom_call in targets, targets
     return exported

@@ -154,6 +154,8 @@ def test_wrapper_dispatch_and_checks():
         flash_prefill_attention(*args[:3], np.array([7], np.int64), sm_scale=1.0)
     with pytest.raises(ValueError, match="unknown implementation='cuda'"):
         flash_prefill_attention(*args, sm_scale=1.0, implementation="cuda")
+    with pytest.raises(ValueError, match="no Mosaic GPU flash prefill kernel"):
+        flash_prefill_attention(*args, sm_scale=1.0, implementation="mgpu", interpret=True)
 
 
 EXPORT_MODELS = {"smollm2": SMOLLM2_135M, "llama3_8b": LLAMA3_8B}

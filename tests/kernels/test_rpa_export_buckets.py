@@ -1,7 +1,8 @@
-"""Every step shape the engine can run lowers for the real targets: the TPU kernel for `tpu` and
-the GPU kernel for `cuda`, at every (T, S, P) bucket of SmolLM2's default engine configuration
-(`Buckets.shapes()`, as precompilation visits them), in bfloat16, the accelerators' dtype. The
-per-kernel test files export a few shapes of several models; this one sweeps the buckets (slow)."""
+"""Every step shape the engine can run lowers for the real targets: the TPU kernel for `tpu` and the
+GPU kernels (Triton, Mosaic GPU) for `cuda`, at every (T, S, P) bucket of SmolLM2's default engine
+configuration (`Buckets.shapes()`, as precompilation visits them), in bfloat16, the accelerators'
+dtype. The per-kernel test files export a few shapes of several models; this one sweeps the buckets
+(slow)."""
 
 import time
 from functools import partial
@@ -12,6 +13,7 @@ import pytest
 
 import configs
 from kernels_pallas.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
+from kernels_pallas.ragged_paged_attention.kernel_mgpu import ragged_paged_attention_mgpu
 from kernels_pallas.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from llmjax.engine.batch import Buckets
 from llmjax.engine.block_manager import pages_needed
@@ -58,3 +60,26 @@ def test_every_engine_bucket_exports_for_cuda():
     for T, S, P in shapes:
         kernel_testing.export_for_cuda(fn, _args(config, T, S, P))
     print(f"{len(shapes)} cuda exports in {time.perf_counter() - t:.1f} s")
+
+
+def test_every_engine_kernel_configuration_exports_for_cuda_mosaic_gpu():
+    """Mosaic GPU's lowering (layout inference, SMEM sizing) is the slow part (~0.65 s a shape):
+    one bucket per kernel configuration the buckets produce (q block, KV step, split count),
+    which is what changes the lowered kernel; the grid and array sizes only scale it."""
+    from kernels_pallas.ragged_paged_attention import kernel_mgpu
+
+    config, shapes = _engine_shapes()
+    Q, G = config.num_heads // config.num_kv_heads, 16
+    chosen = {}
+    for T, S, P in shapes:
+        block_q, ppb = kernel_mgpu.default_block_sizes(T, S, Q, G)
+        splits = kernel_mgpu.choose_num_kv_splits(T, S, config.num_kv_heads, P, G, block_q, ppb)
+        chosen.setdefault((block_q, ppb, splits), (T, S, P))
+    assert len(chosen) >= 4, chosen  # decode, chunked, split-KV configurations at least
+    fn = jax.jit(partial(ragged_paged_attention_mgpu, sm_scale=config.head_dim**-0.5))
+    t = time.perf_counter()
+    for T, S, P in chosen.values():
+        args = _args(config, T, S, P)
+        kernel_testing.export_for_cuda(fn, args, custom_call=kernel_testing.MOSAIC_GPU_CALL)
+    took = time.perf_counter() - t
+    print(f"{len(chosen)} of {len(shapes)} buckets, Mosaic GPU exports in {took:.1f} s")

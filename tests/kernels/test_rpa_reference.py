@@ -94,7 +94,7 @@ def test_bad_inputs_are_clear_errors():
 
 def test_a_kernel_named_on_the_wrong_platform_says_so():
     c = make_case([2, 1], [5, 3])
-    for impl in ("tpu", "gpu"):
+    for impl in ("tpu", "gpu", "mgpu"):
         with pytest.raises(RuntimeError, match=f"the '{impl}' ragged paged attention kernel"):
             ragged_paged_attention(*c.args, sm_scale=1.0, implementation=impl, interpret=False)
 
@@ -121,3 +121,7 @@ def test_backend_choice():
     assert min_tokens("cuda", "off") is None
     with pytest.raises(ValueError, match="unknown attention backend 'triton'"):
         resolve_attention_backend("triton", "cpu")
+    # A kernel by name (EngineConfig.pallas_kernel); 'auto' leaves the platform's choice.
+    fn = make_attention_fn("pallas", "cuda", pallas_kernel="mgpu")
+    assert fn.keywords["implementation"] == "mgpu"
+    assert make_attention_fn("pallas", "cuda").keywords["implementation"] is None
