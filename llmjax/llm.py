@@ -136,56 +136,138 @@ class LLM:
         t0 = time.perf_counter()
         sharded = tp * pp > 1  # then weights load one at a time, each device getting its shard
         parallel = ParallelConfig(tp=tp, pp=pp, pad_heads=pad_heads, check_lockstep=check_lockstep)
-        model_config, params, self.tokenizer = _load(
+        self._model_config, params, self.tokenizer = _load(
             model, dtype, load_format, tokenizer, parallel if sharded else None
         )
-        if max_model_len is None:
-            max_model_len = min(model_config.max_position_embeddings, 4096)
-        if max_num_batched_tokens is None:  # whole-prompt policies need room for any prompt
-            chunked = SchedulerConfig(policy=scheduler_policy).chunks_prefills
-            max_num_batched_tokens = 512 if chunked else max_model_len
-        extra = {}
-        if compilation_cache_dir is not None:
-            extra["compilation_cache_dir"] = compilation_cache_dir
-        config = EngineConfig(
-            model=model_config,
-            cache=CacheConfig(page_size=page_size, num_pages=num_pages, prefix_cache=prefix_cache),
-            scheduler=SchedulerConfig(
-                policy=scheduler_policy,
+        if not sharded:  # else ModelRunner places (and converts) each weight on the mesh
+            params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        self._weights = params
+        self._fixed = dict(model=model, dtype=dtype, tp=tp, pp=pp, pad_heads=pad_heads)
+        self._build_engine(
+            dict(
+                max_model_len=max_model_len,
+                page_size=page_size,
+                num_pages=num_pages,
+                scheduler_policy=scheduler_policy,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
+                prefix_cache=prefix_cache,
                 admission_order=admission_order,
+                attention_backend=attention_backend,
+                flash_prefill=flash_prefill,
+                pallas_kernel=pallas_kernel,
+                check_lockstep=check_lockstep,
+                sparse_kv=sparse_kv,
+                calibration_tokens=calibration_tokens,
+                seed=seed,
+                precompile=precompile,
+                compilation_cache_dir=compilation_cache_dir,
             ),
-            dtype=dtype,
+            t0,
+        )
+
+    # Arguments that fix how the weights were loaded and placed: `with_options` cannot change them.
+    WEIGHT_OPTIONS = ("model", "dtype", "tokenizer", "load_format", "tp", "pp", "pad_heads")
+
+    def with_options(self, **options) -> LLM:
+        """Another LLM over this one's loaded weights and tokenizer, with other engine options
+        (any __init__ argument but WEIGHT_OPTIONS; the rest keep this LLM's values), e.g.
+
+            fcfs = LLM()
+            lpm = fcfs.with_options(admission_order="lpm", max_num_batched_tokens=256)
+
+        Nothing is loaded or copied: both engines read the same weight arrays (each has its own
+        KV cache, so give `num_pages` when memory is tight). With tp * pp > 1 the new engine
+        places the weights again from what was loaded (for a GGUF/HF checkpoint: read again,
+        one weight at a time)."""
+        fixed = sorted(set(options) & set(self.WEIGHT_OPTIONS))
+        if fixed:
+            raise ValueError(
+                f"{fixed} fix how the weights were loaded: load another LLM to change them"
+            )
+        unknown = sorted(set(options) - set(self._options))
+        if unknown:
+            choices = sorted(self._options)
+            raise TypeError(f"unknown engine options {unknown}; choose from {choices}")
+        other = object.__new__(type(self))
+        other._model_config, other._weights, other.tokenizer = (
+            self._model_config,
+            self._weights,
+            self.tokenizer,
+        )
+        other._fixed = self._fixed
+        other._build_engine({**self._options, **options}, time.perf_counter())
+        return other
+
+    @property
+    def params(self):
+        """The loaded weights (a pytree of arrays in the LLM's dtype; with tp * pp > 1, what was
+        loaded before placement: see `engine.runner.params` for the placed ones)."""
+        return self._weights
+
+    def _build_engine(self, options: dict, t0: float) -> None:
+        import jax.numpy as jnp
+
+        from llmjax.model.params import num_params
+
+        self._options = options
+        o, fixed, model_config = dict(options), self._fixed, self._model_config
+        parallel = ParallelConfig(
+            tp=fixed["tp"],
+            pp=fixed["pp"],
+            pad_heads=fixed["pad_heads"],
+            check_lockstep=o["check_lockstep"],
+        )
+        max_model_len = o["max_model_len"]
+        if max_model_len is None:
+            max_model_len = min(model_config.max_position_embeddings, 4096)
+        max_num_batched_tokens = o["max_num_batched_tokens"]
+        if max_num_batched_tokens is None:  # whole-prompt policies need room for any prompt
+            chunked = SchedulerConfig(policy=o["scheduler_policy"]).chunks_prefills
+            max_num_batched_tokens = 512 if chunked else max_model_len
+        extra = {}
+        if o["compilation_cache_dir"] is not None:
+            extra["compilation_cache_dir"] = o["compilation_cache_dir"]
+        sparse_kv = o["sparse_kv"]
+        config = EngineConfig(
+            model=model_config,
+            cache=CacheConfig(
+                page_size=o["page_size"], num_pages=o["num_pages"], prefix_cache=o["prefix_cache"]
+            ),
+            scheduler=SchedulerConfig(
+                policy=o["scheduler_policy"],
+                max_num_seqs=o["max_num_seqs"],
+                max_num_batched_tokens=max_num_batched_tokens,
+                admission_order=o["admission_order"],
+            ),
+            dtype=fixed["dtype"],
             max_model_len=max_model_len,
-            attention_backend=attention_backend,
-            flash_prefill=flash_prefill,
-            pallas_kernel=pallas_kernel,
+            attention_backend=o["attention_backend"],
+            flash_prefill=o["flash_prefill"],
+            pallas_kernel=o["pallas_kernel"],
             parallel=parallel,
             sparse_kv=sparse_kv
             if isinstance(sparse_kv, SparseKVConfig)
             else SparseKVConfig(mode=sparse_kv),
-            seed=seed,
-            precompile=precompile,
+            seed=o["seed"],
+            precompile=o["precompile"],
             **extra,
         )
-        if not sharded:  # else ModelRunner places (and converts) each weight on the mesh
-            params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-        from llmjax.model.params import num_params
-
-        params_bytes = num_params(model_config) * jnp.dtype(dtype).itemsize
+        itemsize = jnp.dtype(fixed["dtype"]).itemsize
+        params_bytes = num_params(model_config) * itemsize
+        num_pages = o["num_pages"]
         if num_pages is None:
             num_pages = default_num_pages(config, params_bytes)
         self.config = config
         skew = None
         if config.sparse_kv.mode == "infinigen":
-            skew = _infinigen_skew(config, params, self.tokenizer, calibration_tokens)
-        self.engine = LLMEngine(config, params, num_pages, self.tokenizer, skew=skew)
+            skew = _infinigen_skew(config, self._weights, self.tokenizer, o["calibration_tokens"])
+        self.engine = LLMEngine(config, self._weights, num_pages, self.tokenizer, skew=skew)
         logger.info(
             "loaded %s (%.1f M params, %s) with %d KV pages in %.1f s",
-            model,
-            params_bytes / jnp.dtype(dtype).itemsize / 1e6,
-            dtype,
+            fixed["model"],
+            params_bytes / itemsize / 1e6,
+            fixed["dtype"],
             num_pages,
             time.perf_counter() - t0,
         )

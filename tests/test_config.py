@@ -57,7 +57,7 @@ def test_pallas_kernel_choice_is_checked_against_the_model():
     with pytest.raises(ValueError, match="pallas_kernel='cuda'"):
         EngineConfig(model=configs.TINY, pallas_kernel="cuda")
     h64 = configs.get_preset("tiny-h64")
-    with pytest.raises(ValueError, match="bfloat16 or float16.*got float32"):
+    with pytest.raises(ValueError, match=r"bfloat16 or float16.*got float32"):
         EngineConfig(model=h64, pallas_kernel="mgpu")  # float32 by default
     with pytest.raises(ValueError, match="head_dim % 64 == 0, got 16"):
         EngineConfig(model=configs.TINY, dtype="bfloat16", pallas_kernel="mgpu")

@@ -2,6 +2,7 @@
 bad input, stop conditions, aborts and bounded compilation."""
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -32,8 +33,12 @@ def test_only_the_runner_imports_jax():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _llm(**kw):
-    opts = dict(
+@functools.cache
+def _base_llm():
+    """The tiny model's random weights, loaded once per process: each test's engine is built over
+    them with `LLM.with_options` (loading costs ~3 s, an engine milliseconds)."""
+    return LLM(
+        "tiny",
         load_format="dummy",
         page_size=4,
         max_num_batched_tokens=32,
@@ -41,8 +46,10 @@ def _llm(**kw):
         max_model_len=96,
         compilation_cache_dir="",
     )
-    opts.update(kw)
-    return LLM("tiny", **opts)
+
+
+def _llm(**kw):
+    return _base_llm().with_options(**kw)
 
 
 def _prompts(n, seed=0, lo=1, hi=40):
@@ -92,6 +99,24 @@ def test_preemption_recomputes_and_loses_nothing(policy, alone_outputs):
     bm = small.engine.block_manager
     bm.check_invariants()
     assert bm.num_available_pages == bm.num_usable_pages
+
+
+def test_with_options_shares_the_weights_and_changes_only_the_engine(llm):
+    other = llm.with_options(scheduler_policy="decode_first", max_num_batched_tokens=96, seed=7)
+    assert other.engine is not llm.engine and other.params is llm.params
+    assert other.engine.runner.params["embed"] is llm.engine.runner.params["embed"]  # no copy
+    assert other.config.scheduler.policy == "decode_first" and other.config.seed == 7
+    assert other.config.max_model_len == 96  # the rest as llm's
+    assert llm.config.scheduler.policy == "sarathi" and llm.config.seed == 0
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = _prompts(3, seed=4)
+    assert [o.token_ids for o in other.generate(prompts, params)] == [
+        o.token_ids for o in llm.generate(prompts, params)
+    ]
+    with pytest.raises(ValueError, match=r"\['dtype', 'tp'\] fix how the weights were loaded"):
+        llm.with_options(dtype="bfloat16", tp=2)
+    with pytest.raises(TypeError, match=r"unknown engine options \['page'\]"):
+        llm.with_options(page=8)
 
 
 def test_whole_prompt_policies_need_a_budget_for_any_prompt():

@@ -6,6 +6,8 @@ computed once; reset; and the longest-prefix-match admission order with SGLang's
 The property tests with random arrivals, aborts, preemptions and shared prefixes are in
 test_scheduler_properties.py; the radix tree alone in test_radix_cache.py."""
 
+import functools
+
 import pytest
 
 from configs.tiny import TINY
@@ -22,18 +24,26 @@ MAX_MODEL_LEN = 96
 PAGE_SIZE = 4
 
 
+@functools.cache
+def _base_llm():
+    """The tiny model's random weights, loaded once per process (engines: `LLM.with_options`)."""
+    return LLM(
+        "tiny",
+        load_format="dummy",
+        page_size=PAGE_SIZE,
+        max_num_seqs=8,
+        max_model_len=MAX_MODEL_LEN,
+        compilation_cache_dir="",
+    )
+
+
 def _llm(policy="sarathi", **kw):
     chunked = policy in ("sarathi", "splitfuse")
     opts = dict(
-        load_format="dummy",
-        page_size=PAGE_SIZE,
         max_num_batched_tokens=32 if chunked else MAX_MODEL_LEN,
-        max_num_seqs=8,
-        max_model_len=MAX_MODEL_LEN,
         scheduler_policy=policy,
-        compilation_cache_dir="",
     )
-    return LLM("tiny", **(opts | kw))
+    return _base_llm().with_options(**(opts | kw))
 
 
 def _workloads() -> dict[str, list]:

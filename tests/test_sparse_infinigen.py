@@ -268,19 +268,24 @@ def test_evicted_pages_are_never_attended_or_selected():
 # ---- through the engine --------------------------------------------------------------------
 
 
-def _llm(sparse, **kw):
-    opts = dict(
+@functools.cache
+def _base_llm():
+    """The tiny model's random weights, loaded once per process (2 layers: 1 dense + 1
+    speculated, fast to compile); each test's engine comes from `LLM.with_options`."""
+    return LLM(
+        "tiny",
         load_format="dummy",
         page_size=4,
         max_num_batched_tokens=32,
         max_num_seqs=8,
         max_model_len=128,
         compilation_cache_dir="",
-        sparse_kv=sparse,
         calibration_tokens=64,
     )
-    opts.update(kw)
-    return LLM("tiny", **opts)  # 2 layers: 1 dense + 1 speculated (faster to compile)
+
+
+def _llm(sparse, **kw):
+    return _base_llm().with_options(sparse_kv=sparse, **kw)
 
 
 def _prompts(n, seed=0):
