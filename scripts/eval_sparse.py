@@ -63,7 +63,7 @@ def main(argv):
     from llmjax.sparse.skew import calibrate
 
     llm = LLM(FLAGS.model, load_format=FLAGS.load_format, num_pages=4, max_model_len=64)
-    config, params, tok = llm.model_config, llm.engine.runner.params, llm.tokenizer
+    config, params, tok = llm.model_config, llm.params, llm.tokenizer
     text = public_domain_text()
     ids = tok.encode(text) if tok is not None else [b % config.vocab_size for b in text.encode()]
     n_cal, B, n = FLAGS.calibration_tokens, FLAGS.num_segments, FLAGS.prefix_len + FLAGS.score_len

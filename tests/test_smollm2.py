@@ -29,7 +29,7 @@ def llm(smollm2_path):
 
 def test_prompt_logits_match_hf(llm, golden):
     npz, _ = golden
-    params, config = llm.engine.runner.params, llm.model_config
+    params, config = llm.params, llm.model_config
     subset = npz["vocab_subset"]
     for ids, n, sub, last in zip(
         npz["prompt_ids"], npz["prompt_lens"], npz["sub_logits"], npz["last_logits"], strict=True

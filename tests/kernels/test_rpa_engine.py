@@ -118,7 +118,7 @@ def _first_layers(llm, num_layers: int):
     config = dataclasses.replace(
         llm.config, model=dataclasses.replace(llm.config.model, num_layers=num_layers)
     )
-    params = dict(llm.engine.runner.params)
+    params = dict(llm.params)
     params["layers"] = params["layers"][:num_layers]
     llm.engine = LLMEngine(config, params, llm.engine.block_manager.num_pages, llm.tokenizer)
     return llm
