@@ -263,6 +263,12 @@ class SchedulerConfig:
             each step costs too much); a request whose cache hit is at most
             `in_batch_prefix_len` (32) tokens but whose first `in_batch_prefix_len` tokens equal
             an earlier waiting request's goes last, so the earlier one fills the cache first.
+
+    `balance_micro_batches` (pipeline parallelism only): cap each micro-batch's decodes at
+    ceil(decoding requests / pp), so the decodes spread evenly over the pp micro-batches in
+    flight. Off by default, as in Sarathi-Serve's code, where a micro-batch takes every decode
+    not in flight: the split that the first admissions leave (say 6 + 2 decodes) then never
+    changes, and every tick runs both stages at the size of the larger one.
     """
 
     policy: str = "sarathi"
@@ -271,6 +277,7 @@ class SchedulerConfig:
     admission_order: str = "fcfs"
     lpm_max_queue_len: int = 128
     in_batch_prefix_len: int = 32
+    balance_micro_batches: bool = False
 
     def __post_init__(self):
         _check_positive(

@@ -87,7 +87,9 @@ class LLM:
     `max_num_seqs`, `max_num_batched_tokens` (the token budget; default 512 for the chunking
     policies, max_model_len for the whole-prompt ones), `prefix_cache` ('radix' reuses the KV of
     shared prefixes, 'none' turns that off; see CacheConfig), `admission_order` ('fcfs' or 'lpm',
-    longest cached prefix first; see SchedulerConfig), `seed` (for requests without their own seed),
+    longest cached prefix first; see SchedulerConfig), `balance_micro_batches` (pp > 1: decodes
+    spread evenly over the micro-batches; see SchedulerConfig), `seed` (for requests without their
+    own seed),
     `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig), `flash_prefill`
     ('auto', 'on', 'off'; see EngineConfig), `pallas_kernel` ('auto', 'tpu', 'gpu', 'mgpu': the
     ragged paged attention kernel; see EngineConfig), `precompile` (compile every step shape at
@@ -115,6 +117,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         prefix_cache: str = "radix",
         admission_order: str = "fcfs",
+        balance_micro_batches: bool = False,
         attention_backend: str = "auto",
         flash_prefill: str = "auto",
         pallas_kernel: str = "auto",
@@ -153,6 +156,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 prefix_cache=prefix_cache,
                 admission_order=admission_order,
+                balance_micro_batches=balance_micro_batches,
                 attention_backend=attention_backend,
                 flash_prefill=flash_prefill,
                 pallas_kernel=pallas_kernel,
@@ -239,6 +243,7 @@ class LLM:
                 max_num_seqs=o["max_num_seqs"],
                 max_num_batched_tokens=max_num_batched_tokens,
                 admission_order=o["admission_order"],
+                balance_micro_batches=o["balance_micro_batches"],
             ),
             dtype=fixed["dtype"],
             max_model_len=max_model_len,

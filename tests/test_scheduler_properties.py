@@ -88,6 +88,9 @@ class Scenario:
     # Pipeline parallelism: a batch's tokens come back this many steps after it is scheduled
     # (LLMEngine._pipelined_step); meanwhile its requests are in flight (Scheduler.in_flight).
     pipeline_depth: int = 1
+    # SchedulerConfig.balance_micro_batches (with pipeline_depth > 1): at most
+    # ceil(decoding requests / depth) decodes per batch.
+    balance_micro_batches: bool = False
 
     def config(self) -> EngineConfig:
         return EngineConfig(
@@ -103,6 +106,7 @@ class Scenario:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 admission_order=self.admission_order,
+                balance_micro_batches=self.balance_micro_batches,
             ),
             max_model_len=self.max_model_len,
             compilation_cache_dir="",
@@ -229,7 +233,8 @@ def scenarios(draw, policy: str, prefix_cache: str = "none", admission_order: st
         requests=tuple(specs),
         watermark=watermark,
         vocab_size=vocab_size,
-        pipeline_depth=draw(st.sampled_from([1, 1, 2, 3]), label="pipeline depth"),
+        pipeline_depth=(depth := draw(st.sampled_from([1, 1, 2, 3]), label="pipeline depth")),
+        balance_micro_batches=depth > 1 and draw(st.booleans(), label="balance micro-batches"),
     )
 
 
@@ -265,6 +270,7 @@ def run_scenario(sc: Scenario) -> Result:
     ps, mml = sc.page_size, sc.max_model_len
     bm = BlockManager(sc.num_pages, ps, make_prefix_cache(sc.prefix_cache, ps))
     sched = make_scheduler(config, bm)
+    sched.num_micro_batches = sc.pipeline_depth  # the engine's pp (the tiny model has 2 layers)
     buckets = Buckets.create(sc.max_num_batched_tokens, sc.max_num_seqs, pages_needed(mml, ps))
     model = FakePagedModel(sc.num_pages, ps, sc.vocab_size)
     engine_like = types.SimpleNamespace(config=config, block_manager=bm)  # for _validate
@@ -390,6 +396,7 @@ class Before:
     running: list[Request]
     waiting: list[Request]
     ready: set[str]  # running requests with one token left to compute (decodes), not in flight
+    decoding: int  # running requests with one token left to compute, in flight or not
     in_flight: set[str]  # requests whose batch is still in the pipeline
     outputs: dict[str, list[int]]
     head: Request | None  # the first request admission tries
@@ -412,6 +419,7 @@ class Before:
                 for r in running
                 if r.num_uncomputed_tokens == 1 and r.request_id not in sched.in_flight
             },
+            decoding=sum(r.num_uncomputed_tokens == 1 for r in running),
             in_flight=set(sched.in_flight),
             outputs={r.request_id: list(r.output_token_ids) for r in running + waiting},
             head=head,
@@ -463,7 +471,13 @@ def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) ->
     assert set(head) == set(preempted), "preempted requests are not at the front of the queue"
 
     # Policies.
-    if sc.policy in CHUNKED:  # stall-free: every decode runs (unless preempted)
+    decodes = [s.request.request_id for s in seqs if s.request.request_id in before.ready]
+    capped = False
+    if sc.balance_micro_batches:  # at most ceil(decoding / depth) decodes, the oldest first
+        cap = -(-before.decoding // sc.pipeline_depth)
+        assert len(decodes) <= cap, f"{len(decodes)} decodes in a batch, over the share {cap}"
+        capped = len(decodes) == cap
+    if sc.policy in CHUNKED and not capped:  # stall-free: every decode runs (unless preempted)
         for rid in before.ready - set(preempted):
             assert rid in ids, f"{sc.policy} skipped the decode of {rid}"
     if sc.policy == "prefill_first":  # prefill-only steps of whole prompts, when possible
@@ -477,9 +491,10 @@ def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) ->
             assert before.head.request_id in admitted, "decode_first idles"
     if sc.policy in CHUNKED and batch.num_tokens < cfg.max_num_batched_tokens:
         # Budget left: nothing running was left out, and the queue's head could not be admitted.
-        assert set(running_ids) - before.in_flight <= set(ids), (
-            f"{sc.policy} left budget and a request unscheduled"
-        )
+        left_out = set(running_ids) - before.in_flight - set(ids)
+        if capped:  # decodes past the share wait for the next micro-batch
+            left_out -= before.ready
+        assert not left_out, f"{sc.policy} left budget and {left_out} unscheduled"
         if sched.waiting and len(running_ids) < cfg.max_num_seqs:
             # Admission stopped at a request that does not fit (evictions for the admitted ones
             # may have shrunk its cache hit since the order was made: LPM's order is per step).

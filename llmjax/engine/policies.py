@@ -81,4 +81,10 @@ SCHEDULERS: dict[str, type[Scheduler]] = {
 
 def make_scheduler(config: EngineConfig, block_manager: BlockManager) -> Scheduler:
     cls = SCHEDULERS[config.scheduler.policy]
-    return cls(config.scheduler, block_manager, config.max_model_len, config.cache.watermark)
+    return cls(
+        config.scheduler,
+        block_manager,
+        config.max_model_len,
+        config.cache.watermark,
+        num_micro_batches=config.parallel.pp,
+    )

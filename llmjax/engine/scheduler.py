@@ -87,8 +87,10 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         watermark: float = 0.01,
+        num_micro_batches: int = 1,
     ):
         self.config = config
+        self.num_micro_batches = num_micro_batches  # pp: micro-batches in flight at most
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.watermark_pages = int(watermark * block_manager.num_usable_pages)
@@ -129,14 +131,21 @@ class Scheduler:
         self.running.sort(key=lambda r: r.metrics.arrival_time)
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> None:
-        """One token for every running request whose prompt is done (preempting if needed)."""
-        for req in [r for r in self.running if r.num_uncomputed_tokens == 1]:
+        """One token for every running request whose prompt is done (preempting if needed); with
+        `balance_micro_batches` and pp > 1, at most ceil(decoding requests / pp) of them."""
+        decoding = [r for r in self.running if r.num_uncomputed_tokens == 1]
+        cap = len(decoding)
+        if self.config.balance_micro_batches and self.num_micro_batches > 1:
+            cap = -(-len(decoding) // self.num_micro_batches)  # in flight ones counted too
+        num_decodes = 0
+        for req in decoding:
             if req.status is not RequestStatus.RUNNING or self._budget(batch) < 1:
                 continue
-            if req.request_id in self.in_flight:
+            if req.request_id in self.in_flight or num_decodes >= cap:
                 continue
             if self._grow(req, req.num_tokens, batch):
                 batch.add(req, 1)
+                num_decodes += 1
 
     def _schedule_prefill_chunks(self, batch: ScheduledBatch, *, allocate_per_chunk: bool) -> None:
         """The next chunk of every running request still in prefill, in FCFS order (first taking

@@ -1,6 +1,7 @@
 """The absl flags that scripts/generate.py and scripts/benchmark.py share for parallel runs:
---tp, --pp, --pad_heads, --check_lockstep and jax.distributed's --coordinator_address,
---num_processes, --process_id (one command per process; see distributed.py)."""
+--tp, --pp, --pad_heads, --balance_micro_batches, --check_lockstep and jax.distributed's
+--coordinator_address, --num_processes, --process_id (one command per process; see
+distributed.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ def define_flags() -> None:
         False,
         "Pad the kv heads with zero heads to a multiple of --tp when tp does not split them "
         "(e.g. SmolLM2's 3 kv heads at --tp 2).",
+    )
+    flags.DEFINE_bool(
+        "balance_micro_batches",
+        False,
+        "With --pp > 1, cap each micro-batch at ceil(decoding requests / pp) decodes "
+        "(SchedulerConfig.balance_micro_batches; Sarathi-Serve's rule takes every decode).",
     )
     flags.DEFINE_bool(
         "check_lockstep", False, "Multi-host debugging: compare sampled tokens across processes."
@@ -36,7 +43,11 @@ def initialize(values) -> None:
 def llm_kwargs(values) -> dict:
     """The LLM(...) keyword arguments the flags set."""
     return dict(
-        tp=values.tp, pp=values.pp, pad_heads=values.pad_heads, check_lockstep=values.check_lockstep
+        tp=values.tp,
+        pp=values.pp,
+        pad_heads=values.pad_heads,
+        balance_micro_batches=values.balance_micro_batches,
+        check_lockstep=values.check_lockstep,
     )
 
 
