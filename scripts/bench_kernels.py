@@ -123,11 +123,11 @@ def batch_specs(kind: str, on_cpu: bool) -> tuple[list[int], list[int]]:
 
 
 def make_case(q_lens, kv_lens):
-    """A random case (tests/kernels/rpa_cases.py) padded like the engine pads a step."""
+    """A random case (kernels_pallas/ragged_paged_attention/cases.py) padded like the engine pads
+    a step."""
     import numpy as np
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.kernels.rpa_cases import make_case
+    from kernels_pallas.ragged_paged_attention.cases import make_case
 
     T = 1 << max(3, (sum(q_lens) - 1).bit_length())  # the engine's power-of-two token bucket
     case = make_case(

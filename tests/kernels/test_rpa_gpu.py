@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.ragged_paged_attention.cases import RAGGED_CASES, make_case
 from kernels_pallas.ragged_paged_attention.kernel_gpu import (
     choose_num_kv_splits,
     ragged_paged_attention_gpu,
 )
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
 from tests.kernels import kernel_testing
-from tests.kernels.rpa_cases import RAGGED_CASES, make_case
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.ragged_paged_attention.cases import RAGGED_CASES, make_case
 from kernels_pallas.ragged_paged_attention.kernel_mgpu import (
     _clamped_page_table,
     check_supported,
@@ -27,7 +28,6 @@ from kernels_pallas.ragged_paged_attention.kernel_mgpu import (
 )
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
 from tests.kernels import kernel_testing
-from tests.kernels.rpa_cases import RAGGED_CASES, make_case
 
 BF16 = jnp.dtype(jnp.bfloat16)
 TOL = 2e-2  # x max|ref|

@@ -11,6 +11,7 @@ from kernels_pallas.ragged_paged_attention import (
     default_implementation,
     ragged_paged_attention,
 )
+from kernels_pallas.ragged_paged_attention.cases import RAGGED_CASES, make_case
 from kernels_pallas.ragged_paged_attention.reference import (
     query_positions,
     ragged_paged_attention_reference,
@@ -21,7 +22,6 @@ from llmjax.model.attention import (
     reference_attention,
     resolve_attention_backend,
 )
-from tests.kernels.rpa_cases import RAGGED_CASES, make_case
 
 
 def numpy_loop(c, *, sm_scale, sliding_window=None, soft_cap=None):

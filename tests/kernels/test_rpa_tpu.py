@@ -22,10 +22,10 @@ from jax.experimental.pallas import tpu as pltpu
 from configs.llama3 import LLAMA3_8B
 from configs.smollm2 import SMOLLM2_135M
 from configs.tiny import TINY
+from kernels_pallas.ragged_paged_attention.cases import RAGGED_CASES, make_case
 from kernels_pallas.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
 from tests.kernels.kernel_testing import assert_matches_reference
-from tests.kernels.rpa_cases import RAGGED_CASES, make_case
 
 # A long sequence (several kv steps, the sliding window skips its early pages) next to a decode.
 CASES = {**RAGGED_CASES, "long": ([24, 1, 3], [200, 130, 3], 16)}

@@ -1,4 +1,5 @@
-"""Random ragged batches for the ragged paged attention kernels (tests and benchmarks).
+"""Random ragged batches for the ragged paged attention kernels: what the tests
+(tests/kernels/) check every implementation on and scripts/bench_kernels.py times.
 
 A case is what the engine hands the kernel: a flat batch of query rows from several sequences
 (decodes, prefill chunks that start mid-page and cross pages), each reading its KV through a
