@@ -225,7 +225,6 @@ parallel_flags.define_flags()
 
 FLAGS = flags.FLAGS
 _MODULE = sys.argv[0] if __name__ == "__main__" else __name__  # absl's key for these flags
-DECODE_SLACK = 32  # extra max_tokens for the decode-step measurements
 
 
 def _log(msg: str) -> None:
@@ -404,70 +403,16 @@ def build_specs(
 # Measurements.
 
 
-def measure_decode_step(llm, num_requests: int, num_steps: int, prompt_len: int = 16) -> dict:
-    """Median host, device and wall time per step with `num_requests` decodes running (all
-    prefilled first); steps that compiled (e.g. when the page-table bucket grows) are skipped.
-    The engine must allow that many running requests and tokens per step."""
-    import numpy as np
+def measure_decode_step(llm, num_requests: int, num_steps: int) -> dict:
+    """llmjax.bench.measure_decode_step on `llm`'s engine, seeded by --seed."""
+    from llmjax.bench import measure_decode_step as measure
 
-    from llmjax import SamplingParams
-
-    engine = llm.engine
-    # Chunked prefill starts requests a few steps apart: the slack keeps all of them decoding
-    # through the timed steps (they are aborted afterwards).
-    params = SamplingParams(max_tokens=num_steps + DECODE_SLACK, ignore_eos=True)
-    rng = np.random.default_rng(FLAGS.seed)
-    vocab = llm.model_config.vocab_size
-    ids = [
-        engine.add_request(rng.integers(100, vocab, prompt_len).tolist(), params)
-        for _ in range(num_requests)
-    ]
-    started: set[str] = set()
-    while len(started) < num_requests:  # prefill until every request has its first token
-        started.update(o.request_id for o in engine.step() if o.token_ids)
-    stats = engine.stats
-    rows = []  # (host s, device s, wall s, decodes) per clean step
-    skipped = 0
-    for _ in range(num_steps + DECODE_SLACK // 2):
-        if len(rows) == num_steps:
-            break
-        before = (stats.host_time_s, stats.device_time_s, stats.num_decode_tokens)
-        compiles = engine.num_compiles
-        t = time.perf_counter()
-        engine.step()
-        wall = time.perf_counter() - t
-        if engine.num_compiles != compiles:
-            skipped += 1
-            continue
-        rows.append(
-            (
-                stats.host_time_s - before[0],
-                stats.device_time_s - before[1],
-                wall,
-                stats.num_decode_tokens - before[2],
-            )
-        )
-    for rid in ids:
-        engine.abort_request(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
-    if not rows:
-        raise RuntimeError(f"every one of {skipped} decode steps compiled; raise the step count")
-    host, device, wall, decodes = (float(np.median(c)) for c in zip(*rows, strict=True))
-    return {
-        "num_running": num_requests,
-        "decodes_per_step": decodes,
-        "num_steps": len(rows),
-        "num_compiling_steps_skipped": skipped,
-        "host_ms_per_step": 1e3 * host,
-        "device_ms_per_step": 1e3 * device,
-        "wall_ms_per_step": 1e3 * wall,
-        "host_fraction": host / max(host + device, 1e-12),
-    }
+    return measure(llm.engine, num_requests, num_steps, seed=FLAGS.seed)
 
 
 def host_overhead(variant: Variant, n: int) -> dict:
     """Host vs device time per step with `n` running decodes, on an engine sized for them."""
+    from llmjax.bench.step_time import DECODE_SLACK
     from llmjax.engine.block_manager import pages_needed
 
     per_request = pages_needed(16 + FLAGS.host_overhead_steps + DECODE_SLACK, FLAGS.page_size)

@@ -614,6 +614,20 @@ def test_replay_realtime_on_tiny(tiny_llm):
     assert s.num_finished == 4 and s.tbt.count == 4 * 2 and s.output_token_throughput > 0
 
 
+def test_measure_decode_step_on_tiny(tiny_llm):
+    from llmjax.bench import measure_decode_step
+
+    engine = tiny_llm.engine
+    ref = measure_decode_step(engine, num_requests=3, num_steps=4, prompt_len=6)
+    assert ref["num_steps"] == 4 and ref["decodes_per_step"] == 3 and ref["num_running"] == 3
+    assert ref["host_ms_per_step"] > 0 and ref["device_ms_per_step"] > 0
+    assert ref["wall_ms_per_step"] >= ref["device_ms_per_step"]
+    assert not engine.has_unfinished_requests()  # its requests were aborted, pages freed
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_available_pages == bm.num_usable_pages
+
+
 def test_benchmark_script_in_process(tmp_path, capsys):
     from tests.helpers import run_benchmark_script
 

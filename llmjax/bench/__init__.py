@@ -9,7 +9,8 @@ Sarathi-Serve's capacity search. Plain Python and numpy (no jax), so it is testa
 Prefix-cache workloads (`shared_system_prompt`, `few_shot`, `multi_turn_chat`) give explicit token
 ids: pass `vocab_size=llm.model_config.vocab_size`. `multi_turn_chat` makes dependent requests
 (`RequestSpec.parent`), which `replay` adds once their parent has finished; `summarize` reports the
-prefix cache hit rate from `RequestOutput.num_cached_tokens`.
+prefix cache hit rate from `RequestOutput.num_cached_tokens`. `measure_decode_step` times a
+decode-only step on a live engine (Sarathi-Serve's TBT SLO is a multiple of it).
 """
 
 from llmjax.bench.capacity import CapacityResult, capacity_search
@@ -21,6 +22,7 @@ from llmjax.bench.metrics import (
     summarize,
 )
 from llmjax.bench.replay import replay, warm_up
+from llmjax.bench.step_time import measure_decode_step
 from llmjax.bench.workloads import RequestSpec, load_trace, make_workload, save_trace
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "format_side_by_side",
     "load_trace",
     "make_workload",
+    "measure_decode_step",
     "meets_capacity",
     "replay",
     "save_trace",
