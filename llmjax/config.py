@@ -29,19 +29,32 @@ class RopeScaling:
     `llama3`: Llama 3.1's wavelength-dependent scaling (long wavelengths divided by `factor`, short
     ones kept, a smooth ramp between `high_freq_factor` and `low_freq_factor`).
     `linear`: every frequency divided by `factor` (position interpolation).
+    `freq_factors`: frequency i divided by `freq_factors[i]` (head_dim / 2 of them): llama.cpp's
+    `rope_freqs` tensor, which GGUF files of Llama 3.1+ carry instead of the llama3 parameters
+    (`factor` is then their largest, for information).
     """
 
-    rope_type: Literal["llama3", "linear"]
+    rope_type: Literal["llama3", "linear", "freq_factors"]
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
+        if self.rope_type not in ("llama3", "linear", "freq_factors"):
             raise ValueError(
-                f"unsupported {self.rope_type=}; llmjax implements 'llama3' and 'linear'"
+                f"unsupported {self.rope_type=}; llmjax implements 'llama3', 'linear' and "
+                "'freq_factors'"
             )
+        object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))
+        if (self.rope_type == "freq_factors") != bool(self.freq_factors):
+            raise ValueError(
+                f"freq_factors go with rope_type='freq_factors' (and it needs them): "
+                f"{self.rope_type=}, {len(self.freq_factors)} factors"
+            )
+        if any(not f > 0 for f in self.freq_factors):
+            raise ValueError(f"freq_factors must be positive: {self.freq_factors}")
         _check_positive(self, "factor", "original_max_position_embeddings")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
@@ -124,6 +137,12 @@ class ModelConfig:
             raise ValueError(f"{self.num_heads=} must be divisible by {self.num_kv_heads=}")
         if self.head_dim % 2:
             raise ValueError(f"{self.head_dim=} must be even for rotary embeddings")
+        factors = self.rope_scaling.freq_factors if self.rope_scaling else ()
+        if factors and len(factors) != self.head_dim // 2:
+            raise ValueError(
+                f"{len(factors)} rope freq_factors for {self.head_dim=} "
+                f"(want head_dim / 2 = {self.head_dim // 2})"
+            )
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unknown architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"

@@ -3,6 +3,7 @@ SmolLM2 GGUF's metadata, orbax round trips, and clear errors for missing or brok
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -161,10 +162,16 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(
-    path, name: str, *, arch: str | None = None, drop: str | None = None, dtype=np.float32
+    path,
+    name: str,
+    *,
+    arch: str | None = None,
+    drop: str | None = None,
+    dtype=np.float32,
+    extra_tensors: dict | None = None,
 ) -> str:
     """Convert tiny HF checkpoint `name` to a GGUF file the way llama.cpp does (F32, or F16 for
-    the matrices with dtype=np.float16)."""
+    the matrices with dtype=np.float16), with `extra_tensors` (GGUF name -> array) added."""
     import gguf
 
     with open(os.path.join(hf_dir(name), "config.json")) as f:
@@ -198,6 +205,8 @@ def write_gguf(
         if t.ndim == 2:
             t = t.astype(dtype)
         w.add_tensor(gguf_name(hf_name), np.ascontiguousarray(t))
+    for gguf_tensor, t in (extra_tensors or {}).items():
+        w.add_tensor(gguf_tensor, np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -247,6 +256,91 @@ def test_gguf_matches_hf(name, tmp_path):
     config2, params2, kind = load_model(path, np.float16)
     assert kind == "gguf" and config2 == config
     assert_same_params(params2, jax.tree.map(lambda x: x.astype(np.float16), hf_params))
+
+
+def llama_cpp_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for a llama3 rope_scaling: one divisor
+    per frequency (1 for short wavelengths, `factor` for long ones, a smooth ramp between)."""
+    factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def test_gguf_rope_freqs_give_the_hf_llama3_scaling(tmp_path):
+    """A Llama 3.1+ GGUF carries llama.cpp's rope_freqs instead of the llama3 parameters: loaded
+    as RopeScaling('freq_factors'), the frequencies and the model's logits (on positions past
+    original_max_position_embeddings, 32 here, where the scaling acts) equal the HF checkpoint's."""
+    from llmjax.model.layers import rope_inv_freq
+    from tests.helpers import full_logits
+
+    with open(os.path.join(hf_dir("llama3_rope"), "config.json")) as f:
+        hf = json.load(f)
+    factors = llama_cpp_rope_freqs(hf["rope_parameters"], hf["head_dim"])
+    assert 1.0 in factors and 8.0 in factors  # (this tiny config has no ramp: see below)
+    path = write_gguf(
+        tmp_path / "llama3_rope.gguf", "llama3_rope", extra_tensors={"rope_freqs.weight": factors}
+    )
+    hf_config, hf_params = load_hf(hf_dir("llama3_rope"))
+    config, params = load_gguf(path)
+    assert hf_config.rope_scaling.rope_type == "llama3"
+    assert config.rope_scaling.rope_type == "freq_factors" and config.rope_scaling.factor == 8.0
+    np.testing.assert_allclose(
+        rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
+        rope_inv_freq(hf_config.head_dim, hf_config.rope_theta, hf_config.rope_scaling),
+        rtol=1e-6,
+    )
+    assert_same_params(params, hf_params)
+    ids = list(np.random.default_rng(0).integers(3, 256, 48))
+    want = full_logits(hf_params, hf_config, ids)
+    np.testing.assert_allclose(full_logits(params, config, ids), want, rtol=0, atol=1e-4)
+    unscaled = full_logits(params, config.replace(rope_scaling=None), ids)
+    assert np.abs(unscaled - want).max() > 1e-2  # the scaling matters at these positions
+
+
+def test_rope_freq_factors_equal_llama3_scaling_on_llama31_8b():
+    """Llama 3.1 8B's parameters (head dim 128, theta 5e5, factor 8, 1 / 4, 8192 positions): the
+    divisors llama.cpp writes reproduce the llama3 frequencies, the smooth ramp included."""
+    from llmjax.config import RopeScaling
+    from llmjax.model.layers import rope_inv_freq
+
+    rope = dict(
+        rope_theta=5e5,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+    factors = llama_cpp_rope_freqs(rope, 128)
+    assert ((factors > 1) & (factors < 8)).sum() >= 3  # the ramp
+    llama3 = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    np.testing.assert_allclose(
+        rope_inv_freq(128, 5e5, RopeScaling("freq_factors", 8.0, freq_factors=tuple(factors))),
+        rope_inv_freq(128, 5e5, llama3),
+        rtol=1e-6,
+    )
+
+
+def test_rope_freq_factors_are_checked():
+    from llmjax.config import RopeScaling
+
+    with pytest.raises(ValueError, match=r"3 rope freq_factors for self\.head_dim=16"):
+        configs.TINY.replace(
+            rope_scaling=RopeScaling("freq_factors", 1.0, freq_factors=(1.0, 2.0, 3.0))
+        )
+    with pytest.raises(ValueError, match="freq_factors go with rope_type='freq_factors'"):
+        RopeScaling("freq_factors", 1.0)
+    with pytest.raises(ValueError, match="must be positive"):
+        RopeScaling("freq_factors", 1.0, freq_factors=(1.0, 0.0))
 
 
 def test_gguf_f16_matches_hf_rounded(tmp_path):

@@ -4,6 +4,9 @@ llama.cpp's converter permutes the rows of Q and K so that rotary pairs are adja
 interleaving); our model, like HF, rotates the two halves of each head. `unpermute_rope_rows`
 undoes it: per head, rows are stored as [pair0.a, pair0.b, pair1.a, ...] and HF wants
 [pair0.a, pair1.a, ..., pair0.b, pair1.b, ...].
+
+Llama 3.1+ files carry no llama3 rope parameters but a `rope_freqs` tensor: llama.cpp's divisor
+per rotary frequency, computed from them. It becomes `RopeScaling(rope_type="freq_factors")`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 
 import numpy as np
 
-from llmjax.config import ModelConfig
+from llmjax.config import ModelConfig, RopeScaling
 from llmjax.model.params import Params
 
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
@@ -82,10 +85,12 @@ def model_config_from_gguf(reader_or_path) -> ModelConfig:
         return value
 
     tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise NotImplementedError(
-            f"{source}: GGUF rope_freqs (Llama 3.1 rope scaling) is not supported; load the HF "
-            "checkpoint instead"
+    rope_scaling = None
+    rope_freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    if rope_freqs:  # Llama 3.1+: llama.cpp's per-frequency divisors instead of llama3 parameters
+        factors = np.asarray(rope_freqs[0].data, np.float32).reshape(-1)
+        rope_scaling = RopeScaling(
+            rope_type="freq_factors", factor=float(factors.max()), freq_factors=tuple(factors)
         )
     vocab_size = _field(reader, f"{arch}.vocab_size")
     if vocab_size is None:
@@ -108,6 +113,7 @@ def model_config_from_gguf(reader_or_path) -> ModelConfig:
         head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,

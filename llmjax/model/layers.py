@@ -28,6 +28,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
         return inv_freq.astype(np.float32)
     if scaling.rope_type == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
+    if scaling.rope_type == "freq_factors":
+        factors = np.asarray(scaling.freq_factors, np.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"{factors.size} rope freq_factors for head_dim {head_dim} (want {inv_freq.size})"
+            )
+        return (inv_freq / factors).astype(np.float32)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly between.
     old_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_len / scaling.low_freq_factor
