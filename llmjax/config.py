@@ -467,14 +467,13 @@ class EngineConfig:
     backend only): which ragged paged attention kernel, 'auto' the platform's (gpu on CUDA, tpu on
     TPU and, interpreted, on the CPU), or one by name: 'tpu' (Mosaic TPU), 'gpu' (Triton),
     'mgpu' (Mosaic GPU for Hopper: bfloat16/float16, head_dim % 64 == 0, page_size % 8 == 0;
-    flash prefill then uses the Triton kernel; interpreted on the CPU).
-    `compilation_cache_dir` enables JAX's
-    persistent compilation cache ('' disables it). `sparse_kv` (SparseKVConfig): the KV cache in
-    host memory with full or InfiniGen-selected fetches ('none' by default). `precompile`
-    compiles every step shape at
-    start (|token buckets| x |page buckets| variants) so that serving never compiles; off by
-    default because on a CPU that takes minutes for a real model the first time (later starts
-    load the persistent cache).
+    flash prefill then uses the Triton kernel; interpreted on the CPU). `compilation_cache_dir`
+    enables JAX's persistent compilation cache ('' disables it). `sparse_kv` (SparseKVConfig): the
+    KV cache in host memory with full or InfiniGen-selected fetches ('none' by default).
+    `precompile` compiles every step shape at start (|token buckets| x |page buckets| variants;
+    with pp > 1 the pipeline tick of each, and the carry's resizes) so that serving never
+    compiles; off by default because on a CPU that takes minutes for a real model the first time
+    (later starts load the persistent cache).
     """
 
     model: ModelConfig

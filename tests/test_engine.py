@@ -193,16 +193,25 @@ def test_metrics_are_recorded(llm):
 
 @pytest.mark.parametrize("policy", ["sarathi", "prefill_first"])
 def test_no_compile_after_precompile(policy):
+    import jax
+
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **kw: events.append(event)
+    )
     llm = _policy_llm(policy, precompile=True, max_num_seqs=4)
     engine = llm.engine
     assert engine.num_compiles == len(engine.buckets.shapes())
-    before = engine.num_compiles
+    before, num_events = engine.num_compiles, len(events)
     mixed = [
         SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=1)
         for n, t in zip((1, 5, 30, 12, 60, 3, 9), (0, 1.0, 0, 0.5, 0, 0, 1.0), strict=True)
     ]
     llm.generate(_prompts(7, seed=5, hi=36), mixed)
     assert engine.num_compiles == before
+    # Nothing traced, compiled or fetched from the persistent compilation cache while serving.
+    serving = events[num_events:]
+    assert not [e for e in serving if e.startswith(("/jax/core/compile/", "/jax/comp"))]
 
 
 def test_serving_again_does_not_recompile(llm):

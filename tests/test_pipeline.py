@@ -155,6 +155,32 @@ def test_balanced_micro_batches_shrink_the_bubble():
     assert bubbles[True] < 0.5 * bubbles[False], bubbles
 
 
+def test_no_compile_after_precompile():
+    """precompile=True at pp=2: one tick per bucket (and the carry's resizes) compiled at start;
+    then serving a mixed workload compiles nothing at all (XLA's backend-compile events)."""
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **kw: events.append(event)
+    )
+    small = {"max_model_len": 32, "max_num_batched_tokens": 16}  # 8 buckets
+    llm = LLM("tiny-deep", pp=2, precompile=True, **{**ENGINE_OPTS, **small})
+    engine = llm.engine
+    assert engine.num_compiles == len(engine.buckets.shapes())
+    assert engine.runner.num_in_flight == 0
+    compiles = sum(e == "/jax/core/compile/backend_compile_duration" for e in events)
+    assert compiles >= len(engine.buckets.shapes())
+    before = len(events)
+    mixed = [
+        SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=1)
+        for n, t in zip((1, 5, 12, 12, 9, 3), (0, 1.0, 0, 0.5, 0, 1.0), strict=True)
+    ]
+    outs = llm.generate([p[:14] for p in prompts()], mixed)
+    assert all(o.finished and o.error is None for o in outs)
+    assert engine.num_compiles == len(engine.buckets.shapes())
+    # Nothing traced, compiled or fetched from the persistent compilation cache while serving.
+    assert not [e for e in events[before:] if e.startswith(("/jax/core/compile/", "/jax/comp"))]
+
+
 def test_bubble_arithmetic():
     stats = EngineStats(num_pages=10)
     stats.record_tick([8, 0])  # fill: stage 1 empty

@@ -312,31 +312,57 @@ class ModelRunner:
 
     def precompile(self, shapes: list[tuple[int, int, int]]) -> None:
         """Compile (or load from the persistent cache) the step for every (T, S, P) shape by
-        running it once on an all-padding input, which writes only to the reserved page."""
+        running it once on an all-padding input, which writes only to the reserved page. With
+        pp > 1: one tick per shape with an all-padding micro-batch entering, drained by pp - 1
+        empty ticks (a tick's bucket is its micro-batches' largest, itself one of `shapes`), and
+        the hidden-state carry's resize between every pair of token buckets."""
         if self.pipelined:
-            logger.warning("precompile is not implemented for pp > 1; ticks compile on first use")
+            self._precompile_pipeline(shapes)
             return
         for T, S, P in shapes:
-            step = StepInput(
-                token_ids=np.zeros(T, np.int32),
-                positions=np.zeros(T, np.int32),
-                slot_mapping=np.zeros(T, np.int32),
-                cu_q_lens=np.zeros(S + 1, np.int32),
-                kv_lens=np.zeros(S, np.int32),
-                page_indices=np.zeros((S, P), np.int32),
-                num_seqs=np.zeros(1, np.int32),
-                logits_indices=np.zeros(S, np.int32),
-            )
-            zeros = np.zeros(S, np.float32)
-            sampling = SamplingInput(
-                zeros,
-                zeros.astype(np.int32),
-                zeros + 1,
-                zeros.astype(np.uint32),
-                zeros.astype(np.int32),
-                all_greedy=True,
-            )
-            self.run(step, sampling)
+            self.run(_padding_step(T, S, P), _greedy_sampling(S))
+
+    def _precompile_pipeline(self, shapes: list[tuple[int, int, int]]) -> None:
+        if self.num_in_flight:
+            raise RuntimeError("precompile needs an empty pipeline")
+        pp = self.mesh.shape["pp"]
+        for T, S, P in shapes:
+            self.tick(_padding_step(T, S, P), _greedy_sampling(S))
+            for _ in range(pp - 1):
+                self.tick(None, None)
+        # The carry as ticks leave it (sharded over 'pp'), resized from every bucket to every other.
+        carry = NamedSharding(self.mesh, PartitionSpec("pp"))
+        token_buckets = sorted({T for T, _, _ in shapes})
+        for old in token_buckets:
+            h = jax.device_put(jnp.zeros((pp, old, self._h.shape[2]), self._h.dtype), carry)
+            for new in token_buckets:
+                pipeline.resize_carry(h, new).block_until_ready()
+
+
+def _padding_step(T: int, S: int, P: int) -> StepInput:
+    """An all-padding step of shape (T, S, P): no sequence, writes only to the reserved page."""
+    return StepInput(
+        token_ids=np.zeros(T, np.int32),
+        positions=np.zeros(T, np.int32),
+        slot_mapping=np.zeros(T, np.int32),
+        cu_q_lens=np.zeros(S + 1, np.int32),
+        kv_lens=np.zeros(S, np.int32),
+        page_indices=np.zeros((S, P), np.int32),
+        num_seqs=np.zeros(1, np.int32),
+        logits_indices=np.zeros(S, np.int32),
+    )
+
+
+def _greedy_sampling(S: int) -> SamplingInput:
+    zeros = np.zeros(S, np.float32)
+    return SamplingInput(
+        zeros,
+        zeros.astype(np.int32),
+        zeros + 1,
+        zeros.astype(np.uint32),
+        zeros.astype(np.int32),
+        all_greedy=True,
+    )
 
 
 def _pad_sampling(arrays: tuple | None, S: int) -> tuple:
