@@ -51,6 +51,19 @@ def update(state, s: jax.Array, visible: jax.Array | None, v: jax.Array):
     return alpha[:, None] * acc + pv, m_new, alpha * denom + p.sum(axis=1)
 
 
+def combine_splits(
+    o: jax.Array, m: jax.Array, denom: jax.Array, *, base2: bool = False
+) -> jax.Array:
+    """Flash decoding's merge of split-KV partials: o [C, ..., H] (each split's acc / denom), m
+    and denom [C, ...] (its running max, in base 2 with `base2`, and sum) -> [..., H], weighting
+    split c by denom_c * exp(m_c - max_c m). A split that saw no key has denom 0 (weight 0); a
+    row no split saw gives 0."""
+    exp = jnp.exp2 if base2 else jnp.exp
+    w = denom * exp(m - m.max(axis=0))
+    den = w.sum(axis=0)
+    return (w[..., None] * o).sum(axis=0) / jnp.where(den == 0.0, 1.0, den)[..., None]
+
+
 def finalize(acc: jax.Array, denom: jax.Array) -> jax.Array:
     """acc / denom, 0 for rows that saw no key."""
     return acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]

@@ -301,10 +301,7 @@ def ragged_paged_attention_gpu(
     if C == 1:
         o = outs[0][:T]
     else:
-        o, m, denom = (x[:, :T] for x in outs)
-        w = denom * jnp.exp(m - m.max(axis=0))  # [C, T, K, Qp]; an empty split has denom 0
-        den = w.sum(axis=0)
-        o = (w[..., None] * o).sum(axis=0) / jnp.where(den == 0.0, 1.0, den)[..., None]
+        o = online_softmax.combine_splits(*(x[:, :T] for x in outs))  # [T, K, Qp, H]
     o = o[:, :, :Q].reshape(T, N, H)
     valid = jnp.arange(T) < cu_q_lens[num_seqs[0]]  # padding rows are 0
     return jnp.where(valid[:, None, None], o, 0.0).astype(q.dtype)

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas import online_softmax
 from kernels_pallas.online_softmax import MASK_VALUE
 from kernels_pallas.ragged_paged_attention.kernel_gpu import (
     _q_block_schedule,
@@ -398,10 +399,7 @@ def ragged_paged_attention_mgpu(
     if C == 1:
         o_blocks = outs  # [NB, K, ROWS, H]
     else:
-        o, m, denom = outs  # [C, NB, K, ROWS(, H)]
-        w = denom * jnp.exp2(m - m.max(axis=0))  # an empty split has denom 0
-        den = w.sum(axis=0)
-        o_blocks = (w[..., None] * o).sum(axis=0) / jnp.where(den == 0.0, 1.0, den)[..., None]
+        o_blocks = online_softmax.combine_splits(*outs, base2=True)  # [NB, K, ROWS, H]
     # Scatter the tiles' rows back to [T, K, Q, H]; unused rows point past the end (dropped).
     dest = jnp.where(used, token, T)
     out = jnp.zeros((T, K, Q, H), o_blocks.dtype)
