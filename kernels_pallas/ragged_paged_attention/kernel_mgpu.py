@@ -5,9 +5,16 @@ Why a second GPU kernel. kernel_gpu.py is Pallas on the Triton lowering, which j
 batches and 22-34 % of the bf16 peak on prefill, short of the issue's goals. This kernel is the
 Mosaic GPU port: KV pages arrive by TMA (one async copy per page, page ids read from the page
 table in GMEM), several KV blocks in flight at once, and both matmuls run on the tensor cores as
-Hopper wgmma. It is the `mgpu` implementation: chosen by name (EngineConfig.rpa_implementation or
+Hopper wgmma. It is the `mgpu` implementation: chosen by name (EngineConfig.pallas_kernel, or
 `implementation="mgpu"`), not yet the CUDA default, because it has not been timed on hardware
 (scripts/device_check.sh times it next to the Triton kernel when a GPU is lent).
+
+How it was checked without a GPU: numerics in Mosaic GPU's interpreter (InterpretGPUParams: TMA,
+barriers and wgmma simulated, uninitialized SMEM read as NaN) against reference.py, and lowering
+by exporting for cuda (Mosaic GPU's layout inference, tile and SMEM checks for sm_90) at every
+kernel configuration the engine's buckets produce. The interpreter did not flag a slot refilled
+before its P V read (tried on purpose), so the pipeline's ordering rests on the code's structure:
+a slot is refilled only after the step's accumulator has been read, which waits for its wgmmas.
 
 What it needs: bfloat16 or float16 inputs (wgmma has no full-float32 path), head_dim a multiple
 of 64, page_size a multiple of 8 (a page is a whole number of 8-row SMEM tiles), at most 64 query
@@ -18,9 +25,10 @@ Algorithm (flash attention over pages, online softmax in float32, scores in base
     never spans two sequences; `_q_block_schedule`, shared with kernel_gpu.py) and gathers each
     block's rows into one [64, H] tile per kv head: row r = token r // Q, query head r % Q of that
     kv head (rows past block_q * Q, or past the sequence's last token, are zeros and discarded).
-    Decode blocks use Q of the 64 rows: wgmma's minimum is 64 rows per warpgroup, and decode is
-    bound by reading KV, not by the tensor cores (at 4 query heads per kv head the padded matmuls
-    are ~1/15 of the H200's bf16 peak at full HBM bandwidth).
+    Decode blocks use Q of the 64 rows: wgmma's minimum is 64 rows per warpgroup. At full HBM
+    bandwidth (4.8 TB/s, head dim 128) the padded matmuls then run at ~310 TFLOP/s, a third of
+    the bf16 peak, so decode should stay bound by reading KV; if it is not, a decode path that
+    puts keys on the 64 rows (S^T = K q^T) is the next step.
   - Grid (num_blocks, K, num_kv_splits), one warpgroup per program. Program (b, h, c) copies its
     q tile to SMEM, then walks the KV blocks its rows can see ([first visible key, last row's
     position], split c of them with split-KV) in steps of `pages_per_block` pages: each step is
@@ -28,7 +36,8 @@ Algorithm (flash attention over pages, online softmax in float32, scores in base
     [pages, G, K, H] cache) into one of `num_stages` SMEM slots; the copies of step i + num_stages
     are issued as soon as step i's matmuls have read the slot. Per step: S = q K^T (wgmma, f32
     accumulator), scale and soft cap, mask (causal, kv_len, window) to MASK_VALUE, online softmax
-    (running max in base 2, exp2), acc = alpha * acc + P V (wgmma, P rounded to the input dtype).
+    (running max in base 2, exp2), acc = alpha * acc + P V (wgmma; P rounded to the input dtype
+    and staged in SMEM, as the interpreter's wgmma takes SMEM operands only).
   - Pages past a sequence's last page are never named: the wrapper clamps each page-table row to
     its last used page, so a block's trailing page copies re-read that page (keys at or past
     kv_len, masked). The last block's V rows at or past kv_len are zeroed in SMEM before P V, so
@@ -87,11 +96,14 @@ def check_supported(q_dtype, head_dim: int, page_size: int, num_queries_per_kv: 
 
 def default_block_sizes(T: int, S: int, num_queries_per_kv: int, page_size: int) -> tuple:
     """-> (block_q tokens, pages_per_block): as many tokens as fill 64 rows, but no more than a
-    sequence of the bucket has on average (T // S, so a decode bucket gets 1), and
-    ~MGPU_KEYS_PER_BLOCK keys per KV step."""
+    sequence of the bucket has on average (T // S, so a decode bucket gets 1), and the fewest
+    whole pages that make at least MGPU_KEYS_PER_BLOCK keys and a multiple of 64 (the swizzled
+    tile of the P V matmul; page_size 24 -> 8 pages)."""
     avg_q_len = max(1, T // S)
     block_q = max(1, min(ROWS // num_queries_per_kv, avg_q_len))
-    return block_q, max(1, MGPU_KEYS_PER_BLOCK // page_size)
+    keys = math.lcm(page_size, 64)
+    keys *= -(-MGPU_KEYS_PER_BLOCK // keys)
+    return block_q, keys // page_size
 
 
 def smem_bytes(num_stages: int, H: int, BK: int, itemsize: int, split: bool) -> int:

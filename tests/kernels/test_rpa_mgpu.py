@@ -164,6 +164,15 @@ def test_unsupported_shapes_raise(dtype, head_dim, page_size, num_queries_per_kv
         check_supported(dtype, head_dim, page_size, num_queries_per_kv)
 
 
+def test_default_kv_steps_are_whole_swizzle_tiles():
+    from kernels_pallas.ragged_paged_attention.kernel_mgpu import default_block_sizes
+
+    for page_size, pages in [(8, 8), (16, 4), (24, 8), (64, 1), (128, 1)]:
+        assert default_block_sizes(64, 4, 4, page_size)[1] == pages, page_size
+    assert default_block_sizes(1, 1, 4, 16)[0] == 1  # a decode: one token per q block
+    assert default_block_sizes(512, 4, 3, 16)[0] == 21  # 21 tokens x 3 heads = 63 rows
+
+
 def test_steps_must_be_whole_swizzle_tiles():
     case = make_case([3], [20], dtype=BF16)
     with pytest.raises(ValueError, match="multiple of 64 keys"):
