@@ -281,6 +281,23 @@ class LLM:
     def model_config(self) -> ModelConfig:
         return self.config.model
 
+    @contextlib.contextmanager
+    def profile(self, log_dir: str, *, create_perfetto_trace: bool = False):
+        """Profile everything run inside (`jax.profiler.trace`) into `log_dir`: the devices'
+        timeline (XLA ops, named by layer: `layer_3/attention/...`), the host's, and the engine's
+        own ranges: one `llmjax_step` per engine step with `llmjax.schedule`, `llmjax.pack`,
+        `llmjax.run` (with the step's token and sequence counts) and `llmjax.update` inside.
+        Open it with XProf / TensorBoard's profile plugin, or (`create_perfetto_trace`) in
+        Perfetto. Compile outside it first (a warm-up), or the first steps show compilation.
+
+            with llm.profile("out/profile"):
+                llm.generate(prompts, params)
+        """
+        import jax
+
+        with jax.profiler.trace(log_dir, create_perfetto_trace=create_perfetto_trace):
+            yield
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. between timed runs, so the next starts cold).
         Returns False if running requests still share some cached pages (those stay)."""

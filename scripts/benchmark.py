@@ -35,10 +35,12 @@ Without --tbt_slo the TBT SLO is --tbt_slo_factor x a measured decode step of
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import NamedTuple
@@ -194,6 +196,7 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_bool("precompile", False, "Compile every step shape at engine start.")
 attention_flags.define_flags()
+flags.adopt_module_key_flags(attention_flags)  # listed by --help, not only --helpfull
 flags.DEFINE_list(
     "sparse_kv",
     ["none"],
@@ -213,6 +216,13 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_string("json_out", "out/benchmark.json", "Where to write the results ('' = nowhere).")
 flags.DEFINE_string(
+    "profile_dir",
+    None,
+    "Profile each variant's measured run into DIR/<variant> (LLM.profile: device and host "
+    "timelines with one llmjax_step range per engine step; XProf/TensorBoard, or Perfetto from "
+    "trace.json.gz).",
+)
+flags.DEFINE_string(
     "plot_dir",
     "",
     "If set, write PNG plots there (llmjax/viz/latency.py; needs matplotlib, the viz extra): "
@@ -222,6 +232,7 @@ flags.DEFINE_string(
 )
 
 parallel_flags.define_flags()
+flags.adopt_module_key_flags(parallel_flags)
 
 FLAGS = flags.FLAGS
 _MODULE = sys.argv[0] if __name__ == "__main__" else __name__  # absl's key for these flags
@@ -550,7 +561,12 @@ def run_variant(variant: Variant, state: dict) -> dict:
     engine.reset_stats()
     compiles = engine.num_compiles
     t = time.perf_counter()
-    outputs = replay(engine, specs, realtime=True, seed=FLAGS.seed, clock=_clock())
+    profiling = contextlib.nullcontext()
+    if FLAGS.profile_dir:  # the measured run only (warm-up and rehearsal compiled already)
+        directory = os.path.join(FLAGS.profile_dir, re.sub(r"[^\w.-]+", "_", name))
+        profiling = llm.profile(directory, create_perfetto_trace=True)
+    with profiling:
+        outputs = replay(engine, specs, realtime=True, seed=FLAGS.seed, clock=_clock())
     _log(f"{name}: replayed {len(specs)} requests in {time.perf_counter() - t:.1f} s")
     if FLAGS.plot_dir:  # the plots need every token's time, which the JSON does not keep
         state.setdefault("outputs", {})[name] = outputs

@@ -15,6 +15,8 @@ The answer is streamed token by token unless --nostream; a line of timings follo
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 import time
 
@@ -53,8 +55,17 @@ flags.DEFINE_enum(
     "load_format", "auto", ["auto", "dummy"], "'dummy' uses random weights (presets only)."
 )
 flags.DEFINE_bool("stream", True, "Print tokens as they are generated.")
+flags.DEFINE_string(
+    "profile_dir",
+    None,
+    "Write a profile of the generation here (LLM.profile: device and host timelines, one "
+    "llmjax_step range per engine step; open with XProf/TensorBoard or, from trace.json.gz, "
+    "Perfetto). A 2-token run of the prompt compiles first, outside the profile.",
+)
 attention_flags.define_flags()
+flags.adopt_module_key_flags(attention_flags)  # listed by --help, not only --helpfull
 parallel_flags.define_flags()
+flags.adopt_module_key_flags(parallel_flags)
 
 FLAGS = flags.FLAGS
 
@@ -92,14 +103,20 @@ def main(argv):
     # Every process runs the same requests (lockstep); process 0 prints.
     show = print if parallel_flags.is_leader(FLAGS) else (lambda *a, **k: None)
     show(f">>> {FLAGS.prompt}", flush=True)
+    profiling = contextlib.nullcontext()
+    if FLAGS.profile_dir:  # compile first (a short run), so the profile shows serving
+        llm.generate([prompt], dataclasses.replace(params, max_tokens=min(2, params.max_tokens)))
+        llm.reset_prefix_cache()  # else the profiled run's prefill is a cache hit: a new shape
+        profiling = llm.profile(FLAGS.profile_dir, create_perfetto_trace=True)
     t1 = time.perf_counter()
-    if FLAGS.stream:
-        for piece in llm.stream(prompt, params):
-            show(piece, end="", flush=True)
-        show()
-    else:
-        out = llm.generate([prompt], params)[0]
-        show(out.text)
+    with profiling:
+        if FLAGS.stream:
+            for piece in llm.stream(prompt, params):
+                show(piece, end="", flush=True)
+            show()
+        else:
+            out = llm.generate([prompt], params)[0]
+            show(out.text)
     gen_s = time.perf_counter() - t1
     show(
         f"[llmjax] load {load_s:.1f} s, generation {gen_s:.1f} s (first run includes compilation; "

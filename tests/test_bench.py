@@ -650,6 +650,7 @@ def test_benchmark_script_in_process(tmp_path, capsys):
             "--tbt_slo=10",
             f"--json_out={out}",
             f"--plot_dir={tmp_path / 'plots'}",
+            f"--profile_dir={tmp_path / 'profiles'}",
             "--batch_sizes=2",
             "--capacity_search",
             "--capacity_start_qps=50",
@@ -674,6 +675,10 @@ def test_benchmark_script_in_process(tmp_path, capsys):
     assert set(doc["variants"]) == {"sarathi", "prefill_first"}
     for result in doc["variants"].values():
         assert result["summary"]["num_finished"] == 4
+    for variant in ("sarathi", "prefill_first"):  # each measured run profiled on its own
+        profile = tmp_path / "profiles" / variant / "plugins" / "profile"
+        [xplane] = profile.glob("*/*.xplane.pb")
+        assert b"llmjax_step" in xplane.read_bytes()
         assert result["engine_stats"]["num_steps"] > 0
         assert result["summary"]["meets_capacity"] is True
     assert math.isclose(doc["tbt_slo"], 10.0)

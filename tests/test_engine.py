@@ -214,6 +214,19 @@ def test_no_compile_after_precompile(policy):
     assert not [e for e in serving if e.startswith(("/jax/core/compile/", "/jax/comp"))]
 
 
+def test_profile_holds_the_engine_steps(llm, tmp_path):
+    import glob
+
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params)  # compiled outside the profile
+    with llm.profile(str(tmp_path)):
+        llm.generate([[5, 6, 7, 8], [9, 10]], params)
+    [xplane] = glob.glob(str(tmp_path / "**" / "*.xplane.pb"), recursive=True)
+    data = open(xplane, "rb").read()
+    for name in ("llmjax_step", "llmjax.schedule", "llmjax.pack", "llmjax.run", "llmjax.update"):
+        assert name.encode() in data, name
+
+
 def test_serving_again_does_not_recompile(llm):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     llm.generate(_prompts(7), params)

@@ -24,6 +24,7 @@ for its gpu marker).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -635,6 +636,12 @@ class _FakeRunner:
 
     def precompile(self, shapes) -> None:
         pass
+
+    @staticmethod
+    def annotate(name: str, **metadata):
+        return contextlib.nullcontext()
+
+    annotate_step = annotate
 
 
 def test_engine_with_a_fake_runner_rejects_bad_prompts_and_serves_the_others(monkeypatch):

@@ -55,6 +55,7 @@ class LLMEngine:
             pages_needed(config.max_model_len, page_size),
         )
         self._ids = itertools.count()
+        self._num_step_calls = 0
         self._seed_rng = np.random.default_rng(config.seed)
         self._rejected: list[Request] = []
         self._live: set[str] = set()  # ids of waiting and running requests
@@ -174,24 +175,35 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got a token, finished or was
-        rejected."""
+        rejected. In a profile (`LLM.profile`) each step is an `llmjax_step` with `llmjax.schedule`,
+        `llmjax.pack`, `llmjax.run` and `llmjax.update` ranges inside."""
+        self._num_step_calls += 1
+        with self.runner.annotate_step(self._num_step_calls):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
         outputs = [self._output(r) for r in self._rejected]
         self._rejected.clear()
         if self.runner.pipelined:
             return outputs + self._pipelined_step(t_start)
-        batch = self.scheduler.schedule()
+        trace = self.runner.annotate
+        with trace("llmjax.schedule"):
+            batch = self.scheduler.schedule()
         if not batch:
             return outputs
-        step_input, sampling = pack(
-            batch, self.block_manager.page_tables, self.block_manager.page_size, self.buckets
-        )
+        with trace("llmjax.pack"):
+            step_input, sampling = pack(
+                batch, self.block_manager.page_tables, self.block_manager.page_size, self.buckets
+            )
         sampled = [s.request for s in batch.seqs if s.samples]
         t_run = time.perf_counter()
-        next_ids = self.runner.run(step_input, sampling)
+        with trace("llmjax.run", tokens=batch.num_tokens, seqs=len(batch.seqs)):
+            next_ids = self.runner.run(step_input, sampling)
         t_update = time.perf_counter()
-        for req in self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist()):
-            self._live.discard(req.request_id)
+        with trace("llmjax.update"):
+            for req in self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist()):
+                self._live.discard(req.request_id)
         outputs += [self._output(r) for r in sampled]
         if self.config.sparse_kv.enabled:
             self._sparse_step_done(batch, step_input)
@@ -254,17 +266,24 @@ class LLMEngine:
         """pp > 1: one pipeline tick. A micro-batch of requests not in flight enters stage 0
         (none if nothing can be scheduled); the micro-batch leaving the last stage updates its
         requests. At most pp micro-batches are in flight, one per stage."""
-        batch = self.scheduler.schedule()
+        trace = self.runner.annotate
+        with trace("llmjax.schedule"):
+            batch = self.scheduler.schedule()
         if not batch and not self.runner.num_in_flight:
             return []
         step_input = sampling = None
         if batch:
-            step_input, sampling = pack(
-                batch, self.block_manager.page_tables, self.block_manager.page_size, self.buckets
-            )
+            with trace("llmjax.pack"):
+                step_input, sampling = pack(
+                    batch,
+                    self.block_manager.page_tables,
+                    self.block_manager.page_size,
+                    self.buckets,
+                )
             self.scheduler.in_flight.update(s.request.request_id for s in batch.seqs)
         t_run = time.perf_counter()
-        exited, stage_tokens = self.runner.tick(step_input, sampling, batch if batch else None)
+        with trace("llmjax.run", tokens=batch.num_tokens, seqs=len(batch.seqs)):
+            exited, stage_tokens = self.runner.tick(step_input, sampling, batch if batch else None)
         t_update = time.perf_counter()
         self.stats.record_tick(stage_tokens)
         if exited is None:
@@ -272,8 +291,9 @@ class LLMEngine:
         done, next_ids = exited
         self.scheduler.in_flight.difference_update(s.request.request_id for s in done.seqs)
         sampled = [s.request for s in done.seqs if s.samples and not s.request.status.is_done]
-        for req in self.scheduler.update(done, next_ids[: len(done.seqs)].tolist()):
-            self._live.discard(req.request_id)
+        with trace("llmjax.update"):
+            for req in self.scheduler.update(done, next_ids[: len(done.seqs)].tolist()):
+                self._live.discard(req.request_id)
         self._record(done, t_start, t_run, t_update)
         return [self._output(r) for r in sampled]
 

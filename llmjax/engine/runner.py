@@ -199,6 +199,17 @@ class ModelRunner:
             ),
         )
 
+    @staticmethod
+    def annotate(name: str, **metadata):
+        """A named range on the profiler's host timeline (jax.profiler.TraceAnnotation; next to
+        free unless a trace is being taken, e.g. inside `LLM.profile`)."""
+        return jax.profiler.TraceAnnotation(name, **metadata)
+
+    @staticmethod
+    def annotate_step(step_num: int):
+        """One engine step, as a step marker for the profile viewers' step views."""
+        return jax.profiler.StepTraceAnnotation("llmjax_step", step_num=step_num)
+
     @property
     def num_in_flight(self) -> int:
         """Micro-batches in the pipeline (pp > 1)."""
