@@ -9,7 +9,7 @@ via `load_format="dummy"`).
 from configs.llama3 import LLAMA3_8B, LLAMA31_8B
 from configs.mistral import MISTRAL_7B
 from configs.qwen2 import QWEN2_0_5B, QWEN2_7B
-from configs.smollm2 import SMOLLM2_135M
+from configs.smollm2 import SMOLLM2_135M, SMOLLM2_TINY
 from configs.tiny import TINY, TINY_DEEP, TINY_GQA1, TINY_H64
 from llmjax.config import ModelConfig
 
@@ -19,6 +19,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-deep": TINY_DEEP,
     "tiny-h64": TINY_H64,
     "smollm2-135m-instruct": SMOLLM2_135M,
+    "smollm2-tiny": SMOLLM2_TINY,
     "llama3-8b": LLAMA3_8B,
     "llama3.1-8b": LLAMA31_8B,
     "mistral-7b": MISTRAL_7B,

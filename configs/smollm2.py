@@ -18,3 +18,15 @@ SMOLLM2_135M = ModelConfig(
     bos_token_id=1,
     eos_token_ids=(2,),
 )
+
+# SmolLM2's vocabulary (so its tokenizer and chat template apply) on a 2-layer body: random
+# weights (load_format="dummy") for the notebooks' smoke runs, compiling in seconds.
+SMOLLM2_TINY = SMOLLM2_135M.replace(
+    name="smollm2-tiny",
+    hidden_size=96,
+    intermediate_size=192,
+    num_layers=2,
+    num_heads=3,
+    num_kv_heads=1,
+    head_dim=32,
+)

@@ -1,8 +1,11 @@
 """Frozen, validated configuration dataclasses.
 
 Configs are split by concern (model shape, KV cache, scheduler, engine), checked in `__post_init__`
-with errors that name the offending values, and changed with `dataclasses.replace`. Presets live in
-the top-level `configs/` package as Python constants. No module here imports jax.
+with errors that name the offending values, and changed with `dataclasses.replace` (nested fields
+by dotted path: `apply_overrides(config, {"scheduler.lpm_max_queue_len": 64})`, which the scripts'
+`--override` flag uses). Presets live in the top-level `configs/` package as Python constants. No
+module here imports jax (the Mosaic GPU kernel's shape limits are its module's, imported only when
+`pallas_kernel="mgpu"` is asked for).
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
+import typing
+from collections.abc import Mapping
 from typing import Any, Literal
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -512,11 +518,6 @@ class EngineConfig:
             raise ValueError(f"unknown {self.flash_prefill=}; choose one of {FLASH_PREFILL_MODES}")
         if self.pallas_kernel not in PALLAS_KERNELS:
             raise ValueError(f"unknown {self.pallas_kernel=}; choose one of {PALLAS_KERNELS}")
-        if self.pallas_kernel != "auto" and self.sparse_kv.enabled:
-            raise ValueError(
-                f"sparse_kv={self.sparse_kv.mode!r} attends with the platform's kernel; "
-                f"pallas_kernel={self.pallas_kernel!r} must be 'auto' there"
-            )
         if self.pallas_kernel == "mgpu":
             from kernels_pallas.ragged_paged_attention.kernel_mgpu import check_supported
 
@@ -546,3 +547,77 @@ class EngineConfig:
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+# Fields an override may not change: the loaded weights were read and placed for them.
+FIXED_BY_WEIGHTS = ("model", "dtype", "parallel.tp", "parallel.pp", "parallel.pad_heads")
+
+
+def apply_overrides(config, overrides: Mapping[str, Any]):
+    """`config` (a frozen config dataclass) with nested fields replaced by dotted path, each level
+    re-validated. A string value is parsed by the field's type (what command-line flags give:
+    ints, floats, booleans as true/false, 'none', comma-separated tuples); other values are used
+    as they are. Paths in FIXED_BY_WEIGHTS are refused (EngineConfig).
+
+        apply_overrides(engine_config, {"scheduler.lpm_max_queue_len": "64",
+                                        "cache.watermark": 0.02})
+    """
+    for path, value in overrides.items():
+        if isinstance(config, EngineConfig) and any(
+            path == f or path.startswith(f + ".") for f in FIXED_BY_WEIGHTS
+        ):
+            raise ValueError(f"{path!r} is fixed by the loaded weights; it cannot be overridden")
+        config = _replace_path(config, path.split("."), value, path)
+    return config
+
+
+def _replace_path(obj, names: list[str], value, path: str):
+    if not dataclasses.is_dataclass(obj):
+        raise ValueError(f"{path!r}: {type(obj).__name__} has no fields")
+    fields = {f.name for f in dataclasses.fields(obj)}
+    name = names[0]
+    if name not in fields:
+        raise ValueError(
+            f"{path!r}: {type(obj).__name__} has no field {name!r}; fields: {sorted(fields)}"
+        )
+    if len(names) > 1:
+        value = _replace_path(getattr(obj, name), names[1:], value, path)
+    elif isinstance(value, str):
+        hint = typing.get_type_hints(type(obj))[name]
+        try:
+            value = _parse_value(value, hint)
+        except ValueError as e:
+            raise ValueError(f"{path!r}: cannot read {value!r} as {hint}: {e}") from None
+    return dataclasses.replace(obj, **{name: value})
+
+
+def _parse_value(text: str, hint):
+    """A command-line string -> a value of type `hint`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if text.strip().lower() == "none" and type(None) in args:
+            return None
+        for arg in args:
+            if arg is not type(None):
+                try:
+                    return _parse_value(text, arg)
+                except ValueError:
+                    continue
+        raise ValueError("no member of the union accepts it")
+    if origin is Literal:
+        if text in args:
+            return text
+        raise ValueError(f"choose one of {args}")
+    if origin is tuple:
+        item = args[0] if args else str
+        return tuple(_parse_value(x.strip(), item) for x in text.split(",") if x.strip())
+    if hint is bool:
+        lowered = text.strip().lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise ValueError("want true or false")
+    if hint in (int, float, str):
+        return hint(text)
+    raise ValueError("not settable from a string; pass the value itself")

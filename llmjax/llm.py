@@ -29,6 +29,7 @@ from llmjax.config import (
     ParallelConfig,
     SchedulerConfig,
     SparseKVConfig,
+    apply_overrides,
 )
 from llmjax.engine.block_manager import pages_needed
 from llmjax.engine.engine import LLMEngine
@@ -89,17 +90,18 @@ class LLM:
     shared prefixes, 'none' turns that off; see CacheConfig), `admission_order` ('fcfs' or 'lpm',
     longest cached prefix first; see SchedulerConfig), `balance_micro_batches` (pp > 1: decodes
     spread evenly over the micro-batches; see SchedulerConfig), `seed` (for requests without their
-    own seed),
-    `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig), `flash_prefill`
-    ('auto', 'on', 'off'; see EngineConfig), `pallas_kernel` ('auto', 'tpu', 'gpu', 'mgpu': the
-    ragged paged attention kernel; see EngineConfig), `precompile` (compile every step shape at
-    start; see EngineConfig), `tp` / `pp` / `pad_heads` / `check_lockstep` (tensor and pipeline
-    parallelism over the first tp * pp devices; see ParallelConfig; in a multi-host run call
-    `llmjax.parallel.distributed.initialize` first, in every process), `sparse_kv` ('none',
+    own seed), `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig),
+    `flash_prefill` ('auto', 'on', 'off'; see EngineConfig), `pallas_kernel` ('auto', 'tpu', 'gpu',
+    'mgpu': the ragged paged attention kernel; see EngineConfig), `precompile` (compile every step
+    shape at start; see EngineConfig), `tp` / `pp` / `pad_heads` / `check_lockstep` (tensor and
+    pipeline parallelism over the first tp * pp devices; see ParallelConfig; in a multi-host run
+    call `llmjax.parallel.distributed.initialize` first, in every process), `sparse_kv` ('none',
     'offload', 'infinigen', or a SparseKVConfig with InfiniGen's parameters: the KV cache in a
     host-memory pool, fetched whole or selectively; with 'infinigen' and no `skew_dir` the skewing
     matrices are calibrated at start-up on the first `calibration_tokens` tokens of a bundled
-    public-domain text, llmjax/sparse/).
+    public-domain text, llmjax/sparse/). `overrides`: any other EngineConfig field by dotted path,
+    applied last (`{"scheduler.lpm_max_queue_len": 64, "cache.watermark": 0.02}`; see
+    `llmjax.config.apply_overrides`).
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class LLM:
         seed: int = 0,
         precompile: bool = False,
         compilation_cache_dir: str | None = None,
+        overrides: dict | None = None,
     ):
         import jax
         import jax.numpy as jnp
@@ -166,6 +169,7 @@ class LLM:
                 seed=seed,
                 precompile=precompile,
                 compilation_cache_dir=compilation_cache_dir,
+                overrides=overrides,
             ),
             t0,
         )
@@ -258,6 +262,8 @@ class LLM:
             precompile=o["precompile"],
             **extra,
         )
+        if o["overrides"]:  # any other field, by dotted path (the scripts' --override)
+            config = apply_overrides(config, o["overrides"])
         itemsize = jnp.dtype(fixed["dtype"]).itemsize
         params_bytes = num_params(model_config) * itemsize
         num_pages = o["num_pages"]

@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 from absl import app, flags
 
+from llmjax import override_flags
 from llmjax.model import attention_flags
 from llmjax.parallel import flags as parallel_flags
 
@@ -233,6 +234,8 @@ flags.DEFINE_string(
 
 parallel_flags.define_flags()
 flags.adopt_module_key_flags(parallel_flags)
+override_flags.define_flags()
+flags.adopt_module_key_flags(override_flags)
 
 FLAGS = flags.FLAGS
 _MODULE = sys.argv[0] if __name__ == "__main__" else __name__  # absl's key for these flags
@@ -279,6 +282,7 @@ def build_llm(policy: str, **overrides):
         precompile=FLAGS.precompile,
         **attention_flags.llm_kwargs(FLAGS),
         **parallel_flags.llm_kwargs(FLAGS),
+        **override_flags.llm_kwargs(FLAGS),
     )
     budget = overrides.pop("max_num_batched_tokens", FLAGS.max_num_batched_tokens)
     if budget is not None and _is_whole_prompt(policy):

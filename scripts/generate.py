@@ -22,6 +22,7 @@ import time
 
 from absl import app, flags, logging
 
+from llmjax import override_flags
 from llmjax.model import attention_flags
 from llmjax.parallel import flags as parallel_flags
 
@@ -66,6 +67,8 @@ attention_flags.define_flags()
 flags.adopt_module_key_flags(attention_flags)  # listed by --help, not only --helpfull
 parallel_flags.define_flags()
 flags.adopt_module_key_flags(parallel_flags)
+override_flags.define_flags()
+flags.adopt_module_key_flags(override_flags)
 
 FLAGS = flags.FLAGS
 
@@ -85,6 +88,7 @@ def main(argv):
         page_size=FLAGS.page_size,
         **attention_flags.llm_kwargs(FLAGS),
         **parallel_flags.llm_kwargs(FLAGS),
+        **override_flags.llm_kwargs(FLAGS),
     )
     load_s = time.perf_counter() - t0
     params = SamplingParams(

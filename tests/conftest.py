@@ -34,10 +34,31 @@ def pytest_configure(config):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# Files whose tests take the longest (real SmolLM2, interpreted kernels in the engine, notebooks,
+# several processes), run first: pytest-xdist hands tests out in collection order, and a long
+# test picked up last keeps one worker busy while the others idle (whole files move, so a module's
+# fixtures are still set up once per worker).
+LONG_FIRST = (
+    "test_notebooks.py",
+    "kernels/test_rpa_engine.py",
+    "test_smollm2.py",
+    "test_parallel.py",
+    "test_sparse_infinigen.py",
+    "test_pipeline.py",
+    "kernels/test_rpa_export_buckets.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip `gpu` tests unless JAX sees a GPU (run them with JAX_PLATFORMS=cuda)."""
+    """Long files first (LONG_FIRST, in that order; the rest as collected). Skip `gpu` tests
+    unless JAX sees a GPU (run them with JAX_PLATFORMS=cuda)."""
     import jax
 
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return next((i for i, f in enumerate(LONG_FIRST) if path.endswith(f)), len(LONG_FIRST))
+
+    items.sort(key=rank)  # stable: collection order within a rank
     if any(d.platform == "gpu" for d in jax.devices()):
         return
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (JAX_PLATFORMS=cuda)")

@@ -52,8 +52,6 @@ def test_other_config_errors():
 
 
 def test_pallas_kernel_choice_is_checked_against_the_model():
-    from llmjax.config import SparseKVConfig
-
     with pytest.raises(ValueError, match="pallas_kernel='cuda'"):
         EngineConfig(model=configs.TINY, pallas_kernel="cuda")
     h64 = configs.get_preset("tiny-h64")
@@ -65,9 +63,56 @@ def test_pallas_kernel_choice_is_checked_against_the_model():
         EngineConfig(
             model=h64, dtype="bfloat16", cache=CacheConfig(page_size=4), pallas_kernel="mgpu"
         )
-    with pytest.raises(ValueError, match="pallas_kernel='gpu' must be 'auto'"):
-        EngineConfig(model=h64, sparse_kv=SparseKVConfig(mode="offload"), pallas_kernel="gpu")
     assert EngineConfig(model=h64, dtype="bfloat16", pallas_kernel="mgpu").pallas_kernel == "mgpu"
+
+
+def test_overrides_by_dotted_path():
+    from llmjax.config import SparseKVConfig, apply_overrides
+
+    base = EngineConfig(model=configs.TINY)
+    got = apply_overrides(
+        base,
+        {
+            "scheduler.lpm_max_queue_len": "64",  # strings as flags give them, parsed by type
+            "scheduler.balance_micro_batches": "true",
+            "cache.watermark": "0.02",
+            "cache.num_pages": "none",
+            "max_model_len": 100,  # other values as they are
+            "sparse_kv.mode": "offload",
+            "pallas_kernel": "gpu",
+        },
+    )
+    assert got.scheduler.lpm_max_queue_len == 64 and got.scheduler.balance_micro_batches is True
+    assert got.cache.watermark == 0.02 and got.cache.num_pages is None
+    assert got.max_model_len == 100 and got.sparse_kv.mode == "offload"
+    assert got.pallas_kernel == "gpu"
+    assert got.scheduler.policy == base.scheduler.policy  # untouched fields stay
+    # Every level is validated again, with its own error.
+    with pytest.raises(ValueError, match=r"unknown self\.policy=.fifo."):
+        apply_overrides(base, {"scheduler.policy": "fifo"})
+    with pytest.raises(ValueError, match=r"'scheduler\.max_num_seq': SchedulerConfig has no "):
+        apply_overrides(base, {"scheduler.max_num_seq": "8"})
+    with pytest.raises(ValueError, match=r"'cache\.watermark': cannot read 'lots'"):
+        apply_overrides(base, {"cache.watermark": "lots"})
+    with pytest.raises(ValueError, match="'dtype' is fixed by the loaded weights"):
+        apply_overrides(base, {"dtype": "bfloat16"})
+    with pytest.raises(ValueError, match=r"'model\.num_layers' is fixed by the loaded weights"):
+        apply_overrides(base, {"model.num_layers": "3"})
+    with pytest.raises(ValueError, match=r"'parallel\.tp' is fixed"):
+        apply_overrides(base, {"parallel.tp": "2"})
+    sparse = apply_overrides(SparseKVConfig(), {"mode": "infinigen", "alpha": "5"})
+    assert sparse.mode == "infinigen" and sparse.alpha == 5.0
+
+
+def test_override_flag_parsing():
+    from llmjax.override_flags import parse
+
+    assert parse(["scheduler.max_num_seqs=8", "cache.watermark = 0.1"]) == {
+        "scheduler.max_num_seqs": "8",
+        "cache.watermark": "0.1",
+    }
+    with pytest.raises(ValueError, match="want PATH=VALUE"):
+        parse(["scheduler.max_num_seqs"])
 
 
 def test_from_hf_config_reads_old_and_new_rope_keys(tmp_path):

@@ -324,14 +324,29 @@ def test_engine_selecting_everything_equals_dense(dense_outputs, tmp_path):
     assert llm.engine.runner._sparse_step._cache_size() == compiles
 
 
-def test_engine_with_pallas_kernels_selecting_everything_equals_dense(dense_outputs):
-    """attention_backend='pallas' (interpreted here): the kernel attends the fetched pages and
-    the fetched rows; with everything selected the outputs are full attention's."""
-    llm = _llm(SparseKVConfig(mode="infinigen", **EVERYTHING), attention_backend="pallas")
+def test_engine_with_pallas_kernels_selecting_everything_equals_dense(dense_outputs, monkeypatch):
+    """attention_backend='pallas' (interpreted here), the kernel named (pallas_kernel='tpu'): it
+    attends the fetched pages and the fetched rows; with everything selected the outputs are full
+    attention's."""
+    import kernels_pallas.ragged_paged_attention as rpa
+
+    named, real = [], rpa.ragged_paged_attention
+
+    def recording(*args, implementation=None, **kw):
+        named.append(implementation)
+        return real(*args, implementation=implementation, **kw)
+
+    monkeypatch.setattr(rpa, "ragged_paged_attention", recording)
+    llm = _llm(
+        SparseKVConfig(mode="infinigen", **EVERYTHING),
+        attention_backend="pallas",
+        pallas_kernel="tpu",
+    )
     params = SamplingParams(max_tokens=3, ignore_eos=True)  # interpreted: keep it short
     outs = llm.generate(_prompts(5)[:1], params)
     assert [o.token_ids for o in outs] == [dense_outputs[0][:3]]
     assert llm.engine.stats.num_sparse_steps > 0
+    assert named and set(named) == {"tpu"}  # dense and sparse layers, the kernel asked for
 
 
 def test_engine_offload_counts_every_cached_token(dense_outputs):

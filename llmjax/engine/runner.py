@@ -152,7 +152,16 @@ class ModelRunner:
         def step_impl(params, pool, partial, weights, step, sampling):
             self.num_compiles += 1  # runs only while tracing
             logits, pool, partial, stats = infinigen.sparse_forward(
-                params, pool, partial, weights, step, config.model, sparse, host, pallas
+                params,
+                pool,
+                partial,
+                weights,
+                step,
+                config.model,
+                sparse,
+                host,
+                pallas,
+                implementation=None if config.pallas_kernel == "auto" else config.pallas_kernel,
             )
             return sample(logits, *sampling), pool, partial, stats
 

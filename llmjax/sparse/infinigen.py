@@ -296,12 +296,21 @@ def sparse_attention(
 
 
 def sparse_attention_pallas(
-    q, k_rows, v_rows, valid, k_new, v_new, sm_scale, page_size: int = 16
+    q,
+    k_rows,
+    v_rows,
+    valid,
+    k_new,
+    v_new,
+    sm_scale,
+    page_size: int = 16,
+    implementation: str | None = None,
 ) -> jax.Array:
-    """`sparse_attention` with the ragged paged attention kernel (kernels_pallas/; interpreted
-    on the CPU): each (token, kv head) becomes one decode sequence with a single kv head, its
-    valid rows moved to the front and its own row after them, laid out as pages of
-    `page_size`, so the kernel attends exactly those kv_len = n_valid + 1 rows."""
+    """`sparse_attention` with the ragged paged attention kernel `implementation` (None: the
+    platform's; kernels_pallas/; interpreted on the CPU): each (token, kv head) becomes one decode
+    sequence with a single kv head, its valid rows moved to the front and its own row after
+    them, laid out as pages of `page_size`, so the kernel attends exactly those kv_len =
+    n_valid + 1 rows."""
     from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
     D, K, M, H = k_rows.shape
@@ -327,15 +336,24 @@ def sparse_attention_pallas(
         jnp.arange(D * K + 1, dtype=jnp.int32),
         jnp.array([D * K], jnp.int32),
         sm_scale=sm_scale,
+        implementation=implementation,
     )
     return out.reshape(D, N, H)
 
 
 def dense_attention(
-    q, pages_k, pages_v, step: StepInput, host: bool, sm_scale, window, pallas: bool = False
+    q,
+    pages_k,
+    pages_v,
+    step: StepInput,
+    host: bool,
+    sm_scale,
+    window,
+    pallas: bool = False,
+    implementation: str | None = None,
 ):
     """Full attention over each sequence's fetched pages (holes masked; with `pallas`, the
-    ragged paged attention kernel over them, for pools without holes)."""
+    ragged paged attention kernel `implementation` over them, for pools without holes)."""
     S, P = step.page_indices.shape
     k_all = fetch_pages(pages_k, step.page_indices, host)  # [S * P, G, K, H]
     v_all = fetch_pages(pages_v, step.page_indices, host)
@@ -356,6 +374,7 @@ def dense_attention(
             step.num_seqs,
             sm_scale=sm_scale,
             sliding_window=window,
+            implementation=implementation,
         )
     return paged_attention_reference(
         q,
@@ -389,11 +408,12 @@ def sparse_forward(
     sparse: SparseKVConfig,
     host: bool,
     pallas: bool = False,
+    implementation: str | None = None,
 ) -> tuple[jax.Array, KVPages, list, SparseStats]:
     """One model step over the host pool -> (logits [L, V] float32, pool, partial_keys, stats).
     `weights`: `speculation_weights` (None entries for dense layers). `pallas`: attend with the
-    ragged paged attention kernel (over the fetched pages and over the fetched rows) instead of
-    jnp; needs a pool without holes (capacity 1)."""
+    ragged paged attention kernel `implementation` (None: the platform's) over the fetched pages
+    and over the fetched rows instead of jnp; needs a pool without holes (capacity 1)."""
     L = config.num_layers
     T = step.token_ids.shape[0]
     S, P = step.page_indices.shape
@@ -431,7 +451,9 @@ def sparse_forward(
                 )
 
             def dense(q=q, k_pages=k_pages, v_pages=v_pages):
-                return dense_attention(q, k_pages, v_pages, step, host, scale, window, pallas)
+                return dense_attention(
+                    q, k_pages, v_pages, step, host, scale, window, pallas, implementation
+                )
 
             if fetched is None:
                 o = dense()
@@ -439,8 +461,11 @@ def sparse_forward(
                 k_rows, v_rows, valid = fetched
 
                 def sparse_path(q=q, k=k, v=v, k_rows=k_rows, v_rows=v_rows, valid=valid):
-                    attend = sparse_attention_pallas if pallas else sparse_attention
-                    o = attend(q[:D], k_rows, v_rows, valid, k[:D], v[:D], scale)
+                    args = (q[:D], k_rows, v_rows, valid, k[:D], v[:D], scale)
+                    if pallas:
+                        o = sparse_attention_pallas(*args, implementation=implementation)
+                    else:
+                        o = sparse_attention(*args)
                     return jnp.concatenate([o, jnp.zeros((T - D, *o.shape[1:]), o.dtype)])
 
                 o = jax.lax.cond(use_sparse, sparse_path, dense)

@@ -23,10 +23,10 @@ def test_tiny_model_greedy_outputs_equal_the_reference_backend(model):
         max_model_len=96,
         compilation_cache_dir="",
     )
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    prompts = _prompts(5)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = _prompts(4, hi=34)
     ref = LLM(model, attention_backend="reference", **opts)
-    pallas = LLM(model, attention_backend="pallas", **opts)
+    pallas = ref.with_options(attention_backend="pallas")  # the same weights
     assert pallas.engine.runner.attention_backend == "pallas"
     want = [o.token_ids for o in ref.generate(prompts, params)]
     got = [o.token_ids for o in pallas.generate(prompts, params)]
@@ -57,10 +57,10 @@ def test_mosaic_gpu_kernel_greedy_outputs_equal_the_reference_backend(monkeypatc
         max_model_len=96,
         compilation_cache_dir="",
     )
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
     prompts = _prompts(3, seed=2)
     ref = LLM("tiny-h64", attention_backend="reference", **opts)
-    mgpu = LLM("tiny-h64", attention_backend="pallas", pallas_kernel="mgpu", **opts)
+    mgpu = ref.with_options(attention_backend="pallas", pallas_kernel="mgpu")
     want = [o.token_ids for o in ref.generate(prompts, params)]
     got = [o.token_ids for o in mgpu.generate(prompts, params)]
     assert got == want
@@ -127,13 +127,14 @@ def _first_layers(llm, num_layers: int):
 @pytest.mark.slow
 def test_smollm2_greedy_outputs_equal_the_reference_backend(smollm2_path):
     """SmolLM2's real weights and shapes (9 query heads over 3 kv heads, head dim 64) through its
-    first 4 of 30 layers, on a mixed chunked-prefill batch: the interpreted kernel is compiled
+    first 2 of 30 layers, on a mixed chunked-prefill batch: the interpreted kernel is compiled
     once per layer and bucket, and all 30 layers took 2-2.5 minutes of the suite's time."""
     opts = dict(max_model_len=128, max_num_batched_tokens=16, compilation_cache_dir="")
     params = SamplingParams(max_tokens=4, ignore_eos=True)  # interpreted kernels: keep it short
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
-    ref = _first_layers(LLM(attention_backend="reference", **opts), 4)
-    pallas = _first_layers(LLM(attention_backend="pallas", **opts), 4)
+    base = LLM(attention_backend="reference", **opts)
+    pallas = _first_layers(base.with_options(attention_backend="pallas"), 2)  # same weights
+    ref = _first_layers(base, 2)
     assert pallas.engine.runner.attention_backend == "pallas"
     want = [o.token_ids for o in ref.generate(prompts, params)]
     got = [o.token_ids for o in pallas.generate(prompts, params)]
@@ -169,11 +170,9 @@ def test_flash_prefill_runs_exactly_for_lone_fresh_prompts(monkeypatch, flash_pr
     )
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     prompts = _prompts(3, seed=1, lo=33, hi=50)
-    want = [
-        o.token_ids
-        for o in LLM("tiny", attention_backend="reference", **opts).generate(prompts, params)
-    ]
-    llm = LLM("tiny", attention_backend="pallas", flash_prefill=flash_prefill, **opts)
+    ref = LLM("tiny", attention_backend="reference", **opts)
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    llm = ref.with_options(attention_backend="pallas", flash_prefill=flash_prefill)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
     n_layers = llm.engine.config.model.num_layers
