@@ -30,10 +30,7 @@ def test_convert_checkpoint_then_serve_from_orbax(tmp_path):
     assert llm.generate([prompt], params)[0].token_ids == golden["greedy_ids"].tolist()
 
 
-def test_generate_script_help_and_run(tmp_path):
-    import glob
-    import gzip
-
+def test_generate_script_help_and_run():
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--help"]
     help_text = subprocess.run(cmd, capture_output=True, text=True, env=ENV).stdout
     assert "--temperature" in help_text and "--max_tokens" in help_text
@@ -46,16 +43,9 @@ def test_generate_script_help_and_run(tmp_path):
         "--max_tokens=4",
         "--max_model_len=128",
         "--nostream",
-        f"--profile_dir={tmp_path}",
     )
     assert out.stdout.startswith(">>> What is the capital of France?")
     assert "compiles=" in out.stderr
-    # The profile: a Perfetto trace with the engine's step ranges among XLA's and the host's.
-    [perfetto] = glob.glob(str(tmp_path / "**" / "perfetto_trace.json.gz"), recursive=True)
-    with gzip.open(perfetto, "rt") as f:
-        trace = f.read()
-    for name in ("llmjax_step", "llmjax.schedule", "llmjax.run", "llmjax.update"):
-        assert f'"{name}"' in trace, name
 
 
 def test_bench_kernels_times_what_runs_here_and_says_what_it_skips(tmp_path):

@@ -103,7 +103,7 @@ def test_stop_strings_cut_the_text_and_stream_alike(llm, include):
 
 
 def test_chats_sharing_a_system_prompt_reuse_its_pages_and_answer_the_same(llm):
-    from llmjax import LLM, SamplingParams
+    from llmjax import SamplingParams
 
     system = {
         "role": "system",
@@ -112,7 +112,7 @@ def test_chats_sharing_a_system_prompt_reuse_its_pages_and_answer_the_same(llm):
     }
     questions = ["capital of France?", "capital of Japan?", "capital of Peru?", "capital of Kenya?"]
     chats = [[system, {"role": "user", "content": f"What is the {q}"}] for q in questions]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
     llm.reset_prefix_cache()
     first = llm.chat(chats[:1], params)  # fills the cache with the system prompt
     rest = llm.chat(chats[1:], params)
@@ -121,7 +121,7 @@ def test_chats_sharing_a_system_prompt_reuse_its_pages_and_answer_the_same(llm):
     system_len = len(tok.apply_chat_template([system], add_generation_prompt=False, tokenize=True))
     for out in rest:
         assert out.num_cached_tokens >= system_len // 16 * 16 > 0
-    off = LLM("smollm2-135m-instruct", max_model_len=256, prefix_cache="none")
+    off = llm.with_options(prefix_cache="none")  # the same weights, no prefix cache
     want = off.chat(chats, params)
     assert [o.token_ids for o in first + rest] == [o.token_ids for o in want]
     assert all(o.num_cached_tokens == 0 for o in want)

@@ -20,7 +20,7 @@ def test_tiny_model_greedy_outputs_equal_the_reference_backend(model):
         page_size=4,
         max_num_batched_tokens=32,  # prompts are chunked beside running decodes
         max_num_seqs=8,
-        max_model_len=96,
+        max_model_len=64,
         compilation_cache_dir="",
     )
     params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -58,7 +58,7 @@ def test_mosaic_gpu_kernel_greedy_outputs_equal_the_reference_backend(monkeypatc
         compilation_cache_dir="",
     )
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    prompts = _prompts(3, seed=2)
+    prompts = _prompts(2, seed=2, lo=10, hi=30)
     ref = LLM("tiny-h64", attention_backend="reference", **opts)
     mgpu = ref.with_options(attention_backend="pallas", pallas_kernel="mgpu")
     want = [o.token_ids for o in ref.generate(prompts, params)]
