@@ -32,12 +32,16 @@ demo: $(STAMP)
 	@echo "==> generating with SmolLM2-135M-Instruct (first run compiles for ~20 s)"
 	$(PY) scripts/generate.py --chat --prompt "$(PROMPT)" --max_tokens 64
 
-# Tests run in parallel over the CPU cores (pytest-xdist, at most 4 workers: each holds models).
+# Tests run in parallel (pytest-xdist): one worker per core, at least 3 (real-time replays and
+# waits on subprocesses leave a core idle with 2 on a 2-core machine), at most 4 (each holds
+# models in memory).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 3 ? 3 : (n > 4 ? 4 : n) )))
+
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --maxprocesses 4 --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n auto --maxprocesses 4 -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
