@@ -340,14 +340,14 @@ class ModelRunner:
             self._precompile_pipeline(shapes)
             return
         for T, S, P in shapes:
-            self.run(_padding_step(T, S, P), _greedy_sampling(S))
+            self.run(pipeline.pad_step(None, T, S, P), _greedy_sampling(S))
 
     def _precompile_pipeline(self, shapes: list[tuple[int, int, int]]) -> None:
         if self.num_in_flight:
             raise RuntimeError("precompile needs an empty pipeline")
         pp = self.mesh.shape["pp"]
         for T, S, P in shapes:
-            self.tick(_padding_step(T, S, P), _greedy_sampling(S))
+            self.tick(pipeline.pad_step(None, T, S, P), _greedy_sampling(S))
             for _ in range(pp - 1):
                 self.tick(None, None)
         # The carry as ticks leave it (sharded over 'pp'), resized from every bucket to every other.
@@ -357,20 +357,6 @@ class ModelRunner:
             h = jax.device_put(jnp.zeros((pp, old, self._h.shape[2]), self._h.dtype), carry)
             for new in token_buckets:
                 pipeline.resize_carry(h, new).block_until_ready()
-
-
-def _padding_step(T: int, S: int, P: int) -> StepInput:
-    """An all-padding step of shape (T, S, P): no sequence, writes only to the reserved page."""
-    return StepInput(
-        token_ids=np.zeros(T, np.int32),
-        positions=np.zeros(T, np.int32),
-        slot_mapping=np.zeros(T, np.int32),
-        cu_q_lens=np.zeros(S + 1, np.int32),
-        kv_lens=np.zeros(S, np.int32),
-        page_indices=np.zeros((S, P), np.int32),
-        num_seqs=np.zeros(1, np.int32),
-        logits_indices=np.zeros(S, np.int32),
-    )
 
 
 def _greedy_sampling(S: int) -> SamplingInput:
