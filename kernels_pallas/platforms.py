@@ -1,7 +1,7 @@
 """Which implementation of a kernel runs where, shared by every kernel folder's wrapper.
 
 Implementations: 'tpu' (Pallas Mosaic TPU), 'gpu' (Pallas on the Triton lowering), 'mgpu' (Pallas
-Mosaic GPU, Hopper; ragged paged attention only), 'reference' (plain jnp). With no name, the
+Mosaic GPU, Hopper), 'reference' (plain jnp). With no name, the
 platform's kernel: gpu on CUDA/ROCm, tpu on TPU and on the CPU (in interpret mode, for checking). A
 kernel named on a platform where it cannot compile raises unless interpret=True: nothing silently
 falls back.

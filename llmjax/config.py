@@ -4,8 +4,8 @@ Configs are split by concern (model shape, KV cache, scheduler, engine), checked
 with errors that name the offending values, and changed with `dataclasses.replace` (nested fields
 by dotted path: `apply_overrides(config, {"scheduler.lpm_max_queue_len": 64})`, which the scripts'
 `--override` flag uses). Presets live in the top-level `configs/` package as Python constants. No
-module here imports jax (the Mosaic GPU kernel's shape limits are its module's, imported only when
-`pallas_kernel="mgpu"` is asked for).
+module here imports jax (the Mosaic GPU kernels' shape limits are their modules', imported only
+when `pallas_kernel="mgpu"` is asked for).
 """
 
 from __future__ import annotations
@@ -468,12 +468,13 @@ class EngineConfig:
     GPU/TPU, reference on the CPU). `flash_prefill` (pallas backend only): a step whose batch is
     one fresh prompt (one sequence, nothing cached) attends with the flash prefill kernel instead
     of the ragged one: 'auto' where it was measured faster (token buckets from
-    kernels_pallas/flash_prefill/tuning.py ENGINE_MIN_TOKENS: GPU >= 2048, TPU never), 'on' in
-    every bucket (for checking and measuring), 'off' never. `pallas_kernel` (PALLAS_KERNELS, pallas
-    backend only): which ragged paged attention kernel, 'auto' the platform's (gpu on CUDA, tpu on
-    TPU and, interpreted, on the CPU), or one by name: 'tpu' (Mosaic TPU), 'gpu' (Triton),
-    'mgpu' (Mosaic GPU for Hopper: bfloat16/float16, head_dim % 64 == 0, page_size % 8 == 0;
-    flash prefill then uses the Triton kernel; interpreted on the CPU). `compilation_cache_dir`
+    kernels_pallas/flash_prefill/tuning.py ENGINE_MIN_TOKENS: GPU >= 2048, TPU and mgpu never),
+    'on' in every bucket (for checking and measuring), 'off' never. `pallas_kernel`
+    (PALLAS_KERNELS, pallas backend only): which kernels (ragged paged attention and flash
+    prefill), 'auto' the platform's (gpu on CUDA, tpu on TPU and, interpreted, on the CPU), or by
+    name: 'tpu' (Mosaic TPU), 'gpu' (Triton), 'mgpu' (Mosaic GPU for Hopper: bfloat16/float16,
+    head_dim % 64 == 0 (flash prefill: and <= 256), page_size % 8 == 0; interpreted on the CPU).
+    `compilation_cache_dir`
     enables JAX's persistent compilation cache ('' disables it). `sparse_kv` (SparseKVConfig): the
     KV cache in host memory with full or InfiniGen-selected fetches ('none' by default).
     `precompile` compiles every step shape at start (|token buckets| x |page buckets| variants;
@@ -525,6 +526,12 @@ class EngineConfig:
             check_supported(
                 self.dtype, m.head_dim, self.cache.page_size, m.num_heads // m.num_kv_heads
             )
+            if self.flash_prefill != "off":
+                from kernels_pallas.flash_prefill.kernel_mgpu import (
+                    check_supported as check_flash_supported,
+                )
+
+                check_flash_supported(self.dtype, m.head_dim)
         from llmjax.parallel.heads import tp_head_layout
 
         tp_head_layout(self.model, self.parallel.tp, self.parallel.pad_heads)  # raises if invalid

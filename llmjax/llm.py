@@ -92,7 +92,7 @@ class LLM:
     spread evenly over the micro-batches; see SchedulerConfig), `seed` (for requests without their
     own seed), `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig),
     `flash_prefill` ('auto', 'on', 'off'; see EngineConfig), `pallas_kernel` ('auto', 'tpu', 'gpu',
-    'mgpu': the ragged paged attention kernel; see EngineConfig), `precompile` (compile every step
+    'mgpu': the attention kernels; see EngineConfig), `precompile` (compile every step
     shape at start; see EngineConfig), `tp` / `pp` / `pad_heads` / `check_lockstep` (tensor and
     pipeline parallelism over the first tp * pp devices; see ParallelConfig; in a multi-host run
     call `llmjax.parallel.distributed.initialize` first, in every process), `sparse_kv` ('none',

@@ -14,7 +14,10 @@ Implementations, chosen by name (`implementation=`) or by the platform (None):
   tpu        Pallas Mosaic TPU kernel (kernel_tpu.py): blocked online softmax, GQA heads of a kv
              head processed together, causal block skipping. The default on TPU, and on the CPU
              (interpret mode) for checking.
-  gpu        Pallas GPU kernel (kernel_gpu.py). The default on CUDA.
+  gpu        Pallas GPU kernel on the Triton lowering (kernel_gpu.py). The default on CUDA.
+  mgpu       Pallas Mosaic GPU kernel for Hopper (kernel_mgpu.py): warp-specialized (a TMA
+             producer warpgroup, two consumer warpgroups taking turns on the tensor cores),
+             bfloat16/float16, head_dim % 64 == 0. Chosen by name.
   reference  the plain-jnp specification.
 A kernel asked for by name on a platform it cannot run on raises; nothing silently falls back.
 On the CPU, kernels run in interpret mode (slow; for tests).
@@ -72,17 +75,16 @@ def flash_prefill_attention(
     check_inputs(q, k, v, seq_len)
     impl, interpret = choose_implementation("flash prefill", implementation, interpret)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if impl == "mgpu":
-        raise ValueError(
-            "there is no Mosaic GPU flash prefill kernel yet: use implementation='gpu' (Triton), "
-            "'tpu' or 'reference'"
-        )
     if impl == "reference":
         return flash_prefill_reference(q, k, v, seq_len, **kwargs)
     if impl == "tpu":
         from kernels_pallas.flash_prefill.kernel_tpu import flash_prefill_tpu
 
         return flash_prefill_tpu(q, k, v, seq_len, **kwargs, interpret=interpret)
+    if impl == "mgpu":
+        from kernels_pallas.flash_prefill.kernel_mgpu import flash_prefill_mgpu
+
+        return flash_prefill_mgpu(q, k, v, seq_len, **kwargs, interpret=interpret)
     from kernels_pallas.flash_prefill.kernel_gpu import flash_prefill_gpu
 
     return flash_prefill_gpu(q, k, v, seq_len, **kwargs, interpret=interpret)

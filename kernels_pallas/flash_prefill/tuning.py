@@ -17,7 +17,9 @@ ENGINE_MIN_TOKENS: per platform, the smallest token bucket in which the engine a
 fresh prompt (one sequence, nothing cached) with flash prefill instead of the ragged kernel when
 `EngineConfig.flash_prefill` is 'auto'. GPU: flash was 1.55x the ragged kernel at 2048 tokens and
 1.53x at 8192; shorter prompts were not measured, so the threshold is the smallest measured size.
-TPU: not measured, so off (None).
+TPU: not measured, so off (None). mgpu (the Mosaic GPU flash kernel beside the Mosaic GPU ragged
+kernel): not measured on hardware yet, so off in 'auto' (flash_prefill='on' takes it);
+scripts/device_check.sh's prefill stage times the pair at 2048 and 8192 tokens.
 """
 
 TPU_BLOCK_Q = 128
@@ -27,4 +29,11 @@ GPU_ROWS_PER_BLOCK = 128
 GPU_KEYS_PER_BLOCK = 64
 GPU_NUM_STAGES = 3
 
-ENGINE_MIN_TOKENS = {"gpu": 2048, "tpu": None}
+ENGINE_MIN_TOKENS = {"gpu": 2048, "tpu": None, "mgpu": None}
+
+# Mosaic GPU (kernel_mgpu.py), not measured on hardware yet: 128 keys per KV block (as
+# FlashAttention-3) and up to 4 blocks in flight; kernel_mgpu.fit_num_stages keeps as many as fit
+# 227 KiB of SMEM beside the two q tiles: bf16 at head_dim 64: 4, 128: 3, 256: 1 (there
+# block_kv=64 fits 2).
+MGPU_KEYS_PER_BLOCK = 128
+MGPU_NUM_STAGES = 4

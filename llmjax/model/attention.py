@@ -197,17 +197,18 @@ def pallas_attention(
             n[None],
             sm_scale=sm_scale,
             sliding_window=sliding_window,
-            # No Mosaic GPU flash prefill yet: the Triton one beside the Mosaic ragged kernel.
-            implementation="gpu" if implementation == "mgpu" else implementation,
+            implementation=implementation,
         )
 
     return jax.lax.cond(fresh_prompt, flash, ragged)
 
 
-def flash_min_tokens(mode: str, platform: str | None = None) -> int | None:
+def flash_min_tokens(
+    mode: str, platform: str | None = None, implementation: str | None = None
+) -> int | None:
     """EngineConfig.flash_prefill -> the smallest token bucket that may use flash prefill
-    (None: none). 'auto': the measured threshold of the platform's kernel (flash_prefill/tuning.py
-    ENGINE_MIN_TOKENS), 'on': every bucket, 'off': none."""
+    (None: none). 'auto': the measured threshold of the kernel pair (`implementation`, default
+    the platform's; flash_prefill/tuning.py ENGINE_MIN_TOKENS), 'on': every bucket, 'off': none."""
     if mode == "off":
         return None
     if mode == "on":
@@ -215,7 +216,7 @@ def flash_min_tokens(mode: str, platform: str | None = None) -> int | None:
     from kernels_pallas.flash_prefill.tuning import ENGINE_MIN_TOKENS
     from kernels_pallas.platforms import default_implementation
 
-    return ENGINE_MIN_TOKENS[default_implementation(platform)]
+    return ENGINE_MIN_TOKENS[implementation or default_implementation(platform)]
 
 
 def resolve_attention_backend(name: str, platform: str | None = None) -> str:
@@ -288,8 +289,8 @@ def _attention_fn(
     if backend == "reference":
         return reference_attention
     # On the CPU the kernels are the TPU ones, interpreted: 'auto' leaves flash prefill off there.
-    min_tokens = flash_min_tokens(flash_prefill, platform)
     implementation = None if pallas_kernel == "auto" else pallas_kernel
+    min_tokens = flash_min_tokens(flash_prefill, platform, implementation)
     return functools.partial(
         pallas_attention, flash_min_tokens=min_tokens, implementation=implementation
     )

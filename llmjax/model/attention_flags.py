@@ -29,7 +29,8 @@ def define_flags() -> None:
         "pallas_kernel",
         "auto",
         list(PALLAS_KERNELS),
-        "With the pallas backend, the ragged paged attention kernel: 'auto' (the platform's: "
+        "With the pallas backend, the attention kernels (ragged paged attention and flash "
+        "prefill): 'auto' (the platform's: "
         "gpu on CUDA, tpu on TPU and on the CPU), 'tpu' (Mosaic TPU), 'gpu' (Triton), 'mgpu' "
         "(Mosaic GPU for Hopper; needs --dtype bfloat16 or float16).",
     )

@@ -154,7 +154,7 @@ def test_wrapper_dispatch_and_checks():
         flash_prefill_attention(*args[:3], np.array([7], np.int64), sm_scale=1.0)
     with pytest.raises(ValueError, match="unknown implementation='cuda'"):
         flash_prefill_attention(*args, sm_scale=1.0, implementation="cuda")
-    with pytest.raises(ValueError, match="no Mosaic GPU flash prefill kernel"):
+    with pytest.raises(ValueError, match="Mosaic GPU flash prefill kernel takes bfloat16"):
         flash_prefill_attention(*args, sm_scale=1.0, implementation="mgpu", interpret=True)
 
 

@@ -68,6 +68,44 @@ def test_mosaic_gpu_kernel_greedy_outputs_equal_the_reference_backend(monkeypatc
     assert traced  # the Mosaic GPU kernel, not another, was traced into the steps
 
 
+def test_mosaic_gpu_flash_prefill_runs_for_lone_fresh_prompts(monkeypatch):
+    """pallas_kernel='mgpu' with flash_prefill='on': each prompt's prefill step (one prompt,
+    nothing cached) attends with the Mosaic GPU flash prefill kernel (interpreted; counted at run
+    time inside its lax.cond branch), decodes with the Mosaic GPU ragged kernel, and the greedy
+    outputs equal the reference backend's."""
+    import jax
+
+    import kernels_pallas.flash_prefill.kernel_mgpu as flash_mgpu_module
+
+    ran = []
+    real = flash_mgpu_module.flash_prefill_mgpu
+
+    def counting_flash(q, k, v, seq_len, **kw):
+        jax.debug.callback(lambda n: ran.append(int(n[0])), seq_len)
+        return real(q, k, v, seq_len, **kw)
+
+    monkeypatch.setattr(flash_mgpu_module, "flash_prefill_mgpu", counting_flash)
+    opts = dict(
+        load_format="dummy",
+        dtype="bfloat16",
+        page_size=16,
+        scheduler_policy="prefill_first",
+        max_num_batched_tokens=64,  # whole prompts: one per prefill step
+        max_num_seqs=4,
+        max_model_len=64,
+        compilation_cache_dir="",
+    )
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompts = _prompts(2, seed=4, lo=33, hi=60)
+    ref = LLM("tiny-h64", attention_backend="reference", **opts)
+    llm = ref.with_options(attention_backend="pallas", pallas_kernel="mgpu", flash_prefill="on")
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    n_layers = llm.engine.config.model.num_layers
+    assert sorted(ran) == sorted(len(p) for p in prompts for _ in range(n_layers))
+
+
 def test_mosaic_gpu_kernel_model_logits_match_the_reference_backend():
     """The model's logits with the Mosaic GPU kernel (interpreted) on two mixed steps (a prefill
     chunk beside a whole prompt, then the next chunk beside a decode, pages shuffled) match the
