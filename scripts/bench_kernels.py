@@ -18,14 +18,18 @@ Implementations (--implementations):
                    FlashAttention-3 on Mosaic GPU (Hopper; bf16/f16; the prefill batch only)
   cudnn            jax.nn.dot_product_attention(implementation="cudnn"), causal, GQA (CUDA; the
                    prefill batch only): the vendor's flash attention, the bar for prefill
-  flash_tpu, flash_gpu  kernels_pallas/flash_prefill (one prompt with no cache hit: the prefill
-                   batch only; its K/V given dense, as the new tokens' projections are)
+  flash_tpu, flash_gpu, flash_mgpu  kernels_pallas/flash_prefill: Mosaic TPU, Triton GPU,
+                   warp-specialized Mosaic GPU (Hopper; bf16/f16) (one prompt with no cache hit:
+                   the prefill batch only; its K/V given dense, as the new tokens' projections are)
 Kernel block sizes are swept with --variant (repeatable), e.g.
     --variant gpu:block_q=1,pages_per_block=8,num_kv_splits=4,num_warps=4
     --variant mgpu:pages_per_block=8,num_stages=2
     --variant flash_gpu:block_q=64,block_kv=64,num_warps=8,num_stages=3
+    --variant flash_mgpu:block_kv=64,num_stages=2,pingpong=0
+    --variant jax_gpu_fa3:block_q=64,block_kv=128,max_concurrent_steps=2
 each timed as its own row; the keyword arguments go to the kernel function (kernel_gpu.py,
-kernel_tpu.py, kernel_mgpu.py). Unavailable ones are reported as skipped, with why; one that fails
+kernel_tpu.py, kernel_mgpu.py; jax_gpu: paged_attention, jax_gpu_fa3: attention_mgpu's
+TuningConfig). Unavailable ones are reported as skipped, with why; one that fails
 to compile or run is reported with its error and the rest still run. Bytes moved = q + output + the
 K/V of every sequence's kv_len keys (each read once); FLOPs = 4 * N * H * (visible keys summed over
 queries). The roofline is --peak_bandwidth_gbs / --peak_tflops, or a table entry for the device
@@ -57,6 +61,7 @@ flags.DEFINE_list(
         "cudnn",
         "flash_tpu",
         "flash_gpu",
+        "flash_mgpu",
     ],
     "Implementations to time (see the module docstring).",
 )
@@ -178,7 +183,8 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         if not eq:
             raise app.UsageError(f"--variant {spec!r}: want key=value, got {item!r}")
         kwargs[key.strip()] = int(value)
-    if name not in ("tpu", "gpu", "mgpu", "flash_tpu", "flash_gpu", "jax_gpu"):
+    if name not in ("tpu", "gpu", "mgpu", "flash_tpu", "flash_gpu", "flash_mgpu", "jax_gpu",
+                    "jax_gpu_fa3"):  # fmt: skip
         raise app.UsageError(f"--variant {spec!r}: only the Pallas kernels take block sizes")
     return name, kwargs
 
@@ -241,7 +247,7 @@ def implementation(name: str, platform: str, case, args: list, scale: float, ker
         _, positions = query_positions(cu_q_lens, kv_lens, q.shape[0])
         fn = functools.partial(paged_attention_reference, scale=scale)
         return jax.jit(fn), (q, k, v, positions, cu_q_lens, page_indices)
-    if name in ("flash_tpu", "flash_gpu"):
+    if name in ("flash_tpu", "flash_gpu", "flash_mgpu"):
         impl = name.removeprefix("flash_")
         dense = _dense_prompt_kv(case, q, k, v, page_indices)
         if dense is None:
@@ -249,10 +255,14 @@ def implementation(name: str, platform: str, case, args: list, scale: float, ker
         interpret = _interpret(impl, platform)
         if isinstance(interpret, str):
             return interpret
+        if impl == "mgpu" and q.dtype not in (jnp.bfloat16, jnp.float16):
+            return f"the Mosaic GPU kernel takes bfloat16/float16, not {q.dtype} (--dtype)"
         n, (kd, vd) = dense
         if kernel_kw:
             if impl == "gpu":
                 from kernels_pallas.flash_prefill.kernel_gpu import flash_prefill_gpu as kernel
+            elif impl == "mgpu":
+                from kernels_pallas.flash_prefill.kernel_mgpu import flash_prefill_mgpu as kernel
             else:
                 from kernels_pallas.flash_prefill.kernel_tpu import flash_prefill_tpu as kernel
             fn = functools.partial(kernel, sm_scale=scale, interpret=interpret, **kernel_kw)
@@ -274,9 +284,8 @@ def implementation(name: str, platform: str, case, args: list, scale: float, ker
 
             if q.dtype not in (jnp.bfloat16, jnp.float16) or n % 128:
                 return "JAX's Mosaic GPU attention takes bf16/f16 and a multiple of 128 tokens"
-            config = attention_mgpu.TuningConfig(
-                block_q=64, block_kv=64, max_concurrent_steps=2, causal=True
-            )
+            tuning = dict(block_q=64, block_kv=64, max_concurrent_steps=2) | (kernel_kw or {})
+            config = attention_mgpu.TuningConfig(**tuning, causal=True)
             # No sm_scale argument: q is pre-scaled.
             fn = functools.partial(attention_mgpu.attention, config=config)
             return jax.jit(fn), (qn * scale, kd, vd)

@@ -10,15 +10,16 @@
 #   TESTS_K=expression narrow the tests)
 #
 # Stages, in order of importance, each under its own time limit (STAGES=tests,bench,... picks):
-#   tests   the kernel tests compiled on the GPU (gpu-marked; the Mosaic GPU kernel's first, as it
-#           has never run on hardware) + the engine with the Pallas backend
+#   tests   the kernel tests compiled on the GPU (gpu-marked; the Mosaic GPU kernels' first, as
+#           they have never run on hardware) + the engine with the Pallas backend
 #   bench   scripts/bench_kernels.py: decode-heavy, prefill-heavy and mixed batches (llama3-8b-like
 #           heads, bf16), our kernels (Mosaic GPU, Triton) against the reference, JAX's Pallas ops
 #           and cuDNN, with Mosaic GPU block-size/stage variants, and the measured copy/matmul
 #           ceilings (the Triton sweeps of 2026-11-29 are in tuning.py)
 #   decode  decode batches of several shapes (long contexts with few sequences: split-KV), ours
 #           (mgpu, gpu) against JAX's paged_attention, with variants
-#   prefill one 2048- and one 8192-token prompt: flash vs ragged vs cuDNN vs JAX's mha and FA3
+#   prefill one 2048- and one 8192-token prompt: flash (Mosaic GPU, with and without ping-pong;
+#           Triton) vs ragged vs cuDNN vs JAX's mha and FA3 (two block configs)
 #   serve   scripts/benchmark.py on SmolLM2 shapes (random weights): mgpu and gpu kernels vs reference
 # Results land in $WORK (default /tmp/device_check) and, after every stage, in
 # $OUT/results.tgz (the tool brings back at most 8 files) beside $OUT/summary.txt.
@@ -49,7 +50,7 @@ if want tests; then
   # Full float32 in XLA's matmuls too (the GPU default is TF32), so float32 references are exact.
   JAX_PLATFORMS=$PLATFORM JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 $PY -m pytest -q \
     -p no:cacheprovider --timeout 90 -m "gpu or not slow" ${TESTS:-tests/kernels/test_rpa_mgpu.py \
-    tests/kernels/test_rpa_gpu.py tests/kernels/test_flash_prefill_gpu.py \
+    tests/kernels/test_flash_prefill_mgpu.py tests/kernels/test_rpa_gpu.py tests/kernels/test_flash_prefill_gpu.py \
     tests/kernels/test_rpa_engine.py} \
     -k "not Interpret${TESTS_K:+ and $TESTS_K}" --durations=8 > "$WORK/kernel_tests.log" 2>&1
   tail -25 "$WORK/kernel_tests.log" | tee -a "$OUT/summary.txt"
@@ -88,10 +89,14 @@ if want decode; then
 fi
 
 if want prefill; then
-  log "prefill: one 2048- and one 8192-token prompt, flash vs ragged vs cuDNN; 90 s at most"
-  P="$B --batches prefill --implementations reference,mgpu,gpu,flash_gpu,jax_gpu_mha,jax_gpu_fa3,cudnn"
+  log "prefill: one 2048- and one 8192-token prompt, flash vs ragged vs cuDNN; 100 s at most"
+  P="$B --batches prefill --implementations reference,mgpu,gpu,flash_mgpu,flash_gpu,jax_gpu_mha"
+  P="$P,jax_gpu_fa3,cudnn"
   for n in 2048 8192; do
-    JAX_PLATFORMS=$PLATFORM timeout 45 $P --prefill_len $n \
+    JAX_PLATFORMS=$PLATFORM timeout 50 $P --prefill_len $n \
+      --variant flash_mgpu:pingpong=0 --variant flash_mgpu:num_stages=2 \
+      --variant flash_mgpu:block_kv=64 --variant flash_mgpu:p_in_smem=1 \
+      --variant jax_gpu_fa3:block_kv=128 \
       --variant mgpu:num_stages=2 --variant mgpu:pages_per_block=8,num_stages=2 \
       --json_out "$WORK/prefill_$n.json" 2>"$WORK/prefill_$n.log" | tee "$WORK/prefill_$n.txt"
   done

@@ -54,7 +54,7 @@ def test_bench_kernels_times_what_runs_here_and_says_what_it_skips(tmp_path):
     out = tmp_path / "k.json"
     _run(
         "bench_kernels.py",
-        "--implementations=reference,model_reference,jax_gpu,flash_gpu,mgpu",
+        "--implementations=reference,model_reference,jax_gpu,flash_gpu,mgpu,flash_mgpu",
         "--batches=decode,mixed",
         "--num_kv_heads=2",
         "--num_queries_per_kv=2",
@@ -75,3 +75,4 @@ def test_bench_kernels_times_what_runs_here_and_says_what_it_skips(tmp_path):
     assert "CUDA only" in doc["skipped"]["decode/jax_gpu"]
     assert "one prompt with no cache hit" in doc["skipped"]["mixed/flash_gpu"]
     assert "compiles only on gpu" in doc["skipped"]["decode/mgpu"]
+    assert "one prompt with no cache hit" in doc["skipped"]["mixed/flash_mgpu"]
