@@ -56,25 +56,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.flash_prefill.tuning import MGPU_KEYS_PER_BLOCK, MGPU_NUM_STAGES
+from kernels_pallas.mgpu_common import base2_scores, check_dtype, interpret_params, swizzled
+from kernels_pallas.mgpu_common import fit_num_stages as fit_stages
 from kernels_pallas.online_softmax import MASK_VALUE
 
 ROWS = 64  # query rows per consumer warpgroup: wgmma's M
 NUM_CONSUMERS = 2
 BLOCK_T = ROWS * NUM_CONSUMERS  # query tokens per program
-LOG2E = math.log2(math.e)
-SWIZZLE_BYTES = 128
-# sm_90's 227 KiB of SMEM per block, less room for barriers and Mosaic's own scratch.
-SMEM_BUDGET = 227 * 1024 - 2048
 
 
 def check_supported(q_dtype, head_dim: int) -> None:
     """Raise a ValueError naming the limit if this kernel cannot run the shapes."""
-    if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(
-            f"the Mosaic GPU flash prefill kernel takes bfloat16 or float16 (wgmma has no "
-            f"full-float32 path), got {jnp.dtype(q_dtype).name}; use implementation='gpu' "
-            "(Triton) for float32"
-        )
+    check_dtype(q_dtype, "flash prefill")
     if head_dim % 64 or head_dim > 256:
         raise ValueError(
             f"the Mosaic GPU flash prefill kernel needs head_dim % 64 == 0 and <= 256, "
@@ -91,15 +84,12 @@ def smem_bytes(num_stages: int, H: int, block_kv: int, itemsize: int, p_in_smem:
 
 
 def fit_num_stages(num_stages: int, H: int, block_kv: int, itemsize: int, p_in_smem: bool):
-    """The most stages, up to `num_stages`, that fit SMEM_BUDGET; raises if not even one does."""
-    while num_stages > 1 and smem_bytes(num_stages, H, block_kv, itemsize, p_in_smem) > SMEM_BUDGET:
-        num_stages -= 1
-    if smem_bytes(num_stages, H, block_kv, itemsize, p_in_smem) > SMEM_BUDGET:
-        raise ValueError(
-            f"one KV block of {block_kv} keys at head_dim {H} needs "
-            f"{smem_bytes(1, H, block_kv, itemsize, p_in_smem)} bytes of SMEM, over {SMEM_BUDGET}"
-        )
-    return num_stages
+    """The most stages, up to `num_stages`, that fit SMEM; raises if not even one does."""
+    return fit_stages(
+        num_stages,
+        lambda n: smem_bytes(n, H, block_kv, itemsize, p_in_smem),
+        f"KV block of {block_kv} keys at head_dim {H}",
+    )
 
 
 def _kv_range(q0, seq_len, block_kv: int, sliding_window: int | None):
@@ -236,10 +226,7 @@ def _flash_kernel(
 
             s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            if soft_cap is None:
-                s = s * (sm_scale * LOG2E)
-            else:
-                s = (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
+            s = base2_scores(s, sm_scale, soft_cap)
             if masked:
                 key = (lo_all + step) * BK + col
                 visible = key <= pos
@@ -290,14 +277,6 @@ def _flash_kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-def _interpret_params(interpret):
-    """False -> compile; True -> Mosaic GPU's interpreter (the CPU); an InterpretGPUParams (e.g.
-    with detect_races=True) is passed through."""
-    if isinstance(interpret, plgpu.InterpretGPUParams):
-        return interpret
-    return plgpu.InterpretGPUParams() if interpret else False
-
-
 def flash_prefill_mgpu(
     q: jax.Array,  # [T, N, H]
     k: jax.Array,  # [T, K, H]
@@ -318,11 +297,13 @@ def flash_prefill_mgpu(
     T, N, H = q.shape
     K = k.shape[1]
     check_supported(q.dtype, H)
-    if block_kv <= 0 or block_kv % 64:
-        raise ValueError(f"{block_kv=} must be a positive multiple of 64 (wgmma tiles)")
+    if not 0 < block_kv <= 256 or block_kv % 64:
+        raise ValueError(
+            f"{block_kv=} must be a multiple of 64 (wgmma tiles) and at most 256 (a TMA box)"
+        )
     if num_stages <= 0:
         raise ValueError(f"{num_stages=} must be positive")
-    interpret = _interpret_params(interpret)
+    interpret = interpret_params(interpret)
     if p_in_smem is None:
         p_in_smem = bool(interpret)
     num_stages = fit_num_stages(num_stages, H, block_kv, q.dtype.itemsize, p_in_smem)
@@ -333,10 +314,7 @@ def flash_prefill_mgpu(
     qp, kp = jnp.pad(q, pad), jnp.pad(k, pad)
     vp = jnp.where(real, jnp.pad(v, pad), 0).astype(v.dtype)
 
-    transforms = (
-        plgpu.TilingTransform((8, SWIZZLE_BYTES // q.dtype.itemsize)),
-        plgpu.SwizzleTransform(SWIZZLE_BYTES),
-    )
+    transforms = swizzled(q.dtype)
     scratch = [
         plgpu.SMEM((NUM_CONSUMERS, ROWS, H), q.dtype, transforms=transforms),
         plgpu.SMEM((num_stages, block_kv, H), q.dtype, transforms=transforms),

@@ -36,8 +36,9 @@ Algorithm (flash attention over pages, online softmax in float32, scores in base
     [pages, G, K, H] cache) into one of `num_stages` SMEM slots; the copies of step i + num_stages
     are issued as soon as step i's matmuls have read the slot. Per step: S = q K^T (wgmma, f32
     accumulator), scale and soft cap, mask (causal, kv_len, window) to MASK_VALUE, online softmax
-    (running max in base 2, exp2), acc = alpha * acc + P V (wgmma; P rounded to the input dtype
-    and staged in SMEM, as the interpreter's wgmma takes SMEM operands only).
+    (running max in base 2, exp2), acc = alpha * acc + P V (wgmma; P rounded to the input dtype,
+    taken from registers when compiled, staged in SMEM in the interpreter, whose wgmma takes
+    SMEM operands only; `p_in_smem` chooses).
   - Pages past a sequence's last page are never named: the wrapper clamps each page-table row to
     its last used page, so a block's trailing page copies re-read that page (keys at or past
     kv_len, masked). The last block's V rows at or past kv_len are zeroed in SMEM before P V, so
@@ -59,6 +60,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import online_softmax
+from kernels_pallas.mgpu_common import (
+    SWIZZLE_BYTES,
+    base2_scores,
+    check_dtype,
+    interpret_params,
+    swizzled,
+)
+from kernels_pallas.mgpu_common import fit_num_stages as fit_stages
 from kernels_pallas.online_softmax import MASK_VALUE
 from kernels_pallas.ragged_paged_attention.kernel_gpu import (
     _q_block_schedule,
@@ -70,19 +79,11 @@ from kernels_pallas.ragged_paged_attention.tuning import (
 )
 
 ROWS = 64  # query rows per program: one warpgroup's wgmma tile
-LOG2E = math.log2(math.e)
-SWIZZLE_BYTES = 128
-# sm_90's 227 KiB of SMEM per block, less room for barriers and Mosaic's own scratch.
-SMEM_BUDGET = 227 * 1024 - 2048
 
 
 def check_supported(q_dtype, head_dim: int, page_size: int, num_queries_per_kv: int) -> None:
     """Raise a ValueError naming the limit if this kernel cannot run the shapes."""
-    if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(
-            f"the Mosaic GPU kernel takes bfloat16 or float16 (wgmma has no full-float32 path), "
-            f"got {jnp.dtype(q_dtype).name}; use implementation='gpu' (Triton) for float32"
-        )
+    check_dtype(q_dtype, "ragged paged attention")
     if head_dim % 64:
         raise ValueError(f"the Mosaic GPU kernel needs head_dim % 64 == 0, got {head_dim}")
     if page_size % 8:
@@ -106,22 +107,24 @@ def default_block_sizes(T: int, S: int, num_queries_per_kv: int, page_size: int)
     return block_q, keys // page_size
 
 
-def smem_bytes(num_stages: int, H: int, BK: int, itemsize: int, split: bool) -> int:
-    """SMEM the kernel allocates: q/out tile, K and V slots, P tile (+ float32 partials)."""
-    n = (ROWS * H + 2 * num_stages * BK * H + ROWS * BK) * itemsize
+def smem_bytes(
+    num_stages: int, H: int, BK: int, itemsize: int, split: bool, p_in_smem: bool = True
+) -> int:
+    """SMEM the kernel allocates: q/out tile, K and V slots, P tile if staged (+ float32
+    partials with split-KV)."""
+    n = (ROWS * H + 2 * num_stages * BK * H + (ROWS * BK if p_in_smem else 0)) * itemsize
     return n + ((ROWS * H + 2 * ROWS) * 4 if split else 0)
 
 
-def fit_num_stages(num_stages: int, H: int, BK: int, itemsize: int, split: bool) -> int:
-    """The most stages, up to `num_stages`, that fit SMEM_BUDGET; raises if not even one does."""
-    while num_stages > 1 and smem_bytes(num_stages, H, BK, itemsize, split) > SMEM_BUDGET:
-        num_stages -= 1
-    if smem_bytes(num_stages, H, BK, itemsize, split) > SMEM_BUDGET:
-        raise ValueError(
-            f"one KV step of {BK} keys at head_dim {H} needs "
-            f"{smem_bytes(1, H, BK, itemsize, split)} bytes of SMEM, over {SMEM_BUDGET}"
-        )
-    return num_stages
+def fit_num_stages(
+    num_stages: int, H: int, BK: int, itemsize: int, split: bool, p_in_smem: bool = True
+) -> int:
+    """The most stages, up to `num_stages`, that fit SMEM; raises if not even one does."""
+    return fit_stages(
+        num_stages,
+        lambda n: smem_bytes(n, H, BK, itemsize, split, p_in_smem),
+        f"KV step of {BK} keys at head_dim {H}",
+    )
 
 
 def _rpa_kernel(
@@ -213,10 +216,7 @@ def _rpa_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-            if soft_cap is None:
-                s = s * (sm_scale * LOG2E)
-            else:
-                s = (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
+            s = base2_scores(s, sm_scale, soft_cap)
             key = blk * BK + col
             visible = (key <= pos) & (key < kv_len)
             if sliding_window is not None:
@@ -238,11 +238,14 @@ def _rpa_kernel(
                 v[...] = jnp.where(vkey < kv_len, v[...], jnp.zeros_like(v[...]))
                 plgpu.commit_smem()
 
-            p_smem[...] = p.astype(dtype)
-            plgpu.commit_smem()
+            p = p.astype(dtype)
+            if p_smem is not None:
+                p_smem[...] = p
+                plgpu.commit_smem()
+                p = p_smem
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p, v_smem.at[slot])
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, H), jnp.float32))
@@ -275,14 +278,6 @@ def _rpa_kernel(
             plgpu.copy_smem_to_gmem(stat_smem.at[0], m_ref.at[split, b, h])
             plgpu.copy_smem_to_gmem(stat_smem.at[1], l_ref.at[split, b, h])
         plgpu.wait_smem_to_gmem(0)
-
-
-def _interpret_params(interpret):
-    """False -> compile; True -> Mosaic GPU's interpreter (the CPU); an InterpretGPUParams (e.g.
-    with detect_races=True) is passed through."""
-    if isinstance(interpret, plgpu.InterpretGPUParams):
-        return interpret
-    return plgpu.InterpretGPUParams() if interpret else False
 
 
 def _clamped_page_table(page_indices, kv_lens, page_size: int, width: int):
@@ -328,6 +323,7 @@ def ragged_paged_attention_mgpu(
     pages_per_block: int | None = None,  # KV pages per pipeline step
     num_kv_splits: int | None = None,  # None: choose_num_kv_splits
     num_stages: int = MGPU_NUM_STAGES,  # KV steps in flight
+    p_in_smem: bool | None = None,  # P V's P staged in SMEM; None: in the interpreter only
 ) -> jax.Array:
     """-> [T, N, H] in q's dtype; see reference.py for the contract and the module doc for the
     design. `interpret` runs the kernel in Mosaic GPU's interpreter (on the CPU, for tests)."""
@@ -351,7 +347,12 @@ def ragged_paged_attention_mgpu(
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(T, S, K, P, G, block_q, pages_per_block)
     C = num_kv_splits
-    num_stages = fit_num_stages(num_stages, H, pages_per_block * G, q.dtype.itemsize, C > 1)
+    interpret = interpret_params(interpret)
+    if p_in_smem is None:
+        p_in_smem = bool(interpret)
+    num_stages = fit_num_stages(
+        num_stages, H, pages_per_block * G, q.dtype.itemsize, C > 1, p_in_smem
+    )
     num_blocks = min(T, pl.cdiv(T, block_q) + S)
     P_pad = pl.cdiv(P, pages_per_block) * pages_per_block
 
@@ -363,15 +364,13 @@ def ragged_paged_attention_mgpu(
     page_table = _clamped_page_table(page_indices, kv_lens, G, P_pad)
 
     BK = pages_per_block * G
-    transforms = (
-        plgpu.TilingTransform((8, SWIZZLE_BYTES // q.dtype.itemsize)),
-        plgpu.SwizzleTransform(SWIZZLE_BYTES),
-    )
+    transforms = swizzled(q.dtype)
     scratch = [
         plgpu.SMEM((ROWS, H), q.dtype, transforms=transforms),  # q, then the output (C == 1)
         plgpu.SMEM((num_stages, BK, H), q.dtype, transforms=transforms),
         plgpu.SMEM((num_stages, BK, H), q.dtype, transforms=transforms),
-        plgpu.SMEM((ROWS, BK), q.dtype, transforms=transforms),  # P for the P V wgmma
+        # P for the P V wgmma
+        plgpu.SMEM((ROWS, BK), q.dtype, transforms=transforms) if p_in_smem else None,
         plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
@@ -404,7 +403,7 @@ def ragged_paged_attention_mgpu(
         grid=(num_blocks, K, C),
         grid_names=("b", "h", "c"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params(interpret),
+        interpret=interpret,
     )
     outs = call(kv_lens, page_table, cu_q_lens, block_seq, block_q0, q_blocks, k_pages, v_pages)
 

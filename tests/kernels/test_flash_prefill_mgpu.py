@@ -184,8 +184,9 @@ def test_unsupported_shapes_raise(dtype, head_dim, match):
 
 def test_bad_block_sizes_raise():
     args = make_case(16, 9, dtype="bfloat16")
-    with pytest.raises(ValueError, match="block_kv=96"):
-        flash_prefill_mgpu(*args, sm_scale=1.0, block_kv=96, interpret=True)
+    for block_kv in (96, 320):
+        with pytest.raises(ValueError, match=f"block_kv={block_kv} must be a multiple of 64"):
+            flash_prefill_mgpu(*args, sm_scale=1.0, block_kv=block_kv, interpret=True)
 
 
 def test_stages_are_reduced_to_fit_shared_memory():

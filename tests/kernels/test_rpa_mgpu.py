@@ -4,8 +4,9 @@ kernel_mgpu.py) against the specification (reference.py), and its export for cud
 On the CPU it runs in Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`: TMA copies, barriers
 and wgmma simulated, uninitialized SMEM reads as NaN, out-of-bounds reads raise); compiled on a
 GPU the same checks are marked `gpu`. The interpreter accepts code that Mosaic GPU's lowering
-rejects (layouts, SMEM size, tile shapes), so the export tests lower the kernel for an H200 at
-every shape configuration the engine's models use.
+rejects (layouts, SMEM size, tile shapes), and it runs P V with P staged in SMEM where the
+compiled kernel takes P from registers: the export tests lower both, for an H200, at every shape
+configuration the engine's models use.
 
 Tolerance (bf16/f16 only: the kernel has no float32 path): 2e-2 x max|ref| against the float32
 reference on the same rounded inputs (tests/kernels/kernel_testing.py); observed 0.3-0.6 % on
@@ -139,6 +140,13 @@ class RaggedPagedAttentionMgpuTest:
 class TestRaggedPagedAttentionMgpu(RaggedPagedAttentionMgpuTest):
     INTERPRET = False
 
+    def test_p_staged_in_smem(self):
+        """P V with P staged in SMEM (what the interpreter runs) beside the compiled default,
+        P from registers, which every other test here runs."""
+        q_lens, kv_lens, page_size = RAGGED_CASES["mixed"]
+        case = make_case(q_lens, kv_lens, page_size=page_size, dtype=BF16, seed=8)
+        self.check(case, p_in_smem=True)
+
 
 class TestRaggedPagedAttentionMgpuInterpret(RaggedPagedAttentionMgpuTest):
     INTERPRET = True
@@ -213,8 +221,9 @@ def test_exports_for_cuda(model, T):
         dict(sliding_window=100, soft_cap=30.0),
         dict(dtype=jnp.dtype(jnp.float16), page_size=8),
         dict(page_size=64, pages_per_block=1, num_stages=2),
+        dict(p_in_smem=True),
     ],
-    ids=["split_kv", "window_cap", "f16_page8", "page64"],
+    ids=["split_kv", "window_cap", "f16_page8", "page64", "p_in_smem"],
 )
 def test_exports_for_cuda_variants(kw):
     export_for_cuda(16, "llama3_8b", **kw)

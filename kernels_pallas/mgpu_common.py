@@ -1,0 +1,66 @@
+"""What the Mosaic GPU kernels (kernel_mgpu.py in each kernel folder) share: the SMEM budget and
+how many pipeline stages fit it, the swizzled tile layout of their wgmma operands, scores in base
+2, and the interpreter switch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+SWIZZLE_BYTES = 128
+# sm_90's 227 KiB of SMEM per block, less room for barriers and Mosaic's own scratch.
+SMEM_BUDGET = 227 * 1024 - 2048
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_dtype(dtype, kernel: str) -> None:
+    """wgmma has no full-float32 path: raise a ValueError naming `kernel` for anything but
+    bfloat16 / float16."""
+    if jnp.dtype(dtype) not in DTYPES:
+        raise ValueError(
+            f"the Mosaic GPU {kernel} kernel takes bfloat16 or float16 (wgmma has no "
+            f"full-float32 path), got {jnp.dtype(dtype).name}; use implementation='gpu' "
+            "(Triton) for float32"
+        )
+
+
+def swizzled(dtype) -> tuple:
+    """SMEM transforms of a wgmma operand: 8-row tiles of one 128-byte swizzle row each."""
+    return (
+        plgpu.TilingTransform((8, SWIZZLE_BYTES // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(SWIZZLE_BYTES),
+    )
+
+
+def fit_num_stages(num_stages: int, smem_bytes: Callable[[int], int], step: str) -> int:
+    """The most stages, up to `num_stages`, whose `smem_bytes(stages)` fits SMEM_BUDGET; raises
+    a ValueError naming `step` (what one stage holds) if not even one does."""
+    while num_stages > 1 and smem_bytes(num_stages) > SMEM_BUDGET:
+        num_stages -= 1
+    if smem_bytes(num_stages) > SMEM_BUDGET:
+        raise ValueError(
+            f"one {step} needs {smem_bytes(1)} bytes of SMEM with the rest of the kernel's "
+            f"buffers, over {SMEM_BUDGET}"
+        )
+    return num_stages
+
+
+def base2_scores(s: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
+    """q.k -> the score in base 2 (times log2 e, for exp2): scaled, then soft-capped."""
+    if soft_cap is None:
+        return s * (sm_scale * LOG2E)
+    return (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
+
+
+def interpret_params(interpret):
+    """False -> compile; True -> Mosaic GPU's interpreter (the CPU); an InterpretGPUParams (e.g.
+    with detect_races=True) is passed through."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if interpret else False
