@@ -16,17 +16,19 @@
 #           heads, bf16), our kernels (Mosaic GPU, Triton) against the reference, JAX's Pallas ops
 #           and cuDNN, with Mosaic GPU block-size/stage variants, and the measured copy/matmul
 #           ceilings (the Triton sweeps of 2026-11-29 are in tuning.py)
-#   decode  decode batches of several shapes (long contexts with few sequences: split-KV), ours
-#           (mgpu, gpu) against JAX's paged_attention, with variants
 #   prefill one 2048- and one 8192-token prompt: flash (Mosaic GPU, with and without ping-pong;
 #           Triton) vs ragged vs cuDNN vs JAX's mha and FA3 (two block configs)
+#   decode  decode batches of several shapes (long contexts with few sequences: split-KV), ours
+#           (mgpu, gpu) against JAX's paged_attention, with variants
 #   serve   scripts/benchmark.py on SmolLM2 shapes (random weights): mgpu and gpu kernels vs reference
+# The limits add up to ~690 s: one run of timeout_s 580 gets through prefill and most of decode;
+# serve needs a second run (STAGES=decode,serve).
 # Results land in $WORK (default /tmp/device_check) and, after every stage, in
 # $OUT/results.tgz (the tool brings back at most 8 files) beside $OUT/summary.txt.
 set -u
 OUT=${OUT:-out/device}
 WORK=${WORK:-/tmp/device_check}
-STAGES=${STAGES:-tests,bench,decode,prefill,serve}
+STAGES=${STAGES:-tests,bench,prefill,decode,serve}
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PY:-python3}
@@ -39,6 +41,9 @@ log "devices"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 \
   | tee -a "$OUT/summary.txt"
 $PY -c "import jax; print(jax.__version__, jax.devices())" 2>&1 | tee -a "$OUT/summary.txt"
+# JAX's FA3 refuses causal masking on CUDA 12.8.0-12.9.0 (a ptxas miscompilation): record it.
+$PY -c "from jax._src.lib import cuda_versions as c; print('cuda runtime', c and \
+c.cuda_runtime_get_version(), 'cudnn', c and c.cudnn_get_version())" 2>&1 | tee -a "$OUT/summary.txt"
 if ! $PY -c "import gguf" 2>/dev/null; then
   log "installing carried wheels from .whl/ into /tmp/site"
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -70,6 +75,21 @@ if want bench; then
   save
 fi
 
+if want prefill; then
+  log "prefill: one 2048- and one 8192-token prompt, flash vs ragged vs cuDNN; 100 s at most"
+  P="$B --batches prefill --implementations reference,mgpu,gpu,flash_mgpu,flash_gpu,jax_gpu_mha"
+  P="$P,jax_gpu_fa3,cudnn"
+  for n in 2048 8192; do
+    JAX_PLATFORMS=$PLATFORM timeout 50 $P --prefill_len $n \
+      --variant flash_mgpu:pingpong=0 --variant flash_mgpu:num_stages=2 \
+      --variant flash_mgpu:block_kv=64 --variant flash_mgpu:p_in_smem=1 \
+      --variant jax_gpu_fa3:block_kv=128 \
+      --variant mgpu:num_stages=2 --variant mgpu:pages_per_block=8,num_stages=2 \
+      --json_out "$WORK/prefill_$n.json" 2>"$WORK/prefill_$n.log" | tee "$WORK/prefill_$n.txt"
+  done
+  save
+fi
+
 if want decode; then
   log "decode: 64 x 4096, 256 x 2048, 8 x 32768 (split-KV), ours vs JAX's paged_attention; 120 s"
   D="$B --batches decode --implementations reference,mgpu,gpu,jax_gpu"
@@ -85,21 +105,6 @@ if want decode; then
     --variant mgpu:num_kv_splits=4 --variant mgpu:num_kv_splits=16 \
     --variant mgpu:num_kv_splits=16,num_stages=2 \
     --json_out "$WORK/decode_8x32768.json" 2>"$WORK/decode_8x32768.log" | tee "$WORK/decode_8x32768.txt"
-  save
-fi
-
-if want prefill; then
-  log "prefill: one 2048- and one 8192-token prompt, flash vs ragged vs cuDNN; 100 s at most"
-  P="$B --batches prefill --implementations reference,mgpu,gpu,flash_mgpu,flash_gpu,jax_gpu_mha"
-  P="$P,jax_gpu_fa3,cudnn"
-  for n in 2048 8192; do
-    JAX_PLATFORMS=$PLATFORM timeout 50 $P --prefill_len $n \
-      --variant flash_mgpu:pingpong=0 --variant flash_mgpu:num_stages=2 \
-      --variant flash_mgpu:block_kv=64 --variant flash_mgpu:p_in_smem=1 \
-      --variant jax_gpu_fa3:block_kv=128 \
-      --variant mgpu:num_stages=2 --variant mgpu:pages_per_block=8,num_stages=2 \
-      --json_out "$WORK/prefill_$n.json" 2>"$WORK/prefill_$n.log" | tee "$WORK/prefill_$n.txt"
-  done
   save
 fi
 
