@@ -64,3 +64,14 @@ def interpret_params(interpret):
     if isinstance(interpret, plgpu.InterpretGPUParams):
         return interpret
     return plgpu.InterpretGPUParams() if interpret else False
+
+
+def online_softmax_step(s, m, denom, acc):
+    """Fold one block of base-2 scores s [M, BK] (float32, WGMMA layout, masked entries
+    MASK_VALUE) into the running (m, denom, acc) -> (p [M, BK] float32, m, denom, acc)."""
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
+    denom = denom * alpha + p.sum(axis=1)
+    acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p, m_new, denom, acc

@@ -56,7 +56,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.flash_prefill.tuning import MGPU_KEYS_PER_BLOCK, MGPU_NUM_STAGES
-from kernels_pallas.mgpu_common import base2_scores, check_dtype, interpret_params, swizzled
+from kernels_pallas.mgpu_common import (
+    base2_scores,
+    check_dtype,
+    interpret_params,
+    online_softmax_step,
+    swizzled,
+)
 from kernels_pallas.mgpu_common import fit_num_stages as fit_stages
 from kernels_pallas.online_softmax import MASK_VALUE
 
@@ -233,11 +239,7 @@ def _flash_kernel(
                 if sliding_window is not None:
                     visible = visible & (pos - key < sliding_window)
                 s = jnp.where(visible, s, MASK_VALUE)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, shape, [0]))
-            denom = denom * alpha + p.sum(axis=1)
-            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p, m_new, denom, acc = online_softmax_step(s, m, denom, acc)
             p = p.astype(dtype)
             if p_smem is not None:
                 p_smem.at[wg][...] = p

@@ -65,6 +65,7 @@ from kernels_pallas.mgpu_common import (
     base2_scores,
     check_dtype,
     interpret_params,
+    online_softmax_step,
     swizzled,
 )
 from kernels_pallas.mgpu_common import fit_num_stages as fit_stages
@@ -222,11 +223,7 @@ def _rpa_kernel(
             if sliding_window is not None:
                 visible = visible & (pos - key < sliding_window)
             s = jnp.where(visible, s, MASK_VALUE)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, shape, [0]))
-            denom = denom * alpha + p.sum(axis=1)
-            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p, m_new, denom, acc = online_softmax_step(s, m, denom, acc)
             plgpu.barrier_wait(v_bars.at[slot])
 
             @pl.when(blk == last_blk)

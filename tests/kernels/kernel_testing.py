@@ -14,11 +14,26 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 TOLERANCE = {np.dtype(np.float32): 2e-5, np.dtype(jnp.bfloat16): 2e-2}  # bf16: x max|ref|
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_GPU_CALL = "mosaic_gpu_v2"
+
+
+@pytest.fixture
+def reset_mgpu_interpreter():
+    """After the test, reset Mosaic GPU's interpreter: a failed interpreted kernel leaves its
+    state behind (its docstring says to reset before the next kernel). Use it in a test module
+    with `pytestmark = pytest.mark.usefixtures("reset_mgpu_interpreter")` and
+    `from tests.kernels.kernel_testing import reset_mgpu_interpreter  # noqa: F401`."""
+    yield
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+        reset_gpu_interpret_mode_state,
+    )
+
+    reset_gpu_interpret_mode_state()
 
 
 def assert_matches_reference(out, ref) -> None:

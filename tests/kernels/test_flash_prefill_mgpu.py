@@ -30,6 +30,7 @@ from kernels_pallas.flash_prefill.kernel_mgpu import (
 )
 from kernels_pallas.flash_prefill.reference import flash_prefill_reference
 from tests.kernels import kernel_testing
+from tests.kernels.kernel_testing import reset_mgpu_interpreter  # noqa: F401
 from tests.kernels.test_flash_prefill_gpu import make_case as make_case_gqa
 
 TOL = 2e-2  # x max|ref|
@@ -43,15 +44,7 @@ def make_case(T, seq_len, **kw):
     return make_case_gqa(T, seq_len, **kw)
 
 
-@pytest.fixture(autouse=True)
-def _reset_interpreter():
-    """A failed interpreted kernel leaves the interpreter's state behind: reset after each test."""
-    yield
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-        reset_gpu_interpret_mode_state,
-    )
-
-    reset_gpu_interpret_mode_state()
+pytestmark = pytest.mark.usefixtures("reset_mgpu_interpreter")
 
 
 class FlashPrefillMgpuTest:

@@ -29,21 +29,13 @@ from kernels_pallas.ragged_paged_attention.kernel_mgpu import (
 )
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
 from tests.kernels import kernel_testing
+from tests.kernels.kernel_testing import reset_mgpu_interpreter  # noqa: F401
 
 BF16 = jnp.dtype(jnp.bfloat16)
 TOL = 2e-2  # x max|ref|
 
 
-@pytest.fixture(autouse=True)
-def _reset_interpreter():
-    """A failed interpreted kernel leaves the interpreter's state behind (its docstring says to
-    reset before the next kernel): reset after every test."""
-    yield
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-        reset_gpu_interpret_mode_state,
-    )
-
-    reset_gpu_interpret_mode_state()
+pytestmark = pytest.mark.usefixtures("reset_mgpu_interpreter")
 
 
 class RaggedPagedAttentionMgpuTest:
