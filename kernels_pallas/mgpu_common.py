@@ -6,6 +6,7 @@ how many pipeline stages fit it, the swizzled tile layout of their wgmma operand
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import jax
@@ -14,8 +15,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 LOG2E = math.log2(math.e)
 SWIZZLE_BYTES = 128
-# sm_90's 227 KiB of SMEM per block, less room for barriers and Mosaic's own scratch.
-SMEM_BUDGET = 227 * 1024 - 2048
+# sm_90's 227 KiB of SMEM per block, less Mosaic GPU's own 2 KiB (measured: a kernel of 230400
+# bytes of buffers and 160 of barriers lowered to 232608) and 1 KiB for the barriers.
+SMEM_BUDGET = 227 * 1024 - 3072
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -58,12 +60,35 @@ def base2_scores(s: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.A
     return (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
 
 
-def interpret_params(interpret):
+def interpret_params(interpret, num_warpgroups: int = 1):
     """False -> compile; True -> Mosaic GPU's interpreter (the CPU); an InterpretGPUParams (e.g.
-    with detect_races=True) is passed through."""
+    with detect_races=True) is passed through.
+
+    The interpreter runs each warpgroup of a block as a thread that executes on XLA's CPU
+    runtime; a warpgroup blocked on an mbarrier holds its XLA thread, so a kernel of
+    `num_warpgroups` > 1 needs as many: XLA's CPU client runs max(cores, CPU devices) at once.
+    With fewer, the interpreted kernel can hang (observed: 3 warpgroups, 2 cores, 1 or 2
+    devices), so that raises here, saying how to get more (the tests run with 8 devices)."""
+    if interpret is False or interpret is None:
+        return False
+    cores = os.cpu_count() or 1
+    if cores < num_warpgroups:
+        try:
+            threads = max(cores, jax.device_count("cpu"))
+        except RuntimeError:  # no CPU backend in this process (JAX_PLATFORMS)
+            threads = cores
+        if threads < num_warpgroups:
+            raise RuntimeError(
+                f"interpreting a kernel of {num_warpgroups} warpgroups needs {num_warpgroups} XLA "
+                f"CPU threads, and this process has {threads} (the larger of its {cores} cores "
+                "and its CPU devices): with fewer the interpreter can "
+                "deadlock. Start Python with XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+                "(before jax is imported), or run the kernel with num_consumers=1 / "
+                "warp_specialized=False where it has them"
+            )
     if isinstance(interpret, plgpu.InterpretGPUParams):
         return interpret
-    return plgpu.InterpretGPUParams() if interpret else False
+    return plgpu.InterpretGPUParams()
 
 
 def online_softmax_step(s, m, denom, acc):

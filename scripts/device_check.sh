@@ -14,8 +14,8 @@
 #           they have never run on hardware) + the engine with the Pallas backend
 #   bench   scripts/bench_kernels.py: decode-heavy, prefill-heavy and mixed batches (llama3-8b-like
 #           heads, bf16), our kernels (Mosaic GPU, Triton) against the reference, JAX's Pallas ops
-#           and cuDNN, with Mosaic GPU block-size/stage variants, and the measured copy/matmul
-#           ceilings (the Triton sweeps of 2026-11-29 are in tuning.py)
+#           and cuDNN, with Mosaic GPU block-size, stage and warp-specialized variants, and the
+#           measured copy/matmul ceilings (the Triton sweeps of 2026-11-29 are in tuning.py)
 #   prefill one 2048- and one 8192-token prompt: flash (Mosaic GPU, with and without ping-pong;
 #           Triton) vs ragged vs cuDNN vs JAX's mha and FA3 (two block configs)
 #   decode  decode batches of several shapes (long contexts with few sequences: split-KV), ours
@@ -70,6 +70,8 @@ if want bench; then
     --variant mgpu:num_stages=2 --variant mgpu:num_stages=3 --variant mgpu:num_stages=6 \
     --variant mgpu:pages_per_block=8 --variant mgpu:pages_per_block=8,num_stages=2 \
     --variant mgpu:num_kv_splits=2 --variant gpu:block_q=32,pages_per_block=8,num_warps=8 \
+    --variant mgpu:warp_specialized=1 --variant mgpu:warp_specialized=1,num_consumers=1 \
+    --variant mgpu:warp_specialized=1,num_consumers=2 \
     --json_out "$WORK/bench_kernels.json" 2>"$WORK/bench_kernels.log" | tee "$WORK/bench_kernels.txt"
   tail -3 "$WORK/bench_kernels.log" >> "$OUT/summary.txt"
   save
@@ -85,6 +87,7 @@ if want prefill; then
       --variant flash_mgpu:block_kv=64 --variant flash_mgpu:p_in_smem=1 \
       --variant jax_gpu_fa3:block_kv=128 \
       --variant mgpu:num_stages=2 --variant mgpu:pages_per_block=8,num_stages=2 \
+      --variant mgpu:warp_specialized=1 --variant mgpu:warp_specialized=1,pages_per_block=8 \
       --json_out "$WORK/prefill_$n.json" 2>"$WORK/prefill_$n.log" | tee "$WORK/prefill_$n.txt"
   done
   save
@@ -96,6 +99,7 @@ if want decode; then
   JAX_PLATFORMS=$PLATFORM timeout 45 $D --num_decodes 64 --decode_kv_len 4096 \
     --variant mgpu:num_stages=2 --variant mgpu:num_stages=8 --variant mgpu:pages_per_block=8 \
     --variant mgpu:pages_per_block=8,num_stages=4 --variant mgpu:num_kv_splits=2 \
+    --variant mgpu:warp_specialized=1 --variant mgpu:warp_specialized=1,pages_per_block=8 \
     --variant jax_gpu:num_warps=4 \
     --json_out "$WORK/decode_64x4096.json" 2>"$WORK/decode_64x4096.log" | tee "$WORK/decode_64x4096.txt"
   JAX_PLATFORMS=$PLATFORM timeout 35 $D --num_decodes 256 --decode_kv_len 2048 \
@@ -104,6 +108,7 @@ if want decode; then
   JAX_PLATFORMS=$PLATFORM timeout 40 $D --num_decodes 8 --decode_kv_len 32768 \
     --variant mgpu:num_kv_splits=4 --variant mgpu:num_kv_splits=16 \
     --variant mgpu:num_kv_splits=16,num_stages=2 \
+    --variant mgpu:warp_specialized=1,num_kv_splits=16 \
     --json_out "$WORK/decode_8x32768.json" 2>"$WORK/decode_8x32768.log" | tee "$WORK/decode_8x32768.txt"
   save
 fi

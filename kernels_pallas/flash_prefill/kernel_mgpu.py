@@ -305,7 +305,7 @@ def flash_prefill_mgpu(
         )
     if num_stages <= 0:
         raise ValueError(f"{num_stages=} must be positive")
-    interpret = interpret_params(interpret)
+    interpret = interpret_params(interpret, NUM_CONSUMERS + 1)
     if p_in_smem is None:
         p_in_smem = bool(interpret)
     num_stages = fit_num_stages(num_stages, H, block_kv, q.dtype.itemsize, p_in_smem)

@@ -13,8 +13,11 @@ How it was checked without a GPU: numerics in Mosaic GPU's interpreter (Interpre
 barriers and wgmma simulated, uninitialized SMEM read as NaN) against reference.py, and lowering
 by exporting for cuda (Mosaic GPU's layout inference, tile and SMEM checks for sm_90) at every
 kernel configuration the engine's buckets produce. The interpreter did not flag a slot refilled
-before its P V read (tried on purpose), so the pipeline's ordering rests on the code's structure:
-a slot is refilled only after the step's accumulator has been read, which waits for its wgmmas.
+before its P V read in the single-warpgroup variant (tried on purpose, also with its race
+detector), so that pipeline's ordering rests on the code's structure: a slot is refilled only
+after the step's accumulator has been read, which waits for its wgmmas. Across warpgroups (the
+warp-specialized variant) the race detector does report a refill that skips the consumers'
+release, and the tests run it.
 
 What it needs: bfloat16 or float16 inputs (wgmma has no full-float32 path), head_dim a multiple
 of 64, page_size a multiple of 8 (a page is a whole number of 8-row SMEM tiles), at most 64 query
@@ -47,6 +50,19 @@ Algorithm (flash attention over pages, online softmax in float32, scores in base
     wrapper scatters tiles back to token rows. Split-KV (flash decoding, same rule as the Triton
     kernel, `choose_num_kv_splits`): float32 partials (acc / denom, m, denom) per split, combined
     by the wrapper with weights denom * 2^(m - max_c m).
+
+Warp-specialized variant (`warp_specialized=True`, `_rpa_kernel_ws`; the design of
+flash_prefill/kernel_mgpu.py applied to pages). Above, one warpgroup alternates between issuing
+page copies (scalar page-table reads from GMEM, then TMA) and computing, and each KV step serves
+one 64-row tile. Here a producer warpgroup issues the copies while `num_consumers` consumer
+warpgroups compute: with 2 (the default where a bucket's sequences average more than one q
+block), a program takes two consecutive q blocks of one sequence, so each KV step loaded serves
+128 rows, and the consumers take turns on the tensor cores (one's softmax overlaps the other's
+matmuls). The producer loads the union of the two tiles' KV ranges; a consumer waits on and
+releases the steps outside its own range without computing (mbarrier phases are tracked per
+thread). The V tail past kv_len is zeroed once, by the consumer holding the sequence's last
+query (it always sees that block), between its wait for V and its turn; the other consumer waits
+on `tail_done` before its P V. Not the default until timed on hardware beside the variant above.
 """
 
 from __future__ import annotations
@@ -77,6 +93,7 @@ from kernels_pallas.ragged_paged_attention.kernel_gpu import (
 from kernels_pallas.ragged_paged_attention.tuning import (
     MGPU_KEYS_PER_BLOCK,
     MGPU_NUM_STAGES,
+    MGPU_WARP_SPECIALIZED,
 )
 
 ROWS = 64  # query rows per program: one warpgroup's wgmma tile
@@ -109,23 +126,43 @@ def default_block_sizes(T: int, S: int, num_queries_per_kv: int, page_size: int)
 
 
 def smem_bytes(
-    num_stages: int, H: int, BK: int, itemsize: int, split: bool, p_in_smem: bool = True
+    num_stages: int,
+    H: int,
+    BK: int,
+    itemsize: int,
+    split: bool,
+    p_in_smem: bool = True,
+    num_consumers: int = 1,
 ) -> int:
-    """SMEM the kernel allocates: q/out tile, K and V slots, P tile if staged (+ float32
-    partials with split-KV)."""
-    n = (ROWS * H + 2 * num_stages * BK * H + (ROWS * BK if p_in_smem else 0)) * itemsize
-    return n + ((ROWS * H + 2 * ROWS) * 4 if split else 0)
+    """SMEM the kernel allocates: a q/out tile per consumer, K and V slots, a P tile per
+    consumer if staged (+ float32 partials per consumer with split-KV)."""
+    per_consumer = ROWS * H + (ROWS * BK if p_in_smem else 0)
+    n = (num_consumers * per_consumer + 2 * num_stages * BK * H) * itemsize
+    return n + (num_consumers * (ROWS * H + 2 * ROWS) * 4 if split else 0)
 
 
 def fit_num_stages(
-    num_stages: int, H: int, BK: int, itemsize: int, split: bool, p_in_smem: bool = True
+    num_stages: int,
+    H: int,
+    BK: int,
+    itemsize: int,
+    split: bool,
+    p_in_smem: bool = True,
+    num_consumers: int = 1,
 ) -> int:
     """The most stages, up to `num_stages`, that fit SMEM; raises if not even one does."""
     return fit_stages(
         num_stages,
-        lambda n: smem_bytes(n, H, BK, itemsize, split, p_in_smem),
+        lambda n: smem_bytes(n, H, BK, itemsize, split, p_in_smem, num_consumers),
         f"KV step of {BK} keys at head_dim {H}",
     )
+
+
+def default_num_consumers(T: int, S: int, block_q: int) -> int:
+    """Consumer warpgroups of the warp-specialized kernel: 2 (two q tiles of a sequence share
+    each KV step) where sequences of the bucket average more than one q block, else 1."""
+    avg_q_len = T // S
+    return 2 if avg_q_len > block_q else 1
 
 
 def _rpa_kernel(
@@ -277,6 +314,231 @@ def _rpa_kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
+def _rpa_kernel_ws(
+    kv_lens_ref,  # [S] int32
+    page_table_ref,  # [S, P_pad] int32, rows clamped to their last used page
+    cu_q_lens_ref,  # [S + 1] int32
+    block_seq_ref,  # [NB] int32, -1: unused slot
+    block_q0_ref,  # [NB] int32: the first query of consumer 0's tile
+    q_ref,  # [NB * NC, K, ROWS, H]: tile b * NC + c is consumer c's
+    k_pages_ref,  # [num_pages, G, K, H]
+    v_pages_ref,  # [num_pages, G, K, H]
+    o_ref,  # [NB * NC, K, ROWS, H] q.dtype | split-KV: [C, NB * NC, K, ROWS, H] float32
+    *refs,  # split-KV: m_ref, l_ref [C, NB * NC, K, ROWS] float32; then the scratch below
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    num_queries_per_kv: int,
+    block_q: int,
+    pages_per_block: int,
+    num_kv_splits: int,
+    num_stages: int,
+    num_consumers: int,
+):
+    """The warp-specialized variant (module doc): warpgroup NC copies KV pages, warpgroups
+    0 .. NC - 1 attend one q tile each (consecutive tiles of one sequence)."""
+    C, NC = num_kv_splits, num_consumers
+    if C > 1:
+        m_ref, l_ref, *refs = refs
+    (q_smem, k_smem, v_smem, p_smem, o32_smem, stat_smem) = refs[:6]
+    (q_ready, k_ready, v_ready, k_free, v_free, turn, tail_done) = refs[6:]
+    Q, BQ, ppb = num_queries_per_kv, block_q, pages_per_block
+    G = k_pages_ref.shape[1]
+    H = q_ref.shape[-1]
+    BK = ppb * G
+    dtype = q_ref.dtype
+    b, h, split = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("c")
+    wg = jax.lax.axis_index("wg")
+    seq = block_seq_ref[b]
+
+    @pl.when(seq >= 0)
+    def _attend():
+        q_start = cu_q_lens_ref[seq]
+        q_len = cu_q_lens_ref[seq + 1] - q_start
+        kv_len = kv_lens_ref[seq]
+
+        def tile_range(c):  # consumer c: (first row's position, [lo, hi) KV blocks)
+            q0 = block_q0_ref[b] + c * BQ
+            first_pos = kv_len - q_len + q0
+            hi = (kv_len - q_len + jnp.minimum(q0 + BQ, q_len) + BK - 1) // BK
+            if sliding_window is None:
+                lo = jnp.int32(0)
+            else:
+                lo = jnp.maximum(0, first_pos - sliding_window + 1) // BK
+            return first_pos, lo, jnp.where(q0 < q_len, jnp.maximum(hi, lo), lo)
+
+        ranges = [tile_range(c) for c in range(NC)]
+        lo_all = ranges[0][1]
+        hi_all = functools.reduce(jnp.maximum, [hi for _, _, hi in ranges])
+        if C > 1:
+            per_split = (hi_all - lo_all + C - 1) // C
+            lo_all = lo_all + split * per_split
+            hi_all = jnp.minimum(hi_all, lo_all + per_split)
+        num_steps = jnp.maximum(hi_all - lo_all, 0)  # step i: KV block lo_all + i
+        tail_step = (kv_len - 1) // BK - lo_all  # the block holding key kv_len - 1
+        # The consumer whose tile holds the sequence's last query sees that block, and zeroes
+        # V past kv_len in it for both (the other waits on tail_done before its P V).
+        zeroer = jnp.int32(0)
+        for c in range(1, NC):
+            zeroer = jnp.where(block_q0_ref[b] + c * BQ < q_len, c, zeroer)
+
+        @pl.when(wg == NC)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def copy(step, slot, pages_ref, smem, bars):
+                blk = lo_all + step
+                for j in range(ppb):
+                    page = page_table_ref[seq, blk * ppb + j]
+                    plgpu.copy_gmem_to_smem(
+                        pages_ref.at[page, :, h, :], smem.at[slot, pl.ds(j * G, G)], bars.at[slot]
+                    )
+
+            def first(i):
+                copy(i, i, k_pages_ref, k_smem, k_ready)
+                copy(i, i, v_pages_ref, v_smem, v_ready)
+
+            for i in range(num_stages):
+                pl.when(i < num_steps)(functools.partial(first, i))
+
+            @pl.loop(num_stages, jnp.maximum(num_steps, num_stages))
+            def _refill(step):
+                slot = jax.lax.rem(step, num_stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                copy(step, slot, k_pages_ref, k_smem, k_ready)
+                plgpu.barrier_wait(v_free.at[slot])
+                copy(step, slot, v_pages_ref, v_smem, v_ready)
+
+            @pl.loop(jnp.maximum(num_steps - num_stages, 0), num_steps)
+            def _drain(step):  # observe the last releases too (see flash_prefill/kernel_mgpu.py)
+                slot = jax.lax.rem(step, num_stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+        @pl.when(wg < NC)
+        def _consumer():
+            plgpu.set_max_registers(232 if NC > 1 else 240, action="increase")
+            tile = b * NC + wg
+            q_tile = q_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[tile, h], q_tile, q_ready.at[wg])
+            first_pos, lo, hi = ranges[0]
+            for c in range(1, NC):
+                first_pos, lo, hi = (
+                    jnp.where(wg == c, new, old)
+                    for new, old in zip(ranges[c], (first_pos, lo, hi), strict=True)
+                )
+            lo = jnp.clip(lo - lo_all, 0, num_steps)
+            hi = jnp.clip(hi - lo_all, lo, num_steps)
+            shape = (ROWS, BK)
+            row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+            col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+            pos = first_pos + row // Q  # key position of each row's query (unused rows: past it)
+
+            def take_turn():
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
+
+            def wait_v(step, slot):
+                """V of `step` is in its slot (and zeroed past kv_len) when this returns."""
+                if turn is not None:
+                    plgpu.barrier_arrive(turn)  # done with the softmax
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                @pl.when((step == tail_step) & (wg == zeroer))
+                def _zero_v_tail():  # V rows at or past kv_len: 0, whatever the page holds
+                    v = v_smem.at[slot]
+                    vkey = (lo_all + step) * BK + plgpu.broadcasted_iota(
+                        jnp.int32, (BK, H), 0, layout=plgpu.Layout.WGMMA
+                    )
+                    v[...] = jnp.where(vkey < kv_len, v[...], jnp.zeros_like(v[...]))
+                    plgpu.commit_smem()
+                    if tail_done is not None:
+                        plgpu.barrier_arrive(tail_done)
+
+                if turn is not None:  # the other consumer's matmuls are issued
+                    plgpu.barrier_wait(turn)
+                if tail_done is not None:
+                    pl.when((step == tail_step) & (wg != zeroer))(
+                        lambda: plgpu.barrier_wait(tail_done)
+                    )
+
+            def skip(step, carry):  # a block outside this tile's range: wait, release
+                slot = jax.lax.rem(step, num_stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                if turn is not None:
+                    take_turn()
+                plgpu.barrier_arrive(k_free.at[slot])
+                wait_v(step, slot)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return carry
+
+            def attend(step, carry):
+                acc, m, denom = carry
+                slot = jax.lax.rem(step, num_stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                    if turn is not None:
+                        take_turn()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = base2_scores(s, sm_scale, soft_cap)
+                key = (lo_all + step) * BK + col
+                visible = (key <= pos) & (key < kv_len)
+                if sliding_window is not None:
+                    visible = visible & (pos - key < sliding_window)
+                s = jnp.where(visible, s, MASK_VALUE)
+                p, m, denom, acc = online_softmax_step(s, m, denom, acc)
+                p = p.astype(dtype)
+                if p_smem is not None:
+                    p_smem.at[wg][...] = p
+                    plgpu.commit_smem()
+                    p = p_smem.at[wg]
+                wait_v(step, slot)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, H), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m, denom
+
+            acc = plgpu.layout_cast(jnp.zeros((ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
+            m = plgpu.layout_cast(
+                jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+            )
+            denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            carry = (acc, m, denom)
+            plgpu.barrier_wait(q_ready.at[wg])
+            if turn is not None:  # consumer 1 starts one turn behind consumer 0 ...
+                pl.when(wg == 1)(take_turn)
+            carry = jax.lax.fori_loop(0, lo, skip, carry)
+            carry = jax.lax.fori_loop(lo, hi, attend, carry)
+            acc, m, denom = jax.lax.fori_loop(hi, num_steps, skip, carry)
+            if turn is not None:  # ... and consumer 0 takes one more turn at the end
+                pl.when(wg == 0)(take_turn)
+
+            safe = jnp.where(denom == 0.0, 1.0, denom)
+            o = acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])
+            if C == 1:
+                q_tile[...] = o.astype(dtype)  # every QK wgmma that read q has completed
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_tile, o_ref.at[tile, h])
+            else:
+                o32_smem.at[wg][...] = o
+                stat_smem.at[wg, 0][...] = m
+                stat_smem.at[wg, 1][...] = denom
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o32_smem.at[wg], o_ref.at[split, tile, h])
+                plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], m_ref.at[split, tile, h])
+                plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], l_ref.at[split, tile, h])
+            plgpu.wait_smem_to_gmem(0)
+
+
 def _clamped_page_table(page_indices, kv_lens, page_size: int, width: int):
     """Each row's entries past its last used page repeat that page, padded to `width` columns:
     a KV block's trailing copies then read a page of the same sequence, never a stranger's.
@@ -321,6 +583,8 @@ def ragged_paged_attention_mgpu(
     num_kv_splits: int | None = None,  # None: choose_num_kv_splits
     num_stages: int = MGPU_NUM_STAGES,  # KV steps in flight
     p_in_smem: bool | None = None,  # P V's P staged in SMEM; None: in the interpreter only
+    warp_specialized: bool = MGPU_WARP_SPECIALIZED,  # a producer warpgroup copies KV pages
+    num_consumers: int | None = None,  # warp-specialized: q tiles per program (None: default)
 ) -> jax.Array:
     """-> [T, N, H] in q's dtype; see reference.py for the contract and the module doc for the
     design. `interpret` runs the kernel in Mosaic GPU's interpreter (on the CPU, for tests)."""
@@ -341,49 +605,46 @@ def ragged_paged_attention_mgpu(
             f"a KV step must be a multiple of {tile} keys (the P.V matmul's swizzled tile): "
             f"{pages_per_block=} x page_size {G} = {pages_per_block * G}"
         )
+    if not warp_specialized and num_consumers not in (None, 1):
+        raise ValueError(f"{num_consumers=} needs warp_specialized=True")
+    NC = (num_consumers or default_num_consumers(T, S, block_q)) if warp_specialized else 1
+    if NC not in (1, 2):
+        raise ValueError(f"{num_consumers=} must be 1 or 2")
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(T, S, K, P, G, block_q, pages_per_block)
+        num_kv_splits = choose_num_kv_splits(T, S, K, P, G, NC * block_q, pages_per_block)
     C = num_kv_splits
-    interpret = interpret_params(interpret)
+    interpret = interpret_params(interpret, NC + 1 if warp_specialized else 1)
     if p_in_smem is None:
         p_in_smem = bool(interpret)
     num_stages = fit_num_stages(
-        num_stages, H, pages_per_block * G, q.dtype.itemsize, C > 1, p_in_smem
+        num_stages, H, pages_per_block * G, q.dtype.itemsize, C > 1, p_in_smem, NC
     )
-    num_blocks = min(T, pl.cdiv(T, block_q) + S)
+    # Programs: groups of NC consecutive q blocks of one sequence (one block without warp
+    # specialization); tile b * NC + c is block c of group b.
+    num_blocks = min(T, pl.cdiv(T, NC * block_q) + S)
     P_pad = pl.cdiv(P, pages_per_block) * pages_per_block
 
-    block_seq, block_q0 = _q_block_schedule(cu_q_lens, num_seqs, block_q, num_blocks)
-    token, head, used = _block_rows(cu_q_lens, block_seq, block_q0, Q, block_q, T)
+    block_seq, block_q0 = _q_block_schedule(cu_q_lens, num_seqs, NC * block_q, num_blocks)
+    tile_seq = jnp.repeat(block_seq, NC)
+    tile_q0 = (block_q0[:, None] + jnp.arange(NC, dtype=jnp.int32) * block_q).reshape(-1)
+    token, head, used = _block_rows(cu_q_lens, tile_seq, tile_q0, Q, block_q, T)
     qg = q.reshape(T, K, Q, H)
-    q_blocks = qg[token, :, head]  # [NB, ROWS, K, H]
+    q_blocks = qg[token, :, head]  # [NB * NC, ROWS, K, H]
     q_blocks = jnp.where(used[:, :, None, None], q_blocks, 0).transpose(0, 2, 1, 3)
     page_table = _clamped_page_table(page_indices, kv_lens, G, P_pad)
 
     BK = pages_per_block * G
     transforms = swizzled(q.dtype)
-    scratch = [
-        plgpu.SMEM((ROWS, H), q.dtype, transforms=transforms),  # q, then the output (C == 1)
-        plgpu.SMEM((num_stages, BK, H), q.dtype, transforms=transforms),
-        plgpu.SMEM((num_stages, BK, H), q.dtype, transforms=transforms),
-        # P for the P V wgmma
-        plgpu.SMEM((ROWS, BK), q.dtype, transforms=transforms) if p_in_smem else None,
-        plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
-    ]
-    if C > 1:
-        scratch += [plgpu.SMEM((ROWS, H), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32)]
+    num_tiles = num_blocks * NC
     if C == 1:
-        out_type = jax.ShapeDtypeStruct((num_blocks, K, ROWS, H), q.dtype)
+        out_type = jax.ShapeDtypeStruct((num_tiles, K, ROWS, H), q.dtype)
     else:
         out_type = (
-            jax.ShapeDtypeStruct((C, num_blocks, K, ROWS, H), jnp.float32),
-            jax.ShapeDtypeStruct((C, num_blocks, K, ROWS), jnp.float32),
-            jax.ShapeDtypeStruct((C, num_blocks, K, ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((C, num_tiles, K, ROWS, H), jnp.float32),
+            jax.ShapeDtypeStruct((C, num_tiles, K, ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((C, num_tiles, K, ROWS), jnp.float32),
         )
-    kernel = functools.partial(
-        _rpa_kernel,
+    kernel_kw = dict(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -393,21 +654,43 @@ def ragged_paged_attention_mgpu(
         num_kv_splits=C,
         num_stages=num_stages,
     )
-    call = plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(num_blocks, K, C),
-        grid_names=("b", "h", "c"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret,
-    )
+    if warp_specialized:
+        scratch = [
+            plgpu.SMEM((NC, ROWS, H), q.dtype, transforms=transforms),  # q, then the output
+            plgpu.SMEM((num_stages, BK, H), q.dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, BK, H), q.dtype, transforms=transforms),
+            plgpu.SMEM((NC, ROWS, BK), q.dtype, transforms=transforms) if p_in_smem else None,
+            plgpu.SMEM((NC, ROWS, H), jnp.float32) if C > 1 else None,
+            plgpu.SMEM((NC, 2, ROWS), jnp.float32) if C > 1 else None,
+            plgpu.Barrier(num_barriers=NC),  # q_ready
+            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),  # k_ready
+            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),  # v_ready
+            plgpu.Barrier(num_arrivals=NC, num_barriers=num_stages),  # k_free
+            plgpu.Barrier(num_arrivals=NC, num_barriers=num_stages),  # v_free
+            plgpu.Barrier(num_arrivals=NC) if NC > 1 else None,  # turn (ping-pong)
+            plgpu.Barrier() if NC > 1 else None,  # tail_done
+        ]
+        call = plgpu.kernel(
+            functools.partial(_rpa_kernel_ws, **kernel_kw, num_consumers=NC),
+            out_type=out_type,
+            scratch_types=scratch,
+            grid=(num_blocks, K, C),
+            grid_names=("b", "h", "c"),
+            num_threads=NC + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+            interpret=interpret,
+        )
+    else:
+        call = _single_warpgroup_call(
+            kernel_kw, out_type, q.dtype, H, BK, num_blocks, K, p_in_smem, interpret
+        )
     outs = call(kv_lens, page_table, cu_q_lens, block_seq, block_q0, q_blocks, k_pages, v_pages)
 
     if C == 1:
-        o_blocks = outs  # [NB, K, ROWS, H]
+        o_blocks = outs  # [NB * NC, K, ROWS, H]
     else:
-        o_blocks = online_softmax.combine_splits(*outs, base2=True)  # [NB, K, ROWS, H]
+        o_blocks = online_softmax.combine_splits(*outs, base2=True)  # [NB * NC, K, ROWS, H]
     # Scatter the tiles' rows back to [T, K, Q, H]; unused rows point past the end (dropped).
     dest = jnp.where(used, token, T)
     out = jnp.zeros((T, K, Q, H), o_blocks.dtype)
@@ -415,3 +698,31 @@ def ragged_paged_attention_mgpu(
     o = out.reshape(T, N, H)
     valid = jnp.arange(T) < cu_q_lens[num_seqs[0]]  # padding rows are 0
     return jnp.where(valid[:, None, None], o, 0.0).astype(q.dtype)
+
+
+def _single_warpgroup_call(kernel_kw, out_type, dtype, H, BK, num_blocks, K, p_in_smem, interpret):
+    """The plgpu.kernel of the single-warpgroup variant (_rpa_kernel)."""
+    C, num_stages = kernel_kw["num_kv_splits"], kernel_kw["num_stages"]
+    ppb = kernel_kw["pages_per_block"]
+    transforms = swizzled(dtype)
+    scratch = [
+        plgpu.SMEM((ROWS, H), dtype, transforms=transforms),  # q, then the output (C == 1)
+        plgpu.SMEM((num_stages, BK, H), dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, BK, H), dtype, transforms=transforms),
+        # P for the P V wgmma
+        plgpu.SMEM((ROWS, BK), dtype, transforms=transforms) if p_in_smem else None,
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
+    ]
+    if C > 1:
+        scratch += [plgpu.SMEM((ROWS, H), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32)]
+    return plgpu.kernel(
+        functools.partial(_rpa_kernel, **kernel_kw),
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(num_blocks, K, C),
+        grid_names=("b", "h", "c"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )

@@ -29,6 +29,10 @@ Mosaic GPU (kernel_mgpu.py), reasoned, not yet measured:
   MGPU_NUM_STAGES         KV steps in flight (SMEM slots): 4 x 2 x 64 keys x 128 x 2 bytes =
                           128 KiB of K and V per program, ~4x what one SM needs in flight to
                           cover HBM latency at full bandwidth.
+  MGPU_WARP_SPECIALIZED   False: one warpgroup per program issues its own page copies between
+                          its matmuls; True: a producer warpgroup copies pages while one or two
+                          consumer warpgroups (two q tiles sharing each KV step, taking turns on
+                          the tensor cores) attend. Off until device_check.sh times the two.
 """
 
 TPU_QUERIES_PER_BLOCK = 16
@@ -45,3 +49,4 @@ GPU_NUM_STAGES = 2
 
 MGPU_KEYS_PER_BLOCK = 64
 MGPU_NUM_STAGES = 4
+MGPU_WARP_SPECIALIZED = False

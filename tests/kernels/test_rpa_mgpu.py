@@ -14,12 +14,14 @@ these cases.
 """
 
 import re
+import typing
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.ragged_paged_attention.cases import RAGGED_CASES, make_case
 from kernels_pallas.ragged_paged_attention.kernel_mgpu import (
@@ -40,9 +42,11 @@ pytestmark = pytest.mark.usefixtures("reset_mgpu_interpreter")
 
 class RaggedPagedAttentionMgpuTest:
     INTERPRET = False
+    KERNEL_KW: typing.ClassVar[dict] = {}  # the variant under test (subclasses)
 
     def check(self, case, *, sliding_window=None, soft_cap=None, ref_case=None, **kernel_kw):
         """Kernel on `case` vs the reference on `ref_case` (default: the same case)."""
+        kernel_kw = {**self.KERNEL_KW, **kernel_kw}
         H = case.q.shape[-1]
         kw = dict(sm_scale=H**-0.5, sliding_window=sliding_window, soft_cap=soft_cap)
         fn = partial(ragged_paged_attention_mgpu, **kw, interpret=self.INTERPRET, **kernel_kw)
@@ -144,6 +148,58 @@ class TestRaggedPagedAttentionMgpuInterpret(RaggedPagedAttentionMgpuTest):
     INTERPRET = True
 
 
+# The warp-specialized variant with two consumers everywhere: decode and short blocks leave the
+# second consumer's tile empty (it only waits and releases), prefill chunks fill both.
+WARP_SPECIALIZED = dict(warp_specialized=True, num_consumers=2)
+
+
+@pytest.mark.gpu
+class TestRaggedPagedAttentionMgpuWarpSpecialized(RaggedPagedAttentionMgpuTest):
+    INTERPRET = False
+    KERNEL_KW = WARP_SPECIALIZED
+
+
+class TestRaggedPagedAttentionMgpuWarpSpecializedInterpret(RaggedPagedAttentionMgpuTest):
+    INTERPRET = True
+    KERNEL_KW = WARP_SPECIALIZED
+
+    @pytest.mark.parametrize("name", ["decodes", "mixed"])
+    def test_one_consumer(self, name):
+        """A producer warpgroup and one consumer (the default for decode buckets)."""
+        q_lens, kv_lens, page_size = RAGGED_CASES[name]
+        case = make_case(q_lens, kv_lens, page_size=page_size, dtype=BF16, seed=9)
+        self.check(case, num_consumers=1)
+
+
+def test_warp_specialized_protocol_has_no_races():
+    """The interpreter's race detector on the warp-specialized kernel: two consumers whose KV
+    ranges start at different blocks (window 60: keys 121.. and 129.. of 64-key blocks),
+    split-KV (blocks 1-2 and 3), a V tail zeroed by one consumer for both, a slot refilled (one
+    stage). A refill that does not wait for the consumers' release is reported (tried on
+    purpose)."""
+    from jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks import get_races
+
+    case = make_case([20, 1], [200, 150], dtype=BF16, seed=7)
+    kw = dict(sm_scale=0.125, sliding_window=60)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    fn = partial(ragged_paged_attention_mgpu, **kw, interpret=params, block_q=8, num_stages=1)
+    out = jax.jit(partial(fn, num_kv_splits=2, **WARP_SPECIALIZED))(*case.args)
+    assert not get_races().races_found
+    kernel_testing.assert_matches_reference(out, ragged_paged_attention_reference(*case.args, **kw))
+
+
+def test_interpreting_more_warpgroups_than_xla_threads_raises(monkeypatch):
+    """With fewer XLA CPU threads than warpgroups the interpreter can deadlock: say so instead."""
+    import kernels_pallas.mgpu_common as common
+
+    monkeypatch.setattr(common.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(common.jax, "device_count", lambda backend=None: 1)
+    with pytest.raises(RuntimeError, match="xla_force_host_platform_device_count"):
+        common.interpret_params(True, num_warpgroups=3)
+    assert common.interpret_params(True, num_warpgroups=2)  # a producer and one consumer
+    assert common.interpret_params(False, num_warpgroups=3) is False
+
+
 def test_clamped_page_table():
     pages = jnp.array([[5, 7, 0, 0], [3, 0, 0, 0], [0, 0, 0, 0]], jnp.int32)
     got = _clamped_page_table(pages, jnp.array([6, 4, 0], jnp.int32), page_size=4, width=6)
@@ -214,8 +270,14 @@ def test_exports_for_cuda(model, T):
         dict(dtype=jnp.dtype(jnp.float16), page_size=8),
         dict(page_size=64, pages_per_block=1, num_stages=2),
         dict(p_in_smem=True),
+        dict(warp_specialized=True),
+        dict(warp_specialized=True, num_consumers=2, num_kv_splits=8, P=64),
+        dict(warp_specialized=True, num_consumers=2, sliding_window=100, p_in_smem=True),
     ],
-    ids=["split_kv", "window_cap", "f16_page8", "page64", "p_in_smem"],
+    ids=[
+        *("split_kv", "window_cap", "f16_page8", "page64", "p_in_smem"),
+        *("ws", "ws2_split", "ws2_window_p_smem"),
+    ],
 )
 def test_exports_for_cuda_variants(kw):
     export_for_cuda(16, "llama3_8b", **kw)
