@@ -62,21 +62,30 @@ def test_every_engine_bucket_exports_for_cuda():
     print(f"{len(shapes)} cuda exports in {time.perf_counter() - t:.1f} s")
 
 
-def test_every_engine_kernel_configuration_exports_for_cuda_mosaic_gpu():
+@pytest.mark.parametrize("warp_specialized", [False, True])
+def test_every_engine_kernel_configuration_exports_for_cuda_mosaic_gpu(warp_specialized):
     """Mosaic GPU's lowering (layout inference, SMEM sizing) is the slow part (~0.65 s a shape):
-    one bucket per kernel configuration the buckets produce (q block, KV step, split count),
-    which is what changes the lowered kernel; the grid and array sizes only scale it."""
+    one bucket per kernel configuration the buckets produce (q block, KV step, split count,
+    consumer warpgroups), which is what changes the lowered kernel; the grid and array sizes
+    only scale it. Both variants of the kernel (warp-specialized or not)."""
     from kernels_pallas.ragged_paged_attention import kernel_mgpu
 
     config, shapes = _engine_shapes()
-    Q, G = config.num_heads // config.num_kv_heads, 16
+    K, Q, G = config.num_kv_heads, config.num_heads // config.num_kv_heads, 16
     chosen = {}
     for T, S, P in shapes:
         block_q, ppb = kernel_mgpu.default_block_sizes(T, S, Q, G)
-        splits = kernel_mgpu.choose_num_kv_splits(T, S, config.num_kv_heads, P, G, block_q, ppb)
-        chosen.setdefault((block_q, ppb, splits), (T, S, P))
+        nc = kernel_mgpu.default_num_consumers(T, S, block_q) if warp_specialized else 1
+        splits = kernel_mgpu.choose_num_kv_splits(T, S, K, P, G, nc * block_q, ppb)
+        chosen.setdefault((block_q, ppb, splits, nc), (T, S, P))
     assert len(chosen) >= 4, chosen  # decode, chunked, split-KV configurations at least
-    fn = jax.jit(partial(ragged_paged_attention_mgpu, sm_scale=config.head_dim**-0.5))
+    fn = jax.jit(
+        partial(
+            ragged_paged_attention_mgpu,
+            sm_scale=config.head_dim**-0.5,
+            warp_specialized=warp_specialized,
+        )
+    )
     t = time.perf_counter()
     for T, S, P in chosen.values():
         args = _args(config, T, S, P)
