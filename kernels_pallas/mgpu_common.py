@@ -11,7 +11,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas.online_softmax import MASK_VALUE
 
 LOG2E = math.log2(math.e)
 SWIZZLE_BYTES = 128
@@ -100,3 +103,59 @@ def online_softmax_step(s, m, denom, acc):
     denom = denom * alpha + p.sum(axis=1)
     acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
     return p, m_new, denom, acc
+
+
+def init_softmax_state(rows: int, head_dim: int):
+    """(acc [rows, H], m [rows], denom [rows]) float32 in the WGMMA layouts: 0, MASK_VALUE, 0."""
+    row = plgpu.Layout.WGMMA.reduce(1)
+    return (
+        plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((rows,), MASK_VALUE, jnp.float32), row),
+        plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row),
+    )
+
+
+def qk(q_smem, k_smem, after_issue: Callable[[], None] | None = None) -> jax.Array:
+    """S = q K^T (wgmma, float32 [rows, keys]) from q [rows, H] and K [keys, H] in SMEM;
+    `after_issue` runs once the matmul is issued, before its result is waited for."""
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
+        if after_issue is not None:
+            after_issue()
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
+
+
+def stage_p(p: jax.Array, p_smem):
+    """P (in the input dtype) as the P V matmul's operand: from registers, or (p_smem not None:
+    the interpreter's wgmma takes SMEM operands only) written to p_smem first."""
+    if p_smem is None:
+        return p
+    p_smem[...] = p
+    plgpu.commit_smem()
+    return p_smem
+
+
+def add_pv(acc: jax.Array, p, v_smem) -> jax.Array:
+    """acc + P V (wgmma, float32) with V [keys, H] in SMEM."""
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_smem)
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(body, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def normalize(acc: jax.Array, denom: jax.Array) -> jax.Array:
+    """acc / denom per row; 0 for a row that saw no visible key (denom 0)."""
+    safe = jnp.where(denom == 0.0, 1.0, denom)
+    return acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])
+
+
+def take_turn(turn) -> None:
+    """Ping-pong between two consumer warpgroups: arrive at `turn` (two arrivals a phase) and
+    wait for the phase; the two leave one phase apart, so their matmuls alternate."""
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(turn)

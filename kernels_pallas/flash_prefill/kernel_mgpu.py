@@ -57,11 +57,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.flash_prefill.tuning import MGPU_KEYS_PER_BLOCK, MGPU_NUM_STAGES
 from kernels_pallas.mgpu_common import (
+    add_pv,
     base2_scores,
     check_dtype,
+    init_softmax_state,
     interpret_params,
+    normalize,
     online_softmax_step,
+    qk,
+    stage_p,
     swizzled,
+    take_turn,
 )
 from kernels_pallas.mgpu_common import fit_num_stages as fit_stages
 from kernels_pallas.online_softmax import MASK_VALUE
@@ -195,10 +201,6 @@ def _flash_kernel(
         col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
         pos = q0 + row
 
-        def take_turn():  # both consumers meet here; they leave one phase apart
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
-
         def wait_v_and_turn(slot):
             if turn is None:
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -213,7 +215,7 @@ def _flash_kernel(
             slot = jax.lax.rem(step, num_stages)
             plgpu.barrier_wait(k_ready.at[slot])
             if turn is not None:
-                take_turn()
+                take_turn(turn)
             plgpu.barrier_arrive(k_free.at[slot])
             wait_v_and_turn(slot)
             plgpu.barrier_arrive(v_free.at[slot])
@@ -223,14 +225,12 @@ def _flash_kernel(
             acc, m, denom = carry
             slot = jax.lax.rem(step, num_stages)
             plgpu.barrier_wait(k_ready.at[slot])
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                if turn is not None:  # issued: the other consumer may issue its matmul now
-                    take_turn()
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+            # Issued: the other consumer may issue its matmul now.
+            s = qk(
+                q_tile,
+                k_smem.at[slot],
+                None if turn is None else functools.partial(take_turn, turn),
+            )
             plgpu.barrier_arrive(k_free.at[slot])
             s = base2_scores(s, sm_scale, soft_cap)
             if masked:
@@ -240,40 +240,26 @@ def _flash_kernel(
                     visible = visible & (pos - key < sliding_window)
                 s = jnp.where(visible, s, MASK_VALUE)
             p, m_new, denom, acc = online_softmax_step(s, m, denom, acc)
-            p = p.astype(dtype)
-            if p_smem is not None:
-                p_smem.at[wg][...] = p
-                plgpu.commit_smem()
-                p = p_smem.at[wg]
+            p = stage_p(p.astype(dtype), None if p_smem is None else p_smem.at[wg])
             wait_v_and_turn(slot)
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-                return acc_ref[...]
-
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, H), jnp.float32))
+            acc = add_pv(acc, p, v_smem.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, denom
 
-        acc = plgpu.layout_cast(jnp.zeros((ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
-        m = plgpu.layout_cast(
-            jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-        )
-        denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        carry = (acc, m, denom)
+        carry = init_softmax_state(ROWS, H)
         plgpu.barrier_wait(q_ready.at[wg])
         if turn is not None:  # consumer 1 starts one turn behind consumer 0 ...
-            pl.when(wg == 1)(take_turn)
+            pl.when(wg == 1)(functools.partial(take_turn, turn))
         carry = jax.lax.fori_loop(0, lo, skip, carry)
         carry = jax.lax.fori_loop(lo, full_end, functools.partial(attend, masked=False), carry)
         carry = jax.lax.fori_loop(full_end, hi, functools.partial(attend, masked=True), carry)
-        acc, m, denom = jax.lax.fori_loop(hi, num_steps, skip, carry)
+        acc, _, denom = jax.lax.fori_loop(hi, num_steps, skip, carry)
         if turn is not None:  # ... and consumer 0 takes one more turn at the end
-            pl.when(wg == 0)(take_turn)
+            pl.when(wg == 0)(functools.partial(take_turn, turn))
 
-        safe = jnp.where(denom == 0.0, 1.0, denom)
-        o = acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])
-        q_tile[...] = o.astype(dtype)  # every QK wgmma that read q has completed
+        q_tile[...] = normalize(acc, denom).astype(
+            dtype
+        )  # every QK wgmma that read q has completed
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, o_ref.at[pl.ds(q0, ROWS), n])
         plgpu.wait_smem_to_gmem(0)

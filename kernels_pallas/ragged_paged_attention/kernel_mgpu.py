@@ -78,11 +78,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas import online_softmax
 from kernels_pallas.mgpu_common import (
     SWIZZLE_BYTES,
+    add_pv,
     base2_scores,
     check_dtype,
+    init_softmax_state,
     interpret_params,
+    normalize,
     online_softmax_step,
+    qk,
+    stage_p,
     swizzled,
+    take_turn,
 )
 from kernels_pallas.mgpu_common import fit_num_stages as fit_stages
 from kernels_pallas.online_softmax import MASK_VALUE
@@ -248,12 +254,7 @@ def _rpa_kernel(
             slot = jax.lax.rem(step, num_stages)
             blk = lo_blk + step
             plgpu.barrier_wait(k_bars.at[slot])
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+            s = qk(q_smem, k_smem.at[slot])
             s = base2_scores(s, sm_scale, soft_cap)
             key = blk * BK + col
             visible = (key <= pos) & (key < kv_len)
@@ -272,17 +273,7 @@ def _rpa_kernel(
                 v[...] = jnp.where(vkey < kv_len, v[...], jnp.zeros_like(v[...]))
                 plgpu.commit_smem()
 
-            p = p.astype(dtype)
-            if p_smem is not None:
-                p_smem[...] = p
-                plgpu.commit_smem()
-                p = p_smem
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-                return acc_ref[...]
-
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, H), jnp.float32))
+            acc = add_pv(acc, stage_p(p.astype(dtype), p_smem), v_smem.at[slot])
 
             @pl.when(step + num_stages < num_steps)
             def _refill():
@@ -290,15 +281,8 @@ def _rpa_kernel(
 
             return acc, m_new, denom
 
-        acc = plgpu.layout_cast(jnp.zeros((ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
-        m = plgpu.layout_cast(
-            jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-        )
-        denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc, m, denom = jax.lax.fori_loop(0, num_steps, kv_step, (acc, m, denom))
-
-        safe = jnp.where(denom == 0.0, 1.0, denom)
-        o = acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])
+        acc, m, denom = jax.lax.fori_loop(0, num_steps, kv_step, init_softmax_state(ROWS, H))
+        o = normalize(acc, denom)
         if C == 1:
             o_smem[...] = o.astype(o_smem.dtype)
             plgpu.commit_smem()
@@ -434,10 +418,6 @@ def _rpa_kernel_ws(
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
             pos = first_pos + row // Q  # key position of each row's query (unused rows: past it)
 
-            def take_turn():
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(turn)
-
             def wait_v(step, slot):
                 """V of `step` is in its slot (and zeroed past kv_len) when this returns."""
                 if turn is not None:
@@ -466,7 +446,7 @@ def _rpa_kernel_ws(
                 slot = jax.lax.rem(step, num_stages)
                 plgpu.barrier_wait(k_ready.at[slot])
                 if turn is not None:
-                    take_turn()
+                    take_turn(turn)
                 plgpu.barrier_arrive(k_free.at[slot])
                 wait_v(step, slot)
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -476,14 +456,11 @@ def _rpa_kernel_ws(
                 acc, m, denom = carry
                 slot = jax.lax.rem(step, num_stages)
                 plgpu.barrier_wait(k_ready.at[slot])
-
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                    if turn is not None:
-                        take_turn()
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+                s = qk(
+                    q_tile,
+                    k_smem.at[slot],
+                    None if turn is None else functools.partial(take_turn, turn),
+                )
                 plgpu.barrier_arrive(k_free.at[slot])
                 s = base2_scores(s, sm_scale, soft_cap)
                 key = (lo_all + step) * BK + col
@@ -492,38 +469,22 @@ def _rpa_kernel_ws(
                     visible = visible & (pos - key < sliding_window)
                 s = jnp.where(visible, s, MASK_VALUE)
                 p, m, denom, acc = online_softmax_step(s, m, denom, acc)
-                p = p.astype(dtype)
-                if p_smem is not None:
-                    p_smem.at[wg][...] = p
-                    plgpu.commit_smem()
-                    p = p_smem.at[wg]
+                p = stage_p(p.astype(dtype), None if p_smem is None else p_smem.at[wg])
                 wait_v(step, slot)
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-                    return acc_ref[...]
-
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, H), jnp.float32))
+                acc = add_pv(acc, p, v_smem.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m, denom
 
-            acc = plgpu.layout_cast(jnp.zeros((ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
-            m = plgpu.layout_cast(
-                jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-            )
-            denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            carry = (acc, m, denom)
+            carry = init_softmax_state(ROWS, H)
             plgpu.barrier_wait(q_ready.at[wg])
             if turn is not None:  # consumer 1 starts one turn behind consumer 0 ...
-                pl.when(wg == 1)(take_turn)
+                pl.when(wg == 1)(functools.partial(take_turn, turn))
             carry = jax.lax.fori_loop(0, lo, skip, carry)
             carry = jax.lax.fori_loop(lo, hi, attend, carry)
             acc, m, denom = jax.lax.fori_loop(hi, num_steps, skip, carry)
             if turn is not None:  # ... and consumer 0 takes one more turn at the end
-                pl.when(wg == 0)(take_turn)
-
-            safe = jnp.where(denom == 0.0, 1.0, denom)
-            o = acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])
+                pl.when(wg == 0)(functools.partial(take_turn, turn))
+            o = normalize(acc, denom)
             if C == 1:
                 q_tile[...] = o.astype(dtype)  # every QK wgmma that read q has completed
                 plgpu.commit_smem()
