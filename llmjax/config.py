@@ -333,6 +333,26 @@ FLASH_PREFILL_MODES = ("auto", "on", "off")
 PALLAS_KERNELS = ("auto", "tpu", "gpu", "mgpu")
 
 
+def parse_kernel_options(text: str) -> dict[str, int | bool]:
+    """EngineConfig.kernel_options -> keyword arguments: 'num_stages=2,warp_specialized=true'
+    -> {'num_stages': 2, 'warp_specialized': True} (integers, or true/false)."""
+    options: dict[str, int | bool] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or not key.isidentifier():
+            raise ValueError(f"kernel_options: want key=value items, got {item!r} in {text!r}")
+        if value.lower() in ("true", "false"):
+            options[key] = value.lower() == "true"
+            continue
+        try:
+            options[key] = int(value)
+        except ValueError:
+            raise ValueError(
+                f"kernel_options: {key}={value!r} is not an integer or true/false"
+            ) from None
+    return options
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How the model is laid out over devices (llmjax/parallel/; ALGORITHMS.md §3 for PP).
@@ -474,6 +494,11 @@ class EngineConfig:
     prefill), 'auto' the platform's (gpu on CUDA, tpu on TPU and, interpreted, on the CPU), or by
     name: 'tpu' (Mosaic TPU), 'gpu' (Triton), 'mgpu' (Mosaic GPU for Hopper: bfloat16/float16,
     head_dim % 64 == 0 (flash prefill: and <= 256), page_size % 8 == 0; interpreted on the CPU).
+    `kernel_options` (with a named `pallas_kernel`): keyword arguments of that ragged paged
+    attention kernel function, 'key=value,...' (integers or true/false; e.g. 'num_stages=2' or
+    'warp_specialized=true,num_consumers=2' for mgpu; see kernels_pallas/ragged_paged_attention/
+    kernel_*.py), to compare kernel variants and block sizes inside the engine; checked against
+    the function's signature when the engine is built.
     `compilation_cache_dir`
     enables JAX's persistent compilation cache ('' disables it). `sparse_kv` (SparseKVConfig): the
     KV cache in host memory with full or InfiniGen-selected fetches ('none' by default).
@@ -493,6 +518,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     flash_prefill: str = "auto"
     pallas_kernel: str = "auto"
+    kernel_options: str = ""
     seed: int = 0
     precompile: bool = False
     compilation_cache_dir: str = os.path.join(
@@ -519,6 +545,11 @@ class EngineConfig:
             raise ValueError(f"unknown {self.flash_prefill=}; choose one of {FLASH_PREFILL_MODES}")
         if self.pallas_kernel not in PALLAS_KERNELS:
             raise ValueError(f"unknown {self.pallas_kernel=}; choose one of {PALLAS_KERNELS}")
+        if parse_kernel_options(self.kernel_options) and self.pallas_kernel == "auto":
+            raise ValueError(
+                f"kernel_options={self.kernel_options!r} are one kernel's arguments: name the "
+                "kernel with pallas_kernel ('tpu', 'gpu' or 'mgpu')"
+            )
         if self.pallas_kernel == "mgpu":
             from kernels_pallas.ragged_paged_attention.kernel_mgpu import check_supported
 

@@ -92,7 +92,8 @@ class LLM:
     spread evenly over the micro-batches; see SchedulerConfig), `seed` (for requests without their
     own seed), `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig),
     `flash_prefill` ('auto', 'on', 'off'; see EngineConfig), `pallas_kernel` ('auto', 'tpu', 'gpu',
-    'mgpu': the attention kernels; see EngineConfig), `precompile` (compile every step
+    'mgpu': the attention kernels; see EngineConfig), `kernel_options` (that ragged kernel's
+    arguments, 'key=value,...'; see EngineConfig), `precompile` (compile every step
     shape at start; see EngineConfig), `tp` / `pp` / `pad_heads` / `check_lockstep` (tensor and
     pipeline parallelism over the first tp * pp devices; see ParallelConfig; in a multi-host run
     call `llmjax.parallel.distributed.initialize` first, in every process), `sparse_kv` ('none',
@@ -123,6 +124,7 @@ class LLM:
         attention_backend: str = "auto",
         flash_prefill: str = "auto",
         pallas_kernel: str = "auto",
+        kernel_options: str = "",
         tp: int = 1,
         pp: int = 1,
         pad_heads: bool = False,
@@ -163,6 +165,7 @@ class LLM:
                 attention_backend=attention_backend,
                 flash_prefill=flash_prefill,
                 pallas_kernel=pallas_kernel,
+                kernel_options=kernel_options,
                 check_lockstep=check_lockstep,
                 sparse_kv=sparse_kv,
                 calibration_tokens=calibration_tokens,
@@ -254,6 +257,7 @@ class LLM:
             attention_backend=o["attention_backend"],
             flash_prefill=o["flash_prefill"],
             pallas_kernel=o["pallas_kernel"],
+            kernel_options=o["kernel_options"],
             parallel=parallel,
             sparse_kv=sparse_kv
             if isinstance(sparse_kv, SparseKVConfig)

@@ -324,6 +324,7 @@ def engine_info(llm) -> dict:
         "attention_backend": llm.engine.runner.attention_backend,
         "flash_prefill": FLAGS.flash_prefill,
         "pallas_kernel": FLAGS.pallas_kernel,
+        "kernel_options": config.kernel_options,
         "sparse_kv": config.sparse_kv.mode,
     }
 

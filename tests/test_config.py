@@ -64,6 +64,10 @@ def test_pallas_kernel_choice_is_checked_against_the_model():
             model=h64, dtype="bfloat16", cache=CacheConfig(page_size=4), pallas_kernel="mgpu"
         )
     assert EngineConfig(model=h64, dtype="bfloat16", pallas_kernel="mgpu").pallas_kernel == "mgpu"
+    with pytest.raises(ValueError, match="name the kernel with pallas_kernel"):
+        EngineConfig(model=configs.TINY, kernel_options="num_stages=2")
+    with pytest.raises(ValueError, match="not an integer or true/false"):
+        EngineConfig(model=configs.TINY, pallas_kernel="tpu", kernel_options="block_q=big")
 
 
 def test_overrides_by_dotted_path():

@@ -35,6 +35,7 @@ def test_generate_script_help_and_run():
     help_text = subprocess.run(cmd, capture_output=True, text=True, env=ENV).stdout
     assert "--temperature" in help_text and "--max_tokens" in help_text
     assert "--profile_dir" in help_text and "--pallas_kernel" in help_text
+    assert "--kernel_options" in help_text
     out = _run(
         "generate.py",
         "--model=smollm2-135m-instruct",

@@ -82,23 +82,53 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     implementation: str | None = None,
     interpret: bool | None = None,
+    **kernel_options,
 ) -> jax.Array:
     """-> [T, N, H]; see reference.py for the contract. `interpret` defaults to True on the CPU
-    (where no kernel compiles) and False elsewhere."""
+    (where no kernel compiles) and False elsewhere. `kernel_options` go to the implementation's
+    kernel function (block sizes, stages, variants: see `kernel_function`)."""
     check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     impl, interpret = choose_implementation("ragged paged attention", implementation, interpret)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if impl == "reference":
+        if kernel_options:
+            raise ValueError(f"the reference takes no kernel options, got {kernel_options}")
         return ragged_paged_attention_reference(*args, **kwargs)
-    if impl == "tpu":
+    return kernel_function(impl)(*args, **kwargs, interpret=interpret, **kernel_options)
+
+
+def kernel_function(implementation: str):
+    """The kernel function of implementation 'tpu', 'gpu' or 'mgpu' (its keyword arguments past
+    the contract's are its block sizes, stages and variants)."""
+    if implementation == "tpu":
         from kernels_pallas.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 
-        return ragged_paged_attention_tpu(*args, **kwargs, interpret=interpret)
-    if impl == "mgpu":
+        return ragged_paged_attention_tpu
+    if implementation == "mgpu":
         from kernels_pallas.ragged_paged_attention.kernel_mgpu import ragged_paged_attention_mgpu
 
-        return ragged_paged_attention_mgpu(*args, **kwargs, interpret=interpret)
-    from kernels_pallas.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
+        return ragged_paged_attention_mgpu
+    if implementation == "gpu":
+        from kernels_pallas.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
 
-    return ragged_paged_attention_gpu(*args, **kwargs, interpret=interpret)
+        return ragged_paged_attention_gpu
+    raise ValueError(f"no kernel function for {implementation=}")
+
+
+def check_kernel_options(implementation: str, options: dict) -> None:
+    """Raise a ValueError naming the accepted ones if `options` are not keyword arguments of the
+    kernel function of `implementation` (beyond the contract's)."""
+    import inspect
+
+    params = inspect.signature(kernel_function(implementation)).parameters
+    contract = {"sm_scale", "sliding_window", "soft_cap", "interpret"}
+    accepted = sorted(
+        n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in contract
+    )
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"kernel options {unknown} are not arguments of the {implementation!r} ragged paged "
+            f"attention kernel; it takes {accepted}"
+        )

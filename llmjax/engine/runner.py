@@ -71,6 +71,7 @@ class ModelRunner:
             self.attention_backend,
             flash_prefill=config.flash_prefill,
             pallas_kernel=config.pallas_kernel,
+            kernel_options=config.kernel_options,
             mesh=self.mesh,
         )
         self.pipelined = parallel.pp > 1

@@ -159,12 +159,14 @@ def pallas_attention(
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     flash_min_tokens: int | None = None,
     implementation: str | None = None,
+    kernel_options: tuple[tuple[str, int | bool], ...] = (),
 ) -> jax.Array:
     """The 'pallas' backend: the ragged paged attention kernel `implementation` (None: the
     platform's; kernels_pallas/platforms.py), in interpret mode on the CPU. In token buckets of at
     least `flash_min_tokens` (None: never), a step that is one fresh prompt (one sequence, kv_len ==
     its query count: nothing cached) attends with the flash prefill kernel over `new_kv` instead;
-    `lax.cond` picks at run time, so each bucket still compiles once."""
+    `lax.cond` picks at run time, so each bucket still compiles once. `kernel_options` (name,
+    value) pairs go to the ragged kernel's function (EngineConfig.kernel_options)."""
     from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
     def ragged():
@@ -179,6 +181,7 @@ def pallas_attention(
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             implementation=implementation,
+            **dict(kernel_options),
         )
 
     if new_kv is None or flash_min_tokens is None or q.shape[0] < flash_min_tokens:
@@ -270,27 +273,44 @@ def make_attention_fn(
     *,
     flash_prefill: str = "auto",
     pallas_kernel: str = "auto",
+    kernel_options: str = "",
     mesh=None,
 ) -> AttentionFn:
     """The attention function of backend `name` ('auto', 'reference' or 'pallas');
-    `flash_prefill` ('auto', 'on', 'off') and `pallas_kernel` ('auto' or a kernel's name) for
-    the pallas backend (see `pallas_attention`); with a `mesh` whose 'tp' axis is > 1, run per
-    device on its heads (`shard_heads`)."""
-    fn = _attention_fn(name, platform, flash_prefill, pallas_kernel)
+    `flash_prefill` ('auto', 'on', 'off'), `pallas_kernel` ('auto' or a kernel's name) and
+    `kernel_options` (that kernel's arguments, 'key=value,...'; see EngineConfig) for the pallas
+    backend (see `pallas_attention`); with a `mesh` whose 'tp' axis is > 1, run per device on its
+    heads (`shard_heads`)."""
+    fn = _attention_fn(name, platform, flash_prefill, pallas_kernel, kernel_options)
     if mesh is not None and mesh.shape.get("tp", 1) > 1:
         return shard_heads(fn, mesh)
     return fn
 
 
 def _attention_fn(
-    name: str, platform: str | None, flash_prefill: str, pallas_kernel: str
+    name: str, platform: str | None, flash_prefill: str, pallas_kernel: str, kernel_options: str
 ) -> AttentionFn:
+    from llmjax.config import parse_kernel_options
+
     backend = resolve_attention_backend(name, platform)
+    options = parse_kernel_options(kernel_options)
     if backend == "reference":
+        if options:
+            raise ValueError(
+                f"kernel_options={kernel_options!r} apply to the pallas backend; the attention "
+                f"backend here is {backend!r} (attention_backend={name!r})"
+            )
         return reference_attention
     # On the CPU the kernels are the TPU ones, interpreted: 'auto' leaves flash prefill off there.
     implementation = None if pallas_kernel == "auto" else pallas_kernel
+    if options:
+        from kernels_pallas.ragged_paged_attention import check_kernel_options
+
+        check_kernel_options(implementation, options)
     min_tokens = flash_min_tokens(flash_prefill, platform, implementation)
     return functools.partial(
-        pallas_attention, flash_min_tokens=min_tokens, implementation=implementation
+        pallas_attention,
+        flash_min_tokens=min_tokens,
+        implementation=implementation,
+        kernel_options=tuple(sorted(options.items())),
     )

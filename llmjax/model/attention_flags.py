@@ -1,6 +1,6 @@
 """The absl flags that scripts/generate.py and scripts/benchmark.py share for choosing the
-attention: --attention_backend, --flash_prefill, --pallas_kernel (EngineConfig's fields of the
-same names)."""
+attention: --attention_backend, --flash_prefill, --pallas_kernel, --kernel_options (EngineConfig's
+fields of the same names)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ def define_flags() -> None:
         "(Mosaic GPU for Hopper; needs --dtype bfloat16 or float16).",
     )
 
+    flags.DEFINE_string(
+        "kernel_options",
+        "",
+        "With a named --pallas_kernel, that ragged paged attention kernel's arguments as "
+        "key=value,... (integers or true/false), e.g. 'warp_specialized=true,num_consumers=2' "
+        "or 'num_stages=2' for mgpu; see EngineConfig.kernel_options.",
+    )
+
 
 def llm_kwargs(values) -> dict:
     """The LLM(...) keyword arguments the flags set."""
@@ -42,4 +50,5 @@ def llm_kwargs(values) -> dict:
         attention_backend=values.attention_backend,
         flash_prefill=values.flash_prefill,
         pallas_kernel=values.pallas_kernel,
+        kernel_options=values.kernel_options,
     )

@@ -2,6 +2,8 @@
 reference backend's greedy outputs, on mixed chunked-prefill batches of the tiny model and on
 SmolLM2 (slow)."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -34,17 +36,22 @@ def test_tiny_model_greedy_outputs_equal_the_reference_backend(model):
     assert pallas.engine.stats.num_steps > len(prompts)  # several mixed steps ran
 
 
-def test_mosaic_gpu_kernel_greedy_outputs_equal_the_reference_backend(monkeypatch):
+@pytest.mark.parametrize(
+    "kernel_options", ["", "warp_specialized=true,num_consumers=2"], ids=["plain", "ws"]
+)
+def test_mosaic_gpu_kernel_greedy_outputs_equal_the_reference_backend(monkeypatch, kernel_options):
     """pallas_kernel='mgpu' (Mosaic GPU's interpreter on the CPU) in the engine: a bfloat16 model
     with head dim 64 (the kernel's smallest) on mixed chunked-prefill batches gives the
-    reference backend's greedy outputs."""
+    reference backend's greedy outputs, with the kernel's options (EngineConfig.kernel_options)
+    reaching it: the warp-specialized variant too."""
     import kernels_pallas.ragged_paged_attention.kernel_mgpu as mgpu_module
 
     traced = []
     real = mgpu_module.ragged_paged_attention_mgpu
 
+    @functools.wraps(real)  # its signature: the engine checks kernel options against it
     def tracing_mgpu(q, *args, **kw):
-        traced.append(q.shape)
+        traced.append(kw)
         return real(q, *args, **kw)
 
     monkeypatch.setattr(mgpu_module, "ragged_paged_attention_mgpu", tracing_mgpu)
@@ -60,12 +67,16 @@ def test_mosaic_gpu_kernel_greedy_outputs_equal_the_reference_backend(monkeypatc
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     prompts = _prompts(2, seed=2, lo=10, hi=30)
     ref = LLM("tiny-h64", attention_backend="reference", **opts)
-    mgpu = ref.with_options(attention_backend="pallas", pallas_kernel="mgpu")
+    mgpu = ref.with_options(
+        attention_backend="pallas", pallas_kernel="mgpu", kernel_options=kernel_options
+    )
     want = [o.token_ids for o in ref.generate(prompts, params)]
     got = [o.token_ids for o in mgpu.generate(prompts, params)]
     assert got == want
     assert mgpu.engine.stats.num_steps > len(prompts)  # several mixed steps ran
     assert traced  # the Mosaic GPU kernel, not another, was traced into the steps
+    if kernel_options:
+        assert all(kw["warp_specialized"] is True and kw["num_consumers"] == 2 for kw in traced)
 
 
 def test_mosaic_gpu_flash_prefill_runs_for_lone_fresh_prompts(monkeypatch):

@@ -127,4 +127,27 @@ def test_backend_choice():
     assert fn.keywords["flash_min_tokens"] is None  # the mgpu pair is not measured yet
     fn = make_attention_fn("pallas", "cuda", flash_prefill="on", pallas_kernel="mgpu")
     assert fn.keywords["flash_min_tokens"] == 1
+
+
+def test_kernel_options_reach_the_named_kernel_or_say_what_it_takes():
+    from llmjax.config import parse_kernel_options
+
+    assert parse_kernel_options(" num_stages=2, warp_specialized=TRUE ,") == {
+        "num_stages": 2,
+        "warp_specialized": True,
+    }
+    for bad in ("num_stages", "2=num_stages", "num_stages=two"):
+        with pytest.raises(ValueError, match="kernel_options"):
+            parse_kernel_options(bad)
+    fn = make_attention_fn("pallas", "cuda", pallas_kernel="mgpu", kernel_options="num_stages=2")
+    assert fn.keywords["kernel_options"] == (("num_stages", 2),)
+    with pytest.raises(
+        ValueError, match=r"\['block_kv'\] are not arguments of the 'gpu'.*num_warps"
+    ):
+        make_attention_fn("pallas", "cuda", pallas_kernel="gpu", kernel_options="block_kv=64")
+    with pytest.raises(ValueError, match="apply to the pallas backend"):
+        make_attention_fn("reference", "cpu", pallas_kernel="tpu", kernel_options="block_q=8")
+    with pytest.raises(ValueError, match="reference takes no kernel options"):
+        c = make_case([2, 1], [5, 3])
+        ragged_paged_attention(*c.args, sm_scale=1.0, implementation="reference", block_q=8)
     assert make_attention_fn("pallas", "cuda").keywords["implementation"] is None
