@@ -20,8 +20,9 @@
 #           Triton) vs ragged vs cuDNN vs JAX's mha and FA3 (two block configs)
 #   decode  decode batches of several shapes (long contexts with few sequences: split-KV), ours
 #           (mgpu, gpu) against JAX's paged_attention, with variants
-#   serve   scripts/benchmark.py on SmolLM2 shapes (random weights): mgpu and gpu kernels vs reference
-# The limits add up to ~690 s: one run of timeout_s 580 gets through prefill and most of decode;
+#   serve   scripts/benchmark.py on SmolLM2 shapes (random weights): mgpu (also warp-specialized)
+#           and gpu kernels vs reference attention
+# The limits add up to ~740 s: one run of timeout_s 580 gets through prefill and most of decode;
 # serve needs a second run (STAGES=decode,serve).
 # Results land in $WORK (default /tmp/device_check) and, after every stage, in
 # $OUT/results.tgz (the tool brings back at most 8 files) beside $OUT/summary.txt.
@@ -114,13 +115,17 @@ if want decode; then
 fi
 
 if want serve; then
-  log "serve: SmolLM2 shapes (random weights), mgpu / gpu kernels vs reference attention, 150 s"
-  for name in mgpu gpu reference; do
-    backend=pallas kernel=$name; [[ $name == reference ]] && backend=reference kernel=auto
+  log "serve: SmolLM2 shapes (random weights), mgpu (+ warp-specialized) / gpu kernels vs"
+  log "  reference attention, 200 s"
+  for name in mgpu mgpu_ws gpu reference; do
+    backend=pallas kernel=${name%_ws} options=""
+    [[ $name == reference ]] && backend=reference kernel=auto
+    [[ $name == mgpu_ws ]] && options="warp_specialized=true"
     JAX_PLATFORMS=$PLATFORM timeout 50 $PY scripts/benchmark.py --model smollm2-135m-instruct \
       --load_format dummy --dtype bfloat16 --workload fixed --num_requests 16 --qps inf \
       --prompt_len 256 --output_len 32 --policies sarathi --tbt_slo 0.1 --warmup 4 --norehearse \
-      --attention_backend $backend --pallas_kernel $kernel --json_out "$WORK/serve_$name.json" \
+      --attention_backend $backend --pallas_kernel $kernel --kernel_options "$options" \
+      --json_out "$WORK/serve_$name.json" \
       2>"$WORK/serve_$name.log" | tee "$WORK/serve_$name.txt" \
       | grep -E "throughput|TPOT P50|TTFT P50" | tee -a "$OUT/summary.txt"
   done
