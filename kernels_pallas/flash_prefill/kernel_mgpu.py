@@ -11,7 +11,9 @@ that design, on Mosaic GPU (`plgpu.kernel` with three warpgroups); `implementati
 
 How it was checked without a GPU: numerics in Mosaic GPU's interpreter (InterpretGPUParams: the
 three warpgroups run as threads, TMA, mbarriers and wgmma simulated, uninitialized SMEM reads as
-NaN) against reference.py, and lowering by exporting for cuda at the engine's model shapes.
+NaN) against reference.py, its race detector over the warpgroups' protocol (it reports a refill
+that skips the consumers' release: tried on purpose), and lowering by exporting for cuda at the
+engine's model shapes. Interpreting it needs 3 XLA CPU threads (mgpu_common.interpret_params).
 scripts/device_check.sh compiles and times it on an H200 when one is lent.
 
 What it needs: bfloat16 or float16 (wgmma has no full-float32 path), head_dim a multiple of 64
@@ -39,6 +41,10 @@ Algorithm (one prompt, no cache: K/V are the prompt's own projections, [T, K, H]
     in base 2, mask to MASK_VALUE, online softmax with exp2, acc = alpha * acc + P V (wgmma, P in
     the input dtype: from registers when compiled, as FlashAttention-3 does; staged through SMEM
     in the interpreter, whose wgmma takes SMEM operands only), V released.
+  - Ping-pong (`pingpong=True`, FlashAttention-3's schedule): the consumers meet at a `turn`
+    barrier right after issuing each q K^T and again once their softmax is done; consumer 1
+    starts one turn behind, so one consumer's matmuls run while the other computes its softmax.
+    Every block, skipped or not, takes the same two turns, so the counts always match.
   - The consumer writes acc / denom (0 for a row that saw no key) in q's dtype over its q tile
     in SMEM and TMA-copies it to out [T, N, H]. The wrapper pads T to whole q and KV blocks (TMA
     boxes stay in bounds), zeroes V at and past seq_len (a masked P is 0 but 0 * NaN is NaN; a
