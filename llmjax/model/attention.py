@@ -306,6 +306,11 @@ def _attention_fn(
     if options:
         from kernels_pallas.ragged_paged_attention import check_kernel_options
 
+        if implementation is None:
+            raise ValueError(
+                f"kernel_options={kernel_options!r} are one kernel's arguments: name the kernel "
+                "with pallas_kernel ('tpu', 'gpu' or 'mgpu')"
+            )
         check_kernel_options(implementation, options)
     min_tokens = flash_min_tokens(flash_prefill, platform, implementation)
     return functools.partial(

@@ -145,6 +145,8 @@ def test_kernel_options_reach_the_named_kernel_or_say_what_it_takes():
         ValueError, match=r"\['block_kv'\] are not arguments of the 'gpu'.*num_warps"
     ):
         make_attention_fn("pallas", "cuda", pallas_kernel="gpu", kernel_options="block_kv=64")
+    with pytest.raises(ValueError, match="name the kernel"):
+        make_attention_fn("pallas", "cuda", kernel_options="num_stages=2")
     with pytest.raises(ValueError, match="apply to the pallas backend"):
         make_attention_fn("reference", "cpu", pallas_kernel="tpu", kernel_options="block_q=8")
     with pytest.raises(ValueError, match="reference takes no kernel options"):
