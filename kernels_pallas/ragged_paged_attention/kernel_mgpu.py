@@ -419,7 +419,9 @@ def _rpa_kernel_ws(
             pos = first_pos + row // Q  # key position of each row's query (unused rows: past it)
 
             def wait_v(step, slot):
-                """V of `step` is in its slot (and zeroed past kv_len) when this returns."""
+                """V of `step` is in its slot (and zeroed past kv_len) when this returns. The
+                zeroing comes before the turn wait: the other consumer, waiting on tail_done,
+                takes its next turn only after its P V, so zeroing after the turn deadlocks."""
                 if turn is not None:
                     plgpu.barrier_arrive(turn)  # done with the softmax
                 plgpu.barrier_wait(v_ready.at[slot])
