@@ -160,8 +160,25 @@ class TestRaggedPagedAttentionMgpuWarpSpecialized(RaggedPagedAttentionMgpuTest):
 
 
 class TestRaggedPagedAttentionMgpuWarpSpecializedInterpret(RaggedPagedAttentionMgpuTest):
+    """Interpreted, the cases that reach what warp specialization changes (tile pairs, ranges
+    that differ per consumer, the shared V tail, splits, refills, unused programs); the q tile
+    layout (GQA ratios, head dims) is the single-warpgroup kernel's, checked above. Compiled on
+    a GPU, every case."""
+
     INTERPRET = True
     KERNEL_KW = WARP_SPECIALIZED
+
+    @pytest.mark.parametrize(
+        "name", ["decodes", "prefill_page_plus_one", "chunk_mid_page_crossing", "mixed"]
+    )
+    def test_ragged_cases(self, name):
+        super().test_ragged_cases(name)
+
+    @pytest.mark.parametrize(
+        "num_kv_heads, num_queries_per_kv, head_dim", [(3, 3, 64)], ids=["smollm2_like"]
+    )
+    def test_gqa_and_head_dims(self, num_kv_heads, num_queries_per_kv, head_dim):
+        super().test_gqa_and_head_dims(num_kv_heads, num_queries_per_kv, head_dim)
 
     @pytest.mark.parametrize("name", ["decodes", "mixed"])
     def test_one_consumer(self, name):
