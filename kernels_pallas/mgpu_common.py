@@ -159,3 +159,23 @@ def take_turn(turn) -> None:
     wait for the phase; the two leave one phase apart, so their matmuls alternate."""
     plgpu.barrier_arrive(turn)
     plgpu.barrier_wait(turn)
+
+
+def mask_scores(s, key, pos, sliding_window: int | None, kv_len=None) -> jax.Array:
+    """Scores [rows, keys] of keys a row may not see -> MASK_VALUE: past the row's position
+    `pos` (causal), at or past `kv_len` (when given), or out of the sliding window."""
+    visible = key <= pos
+    if kv_len is not None:
+        visible = visible & (key < kv_len)
+    if sliding_window is not None:
+        visible = visible & (pos - key < sliding_window)
+    return jnp.where(visible, s, MASK_VALUE)
+
+
+def zero_rows_from(v_smem, first_key, kv_len) -> None:
+    """Rows of a KV block in SMEM (keys first_key ..) at or past kv_len -> 0, whatever a page
+    holds there (a masked P is 0, but 0 * NaN is NaN), committed for the wgmma that reads it."""
+    rows, H = v_smem.shape
+    key = first_key + plgpu.broadcasted_iota(jnp.int32, (rows, H), 0, layout=plgpu.Layout.WGMMA)
+    v_smem[...] = jnp.where(key < kv_len, v_smem[...], jnp.zeros_like(v_smem[...]))
+    plgpu.commit_smem()

@@ -68,6 +68,7 @@ from kernels_pallas.mgpu_common import (
     check_dtype,
     init_softmax_state,
     interpret_params,
+    mask_scores,
     normalize,
     online_softmax_step,
     qk,
@@ -76,7 +77,6 @@ from kernels_pallas.mgpu_common import (
     take_turn,
 )
 from kernels_pallas.mgpu_common import fit_num_stages as fit_stages
-from kernels_pallas.online_softmax import MASK_VALUE
 
 ROWS = 64  # query rows per consumer warpgroup: wgmma's M
 NUM_CONSUMERS = 2
@@ -241,10 +241,7 @@ def _flash_kernel(
             s = base2_scores(s, sm_scale, soft_cap)
             if masked:
                 key = (lo_all + step) * BK + col
-                visible = key <= pos
-                if sliding_window is not None:
-                    visible = visible & (pos - key < sliding_window)
-                s = jnp.where(visible, s, MASK_VALUE)
+                s = mask_scores(s, key, pos, sliding_window)
             p, m_new, denom, acc = online_softmax_step(s, m, denom, acc)
             p = stage_p(p.astype(dtype), None if p_smem is None else p_smem.at[wg])
             wait_v_and_turn(slot)

@@ -83,15 +83,16 @@ from kernels_pallas.mgpu_common import (
     check_dtype,
     init_softmax_state,
     interpret_params,
+    mask_scores,
     normalize,
     online_softmax_step,
     qk,
     stage_p,
     swizzled,
     take_turn,
+    zero_rows_from,
 )
 from kernels_pallas.mgpu_common import fit_num_stages as fit_stages
-from kernels_pallas.online_softmax import MASK_VALUE
 from kernels_pallas.ragged_paged_attention.kernel_gpu import (
     _q_block_schedule,
     choose_num_kv_splits,
@@ -171,6 +172,28 @@ def default_num_consumers(T: int, S: int, block_q: int) -> int:
     return 2 if avg_q_len > block_q else 1
 
 
+def _block_range(q0, q_len, kv_len, block_q: int, BK: int, sliding_window: int | None):
+    """The q tile of a sequence's queries q0 .. q0 + block_q - 1 -> (its first query's position,
+    [lo, hi) the KV blocks of BK keys its rows can see: from the first row's window start, or 0,
+    to the last row's own key). Empty (hi = lo) when q0 is past the sequence's queries."""
+    first_pos = kv_len - q_len + q0
+    hi = (kv_len - q_len + jnp.minimum(q0 + block_q, q_len) + BK - 1) // BK
+    if sliding_window is None:
+        lo = jnp.int32(0)
+    else:
+        lo = jnp.maximum(0, first_pos - sliding_window + 1) // BK
+    return first_pos, lo, jnp.where(q0 < q_len, jnp.maximum(hi, lo), lo)
+
+
+def _split_range(lo, hi, split, num_kv_splits: int):
+    """[lo, hi) -> split `split`'s share of it (split-KV; the same rule as kernel_gpu.py)."""
+    if num_kv_splits == 1:
+        return lo, hi
+    per_split = (hi - lo + num_kv_splits - 1) // num_kv_splits
+    lo = lo + split * per_split
+    return lo, jnp.minimum(hi, lo + per_split)
+
+
 def _rpa_kernel(
     kv_lens_ref,  # [S] int32
     page_table_ref,  # [S, P_pad] int32, rows clamped to their last used page
@@ -208,21 +231,12 @@ def _rpa_kernel(
 
     @pl.when(seq >= 0)
     def _attend():
-        q0 = block_q0_ref[b]
-        q_start = cu_q_lens_ref[seq]
-        q_len = cu_q_lens_ref[seq + 1] - q_start
+        q_len = cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq]
         kv_len = kv_lens_ref[seq]
-        first_pos = kv_len - q_len + q0  # position of the block's first token
-        hi_key = kv_len - q_len + jnp.minimum(q0 + BQ, q_len)
-        if sliding_window is None:
-            lo_blk = jnp.int32(0)
-        else:
-            lo_blk = jnp.maximum(0, first_pos - sliding_window + 1) // BK
-        hi_blk = (hi_key + BK - 1) // BK
-        if C > 1:
-            per_split = (hi_blk - lo_blk + C - 1) // C
-            lo_blk = lo_blk + split * per_split
-            hi_blk = jnp.minimum(hi_blk, lo_blk + per_split)
+        first_pos, lo_blk, hi_blk = _block_range(
+            block_q0_ref[b], q_len, kv_len, BQ, BK, sliding_window
+        )
+        lo_blk, hi_blk = _split_range(lo_blk, hi_blk, split, C)
         num_steps = jnp.maximum(hi_blk - lo_blk, 0)
         last_blk = (kv_len - 1) // BK  # the block holding key kv_len - 1
 
@@ -256,22 +270,10 @@ def _rpa_kernel(
             plgpu.barrier_wait(k_bars.at[slot])
             s = qk(q_smem, k_smem.at[slot])
             s = base2_scores(s, sm_scale, soft_cap)
-            key = blk * BK + col
-            visible = (key <= pos) & (key < kv_len)
-            if sliding_window is not None:
-                visible = visible & (pos - key < sliding_window)
-            s = jnp.where(visible, s, MASK_VALUE)
+            s = mask_scores(s, blk * BK + col, pos, sliding_window, kv_len)
             p, m_new, denom, acc = online_softmax_step(s, m, denom, acc)
             plgpu.barrier_wait(v_bars.at[slot])
-
-            @pl.when(blk == last_blk)
-            def _zero_v_tail():  # V rows at or past kv_len: 0, whatever the page holds
-                v = v_smem.at[slot]
-                vkey = blk * BK + plgpu.broadcasted_iota(
-                    jnp.int32, (BK, H), 0, layout=plgpu.Layout.WGMMA
-                )
-                v[...] = jnp.where(vkey < kv_len, v[...], jnp.zeros_like(v[...]))
-                plgpu.commit_smem()
+            pl.when(blk == last_blk)(lambda: zero_rows_from(v_smem.at[slot], blk * BK, kv_len))
 
             acc = add_pv(acc, stage_p(p.astype(dtype), p_smem), v_smem.at[slot])
 
@@ -337,27 +339,15 @@ def _rpa_kernel_ws(
 
     @pl.when(seq >= 0)
     def _attend():
-        q_start = cu_q_lens_ref[seq]
-        q_len = cu_q_lens_ref[seq + 1] - q_start
+        q_len = cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq]
         kv_len = kv_lens_ref[seq]
-
-        def tile_range(c):  # consumer c: (first row's position, [lo, hi) KV blocks)
-            q0 = block_q0_ref[b] + c * BQ
-            first_pos = kv_len - q_len + q0
-            hi = (kv_len - q_len + jnp.minimum(q0 + BQ, q_len) + BK - 1) // BK
-            if sliding_window is None:
-                lo = jnp.int32(0)
-            else:
-                lo = jnp.maximum(0, first_pos - sliding_window + 1) // BK
-            return first_pos, lo, jnp.where(q0 < q_len, jnp.maximum(hi, lo), lo)
-
-        ranges = [tile_range(c) for c in range(NC)]
+        ranges = [  # consumer c: (first row's position, [lo, hi) KV blocks)
+            _block_range(block_q0_ref[b] + c * BQ, q_len, kv_len, BQ, BK, sliding_window)
+            for c in range(NC)
+        ]
         lo_all = ranges[0][1]
         hi_all = functools.reduce(jnp.maximum, [hi for _, _, hi in ranges])
-        if C > 1:
-            per_split = (hi_all - lo_all + C - 1) // C
-            lo_all = lo_all + split * per_split
-            hi_all = jnp.minimum(hi_all, lo_all + per_split)
+        lo_all, hi_all = _split_range(lo_all, hi_all, split, C)
         num_steps = jnp.maximum(hi_all - lo_all, 0)  # step i: KV block lo_all + i
         tail_step = (kv_len - 1) // BK - lo_all  # the block holding key kv_len - 1
         # The consumer whose tile holds the sequence's last query sees that block, and zeroes
@@ -427,13 +417,8 @@ def _rpa_kernel_ws(
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 @pl.when((step == tail_step) & (wg == zeroer))
-                def _zero_v_tail():  # V rows at or past kv_len: 0, whatever the page holds
-                    v = v_smem.at[slot]
-                    vkey = (lo_all + step) * BK + plgpu.broadcasted_iota(
-                        jnp.int32, (BK, H), 0, layout=plgpu.Layout.WGMMA
-                    )
-                    v[...] = jnp.where(vkey < kv_len, v[...], jnp.zeros_like(v[...]))
-                    plgpu.commit_smem()
+                def _zero_v_tail():
+                    zero_rows_from(v_smem.at[slot], (lo_all + step) * BK, kv_len)
                     if tail_done is not None:
                         plgpu.barrier_arrive(tail_done)
 
@@ -465,11 +450,7 @@ def _rpa_kernel_ws(
                 )
                 plgpu.barrier_arrive(k_free.at[slot])
                 s = base2_scores(s, sm_scale, soft_cap)
-                key = (lo_all + step) * BK + col
-                visible = (key <= pos) & (key < kv_len)
-                if sliding_window is not None:
-                    visible = visible & (pos - key < sliding_window)
-                s = jnp.where(visible, s, MASK_VALUE)
+                s = mask_scores(s, (lo_all + step) * BK + col, pos, sliding_window, kv_len)
                 p, m, denom, acc = online_softmax_step(s, m, denom, acc)
                 p = stage_p(p.astype(dtype), None if p_smem is None else p_smem.at[wg])
                 wait_v(step, slot)
