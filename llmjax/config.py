@@ -331,6 +331,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 FLASH_PREFILL_MODES = ("auto", "on", "off")
 PALLAS_KERNELS = ("auto", "tpu", "gpu", "mgpu")
+LAYER_LOOPS = ("auto", "scan", "unroll")
 
 
 def parse_kernel_options(text: str) -> dict[str, int | bool]:
@@ -499,6 +500,13 @@ class EngineConfig:
     'warp_specialized=true,num_consumers=2' for mgpu; see kernels_pallas/ragged_paged_attention/
     kernel_*.py), to compare kernel variants and block sizes inside the engine; checked against
     the function's signature when the engine is built.
+    `layer_loop` (LAYER_LOOPS): how the step runs the decoder layers: 'scan' (`lax.scan` over
+    weights stacked [L, ...] and one KV cache [L, num_pages, ...]: one layer is compiled, so
+    compile time does not grow with depth; SmolLM2's 30 layers compile 4x faster), 'unroll' (a
+    Python loop over a list of layers: L copies of the layer in the program, one named scope each
+    in profiles) or 'auto': scan, except with sparse_kv, whose step treats layers one by one
+    (InfiniGen speculates layer i + 1 during layer i). Both give the same numbers. With pp > 1
+    each stage scans over its own layers.
     `compilation_cache_dir`
     enables JAX's persistent compilation cache ('' disables it). `sparse_kv` (SparseKVConfig): the
     KV cache in host memory with full or InfiniGen-selected fetches ('none' by default).
@@ -519,6 +527,7 @@ class EngineConfig:
     flash_prefill: str = "auto"
     pallas_kernel: str = "auto"
     kernel_options: str = ""
+    layer_loop: str = "auto"
     seed: int = 0
     precompile: bool = False
     compilation_cache_dir: str = os.path.join(
@@ -577,14 +586,34 @@ class EngineConfig:
                     f"sparse_kv.num_dense_layers={self.sparse_kv.num_dense_layers} exceeds the "
                     f"model's {self.model.num_layers} layers"
                 )
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"unknown {self.layer_loop=}; choose one of {LAYER_LOOPS}")
+        if self.layer_loop == "scan" and self.sparse_kv.enabled:
+            raise ValueError(
+                f"layer_loop='scan' does not run with sparse_kv={self.sparse_kv.mode!r}, whose "
+                "step treats layers one by one: use 'auto' or 'unroll'"
+            )
         if self.parallel.pp > self.model.num_layers:
             raise ValueError(
                 f"pp={self.parallel.pp} stages need at least as many layers, the model has "
                 f"{self.model.num_layers}"
             )
 
+    @property
+    def scan_layers(self) -> bool:
+        """Whether the step scans over stacked layers (`layer_loop` resolved)."""
+        return scan_layers(self.layer_loop, self.sparse_kv.enabled)
+
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def scan_layers(layer_loop: str, sparse_kv: bool) -> bool:
+    """`EngineConfig.layer_loop` resolved: True for 'scan', and for 'auto' unless a sparse KV
+    mode is on."""
+    if layer_loop == "auto":
+        return not sparse_kv
+    return layer_loop == "scan"
 
 
 # Fields an override may not change: the loaded weights were read and placed for them.

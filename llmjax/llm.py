@@ -30,6 +30,7 @@ from llmjax.config import (
     SchedulerConfig,
     SparseKVConfig,
     apply_overrides,
+    scan_layers,
 )
 from llmjax.engine.block_manager import pages_needed
 from llmjax.engine.engine import LLMEngine
@@ -93,7 +94,8 @@ class LLM:
     own seed), `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig),
     `flash_prefill` ('auto', 'on', 'off'; see EngineConfig), `pallas_kernel` ('auto', 'tpu', 'gpu',
     'mgpu': the attention kernels; see EngineConfig), `kernel_options` (that ragged kernel's
-    arguments, 'key=value,...'; see EngineConfig), `precompile` (compile every step
+    arguments, 'key=value,...'; see EngineConfig), `layer_loop` ('auto', 'scan', 'unroll': the step
+    scans over stacked layers or unrolls them; see EngineConfig), `precompile` (compile every step
     shape at start; see EngineConfig), `tp` / `pp` / `pad_heads` / `check_lockstep` (tensor and
     pipeline parallelism over the first tp * pp devices; see ParallelConfig; in a multi-host run
     call `llmjax.parallel.distributed.initialize` first, in every process), `sparse_kv` ('none',
@@ -125,6 +127,7 @@ class LLM:
         flash_prefill: str = "auto",
         pallas_kernel: str = "auto",
         kernel_options: str = "",
+        layer_loop: str = "auto",
         tp: int = 1,
         pp: int = 1,
         pad_heads: bool = False,
@@ -148,6 +151,11 @@ class LLM:
             model, dtype, load_format, tokenizer, parallel if sharded else None
         )
         if not sharded:  # else ModelRunner places (and converts) each weight on the mesh
+            sparse = sparse_kv if isinstance(sparse_kv, str) else sparse_kv.mode
+            if scan_layers(layer_loop, sparse != "none"):
+                from llmjax.model.params import stack_layers
+
+                params = stack_layers(params)  # on the host, before the device holds them
             params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
         self._weights = params
         self._fixed = dict(model=model, dtype=dtype, tp=tp, pp=pp, pad_heads=pad_heads)
@@ -166,6 +174,7 @@ class LLM:
                 flash_prefill=flash_prefill,
                 pallas_kernel=pallas_kernel,
                 kernel_options=kernel_options,
+                layer_loop=layer_loop,
                 check_lockstep=check_lockstep,
                 sparse_kv=sparse_kv,
                 calibration_tokens=calibration_tokens,
@@ -213,7 +222,9 @@ class LLM:
     @property
     def params(self):
         """The loaded weights (a pytree of arrays in the LLM's dtype; with tp * pp > 1, what was
-        loaded before placement: see `engine.runner.params` for the placed ones)."""
+        loaded before placement: see `engine.runner.params` for the placed ones). Their layers
+        are stacked when the engine scans over them (`layer_loop`, llmjax/model/params.py:
+        `layer_params(llm.params, i)` reads layer i in either layout)."""
         return self._weights
 
     def _build_engine(self, options: dict, t0: float) -> None:
@@ -258,6 +269,7 @@ class LLM:
             flash_prefill=o["flash_prefill"],
             pallas_kernel=o["pallas_kernel"],
             kernel_options=o["kernel_options"],
+            layer_loop=o["layer_loop"],
             parallel=parallel,
             sparse_kv=sparse_kv
             if isinstance(sparse_kv, SparseKVConfig)
@@ -278,6 +290,10 @@ class LLM:
         if config.sparse_kv.mode == "infinigen":
             skew = _infinigen_skew(config, self._weights, self.tokenizer, o["calibration_tokens"])
         self.engine = LLMEngine(config, self._weights, num_pages, self.tokenizer, skew=skew)
+        if config.parallel.num_devices == 1 and not config.sparse_kv.enabled:
+            # The runner converted the layers' layout if this engine loops the other way
+            # (with_options): keep one copy of the weights, in the layout now used.
+            self._weights = self.engine.runner.params
         logger.info(
             "loaded %s (%.1f M params, %s) with %d KV pages in %.1f s",
             fixed["model"],
@@ -294,7 +310,8 @@ class LLM:
     @contextlib.contextmanager
     def profile(self, log_dir: str, *, create_perfetto_trace: bool = False):
         """Profile everything run inside (`jax.profiler.trace`) into `log_dir`: the devices'
-        timeline (XLA ops, named by layer: `layer_3/attention/...`), the host's, and the engine's
+        timeline (XLA ops, named by scope: `layers/while/body/attention/...` for the scanned
+        layer, `layer_3/attention/...` with `layer_loop="unroll"`), the host's, and the engine's
         own ranges: one `llmjax_step` per engine step with `llmjax.schedule`, `llmjax.pack`,
         `llmjax.run` (with the step's token and sequence counts) and `llmjax.update` inside.
         Open it with XProf / TensorBoard's profile plugin, or (`create_perfetto_trace`) in
@@ -403,7 +420,10 @@ class LLM:
 def _infinigen_skew(config: EngineConfig, params, tokenizer, num_tokens: int):
     """InfiniGen's skew for `config.model`: read from `sparse_kv.skew_dir` if it holds one, else
     calibrated on the bundled text (and written there when a skew_dir is given)."""
+    from llmjax.model.params import unstack_layers
     from llmjax.sparse.skew import SKEW_FILE, calibrate_on_text, load_skew, save_skew
+
+    params = unstack_layers(params)
 
     skew_dir = config.sparse_kv.skew_dir
     if skew_dir and os.path.exists(os.path.join(skew_dir, SKEW_FILE)):

@@ -3,10 +3,13 @@
 At batch 1 a decode step reads every weight once, so tokens/s is bounded by
     measured read bandwidth / weight bytes per token.
 This script measures both in the same run (the bandwidth with a jitted reduction over a large
-array) and reports decode tokens/s and the fraction of the bound achieved, per dtype and batch.
+array) and reports decode tokens/s and the fraction of the bound achieved, per layer loop, dtype
+and batch, with the seconds the decode step took to compile (the persistent compilation cache is
+off here): `--layer_loops scan,unroll` compares EngineConfig.layer_loop's two loops.
 
     python scripts/bench_decode.py                       # SmolLM2, float32 and bfloat16, batch 1
     python scripts/bench_decode.py --batch_sizes 1,8 --dtypes float32 --json_out out/decode.json
+    python scripts/bench_decode.py --dtypes float32 --layer_loops scan,unroll
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from absl import app, flags
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf file or checkpoint dir.")
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Weight/KV dtypes to compare.")
 flags.DEFINE_list("batch_sizes", ["1"], "Concurrent decoding requests.")
+flags.DEFINE_list(
+    "layer_loops", ["auto"], "EngineConfig.layer_loop values to compare (auto, scan, unroll)."
+)
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per request.")
 flags.DEFINE_integer("decode_steps", 64, "Timed decode steps (after warm-up).")
 flags.DEFINE_integer("warmup_steps", 4, "Untimed decode steps (compilation happens here).")
@@ -46,7 +52,8 @@ def measure_read_bandwidth(num_bytes: int, repeats: int = 10) -> float:
 
 
 def time_decode(llm, batch: int) -> dict:
-    """Median seconds per decode step with `batch` requests running, measured via engine.step."""
+    """Median seconds per decode step with `batch` requests running, measured via engine.step,
+    and the seconds the first decode step took beyond that (its compilation)."""
     import numpy as np
 
     from llmjax import SamplingParams
@@ -62,8 +69,11 @@ def time_decode(llm, batch: int) -> dict:
         engine.scheduler.waiting
     ):
         engine.step()  # prefill
+    t = time.perf_counter()
+    engine.step()  # the first decode step of this batch size: compiles its bucket
+    first_s = time.perf_counter() - t
     times = []
-    for i in range(FLAGS.warmup_steps + FLAGS.decode_steps):
+    for i in range(FLAGS.warmup_steps + FLAGS.decode_steps - 1):
         t = time.perf_counter()
         engine.step()
         if i >= FLAGS.warmup_steps:
@@ -71,7 +81,11 @@ def time_decode(llm, batch: int) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     step_s = float(np.median(times))
-    return {"step_ms": 1e3 * step_s, "tokens_per_s": batch / step_s}
+    return {
+        "step_ms": 1e3 * step_s,
+        "tokens_per_s": batch / step_s,
+        "compile_s": max(first_s - step_s, 0.0),
+    }
 
 
 def main(argv):
@@ -83,38 +97,58 @@ def main(argv):
     bandwidth = measure_read_bandwidth(FLAGS.bandwidth_mib << 20)
     rows = []
     for dtype in FLAGS.dtypes:
-        llm = LLM(FLAGS.model, dtype=dtype, max_model_len=512)
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
-        bound = bandwidth / weight_bytes
-        for batch in map(int, FLAGS.batch_sizes):
-            r = time_decode(llm, batch)
-            rows.append(
-                {
-                    "model": FLAGS.model,
-                    "dtype": dtype,
-                    "batch": batch,
-                    "weight_mb": weight_bytes / 1e6,
-                    "bandwidth_gb_s": bandwidth / 1e9,
-                    "roofline_tokens_per_s": bound * batch,
-                    **r,
-                    "fraction_of_roofline": r["tokens_per_s"] / (bound * batch),
-                }
-            )
-    header = f"{'dtype':>9} {'batch':>5} {'weights MB':>10} {'step ms':>8} {'tok/s':>8} "
-    header += f"{'bound tok/s':>11} {'of bound':>8}"
+        base = None
+        for layer_loop in FLAGS.layer_loops:
+            if base is None:
+                base = llm = LLM(
+                    FLAGS.model,
+                    dtype=dtype,
+                    max_model_len=512,
+                    layer_loop=layer_loop,
+                    compilation_cache_dir="",
+                )
+            else:  # the same weights (converted to the other layout if needed)
+                llm = base.with_options(layer_loop=layer_loop)
+            rows += _rows(llm, dtype, layer_loop, bandwidth)
+    header = f"{'loop':>6} {'dtype':>9} {'batch':>5} {'weights MB':>10} {'compile s':>9} "
+    header += f"{'step ms':>8} {'tok/s':>8} {'bound tok/s':>11} {'of bound':>8}"
     print(f"device: {jax.devices()[0].device_kind}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
     print(header)
     for r in rows:
         print(
-            f"{r['dtype']:>9} {r['batch']:>5} {r['weight_mb']:>10.1f} {r['step_ms']:>8.2f} "
-            f"{r['tokens_per_s']:>8.1f} {r['roofline_tokens_per_s']:>11.1f} "
-            f"{r['fraction_of_roofline']:>8.2f}"
+            f"{r['layer_loop']:>6} {r['dtype']:>9} {r['batch']:>5} {r['weight_mb']:>10.1f} "
+            f"{r['compile_s']:>9.2f} {r['step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} "
+            f"{r['roofline_tokens_per_s']:>11.1f} {r['fraction_of_roofline']:>8.2f}"
         )
     if FLAGS.json_out:
         os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
         with open(FLAGS.json_out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=2)
         print(f"wrote {FLAGS.json_out}")
+
+
+def _rows(llm, dtype: str, layer_loop: str, bandwidth: float) -> list[dict]:
+    import jax
+
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
+    bound = bandwidth / weight_bytes
+    rows = []
+    for batch in map(int, FLAGS.batch_sizes):
+        r = time_decode(llm, batch)
+        rows.append(
+            {
+                "model": FLAGS.model,
+                "layer_loop": "scan" if llm.config.scan_layers else "unroll",
+                "dtype": dtype,
+                "batch": batch,
+                "weight_mb": weight_bytes / 1e6,
+                "bandwidth_gb_s": bandwidth / 1e9,
+                "roofline_tokens_per_s": bound * batch,
+                **r,
+                "fraction_of_roofline": r["tokens_per_s"] / (bound * batch),
+            }
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -49,17 +49,21 @@ def make_step(
 
 
 def full_logits(params, config, token_ids, *, page_size=4, num_pages=None, dtype=np.float32):
-    """Logits [len, V] of one sequence run as a single prefill, pages in shuffled order."""
+    """Logits [len, V] of one sequence run as a single prefill, pages in shuffled order (the
+    layers scanned or unrolled as `params` are laid out)."""
     import jax.numpy as jnp
 
     from llmjax.model.kv_cache import allocate_kv_pages
     from llmjax.model.llama import forward
+    from llmjax.model.params import layers_stacked
 
     n = len(token_ids)
     need = -(-n // page_size)
     num_pages = num_pages or need + 3
     table = list(np.random.default_rng(0).permutation(np.arange(1, num_pages))[:need])
-    kv = allocate_kv_pages(config, num_pages, page_size, jnp.dtype(dtype))
+    kv = allocate_kv_pages(
+        config, num_pages, page_size, jnp.dtype(dtype), stacked=layers_stacked(params)
+    )
     step = make_step([(list(token_ids), 0, table)], page_size, all_logits=True)
     logits, _ = forward(params, kv, step, config)
     return np.asarray(logits)

@@ -89,14 +89,15 @@ def test_padding_does_not_touch_real_pages(model):
         assert not np.array_equal(k0[3], k1[3])
 
 
-def _compiled_step_hlo(config, num_tokens, num_pages=64):
+def _compiled_step_hlo(config, num_tokens, num_pages=64, layer_loop="auto"):
     from llmjax.config import EngineConfig
     from llmjax.engine.batch import SamplingInput
     from llmjax.engine.runner import ModelRunner
 
     params = init_params(config, jax.random.key(0))
-    runner = ModelRunner(EngineConfig(model=config, compilation_cache_dir=""), params, num_pages)
-    page_size = runner.kv_pages[0][0].shape[1]
+    engine_config = EngineConfig(model=config, layer_loop=layer_loop, compilation_cache_dir="")
+    runner = ModelRunner(engine_config, params, num_pages)
+    page_size = engine_config.cache.page_size
     if num_tokens == 1:  # one decode
         seqs = [([7], 9, [2])]
     else:  # a prefill chunk and a decode
@@ -114,18 +115,28 @@ def _compiled_step_hlo(config, num_tokens, num_pages=64):
     return runner, runner.lower(step, sampling).compile().as_text()
 
 
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-gqa1"])
 @pytest.mark.parametrize("num_tokens", [1, 2, 16, 64])
-def test_step_copies_neither_kv_pages_nor_weights(name, num_tokens):
+def test_step_copies_neither_kv_pages_nor_weights(name, num_tokens, layer_loop):
     config = configs.get_preset(name)
-    runner, hlo = _compiled_step_hlo(config, num_tokens)
+    runner, hlo = _compiled_step_hlo(config, num_tokens, layer_loop=layer_loop)
     # Every KV array is donated and aliased to an output: the update happens in place.
     header = hlo.splitlines()[0]
-    assert header.count("-alias)") == 2 * config.num_layers, header[:300]
-    # No weight or KV page array (or a flattened view of one) is copied or transposed.
-    kv = runner.kv_pages[0][0].shape
+    num_kv_arrays = 2 if layer_loop == "scan" else 2 * config.num_layers
+    assert header.count("-alias)") == num_kv_arrays, header[:300]
+    # No weight or KV page array (or a flattened view of one; stacked: the whole cache's or one
+    # layer's share) is copied or transposed. A scanned step reads each
+    # layer's weights as a slice of the stacked ones (what the scan hands its body).
+    kv = runner.kv_pages[0][0].shape  # one layer's pages
     kv_shapes = {kv, (kv[0] * kv[1], *kv[2:])}
-    weight_shapes = {x.shape for x in jax.tree.leaves(runner.params) if x.ndim > 1}
+    if layer_loop == "scan":  # every layer's: [L * pages, ...]
+        kv = runner.kv_pages[0].shape
+        kv_shapes |= {kv, (kv[0] * kv[1], *kv[2:])}
+    weights = jax.tree.leaves(runner.params)
+    weight_shapes = {x.shape for x in weights if x.ndim > 1}
+    if layer_loop == "scan":
+        weight_shapes |= {x.shape[1:] for x in jax.tree.leaves(runner.params["layers"])}
     for line in hlo.splitlines():
         m = re.search(r"= \w+\[([\d,]*)\]\S* (copy|transpose)\(", line)
         if not m:

@@ -137,8 +137,9 @@ def test_greedy_outputs_equal_one_device(single_device, model, tp):
     assert llm.engine.runner.mesh.shape == {"pp": 1, "tp": tp}
 
 
-def test_each_array_has_its_intended_sharding():
-    llm = LLM("tiny", tp=4, **ENGINE_OPTS)  # tiny: 2 kv heads -> repeated to 4
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+def test_each_array_has_its_intended_sharding(layer_loop):
+    llm = LLM("tiny", tp=4, layer_loop=layer_loop, **ENGINE_OPTS)  # 2 kv heads -> repeated to 4
     runner = llm.engine.runner
     want = {
         "embed": ("tp", None),
@@ -158,10 +159,19 @@ def test_each_array_has_its_intended_sharding():
         "w_up": (None, "tp"),
         "w_down": ("tp", None),
     }
+    if layer_loop == "scan":  # stacked [L, ...]: the layer axis is never split
+        stacked = runner.params["layers"]
+        for name, spec in layer.items():
+            assert tuple(stacked[name].sharding.spec) == (None, *spec), name
+        # each device holds a quarter of the (repeated) kv heads of every layer: one
+        assert stacked["wk"].addressable_shards[0].data.shape == (2, 64, 1, 16)
+        for pages in runner.kv_pages:  # [L * num_pages, G, K, H]
+            assert tuple(pages.sharding.spec) == (None, None, "tp", None)
+            assert pages.addressable_shards[0].data.shape[2] == 1
+        return
     for params in runner.params["layers"]:
         for name, spec in layer.items():
             assert tuple(params[name].sharding.spec) == spec, name
-        # each device holds a quarter of the (repeated) kv heads: one
         assert params["wk"].addressable_shards[0].data.shape == (64, 1, 16)
     for k, v in runner.kv_pages:
         for pages in (k, v):
@@ -169,11 +179,12 @@ def test_each_array_has_its_intended_sharding():
             assert pages.addressable_shards[0].data.shape[2] == 1
 
 
-def test_compiled_step_has_megatrons_collectives_and_gathers_no_weights():
-    """Per layer one all-reduce of [T, D] after attention and one after the MLP, one for the
-    vocab-split embedding lookup; the sampler's collectives move logits-sized values ([S, ...]);
-    no weight is ever gathered."""
-    llm = LLM("tiny", tp=2, **ENGINE_OPTS)
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+def test_compiled_step_has_megatrons_collectives_and_gathers_no_weights(layer_loop):
+    """Per layer one all-reduce of [T, D] after attention and one after the MLP (scanned: the
+    program holds one layer's), one for the vocab-split embedding lookup; the sampler's
+    collectives move logits-sized values ([S, ...]); no weight is ever gathered."""
+    llm = LLM("tiny", tp=2, layer_loop=layer_loop, **ENGINE_OPTS)
     T, S, P = 16, 4, 8
     step = StepInput(*(np.zeros(s, np.int32) for s in [T, T, T, S + 1, S, (S, P), 1, S]))
     z = np.zeros(S, np.float32)
@@ -184,7 +195,7 @@ def test_compiled_step_has_megatrons_collectives_and_gathers_no_weights():
     collectives = re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather)\(", hlo)
     D, L = configs.TINY.hidden_size, configs.TINY.num_layers
     activations = [c for c in collectives if c[2] == "all-reduce" and c[1] == f"{T},{D}"]
-    assert len(activations) == 2 * L + 1, collectives
+    assert len(activations) == 2 * (1 if layer_loop == "scan" else L) + 1, collectives
     gathers = Counter(c[1].split(",")[0] for c in collectives if c[2] == "all-gather")
     assert set(gathers) <= {str(S)}, collectives  # sampling over the vocab-split logits
     # The sampler's top-k / top-p sort over the vocab-split logits moves them with all-to-alls:

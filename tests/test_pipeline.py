@@ -78,15 +78,24 @@ def test_greedy_outputs_equal_one_device(single_device, model, pp, tp, policy):
     assert llm.engine.num_compiles < stats.num_pipeline_ticks
 
 
-def test_each_stage_holds_only_its_layers():
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+def test_each_stage_holds_only_its_layers(layer_loop):
     """tiny-deep over pp=2: slot j of stage s is layer stage_layers(5, 2)[s][j] (stage 1's third
-    slot is a zero layer); the KV pages are split the same way."""
-    llm = LLM("tiny-deep", pp=2, **ENGINE_OPTS)
+    slot is a zero layer); the KV pages are split the same way. Scanned: every weight and the KV
+    pages stacked [pp, slots, ...]; unrolled: one [pp, ...] array per slot."""
+    llm = LLM("tiny-deep", pp=2, layer_loop=layer_loop, **ENGINE_OPTS)
     runner = llm.engine.runner
     want = init_params(configs.TINY_DEEP, jax.random.key(0))  # what load_format='dummy' drew
     stages = stage_layers(5, 2)
     mesh_devices = runner.mesh.devices  # [pp, tp]
-    for j, slot in enumerate(runner.params["stages"]):
+    if layer_loop == "scan":
+        weights = runner.params["stages"]
+        assert all(x.shape[:2] == (2, 3) and x.sharding.spec[1] is None for x in weights.values())
+        slots = [{name: x[:, j] for name, x in weights.items()} for j in range(3)]
+        kv_caches = [runner.kv_pages]
+    else:
+        slots, kv_caches = runner.params["stages"], runner.kv_pages
+    for j, slot in enumerate(slots):
         for name, x in slot.items():
             assert x.sharding.spec[0] == "pp", name
             for shard in x.addressable_shards:
@@ -96,10 +105,12 @@ def test_each_stage_holds_only_its_layers():
                     np.testing.assert_array_equal(data, want["layers"][stages[s][j]][name])
                 else:
                     assert not data.any(), (name, s, j)
-    for pages in runner.kv_pages:
+    for pages in kv_caches:
         for x in pages:
             assert x.sharding.spec[0] == "pp" and x.shape[0] == 2
             assert x.addressable_shards[0].data.shape[0] == 1
+            num_pages = llm.engine.block_manager.num_pages
+            assert x.shape[1] == (3 * num_pages if layer_loop == "scan" else num_pages)
     assert tuple(runner.params["embed"].sharding.spec) in [(), (None, None)]
 
 
@@ -221,16 +232,18 @@ def test_smollm2_greedy_outputs_equal_one_device(smollm2_single_device, pp, tp):
     assert [o.token_ids for o in outs] == smollm2_single_device
 
 
-def test_tick_collectives():
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+def test_tick_collectives(layer_loop):
     """tiny-deep, pp=2 x tp=2: per stage 3 slots x 2 all-reduces of [T, D] (+1 for the embedding
-    lookup), a collective-permute passing [1, T, D] activations to the next stage, all-gathers
-    only of per-sequence sampling values; no weight moves."""
-    llm = LLM("tiny-deep", pp=2, tp=2, **ENGINE_OPTS)
+    lookup; scanned, the program holds one slot's), a collective-permute passing [1, T, D]
+    activations to the next stage, all-gathers only of per-sequence sampling values; no weight
+    moves."""
+    llm = LLM("tiny-deep", pp=2, tp=2, layer_loop=layer_loop, **ENGINE_OPTS)
     T, S, P, D = 16, 4, 8, configs.TINY_DEEP.hidden_size
     hlo = llm.engine.runner.lower_tick(T, S, P).compile().as_text()
     ops = re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather|collective-permute)\(", hlo)
-    slots = len(llm.engine.runner.params["stages"])
-    assert slots == 3
+    slots = 1 if layer_loop == "scan" else len(llm.engine.runner.params["stages"])
+    assert slots == (1 if layer_loop == "scan" else 3)
     assert sum(1 for o in ops if o[2] == "all-reduce" and o[1] == f"{T},{D}") == 2 * slots + 1
     assert any(o[2] == "collective-permute" and o[1] == f"1,{T},{D}" for o in ops), ops
     assert {o[1].split(",")[0] for o in ops if o[2] == "all-gather"} <= {str(S)}, ops

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from llmjax.config import ModelConfig, ParallelConfig, RopeScaling
-from llmjax.model.params import Params, abstract_params, check_params
+from llmjax.model.params import Params, abstract_params, check_params, unstack_layers
 
 CONFIG_FILE = "llmjax_model_config.json"
 
@@ -28,10 +28,12 @@ def is_orbax_dir(path: str) -> bool:
 
 
 def save_params(directory: str, config: ModelConfig, params: Params) -> None:
+    """Save `params` (either layer layout, llmjax/model/params.py; stored as the list layout)."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(os.fspath(directory))
     check_params(config, params, "save_params")
+    params = unstack_layers(params)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(dataclasses.asdict(config), f, indent=2)

@@ -24,7 +24,7 @@ from llmjax.engine.batch import SamplingInput
 from llmjax.model.attention import make_attention_fn, resolve_attention_backend
 from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
-from llmjax.model.params import Params
+from llmjax.model.params import Params, stack_layers, unstack_layers
 from llmjax.model.sampler import sample
 from llmjax.model.step_input import StepInput
 from llmjax.parallel import pipeline
@@ -83,22 +83,37 @@ class ModelRunner:
         if self.pipelined:
             self._init_pipeline(params, num_pages, attention_fn)
             return
+        scan = config.scan_layers  # the layer loop: weights and KV cache stacked, or per layer
         if self.mesh is None:
             self.model_config = config.model
-            self.params = params
-            self.kv_pages = allocate_kv_pages(config.model, num_pages, page_size, self.dtype)
+            self.params = stack_layers(params) if scan else unstack_layers(params)
+            self.kv_pages = allocate_kv_pages(
+                config.model, num_pages, page_size, self.dtype, stacked=scan
+            )
             out_shardings = None
         else:
             layout = tp_head_layout(config.model, parallel.tp, parallel.pad_heads)
             self.model_config = layout.model_config(config.model)
-            self.params = place_params(params, config.model, layout, self.mesh, self.dtype)
-            kv_sharding = kv_pages_sharding(self.model_config, self.mesh, num_pages, page_size)
-            self.kv_pages = jax.jit(
+            self.params = place_params(
+                params, config.model, layout, self.mesh, self.dtype, stacked=scan
+            )
+            kv_sharding = kv_pages_sharding(
+                self.model_config, self.mesh, num_pages, page_size, stacked=scan
+            )
+            allocate = jax.jit(
                 functools.partial(
-                    allocate_kv_pages, self.model_config, num_pages, page_size, self.dtype
+                    allocate_kv_pages,
+                    self.model_config,
+                    num_pages,
+                    page_size,
+                    self.dtype,
+                    stacked=scan,
                 ),
-                out_shardings=[(kv_sharding, kv_sharding)] * self.model_config.num_layers,
-            )()
+                out_shardings=(kv_sharding, kv_sharding)
+                if scan
+                else [(kv_sharding, kv_sharding)] * self.model_config.num_layers,
+            )
+            self.kv_pages = allocate()
             out_shardings = (
                 replicated(self.mesh),
                 jax.tree.map(lambda x: x.sharding, self.kv_pages),
@@ -128,7 +143,7 @@ class ModelRunner:
                 "capacity=1.0"
             )
         self.model_config = config.model
-        self.params = params
+        self.params = unstack_layers(params)
         page_size = config.cache.page_size
         self.pool_memory_kind = infinigen.pool_memory_kind(sparse.pool_memory)
         self.kv_pages = infinigen.allocate_pool(
@@ -182,10 +197,19 @@ class ModelRunner:
         config, mesh = self.config, self.mesh
         layout = tp_head_layout(config.model, config.parallel.tp, config.parallel.pad_heads)
         self.model_config = layout.model_config(config.model)
-        self.params = pipeline.place_pp_params(params, config.model, layout, mesh, self.dtype)
-        num_slots = len(self.params["stages"])
+        scan = config.scan_layers
+        self.params = pipeline.place_pp_params(
+            unstack_layers(params), config.model, layout, mesh, self.dtype, stacked=scan
+        )
+        num_slots = len(pipeline.stage_layers(config.model.num_layers, config.parallel.pp)[0])
         self.kv_pages = pipeline.allocate_pp_kv_pages(
-            self.model_config, mesh, num_slots, num_pages, config.cache.page_size, self.dtype
+            self.model_config,
+            mesh,
+            num_slots,
+            num_pages,
+            config.cache.page_size,
+            self.dtype,
+            stacked=scan,
         )
         pp = mesh.shape["pp"]
         carry = NamedSharding(mesh, PartitionSpec("pp"))

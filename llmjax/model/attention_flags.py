@@ -1,12 +1,12 @@
-"""The absl flags that scripts/generate.py and scripts/benchmark.py share for choosing the
-attention: --attention_backend, --flash_prefill, --pallas_kernel, --kernel_options (EngineConfig's
-fields of the same names)."""
+"""The absl flags that scripts/generate.py and scripts/benchmark.py share for choosing how the
+step computes: --attention_backend, --flash_prefill, --pallas_kernel, --kernel_options and
+--layer_loop (EngineConfig's fields of the same names)."""
 
 from __future__ import annotations
 
 from absl import flags
 
-from llmjax.config import ATTENTION_BACKENDS, FLASH_PREFILL_MODES, PALLAS_KERNELS
+from llmjax.config import ATTENTION_BACKENDS, FLASH_PREFILL_MODES, LAYER_LOOPS, PALLAS_KERNELS
 
 
 def define_flags() -> None:
@@ -42,6 +42,14 @@ def define_flags() -> None:
         "key=value,... (integers or true/false), e.g. 'warp_specialized=true,num_consumers=2' "
         "or 'num_stages=2' for mgpu; see EngineConfig.kernel_options.",
     )
+    flags.DEFINE_enum(
+        "layer_loop",
+        "auto",
+        list(LAYER_LOOPS),
+        "How the step runs the decoder layers: 'scan' (lax.scan over stacked weights: compile "
+        "time independent of depth), 'unroll' (one copy of the layer per layer in the program), "
+        "'auto' (scan, except with a sparse KV mode); see EngineConfig.layer_loop.",
+    )
 
 
 def llm_kwargs(values) -> dict:
@@ -51,4 +59,5 @@ def llm_kwargs(values) -> dict:
         flash_prefill=values.flash_prefill,
         pallas_kernel=values.pallas_kernel,
         kernel_options=values.kernel_options,
+        layer_loop=values.layer_loop,
     )

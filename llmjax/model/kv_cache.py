@@ -1,6 +1,10 @@
 """The paged KV cache on the device.
 
-For every layer, K and V live in pages: `[num_pages, page_size, K, H]`. A token's KV goes to one
+For every layer, K and V live in pages: `[num_pages, page_size, K, H]`, as a list of (k, v) per
+layer for the unrolled layer loop, or stacked for the scanned one (`stacked=True`: one (k, v) of
+`[L * num_pages, page_size, K, H]`, layer i's page p at row `i * num_pages + p`; flat, not
+`[L, num_pages, ...]`, because viewing that as flat inside the step made XLA (CPU) copy the whole
+cache when an axis has size 1, e.g. one kv head per device). A token's KV goes to one
 slot, `slot = page * page_size + offset`; the host-side block manager decides which pages a
 request owns (its row of `page_indices`) and hands the step a `slot_mapping` per new token.
 Page 0 is reserved: padded tokens write there, and no request reads it.
@@ -16,15 +20,23 @@ import jax.numpy as jnp
 
 from llmjax.config import ModelConfig
 
-KVPages = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages)
+# per layer: (k_pages, v_pages); stacked: one (k_pages, v_pages) holding every layer's pages
+KVPages = list[tuple[jax.Array, jax.Array]] | tuple[jax.Array, jax.Array]
 
 
 def kv_page_shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
     return (num_pages, page_size, config.num_kv_heads, config.head_dim)
 
 
-def allocate_kv_pages(config: ModelConfig, num_pages: int, page_size: int, dtype) -> KVPages:
+def allocate_kv_pages(
+    config: ModelConfig, num_pages: int, page_size: int, dtype, stacked: bool = False
+) -> KVPages:
+    """Zero pages for every layer: a list of (k, v), or with `stacked` one (k, v) of
+    [L * num_pages, page_size, K, H] (see the module doc)."""
     shape = kv_page_shape(config, num_pages, page_size)
+    if stacked:
+        shape = (config.num_layers * num_pages, *shape[1:])
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
 
 

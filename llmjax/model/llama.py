@@ -11,6 +11,13 @@ it embeds `step.token_ids`, writes each token's K/V to its slot, attends over ea
 and returns logits only for the rows in `step.logits_indices` (the last new token of each sequence
 when serving; every token in tests). Jit it at the boundary with the pages donated (see
 `llmjax/engine/runner.py`).
+
+The layer loop follows the weights' layout (llmjax/model/params.py): a list of layers is unrolled
+(L copies of the layer in the program), stacked layers are scanned (`lax.scan`: one copy,
+compiled once whatever the depth) over a stacked KV cache (llmjax/model/kv_cache.py: every
+layer's pages in one `[L * num_pages, ...]` array). The scan body hands the attention the whole
+cache and the step's page tables and slots moved to its layer's pages (+ i * num_pages), so every
+attention backend and kernel runs unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from llmjax.config import ModelConfig
 from llmjax.model.attention import AttentionFn, reference_attention
 from llmjax.model.kv_cache import KVPages, write_kv
 from llmjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
-from llmjax.model.params import Params
+from llmjax.model.params import Params, layers_stacked
 from llmjax.model.step_input import StepInput
 
 
@@ -85,6 +92,50 @@ def decoder_layer(
     return x, kv
 
 
+def layer_step(step: StepInput, layer: jax.Array, num_pages: int, page_size: int) -> StepInput:
+    """`step` with its page tables and slots moved to layer `layer`'s pages of a stacked cache,
+    [num_layers * num_pages, ...] (page 0, the padding sink, becomes the layer's own page 0)."""
+    first_page = layer * num_pages
+    return step._replace(
+        slot_mapping=step.slot_mapping + first_page * page_size,
+        page_indices=step.page_indices + first_page,
+    )
+
+
+def scan_layers(
+    layers: Params,  # {name: [num_layers, ...]}
+    kv_pages: tuple[jax.Array, jax.Array],  # [num_layers * num_pages, G, K, H] each
+    x: jax.Array,  # [T, D]
+    step: StepInput,
+    cos: jax.Array,
+    sin: jax.Array,
+    config: ModelConfig,
+    attention_fn: AttentionFn,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The decoder layers as one `lax.scan` over stacked weights -> (x [T, D], kv_pages). The
+    whole cache is the scan's carry (updated in place)."""
+    k_pages, v_pages = kv_pages
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    num_pages, page_size = k_pages.shape[0] // num_layers, k_pages.shape[1]
+
+    def body(carry, layer):
+        x, k, v, i = carry
+        x, (k, v) = decoder_layer(
+            layer,
+            x,
+            (k, v),
+            layer_step(step, i, num_pages, page_size),
+            cos,
+            sin,
+            config,
+            attention_fn,
+        )
+        return (x, k, v, i + 1), None
+
+    (x, k, v, _), _ = jax.lax.scan(body, (x, k_pages, v_pages, jnp.int32(0)), layers)
+    return x, (k, v)
+
+
 def lm_head(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
     """Final norm + vocabulary projection of the rows `x` [L, D] -> logits [L, V] float32."""
     x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
@@ -100,16 +151,23 @@ def forward(
     config: ModelConfig,
     attention_fn: AttentionFn = reference_attention,
 ) -> tuple[jax.Array, KVPages]:
-    """One model step -> (logits [L, V] float32, updated kv_pages). `attention_fn`: see
+    """One model step -> (logits [L, V] float32, updated kv_pages), with the layers unrolled or
+    scanned as `params` and `kv_pages` are laid out (see the module doc). `attention_fn`: see
     llmjax/model/attention.py (`make_attention_fn` picks one by backend name). The pipeline-
     parallel step (llmjax/parallel/pipeline.py) runs the same pieces split over stages."""
     x = params["embed"][step.token_ids]  # [T, D]
     cos, sin = rope_cos_sin(step.positions, config)  # [T, H/2]
-    new_kv_pages = []
-    for i, layer in enumerate(params["layers"]):
-        with jax.named_scope(f"layer_{i}"):
-            x, kv = decoder_layer(layer, x, kv_pages[i], step, cos, sin, config, attention_fn)
-            new_kv_pages.append(kv)
+    if layers_stacked(params):
+        with jax.named_scope("layers"):
+            x, new_kv_pages = scan_layers(
+                params["layers"], kv_pages, x, step, cos, sin, config, attention_fn
+            )
+    else:
+        new_kv_pages = []
+        for i, layer in enumerate(params["layers"]):
+            with jax.named_scope(f"layer_{i}"):
+                x, kv = decoder_layer(layer, x, kv_pages[i], step, cos, sin, config, attention_fn)
+                new_kv_pages.append(kv)
     with jax.named_scope("lm_head"):
         logits = lm_head(params, x[step.logits_indices], config)  # [L, V]
     return logits, new_kv_pages

@@ -16,8 +16,15 @@ Tree layout (L layers; letters as in `llama.py`'s legend):
      "final_norm": [D],
      ("lm_head": [D, V]  -- only with untied embeddings)}
 
-Layers are a Python list, not one stacked array: indexing a stacked weight inside the step made
-XLA copy each layer's slice on the CPU.
+Two layouts of the layers, the same weights:
+
+    list     "layers": [ {name: array} x L ]  (what checkpoints load into; the unrolled layer loop)
+    stacked  "layers": {name: [L, ...] array} (`stack_layers`; what `lax.scan` over the layers
+             takes: `EngineConfig.layer_loop`, llmjax/model/llama.py)
+
+The stacked layout's spec (`param_specs(config, stacked=True)`) gives each layer weight a leading
+`layers` axis. `stack_layers` / `unstack_layers` convert (each is a no-op on its own layout),
+`layer_params(params, i)` reads one layer in either.
 """
 
 from __future__ import annotations
@@ -62,8 +69,9 @@ def _is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 
 
-def param_specs(config: ModelConfig) -> Params:
-    """The spec tree of a Llama-family model."""
+def param_specs(config: ModelConfig, stacked: bool = False) -> Params:
+    """The spec tree of a Llama-family model (`stacked`: the layers' weights as one [L, ...]
+    spec each, with a leading `layers` axis; see the module doc)."""
     D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
 
@@ -85,14 +93,64 @@ def param_specs(config: ModelConfig) -> Params:
             spec["bv"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros")
         return spec
 
+    if stacked:
+        L = config.num_layers
+        layers = {
+            name: dataclasses.replace(
+                s, shape=(L, *s.shape), logical_axes=("layers", *s.logical_axes)
+            )
+            for name, s in layer().items()
+        }
+    else:
+        layers = [layer() for _ in range(config.num_layers)]
     specs: Params = {
         "embed": ParamSpec((V, D), ("vocab", "embed"), fan_in=1),
-        "layers": [layer() for _ in range(config.num_layers)],
+        "layers": layers,
         "final_norm": ParamSpec((D,), ("embed",), "ones"),
     }
     if not config.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), fan_in=D)
     return specs
+
+
+def layers_stacked(params: Params) -> bool:
+    """Whether `params` has the stacked layout (see the module doc)."""
+    return isinstance(params["layers"], dict)
+
+
+def stack_layers(params: Params) -> Params:
+    """The list layout -> the stacked one ({name: [L, ...]}; numpy stays numpy, jax arrays are
+    stacked on their device). The stacked layout is returned as it is."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return params
+
+    def stack(xs):
+        if all(isinstance(x, np.ndarray) for x in xs):
+            return np.stack(xs)
+        return jnp.stack(xs)
+
+    return {
+        **params,
+        "layers": {name: stack([layer[name] for layer in layers]) for name in layers[0]},
+    }
+
+
+def unstack_layers(params: Params) -> Params:
+    """The stacked layout -> the list one (each layer's weights sliced out: copies on a device).
+    The list layout is returned as it is."""
+    if not layers_stacked(params):
+        return params
+    L = next(iter(params["layers"].values())).shape[0]
+    return {**params, "layers": [layer_params(params, i) for i in range(L)]}
+
+
+def layer_params(params: Params, i: int) -> dict[str, Any]:
+    """Layer i's weights {name: array}, in either layout."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return {name: x[i] for name, x in layers.items()}
+    return layers[i]
 
 
 def map_specs(fn: Callable[[ParamSpec], Any], specs: Params) -> Params:
@@ -129,8 +187,9 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Param
 
 
 def check_params(config: ModelConfig, params: Params, source: str = "params") -> None:
-    """Raise a ValueError naming the first weight whose presence or shape differs from the spec."""
-    specs = param_specs(config)
+    """Raise a ValueError naming the first weight whose presence or shape differs from the spec
+    (of either layout)."""
+    specs = param_specs(config, stacked=layers_stacked(params))
     flat_specs = dict(_flatten_with_names(specs))
     flat_params = dict(_flatten_with_names(params))
     for name, spec in flat_specs.items():

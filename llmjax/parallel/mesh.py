@@ -20,12 +20,13 @@ from __future__ import annotations
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from llmjax.config import ModelConfig, ParallelConfig
-from llmjax.model.params import ParamSpec, map_specs, param_specs
+from llmjax.model.params import ParamSpec, map_specs, param_specs, unstack_layers
 from llmjax.parallel.heads import HeadLayout, transform_weight
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ MESH_AXES = ("pp", "tp")
 
 # Logical axis -> mesh axis (None: replicated). The only place the TP layout is written down.
 SHARDING_RULES: dict[str, str | None] = {
+    "layers": None,  # the stacked layout's leading axis (llmjax/model/params.py)
     "vocab": "tp",
     "embed": None,
     "q_heads": "tp",
@@ -42,7 +44,8 @@ SHARDING_RULES: dict[str, str | None] = {
     "mlp": "tp",
 }
 
-# KV pages [num_pages, page_size, K, H]: split by kv head, like wk/wv.
+# KV pages [num_pages, page_size, K, H]: split by kv head, like wk/wv (stacked: the same, with
+# every layer's pages on the first axis).
 KV_PAGES_AXES = (None, None, "kv_heads", "head_dim")
 
 
@@ -90,16 +93,22 @@ def partition_spec(shape, logical_axes, mesh: Mesh, rules=None, name: str = "") 
     return P(*out)
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh, rules=None):
-    """NamedSharding for every weight of `config` (the tree of `param_specs`)."""
+def param_shardings(config: ModelConfig, mesh: Mesh, rules=None, stacked: bool = False):
+    """NamedSharding for every weight of `config` (the tree of `param_specs`, either layout)."""
 
     def one(spec: ParamSpec) -> NamedSharding:
         return NamedSharding(mesh, partition_spec(spec.shape, spec.logical_axes, mesh, rules))
 
-    return map_specs(one, param_specs(config))
+    return map_specs(one, param_specs(config, stacked=stacked))
 
 
-def kv_pages_sharding(config: ModelConfig, mesh: Mesh, num_pages: int, page_size: int):
+def kv_pages_sharding(
+    config: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, stacked: bool = False
+):
+    """The sharding of one layer's KV pages, or (`stacked`) of the stacked cache's
+    ([L * num_pages, ...]: the same axes)."""
+    if stacked:
+        num_pages *= config.num_layers
     shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
     return NamedSharding(mesh, partition_spec(shape, KV_PAGES_AXES, mesh, name="kv_pages"))
 
@@ -118,12 +127,17 @@ def place(x, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def place_params(params, config: ModelConfig, layout: HeadLayout, mesh: Mesh, dtype=None):
+def place_params(
+    params, config: ModelConfig, layout: HeadLayout, mesh: Mesh, dtype=None, stacked: bool = False
+):
     """Original-layout weights -> the device layout (`layout`, heads.py), placed on `mesh` one
     weight at a time. A leaf may be a thunk (a function that loads the weight): it is called
     only when that weight is placed, and its host copy is dropped right after, so the host holds
-    one weight at a time and every device receives only its shard."""
+    one weight at a time and every device receives only its shard. `params` in either layer
+    layout (llmjax/model/params.py); the result is stacked with `stacked` (each weight's layers
+    placed, then stacked on the devices one weight name at a time)."""
     device_config = layout.model_config(config)
+    params = unstack_layers(params)
     shardings = param_shardings(device_config, mesh)
     Q = config.num_heads // config.num_kv_heads
 
@@ -135,4 +149,13 @@ def place_params(params, config: ModelConfig, layout: HeadLayout, mesh: Mesh, dt
             x = x.astype(dtype)
         return place(x, sharding)
 
-    return jax.tree_util.tree_map_with_path(one, params, shardings)
+    placed = jax.tree_util.tree_map_with_path(one, params, shardings)
+    if not stacked:
+        return placed
+    stacked_shardings = param_shardings(device_config, mesh, stacked=True)["layers"]
+    layers = placed["layers"]
+    out = {}
+    for name, sharding in stacked_shardings.items():
+        per_layer = [layer.pop(name) for layer in layers]  # dropped once stacked
+        out[name] = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*per_layer)
+    return {**placed, "layers": out}

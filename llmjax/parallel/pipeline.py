@@ -19,7 +19,10 @@ one more). Weights live per *slot*: slot j stacks layer j of every stage, [pp, .
 shorter stage's missing slot is a zero layer, which is exactly the identity (its norms, wo and
 w_down are zero: x + 0 + 0), so uneven splits (SmolLM2's 30 layers over 4 stages: 8, 8, 7, 7)
 cost one idle layer's compute on the short stages. KV pages per slot: [pp, num_pages, G, K, H].
-The embedding, final norm and LM head are replicated over 'pp'.
+With the scanned layer loop (EngineConfig.layer_loop, the default) the slots are stacked as well:
+each weight [pp, num_slots, ...] and the KV pages [pp, num_slots * num_pages, G, K, H], and a stage
+scans over its slots (llmjax/model/llama.py `scan_layers`), so a tick compiles one layer whatever
+the depth. The embedding, final norm and LM head are replicated over 'pp'.
 
 Shapes. All stages of a tick share one (T, S, P) bucket (the largest of the micro-batches in
 flight; the host pads the others, see `pad_step`), so a tick whose stages hold a long prefill and a
@@ -40,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from llmjax.config import ModelConfig
 from llmjax.model.kv_cache import kv_page_shape
 from llmjax.model.layers import rope_cos_sin
-from llmjax.model.llama import decoder_layer, lm_head
+from llmjax.model.llama import decoder_layer, lm_head, scan_layers
 from llmjax.model.params import param_specs
 from llmjax.model.sampler import sample
 from llmjax.model.step_input import StepInput
@@ -53,10 +56,13 @@ def stage_layers(num_layers: int, pp: int) -> list[list[int]]:
     return [[int(i) for i in a] for a in np.array_split(np.arange(num_layers), pp)]
 
 
-def place_pp_params(params, config: ModelConfig, layout: HeadLayout, mesh: Mesh, dtype):
-    """Original-layout weights (arrays or thunks) -> {'embed', 'final_norm', ('lm_head',)
-    replicated over 'pp'; 'stages': one dict per slot of [pp, ...] arrays}, placed on `mesh`.
-    The host holds one weight of every stage at a time."""
+def place_pp_params(
+    params, config: ModelConfig, layout: HeadLayout, mesh: Mesh, dtype, stacked: bool = False
+):
+    """Original-layout weights (arrays or thunks; the list layout) -> {'embed', 'final_norm',
+    ('lm_head',) replicated over 'pp'; 'stages': one dict per slot of [pp, ...] arrays, or with
+    `stacked` one dict of [pp, num_slots, ...] arrays}, placed on `mesh`. The host holds one
+    weight of every stage at a time (`stacked`: of every stage and slot)."""
     pp = mesh.shape["pp"]
     device_config = layout.model_config(config)
     specs = param_specs(device_config)
@@ -73,31 +79,61 @@ def place_pp_params(params, config: ModelConfig, layout: HeadLayout, mesh: Mesh,
             spec = specs[name]
             sharding = NamedSharding(mesh, partition_spec(spec.shape, spec.logical_axes, mesh))
             out[name] = place(host(params[name], name), sharding)
-    slots = []
-    for j in range(max(len(s) for s in stages)):
-        slot = {}
-        for name, spec in specs["layers"][0].items():
-            per_stage = [
+    num_slots = max(len(s) for s in stages)
+
+    def weight(name, spec, j):
+        """[pp, ...]: slot j's weight `name` of every stage (a zero layer is the identity)."""
+        return np.stack(
+            [
                 host(params["layers"][layers[j]][name], name)
                 if j < len(layers)
-                else np.zeros(spec.shape, dtype)  # a zero layer is the identity
+                else np.zeros(spec.shape, dtype)
                 for layers in stages
             ]
-            tp_spec = partition_spec(spec.shape, spec.logical_axes, mesh, name=name)
-            slot[name] = place(np.stack(per_stage), NamedSharding(mesh, P("pp", *tp_spec)))
-        slots.append(slot)
-    out["stages"] = slots
+        )
+
+    def sharding(name, spec, *lead):
+        tp_spec = partition_spec(spec.shape, spec.logical_axes, mesh, name=name)
+        return NamedSharding(mesh, P("pp", *lead, *tp_spec))
+
+    layer_specs = specs["layers"][0].items()
+    if stacked:
+        out["stages"] = {
+            name: place(
+                np.stack([weight(name, spec, j) for j in range(num_slots)], axis=1),
+                sharding(name, spec, None),
+            )
+            for name, spec in layer_specs
+        }
+    else:
+        out["stages"] = [
+            {name: place(weight(name, spec, j), sharding(name, spec)) for name, spec in layer_specs}
+            for j in range(num_slots)
+        ]
     return out
 
 
 def allocate_pp_kv_pages(
-    config: ModelConfig, mesh: Mesh, num_slots: int, num_pages: int, page_size: int, dtype
+    config: ModelConfig,
+    mesh: Mesh,
+    num_slots: int,
+    num_pages: int,
+    page_size: int,
+    dtype,
+    stacked: bool = False,
 ):
-    """Zero KV pages per slot: [(k, v) each [pp, num_pages, G, K, H]], sharded over 'pp' and
-    over 'tp' by kv head, created in place on the devices."""
-    shape = (mesh.shape["pp"], *kv_page_shape(config, num_pages, page_size))
-    tp_spec = partition_spec(shape[1:], KV_PAGES_AXES, mesh, name="kv_pages")
+    """Zero KV pages per slot: [(k, v) each [pp, num_pages, G, K, H]], or with `stacked` one
+    (k, v) each [pp, num_slots * num_pages, G, K, H] (llmjax/model/kv_cache.py); sharded over
+    'pp' and over 'tp' by kv head, created in place on the devices."""
+    page_shape = kv_page_shape(config, num_pages, page_size)
+    tp_spec = partition_spec(page_shape, KV_PAGES_AXES, mesh, name="kv_pages")
+    pp = mesh.shape["pp"]
     sharding = NamedSharding(mesh, P("pp", *tp_spec))
+    if stacked:
+        shape = (pp, num_slots * num_pages, *page_shape[1:])
+        zeros = lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return jax.jit(zeros, out_shardings=(sharding, sharding))()
+    shape = (pp, *page_shape)
     zeros = jax.jit(
         lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_slots)],
         out_shardings=[(sharding, sharding)] * num_slots,
@@ -114,6 +150,9 @@ def make_tick(config: ModelConfig, attention_fn, mesh: Mesh, num_slots: int):
         slots, kv, meta = (jax.tree.map(lambda a: a[0], t) for t in (slots, kv, meta))
         x = h[0]  # [T, D]
         cos, sin = rope_cos_sin(meta.positions, config)
+        if isinstance(slots, dict):  # stacked: scan over the stage's slots
+            x, kv = scan_layers(slots, kv, x, meta, cos, sin, config, attention_fn)
+            return x[None], jax.tree.map(lambda a: a[None], kv)
         new_kv = []
         for j in range(num_slots):
             with jax.named_scope(f"slot_{j}"):

@@ -51,7 +51,7 @@ from llmjax.model.attention import paged_attention_reference, token_seq_ids
 from llmjax.model.kv_cache import KVPages
 from llmjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
 from llmjax.model.llama import _project, lm_head
-from llmjax.model.params import Params
+from llmjax.model.params import Params, unstack_layers
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
 from llmjax.sparse.skew import partial_columns
 
@@ -432,7 +432,7 @@ def sparse_forward(
     fetched = None  # (k_rows, v_rows, valid) for this layer, fetched while the previous ran
     pool = list(pool)
     new_pool, new_partial = [], list(partial_keys)
-    layers = params["layers"]
+    layers = unstack_layers(params)["layers"]  # either layout; this loop is unrolled
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer_{i}"):
             h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)

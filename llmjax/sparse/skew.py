@@ -100,8 +100,10 @@ def collect_qk(params, config: ModelConfig, token_ids, page_size: int = 16):
     from llmjax.model.attention import reference_attention
     from llmjax.model.kv_cache import allocate_kv_pages
     from llmjax.model.llama import forward
+    from llmjax.model.params import unstack_layers
     from llmjax.model.step_input import contiguous_prefill
 
+    params = unstack_layers(params)  # the unrolled loop: each layer's q, k recorded
     n = len(token_ids)
     step, _ = contiguous_prefill([list(token_ids)], n, page_size)  # pages 1.. (0: the sink)
     pages = -(-n // page_size)

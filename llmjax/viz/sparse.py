@@ -222,8 +222,10 @@ def trace_prefill(params, config, token_ids, page_size: int = 16) -> PrefillTrac
     from llmjax.model.kv_cache import allocate_kv_pages
     from llmjax.model.layers import rms_norm, rope_cos_sin
     from llmjax.model.llama import decoder_layer
+    from llmjax.model.params import unstack_layers
     from llmjax.model.step_input import contiguous_prefill
 
+    params = unstack_layers(params)
     n = len(token_ids)
     step, _ = contiguous_prefill([list(token_ids)], n, page_size)
 
@@ -298,6 +300,7 @@ def speculation(
     import jax.numpy as jnp
 
     from llmjax.model.layers import apply_rope, rope_cos_sin
+    from llmjax.model.params import layer_params
     from llmjax.model.step_input import StepInput
     from llmjax.sparse import infinigen
 
@@ -315,11 +318,12 @@ def speculation(
         layer
     ]
     a_part = np.asarray(a_part)  # [K, H, c]
-    wq = np.asarray(params["layers"][layer]["wq"], np.float32)  # [D, N, H]
+    weights = layer_params(params, layer)
+    wq = np.asarray(weights["wq"], np.float32)  # [D, N, H]
     h = trace.attn_inputs[layer - 1][position]  # [D]
     q_next = (h @ wq.reshape(wq.shape[0], -1)).reshape(1, N, H)
     if config.attention_bias:
-        q_next = q_next + np.asarray(params["layers"][layer]["bq"], np.float32)
+        q_next = q_next + np.asarray(weights["bq"], np.float32)
     cos, sin = rope_cos_sin(jnp.array([position], jnp.int32), config)
     q_next = np.asarray(apply_rope(jnp.asarray(q_next), cos, sin))  # [1, N, H]
     keys = trace.keys[layer][:C]  # [C, K, H]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from llmjax import LLM, SamplingParams
+from llmjax.model.params import unstack_layers
 
 
 def _prompts(n, seed=0, lo=1, hi=40):
@@ -165,8 +166,8 @@ def _first_layers(llm, num_layers: int):
     config = dataclasses.replace(
         llm.config, model=dataclasses.replace(llm.config.model, num_layers=num_layers)
     )
-    params = dict(llm.params)
-    params["layers"] = params["layers"][:num_layers]
+    params = unstack_layers(llm.params)  # the runner stacks them again for its scan
+    params = {**params, "layers": params["layers"][:num_layers]}
     llm.engine = LLMEngine(config, params, llm.engine.block_manager.num_pages, llm.tokenizer)
     return llm
 
