@@ -501,8 +501,9 @@ class EngineConfig:
     kernel_*.py), to compare kernel variants and block sizes inside the engine; checked against
     the function's signature when the engine is built.
     `layer_loop` (LAYER_LOOPS): how the step runs the decoder layers: 'scan' (`lax.scan` over
-    weights stacked [L, ...] and one KV cache [L, num_pages, ...]: one layer is compiled, so
-    compile time does not grow with depth; SmolLM2's 30 layers compile 4x faster), 'unroll' (a
+    weights stacked [L, ...] and one KV cache of every layer's pages, [L * num_pages, ...]: one
+    layer is compiled, so compile time does not grow with depth; a SmolLM2 decode bucket compiles
+    in 1.0 s instead of 3.6-4.4 s on a 2-core CPU, and runs as fast), 'unroll' (a
     Python loop over a list of layers: L copies of the layer in the program, one named scope each
     in profiles) or 'auto': scan, except with sparse_kv, whose step treats layers one by one
     (InfiniGen speculates layer i + 1 during layer i). Both give the same numbers. With pp > 1

@@ -21,6 +21,9 @@ import time
 from absl import app, flags
 
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf file or checkpoint dir.")
+flags.DEFINE_enum(
+    "load_format", "auto", ["auto", "dummy"], "'dummy': random weights of the preset's shapes."
+)
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Weight/KV dtypes to compare.")
 flags.DEFINE_list("batch_sizes", ["1"], "Concurrent decoding requests.")
 flags.DEFINE_list(
@@ -102,6 +105,7 @@ def main(argv):
             if base is None:
                 base = llm = LLM(
                     FLAGS.model,
+                    load_format=FLAGS.load_format,
                     dtype=dtype,
                     max_model_len=512,
                     layer_loop=layer_loop,

@@ -12,6 +12,9 @@
 # Stages, in order of importance, each under its own time limit (STAGES=tests,bench,... picks):
 #   tests   the kernel tests compiled on the GPU (gpu-marked; the Mosaic GPU kernels' first, as
 #           they have never run on hardware) + the engine with the Pallas backend
+#   layers  scripts/bench_decode.py: SmolLM2 shapes (random weights, bf16) decoding at batch 1
+#           and 32 with the layers scanned (the default since 2026-11-30) and unrolled: step time
+#           (does XLA slice the stacked weights without copying them?) and compile seconds
 #   bench   scripts/bench_kernels.py: decode-heavy, prefill-heavy and mixed batches (llama3-8b-like
 #           heads, bf16), our kernels (Mosaic GPU, Triton) against the reference, JAX's Pallas ops
 #           and cuDNN, with Mosaic GPU block-size, stage and warp-specialized variants, and the
@@ -22,14 +25,14 @@
 #           (mgpu, gpu) against JAX's paged_attention, with variants
 #   serve   scripts/benchmark.py on SmolLM2 shapes (random weights): mgpu (also warp-specialized)
 #           and gpu kernels vs reference attention
-# The limits add up to ~740 s: one run of timeout_s 580 gets through prefill and most of decode;
+# The limits add up to ~830 s: one run of timeout_s 580 gets through prefill and part of decode;
 # serve needs a second run (STAGES=decode,serve).
 # Results land in $WORK (default /tmp/device_check) and, after every stage, in
 # $OUT/results.tgz (the tool brings back at most 8 files) beside $OUT/summary.txt.
 set -u
 OUT=${OUT:-out/device}
 WORK=${WORK:-/tmp/device_check}
-STAGES=${STAGES:-tests,bench,prefill,decode,serve}
+STAGES=${STAGES:-tests,layers,bench,prefill,decode,serve}
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PY:-python3}
@@ -60,6 +63,15 @@ if want tests; then
     tests/kernels/test_rpa_engine.py} \
     -k "not Interpret${TESTS_K:+ and $TESTS_K}" --durations=8 > "$WORK/kernel_tests.log" 2>&1
   tail -25 "$WORK/kernel_tests.log" | tee -a "$OUT/summary.txt"
+  save
+fi
+
+if want layers; then
+  log "layers: decode step and compile time, layers scanned vs unrolled, 90 s at most"
+  JAX_PLATFORMS=$PLATFORM timeout 90 $PY scripts/bench_decode.py --load_format dummy \
+    --dtypes bfloat16 --batch_sizes 1,32 --layer_loops scan,unroll --decode_steps 32 \
+    --json_out "$WORK/layer_loop.json" 2>"$WORK/layer_loop.log" | tee "$WORK/layer_loop.txt" \
+    | tail -6 | tee -a "$OUT/summary.txt"
   save
 fi
 
