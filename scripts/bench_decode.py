@@ -4,8 +4,9 @@ At batch 1 a decode step reads every weight once, so tokens/s is bounded by
     measured read bandwidth / weight bytes per token.
 This script measures both in the same run (the bandwidth with a jitted reduction over a large
 array) and reports decode tokens/s and the fraction of the bound achieved, per layer loop, dtype
-and batch, with the seconds the decode step took to compile (the persistent compilation cache is
-off here): `--layer_loops scan,unroll` compares EngineConfig.layer_loop's two loops.
+and batch, with the seconds the first decode step took beyond the others (its compilation; 0 when
+the prefill already compiled its bucket; the persistent compilation cache is off here):
+`--layer_loops scan,unroll` compares EngineConfig.layer_loop's two loops.
 
     python scripts/bench_decode.py                       # SmolLM2, float32 and bfloat16, batch 1
     python scripts/bench_decode.py --batch_sizes 1,8 --dtypes float32 --json_out out/decode.json
