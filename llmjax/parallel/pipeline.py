@@ -61,8 +61,9 @@ def place_pp_params(
 ):
     """Original-layout weights (arrays or thunks; the list layout) -> {'embed', 'final_norm',
     ('lm_head',) replicated over 'pp'; 'stages': one dict per slot of [pp, ...] arrays, or with
-    `stacked` one dict of [pp, num_slots, ...] arrays}, placed on `mesh`. The host holds one
-    weight of every stage at a time (`stacked`: of every stage and slot)."""
+    `stacked` one dict of [pp, num_slots, ...] arrays (the slots' arrays stacked on the devices,
+    one weight name at a time)}, placed on `mesh`. The host holds one weight of every stage at a
+    time."""
     pp = mesh.shape["pp"]
     device_config = layout.model_config(config)
     specs = param_specs(device_config)
@@ -97,19 +98,19 @@ def place_pp_params(
         return NamedSharding(mesh, P("pp", *lead, *tp_spec))
 
     layer_specs = specs["layers"][0].items()
+    slots = [
+        {name: place(weight(name, spec, j), sharding(name, spec)) for name, spec in layer_specs}
+        for j in range(num_slots)
+    ]
     if stacked:
-        out["stages"] = {
-            name: place(
-                np.stack([weight(name, spec, j) for j in range(num_slots)], axis=1),
-                sharding(name, spec, None),
+        stack = lambda *xs: jnp.stack(xs, axis=1)
+        slots = {
+            name: jax.jit(stack, out_shardings=sharding(name, spec, None))(
+                *[slot.pop(name) for slot in slots]  # dropped once stacked
             )
             for name, spec in layer_specs
         }
-    else:
-        out["stages"] = [
-            {name: place(weight(name, spec, j), sharding(name, spec)) for name, spec in layer_specs}
-            for j in range(num_slots)
-        ]
+    out["stages"] = slots
     return out
 
 
