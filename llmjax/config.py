@@ -601,15 +601,15 @@ class EngineConfig:
             )
 
     @property
-    def scan_layers(self) -> bool:
+    def scans_layers(self) -> bool:
         """Whether the step scans over stacked layers (`layer_loop` resolved)."""
-        return scan_layers(self.layer_loop, self.sparse_kv.enabled)
+        return layer_loop_scans(self.layer_loop, self.sparse_kv.enabled)
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-def scan_layers(layer_loop: str, sparse_kv: bool) -> bool:
+def layer_loop_scans(layer_loop: str, sparse_kv: bool) -> bool:
     """`EngineConfig.layer_loop` resolved: True for 'scan', and for 'auto' unless a sparse KV
     mode is on."""
     if layer_loop == "auto":

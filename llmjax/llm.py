@@ -30,7 +30,7 @@ from llmjax.config import (
     SchedulerConfig,
     SparseKVConfig,
     apply_overrides,
-    scan_layers,
+    layer_loop_scans,
 )
 from llmjax.engine.block_manager import pages_needed
 from llmjax.engine.engine import LLMEngine
@@ -152,7 +152,7 @@ class LLM:
         )
         if not sharded:  # else ModelRunner places (and converts) each weight on the mesh
             sparse = sparse_kv if isinstance(sparse_kv, str) else sparse_kv.mode
-            if scan_layers(layer_loop, sparse != "none"):
+            if layer_loop_scans(layer_loop, sparse != "none"):
                 from llmjax.model.params import stack_layers
 
                 params = stack_layers(params)  # on the host, before the device holds them

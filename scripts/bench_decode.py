@@ -143,7 +143,7 @@ def _rows(llm, dtype: str, layer_loop: str, bandwidth: float) -> list[dict]:
         rows.append(
             {
                 "model": FLAGS.model,
-                "layer_loop": "scan" if llm.config.scan_layers else "unroll",
+                "layer_loop": "scan" if llm.config.scans_layers else "unroll",
                 "dtype": dtype,
                 "batch": batch,
                 "weight_mb": weight_bytes / 1e6,

@@ -118,10 +118,10 @@ def test_stacked_layout_round_trip_and_specs():
 
 def test_layer_loop_config():
     config = configs.TINY
-    assert EngineConfig(model=config).scan_layers
-    assert not EngineConfig(model=config, layer_loop="unroll").scan_layers
+    assert EngineConfig(model=config).scans_layers
+    assert not EngineConfig(model=config, layer_loop="unroll").scans_layers
     sparse = SparseKVConfig(mode="offload")
-    assert not EngineConfig(model=config, sparse_kv=sparse).scan_layers  # auto: unrolled
+    assert not EngineConfig(model=config, sparse_kv=sparse).scans_layers  # auto: unrolled
     with pytest.raises(ValueError, match="layer_loop='scan' does not run with sparse_kv"):
         EngineConfig(model=config, sparse_kv=sparse, layer_loop="scan")
     with pytest.raises(ValueError, match=r"unknown self\.layer_loop=.while."):

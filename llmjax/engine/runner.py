@@ -83,7 +83,7 @@ class ModelRunner:
         if self.pipelined:
             self._init_pipeline(params, num_pages, attention_fn)
             return
-        scan = config.scan_layers  # the layer loop: weights and KV cache stacked, or per layer
+        scan = config.scans_layers  # the layer loop: weights and KV cache stacked, or per layer
         if self.mesh is None:
             self.model_config = config.model
             self.params = stack_layers(params) if scan else unstack_layers(params)
@@ -100,20 +100,13 @@ class ModelRunner:
             kv_sharding = kv_pages_sharding(
                 self.model_config, self.mesh, num_pages, page_size, stacked=scan
             )
-            allocate = jax.jit(
-                functools.partial(
-                    allocate_kv_pages,
-                    self.model_config,
-                    num_pages,
-                    page_size,
-                    self.dtype,
-                    stacked=scan,
-                ),
-                out_shardings=(kv_sharding, kv_sharding)
-                if scan
-                else [(kv_sharding, kv_sharding)] * self.model_config.num_layers,
+            kv_shardings = (kv_sharding, kv_sharding)  # per layer unless stacked
+            if not scan:
+                kv_shardings = [kv_shardings] * self.model_config.num_layers
+            allocate = functools.partial(
+                allocate_kv_pages, self.model_config, num_pages, page_size, self.dtype, stacked=scan
             )
-            self.kv_pages = allocate()
+            self.kv_pages = jax.jit(allocate, out_shardings=kv_shardings)()
             out_shardings = (
                 replicated(self.mesh),
                 jax.tree.map(lambda x: x.sharding, self.kv_pages),
@@ -197,7 +190,7 @@ class ModelRunner:
         config, mesh = self.config, self.mesh
         layout = tp_head_layout(config.model, config.parallel.tp, config.parallel.pad_heads)
         self.model_config = layout.model_config(config.model)
-        scan = config.scan_layers
+        scan = config.scans_layers
         self.params = pipeline.place_pp_params(
             unstack_layers(params), config.model, layout, mesh, self.dtype, stacked=scan
         )
