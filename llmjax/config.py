@@ -639,6 +639,25 @@ def apply_overrides(config, overrides: Mapping[str, Any]):
     return config
 
 
+def read_override(cls: type, path: str, value):
+    """An override's value as the field at dotted `path` of the config dataclass `cls` holds it
+    (a string parsed by the field's type, as `apply_overrides` does; other values unchanged)."""
+    hint = cls
+    for name in path.split("."):
+        if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+            raise ValueError(f"{path!r}: {getattr(hint, '__name__', hint)} has no fields")
+        hints = typing.get_type_hints(hint)
+        if name not in hints:
+            raise ValueError(f"{path!r}: {hint.__name__} has no field {name!r}")
+        hint = hints[name]
+    if not isinstance(value, str):
+        return value
+    try:
+        return _parse_value(value, hint)
+    except ValueError as e:
+        raise ValueError(f"{path!r}: cannot read {value!r} as {hint}: {e}") from None
+
+
 def _replace_path(obj, names: list[str], value, path: str):
     if not dataclasses.is_dataclass(obj):
         raise ValueError(f"{path!r}: {type(obj).__name__} has no fields")

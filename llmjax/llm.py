@@ -31,12 +31,14 @@ from llmjax.config import (
     SparseKVConfig,
     apply_overrides,
     layer_loop_scans,
+    read_override,
 )
 from llmjax.engine.block_manager import pages_needed
 from llmjax.engine.engine import LLMEngine
 from llmjax.engine.request import RequestOutput
+from llmjax.progress import progress_bar
 from llmjax.sampling_params import SamplingParams
-from llmjax.tokenizer import IncrementalDetokenizer, Tokenizer
+from llmjax.tokenizer import TextStream, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,29 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
+
+
+# EngineConfig fields that an LLM option sets: an override by path acts as the option.
+OPTION_PATHS = {
+    "max_model_len": "max_model_len",
+    "cache.page_size": "page_size",
+    "cache.num_pages": "num_pages",
+    "cache.prefix_cache": "prefix_cache",
+    "scheduler.policy": "scheduler_policy",
+    "scheduler.max_num_seqs": "max_num_seqs",
+    "scheduler.max_num_batched_tokens": "max_num_batched_tokens",
+    "scheduler.admission_order": "admission_order",
+    "scheduler.balance_micro_batches": "balance_micro_batches",
+    "parallel.check_lockstep": "check_lockstep",
+    "attention_backend": "attention_backend",
+    "flash_prefill": "flash_prefill",
+    "pallas_kernel": "pallas_kernel",
+    "kernel_options": "kernel_options",
+    "layer_loop": "layer_loop",
+    "seed": "seed",
+    "precompile": "precompile",
+    "compilation_cache_dir": "compilation_cache_dir",
+}
 
 
 def default_num_pages(config: EngineConfig, params_bytes: int) -> int:
@@ -232,8 +257,16 @@ class LLM:
 
         from llmjax.model.params import num_params
 
-        self._options = options
         o, fixed, model_config = dict(options), self._fixed, self._model_config
+        if o["overrides"]:
+            # An override of a field that an option sets is that option, so the defaults that
+            # derive from it (the token budget from the policy, num_pages) follow it.
+            overrides = dict(o["overrides"])
+            for path, name in OPTION_PATHS.items():
+                if path in overrides:
+                    o[name] = read_override(EngineConfig, path, overrides.pop(path))
+            o["overrides"] = overrides
+        self._options = dict(o)
         parallel = ParallelConfig(
             tp=fixed["tp"],
             pp=fixed["pp"],
@@ -282,7 +315,7 @@ class LLM:
             config = apply_overrides(config, o["overrides"])
         itemsize = jnp.dtype(fixed["dtype"]).itemsize
         params_bytes = num_params(model_config) * itemsize
-        num_pages = o["num_pages"]
+        num_pages = config.cache.num_pages
         if num_pages is None:
             num_pages = default_num_pages(config, params_bytes)
         self.config = config
@@ -346,9 +379,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt (a string or a list of token ids) to completion, batched continuously.
-        Returns one `RequestOutput` per prompt, in order."""
+        Returns one `RequestOutput` per prompt, in order. `use_tqdm` shows a progress bar of
+        finished requests with the input and output token rates (as vLLM's)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -360,10 +395,24 @@ class LLM:
             token_ids, text = self._encode(prompt)
             ids.append(self.engine.add_request(token_ids, params, prompt=text))
         results: dict[str, RequestOutput] = {}
+        bar = progress_bar(len(ids), "Processed prompts", show=True) if use_tqdm else None
+        num_in = num_out = 0
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     results[out.request_id] = out
+                    if bar is not None:
+                        num_in += len(out.prompt_token_ids)
+                        num_out += len(out.token_ids)
+                        seconds = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(
+                            f"input {num_in / seconds:.1f} tok/s, output {num_out / seconds:.1f} "
+                            "tok/s",
+                            refresh=False,
+                        )
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
         return [results[i] for i in ids]
 
     def chat(
@@ -390,29 +439,18 @@ class LLM:
         the final `RequestOutput.text`."""
         token_ids, text = self._encode(prompt)
         request_id = self.engine.add_request(token_ids, sampling_params, prompt=text)
-        detok = IncrementalDetokenizer(self.get_tokenizer())
-        stop = sampling_params.stop if sampling_params else ()
-        hold = max((len(s) for s in stop), default=1) - 1
-        seen = emitted = 0
+        pieces = TextStream(self.get_tokenizer(), sampling_params.stop if sampling_params else ())
         try:
             while True:
                 outputs = [o for o in self.engine.step() if o.request_id == request_id]
                 for out in outputs:
                     if out.error:
                         raise ValueError(f"request rejected: {out.error}")
-                    for tid in out.token_ids[seen:]:
-                        detok.add(tid)
-                    seen = len(out.token_ids)
-                    if out.finished:  # the final text: cut at a stop string, held-back bytes in
-                        detok.finish()
-                        final = out.text if stop else detok.text
-                        if final[emitted:]:
-                            yield final[emitted:]
+                    piece = pieces.update(out.token_ids, out.finished, out.text)
+                    if piece:
+                        yield piece
+                    if out.finished:
                         return
-                    safe = len(detok.text) - hold
-                    if safe > emitted:
-                        yield detok.text[emitted:safe]
-                        emitted = safe
         finally:
             self.engine.abort_request(request_id)
 

@@ -36,6 +36,7 @@ Without --tbt_slo the TBT SLO is --tbt_slo_factor x a measured decode step of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -47,15 +48,11 @@ from typing import NamedTuple
 
 from absl import app, flags
 
-from llmjax import override_flags
-from llmjax.model import attention_flags
-from llmjax.parallel import flags as parallel_flags
+from llmjax import engine_flags
 
-flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf file or checkpoint dir.")
-flags.DEFINE_enum(
-    "load_format", "auto", ["auto", "dummy"], "'dummy' uses random weights (presets only)."
-)
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Weights/KV dtype.")
+engine_flags.define_flags()  # --model, --dtype, --tp, ..., --config.*: as every script
+flags.adopt_module_key_flags(engine_flags)  # listed by --help, not only --helpfull
+flags.FLAGS.set_default("max_num_seqs", 64)
 flags.DEFINE_list(
     "policies",
     ["sarathi", "prefill_first"],
@@ -139,18 +136,6 @@ flags.DEFINE_integer(
     "long_prompt_interference / long_context: long prompt tokens (default 2048, capped).",
 )
 flags.DEFINE_integer("long_output_len", 8, "long_prompt_interference: long requests' outputs.")
-flags.DEFINE_integer(
-    "max_num_batched_tokens",
-    None,
-    "Token budget per step (Sarathi-Serve's chunk size) of the chunking policies (default 512). "
-    "Whole-prompt policies (prefill_first, decode_first) use max(this, max_model_len), as vLLM.",
-)
-flags.DEFINE_integer("max_num_seqs", 64, "Max running requests per engine.")
-flags.DEFINE_integer(
-    "max_model_len", None, "Max prompt + output tokens (default min(context, 4096))."
-)
-flags.DEFINE_integer("num_pages", None, "KV pages (default: sized from the memory budget).")
-flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
 flags.DEFINE_integer("seed", 0, "Seed of the workload's lengths, arrivals and token ids.")
 flags.DEFINE_float(
     "tbt_slo",
@@ -195,25 +180,12 @@ flags.DEFINE_bool(
     "After the warm-up, replay the whole workload once in real time, unmeasured, so the step "
     "shapes that real-time arrivals produce are compiled too.",
 )
-flags.DEFINE_bool("precompile", False, "Compile every step shape at engine start.")
-attention_flags.define_flags()
-flags.adopt_module_key_flags(attention_flags)  # listed by --help, not only --helpfull
 flags.DEFINE_list(
     "sparse_kv",
     ["none"],
     "KV cache placement and fetching per variant (SparseKVConfig.mode): none (device memory), "
     "offload (host pool, every layer fetches everything), infinigen (host pool, speculated "
     "fetches).",
-)
-flags.DEFINE_float("sparse_alpha", 5.0, "infinigen: logit gap to the best token that is fetched.")
-flags.DEFINE_float("partial_weight_ratio", 0.2, "infinigen: skewed columns kept for speculation.")
-flags.DEFINE_integer("max_num_kv", 400, "infinigen: cap on speculated tokens (0 = no cap).")
-flags.DEFINE_enum("sparse_granularity", "token", ["token", "page"], "infinigen: fetch unit.")
-flags.DEFINE_integer("num_dense_layers", 2, "infinigen: leading layers that attend fully.")
-flags.DEFINE_integer("num_recent_tokens", 16, "infinigen: recent tokens always fetched.")
-flags.DEFINE_float("kv_capacity", 1.0, "Host pool: fraction of each request's pages kept.")
-flags.DEFINE_enum(
-    "kv_eviction", "counter", ["counter", "lru", "fifo"], "Host pool eviction policy."
 )
 flags.DEFINE_string("json_out", "out/benchmark.json", "Where to write the results ('' = nowhere).")
 flags.DEFINE_string(
@@ -232,17 +204,12 @@ flags.DEFINE_string(
     "QPS per variant) and with --batch_sizes throughput_vs_batch.png.",
 )
 
-parallel_flags.define_flags()
-flags.adopt_module_key_flags(parallel_flags)
-override_flags.define_flags()
-flags.adopt_module_key_flags(override_flags)
-
 FLAGS = flags.FLAGS
 _MODULE = sys.argv[0] if __name__ == "__main__" else __name__  # absl's key for these flags
 
 
 def _log(msg: str) -> None:
-    if parallel_flags.is_leader(FLAGS):
+    if engine_flags.is_leader(FLAGS):
         print(f"[benchmark] {msg}", file=sys.stderr, flush=True)
 
 
@@ -265,47 +232,20 @@ def _is_whole_prompt(policy: str) -> bool:
     return not SchedulerConfig(policy=policy).chunks_prefills
 
 
-def build_llm(policy: str, **overrides):
-    """A fresh `LLM` for `policy` from the flags (`overrides` replace single options, e.g.
-    prefix_cache and admission_order)."""
+def build_llm(policy: str, **options):
+    """A fresh `LLM` for `policy` from the flags (`options` replace single LLM options, e.g.
+    prefix_cache and admission_order; `sparse_mode` names the sparse KV mode, whose parameters
+    come from --config.sparse_kv.*)."""
     from llmjax import LLM
 
-    kwargs = dict(
-        dtype=FLAGS.dtype,
-        load_format=FLAGS.load_format,
-        max_model_len=FLAGS.max_model_len,
-        page_size=FLAGS.page_size,
-        num_pages=FLAGS.num_pages,
-        max_num_seqs=FLAGS.max_num_seqs,
-        seed=FLAGS.seed,
-        scheduler_policy=policy,
-        precompile=FLAGS.precompile,
-        **attention_flags.llm_kwargs(FLAGS),
-        **parallel_flags.llm_kwargs(FLAGS),
-        **override_flags.llm_kwargs(FLAGS),
-    )
-    budget = overrides.pop("max_num_batched_tokens", FLAGS.max_num_batched_tokens)
+    kwargs = engine_flags.llm_kwargs(FLAGS) | dict(seed=FLAGS.seed, scheduler_policy=policy)
+    budget = options.pop("max_num_batched_tokens", FLAGS.max_num_batched_tokens)
     if budget is not None and _is_whole_prompt(policy):
         # vLLM's classic policy admits whole prompts: its budget must hold the longest one.
         budget = max(budget, FLAGS.max_model_len) if FLAGS.max_model_len else None
-    if budget is not None:  # else the LLM's default for the policy
-        kwargs["max_num_batched_tokens"] = budget
-    kwargs.update(overrides)
-    mode = kwargs.pop("sparse_mode", "none")
-    if mode != "none":
-        from llmjax.config import SparseKVConfig
-
-        kwargs["sparse_kv"] = SparseKVConfig(
-            mode=mode,
-            alpha=FLAGS.sparse_alpha,
-            partial_weight_ratio=FLAGS.partial_weight_ratio,
-            max_num_kv=FLAGS.max_num_kv or None,
-            granularity=FLAGS.sparse_granularity,
-            num_dense_layers=FLAGS.num_dense_layers,
-            num_recent_tokens=FLAGS.num_recent_tokens,
-            capacity=FLAGS.kv_capacity,
-            eviction=FLAGS.kv_eviction,
-        )
+    kwargs["max_num_batched_tokens"] = budget  # None: the LLM's default for the policy
+    kwargs.update(options)
+    kwargs["sparse_kv"] = kwargs.pop("sparse_mode", "none")
     return LLM(FLAGS.model, **kwargs)
 
 
@@ -326,6 +266,8 @@ def engine_info(llm) -> dict:
         "pallas_kernel": FLAGS.pallas_kernel,
         "kernel_options": config.kernel_options,
         "sparse_kv": config.sparse_kv.mode,
+        # every EngineConfig field but the model's shape: what exactly ran
+        "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "model"},
     }
 
 
@@ -554,7 +496,14 @@ def run_variant(variant: Variant, state: dict) -> dict:
     if FLAGS.rehearse:
         t = time.perf_counter()
         engine.reset_prefix_cache()  # as the measured run will start
-        replay(engine, specs, realtime=True, seed=FLAGS.seed, clock=_clock())
+        replay(
+            engine,
+            specs,
+            realtime=True,
+            seed=FLAGS.seed,
+            clock=_clock(),
+            progress=f"{name} rehearsal",
+        )
         _log(f"{name}: rehearsal {time.perf_counter() - t:.1f} s")
     if "tbt_slo" not in state:
         state["tbt_slo"], state["slo_reference"] = choose_tbt_slo(llm)
@@ -571,7 +520,9 @@ def run_variant(variant: Variant, state: dict) -> dict:
         directory = os.path.join(FLAGS.profile_dir, re.sub(r"[^\w.-]+", "_", name))
         profiling = llm.profile(directory, create_perfetto_trace=True)
     with profiling:
-        outputs = replay(engine, specs, realtime=True, seed=FLAGS.seed, clock=_clock())
+        outputs = replay(
+            engine, specs, realtime=True, seed=FLAGS.seed, clock=_clock(), progress=name
+        )
     _log(f"{name}: replayed {len(specs)} requests in {time.perf_counter() - t:.1f} s")
     if FLAGS.plot_dir:  # the plots need every token's time, which the JSON does not keep
         state.setdefault("outputs", {})[name] = outputs
@@ -595,7 +546,10 @@ def run_variant(variant: Variant, state: dict) -> dict:
                 tokenizer=llm.tokenizer,
             )
             engine.reset_prefix_cache()
-            return summarize(replay(engine, trial, seed=FLAGS.seed, clock=_clock()), **slos)
+            outputs = replay(
+                engine, trial, seed=FLAGS.seed, clock=_clock(), progress=f"{name} at {qps:.3g} qps"
+            )
+            return summarize(outputs, **slos)
 
         cap: CapacityResult = capacity_search(
             run_at_qps,
@@ -864,7 +818,7 @@ def _jsonable(obj):
 
 def main(argv):
     del argv
-    parallel_flags.initialize(FLAGS)  # jax.distributed, for a multi-process run
+    engine_flags.initialize(FLAGS)  # jax.distributed, for a multi-process run
     import jax
 
     runs = variants()
@@ -878,7 +832,7 @@ def main(argv):
         gc.collect()  # free this variant's engine before the next is built
         if FLAGS.host_overhead_requests:
             results[v.name]["host_overhead"] = host_overhead(v, FLAGS.host_overhead_requests)
-    if not parallel_flags.is_leader(FLAGS):
+    if not engine_flags.is_leader(FLAGS):
         return  # every process ran the same replays in lockstep; process 0 reports
     print(report(results, state), flush=True)
     if FLAGS.plot_dir:
@@ -888,7 +842,13 @@ def main(argv):
         os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
         doc = {
             "device": jax.devices()[0].device_kind,
-            "flags": {f.name: f.value for f in FLAGS.get_flags_for_module(_MODULE)},
+            "flags": {
+                f.name: f.value
+                for module in (_MODULE, engine_flags.__name__)
+                for f in FLAGS.get_flags_for_module(module)
+                if f.name != engine_flags.CONFIG_FLAG
+            }
+            | {"config_overrides": engine_flags.config_overrides(FLAGS)},
             "tbt_slo": state["tbt_slo"],
             "slo_reference_step": state.get("slo_reference"),
             "workload": [

@@ -10,6 +10,9 @@ r"""Generate text with llmjax (SmolLM2-135M-Instruct by default).
     python scripts/generate.py --chat --tp 2 --pad_heads --coordinator_address 127.0.0.1:1234 \
         --num_processes 2 --process_id 0      # and --process_id 1
 
+    # any EngineConfig field by dotted path (llmjax/engine_flags.py; --help lists them):
+    python scripts/generate.py --config.scheduler.policy=prefill_first --config.cache.watermark=0.02
+
 The answer is streamed token by token unless --nostream; a line of timings follows on stderr.
 """
 
@@ -22,16 +25,10 @@ import time
 
 from absl import app, flags, logging
 
-from llmjax import override_flags
-from llmjax.model import attention_flags
-from llmjax.parallel import flags as parallel_flags
+from llmjax import engine_flags
 
-flags.DEFINE_string(
-    "model",
-    "smollm2-135m-instruct",
-    "Preset name (see configs.PRESETS), a .gguf file, an HF directory (config.json + "
-    "*.safetensors) or an llmjax orbax directory.",
-)
+engine_flags.define_flags()
+flags.adopt_module_key_flags(engine_flags)  # listed by --help, not only --helpfull
 flags.DEFINE_string("prompt", "What is the capital of France?", "The prompt text.")
 flags.DEFINE_bool("chat", False, "Wrap the prompt as a user message in the model's chat template.")
 flags.DEFINE_string("system", None, "Optional system message (with --chat).")
@@ -41,20 +38,6 @@ flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0 = off
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
 flags.DEFINE_integer("seed", None, "Sampling seed (same seed, same text).")
 flags.DEFINE_bool("ignore_eos", False, "Keep generating past the end-of-sequence token.")
-flags.DEFINE_enum(
-    "dtype",
-    "float32",
-    ["float32", "bfloat16", "float16"],
-    "Weights and KV cache dtype (float32 is fastest on CPUs; bfloat16 on GPUs/TPUs).",
-)
-flags.DEFINE_integer(
-    "max_model_len", None, "Max prompt + generated tokens (default: min(context, 4096))."
-)
-flags.DEFINE_integer("num_pages", None, "KV cache pages (default: sized from the memory budget).")
-flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
-flags.DEFINE_enum(
-    "load_format", "auto", ["auto", "dummy"], "'dummy' uses random weights (presets only)."
-)
 flags.DEFINE_bool("stream", True, "Print tokens as they are generated.")
 flags.DEFINE_string(
     "profile_dir",
@@ -63,33 +46,17 @@ flags.DEFINE_string(
     "llmjax_step range per engine step; open with XProf/TensorBoard or, from trace.json.gz, "
     "Perfetto). A 2-token run of the prompt compiles first, outside the profile.",
 )
-attention_flags.define_flags()
-flags.adopt_module_key_flags(attention_flags)  # listed by --help, not only --helpfull
-parallel_flags.define_flags()
-flags.adopt_module_key_flags(parallel_flags)
-override_flags.define_flags()
-flags.adopt_module_key_flags(override_flags)
 
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
-    parallel_flags.initialize(FLAGS)  # jax.distributed, for a multi-process run
+    engine_flags.initialize(FLAGS)  # jax.distributed, for a multi-process run
     from llmjax import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(
-        FLAGS.model,
-        dtype=FLAGS.dtype,
-        load_format=FLAGS.load_format,
-        max_model_len=FLAGS.max_model_len,
-        num_pages=FLAGS.num_pages,
-        page_size=FLAGS.page_size,
-        **attention_flags.llm_kwargs(FLAGS),
-        **parallel_flags.llm_kwargs(FLAGS),
-        **override_flags.llm_kwargs(FLAGS),
-    )
+    llm = LLM(FLAGS.model, **engine_flags.llm_kwargs(FLAGS))
     load_s = time.perf_counter() - t0
     params = SamplingParams(
         max_tokens=FLAGS.max_tokens,
@@ -105,7 +72,7 @@ def main(argv):
         messages.append({"role": "user", "content": prompt})
         prompt = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
     # Every process runs the same requests (lockstep); process 0 prints.
-    show = print if parallel_flags.is_leader(FLAGS) else (lambda *a, **k: None)
+    show = print if engine_flags.is_leader(FLAGS) else (lambda *a, **k: None)
     show(f">>> {FLAGS.prompt}", flush=True)
     profiling = contextlib.nullcontext()
     if FLAGS.profile_dir:  # compile first (a short run), so the profile shows serving

@@ -108,17 +108,6 @@ def test_overrides_by_dotted_path():
     assert sparse.mode == "infinigen" and sparse.alpha == 5.0
 
 
-def test_override_flag_parsing():
-    from llmjax.override_flags import parse
-
-    assert parse(["scheduler.max_num_seqs=8", "cache.watermark = 0.1"]) == {
-        "scheduler.max_num_seqs": "8",
-        "cache.watermark": "0.1",
-    }
-    with pytest.raises(ValueError, match="want PATH=VALUE"):
-        parse(["scheduler.max_num_seqs"])
-
-
 def test_from_hf_config_reads_old_and_new_rope_keys(tmp_path):
     base = {
         "model_type": "llama",

@@ -41,7 +41,7 @@ from configs.tiny import TINY
 from llmjax.config import SCHEDULER_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
 from llmjax.engine.batch import Buckets, pack
 from llmjax.engine.block_manager import BlockManager, pages_needed
-from llmjax.engine.engine import LLMEngine
+from llmjax.engine.engine import InvalidRequest, LLMEngine
 from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import RadixCache, make_prefix_cache
 from llmjax.engine.request import Request, RequestStatus
@@ -114,7 +114,7 @@ class Scenario:
         )
 
     def is_valid(self, spec: RequestSpec) -> bool:
-        """Whether the engine must accept `spec` (independent of `LLMEngine._validate`)."""
+        """Whether the engine must accept `spec` (independent of `LLMEngine.validate_request`)."""
         n = len(spec.prompt)
         total = min(n + spec.max_tokens, self.max_model_len)
         return (
@@ -274,7 +274,8 @@ def run_scenario(sc: Scenario) -> Result:
     sched.num_micro_batches = sc.pipeline_depth  # the engine's pp (the tiny model has 2 layers)
     buckets = Buckets.create(sc.max_num_batched_tokens, sc.max_num_seqs, pages_needed(mml, ps))
     model = FakePagedModel(sc.num_pages, ps, sc.vocab_size)
-    engine_like = types.SimpleNamespace(config=config, block_manager=bm)  # for _validate
+    # for validate_request (no tokenizer: these requests have no stop strings)
+    engine_like = types.SimpleNamespace(config=config, block_manager=bm, tokenizer=None)
 
     requests: dict[str, Request] = {}
     order = sorted(range(len(sc.requests)), key=lambda i: (sc.requests[i].arrival, i))
@@ -301,7 +302,11 @@ def run_scenario(sc: Scenario) -> Result:
             )
             req.metrics.arrival_time = step + i * 1e-3  # FCFS, deterministic
             requests[rid] = req
-            error = LLMEngine._validate(engine_like, req)
+            try:
+                LLMEngine.validate_request(engine_like, req.prompt_token_ids, req.sampling_params)
+                error = None
+            except InvalidRequest as e:
+                error = str(e)
             assert (error is None) == sc.is_valid(spec), f"request {rid}: validation {error=}"
             if error:
                 req.error = error

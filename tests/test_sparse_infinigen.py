@@ -486,9 +486,9 @@ def test_benchmark_compares_sparse_modes(tmp_path, capsys):
             "--policies=sarathi",
             "--workload=long_context",
             "--sparse_kv=offload,infinigen",
-            "--num_dense_layers=1",
-            "--max_num_kv=8",
-            "--num_recent_tokens=4",
+            "--config.sparse_kv.num_dense_layers=1",
+            "--config.sparse_kv.max_num_kv=8",
+            "--config.sparse_kv.num_recent_tokens=4",
             "--num_requests=2",
             "--long_prompt_len=40",
             "--output_len=6",
@@ -505,6 +505,14 @@ def test_benchmark_compares_sparse_modes(tmp_path, capsys):
     doc = json.load(open(out))
     offload, infinigen = doc["variants"]["sarathi/offload"], doc["variants"]["sarathi/infinigen"]
     assert offload["engine"]["sparse_kv"] == "offload"
+    # the --config.* flags reached both engines
+    for v in (offload, infinigen):
+        sparse = v["engine"]["config"]["sparse_kv"]
+        assert (sparse["num_dense_layers"], sparse["max_num_kv"], sparse["num_recent_tokens"]) == (
+            1,
+            8,
+            4,
+        )
     per_token = [v["engine_stats"]["h2d_bytes_per_decode_token"] for v in (offload, infinigen)]
     assert 0 < per_token[1] < per_token[0]
     assert infinigen["engine_stats"]["num_sparse_steps"] > 0

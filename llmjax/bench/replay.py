@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from llmjax.bench.workloads import RequestSpec, with_token_ids
 from llmjax.engine.request import RequestMetrics, RequestOutput
+from llmjax.progress import progress_bar
 from llmjax.sampling_params import SamplingParams
 
 FAILED_FINISH_REASONS = ("error", "abort")  # a parent finishing so has no conversation to continue
@@ -31,6 +32,7 @@ def replay(
     realtime: bool = True,
     seed: int = 0,
     clock: Callable[[], float] | None = None,
+    progress: str | None = None,
 ) -> list[RequestOutput]:
     """Run `specs` through `engine` (an `LLMEngine` with no unfinished requests); returns one
     finished `RequestOutput` per spec, in the order of `specs`.
@@ -42,6 +44,7 @@ def replay(
         the same step: `llmjax.parallel.distributed.leader_clock` gives process 0's
         time.perf_counter to all); then dependents also arrive relative to that clock's reading
         when their parent's output is seen, not to the parent's local finished_time.
+    progress: a description for a progress bar of finished requests (on a terminal only).
 
     Dependent specs (`parent` set) are added only once the parent's output has finished, with the
     prompt token ids parent prompt + parent output + own ids (and no text `prompt`), arriving
@@ -73,6 +76,7 @@ def replay(
     heapq.heapify(due)
     results: list[RequestOutput | None] = [None] * len(specs)
     index_of: dict[str, int] = {}
+    bar = progress_bar(len(specs), progress, unit="req") if progress else None
 
     def finished(i: int, out: RequestOutput) -> None:
         """Record request i's output and release (or skip) its dependents."""
@@ -80,6 +84,8 @@ def replay(
         while stack:
             i, out = stack.pop()
             results[i] = out
+            if bar is not None:
+                bar.update(1)
             for c in children.get(i, ()):
                 spec = specs[c]
                 ids = [*out.prompt_token_ids, *out.token_ids, *spec.prompt_token_ids]
@@ -111,6 +117,8 @@ def replay(
                     finished(index_of[out.request_id], out)
         elif due:
             time.sleep(max(0.0, due[0][0] - now))
+    if bar is not None:
+        bar.close()
     missing = [i for i, out in enumerate(results) if out is None]
     if missing:
         raise RuntimeError(f"the engine went idle without finishing requests {missing[:10]}")

@@ -24,10 +24,21 @@ from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import make_prefix_cache
 from llmjax.engine.request import Request, RequestOutput, RequestStatus
 from llmjax.engine.stats import EngineStats
+from llmjax.progress import progress_bar
 from llmjax.sampling_params import SamplingParams
 from llmjax.tokenizer.detokenizer import StopStringMatcher
 
 logger = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+    """A request the engine can never run; `param` names what is wrong with it: 'prompt'
+    (empty, too long, ids outside the vocabulary), 'max_tokens' (prompt + max_tokens need more
+    KV pages than the cache has) or 'stop' (stop strings without a tokenizer)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 class LLMEngine:
@@ -89,7 +100,10 @@ class LLMEngine:
         """Compile the step for every shape bucket now (loading from JAX's persistent cache when
         it has them), so that serving never compiles. Returns the seconds it took."""
         t = time.perf_counter()
-        self.runner.precompile(self.buckets.shapes())
+        shapes = self.buckets.shapes()
+        bar = progress_bar(len(shapes), "Precompiling step shapes", unit="shape")
+        self.runner.precompile(shapes, progress=bar.update)
+        bar.close()
         seconds = time.perf_counter() - t
         logger.info("precompiled %d step shapes in %.1f s", len(self.buckets.shapes()), seconds)
         return seconds
@@ -127,42 +141,53 @@ class LLMEngine:
             req.stop_matcher = StopStringMatcher(
                 self.tokenizer, sampling_params.stop, sampling_params.include_stop_str_in_output
             )
-        error = self._validate(req)
-        if error:
-            req.error = error
+        try:
+            self.validate_request(req.prompt_token_ids, sampling_params)
+        except InvalidRequest as e:
+            req.error = str(e)
             req.finish("error", time.perf_counter(), RequestStatus.REJECTED)
             self._rejected.append(req)
-            logger.warning("rejected request %s: %s", request_id, error)
+            logger.warning("rejected request %s: %s", request_id, e)
         else:
             self.scheduler.add(req)
             self._live.add(request_id)
         return request_id
 
-    def _validate(self, req: Request) -> str | None:
-        n = len(req.prompt_token_ids)
+    def validate_request(
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> None:
+        """Raise InvalidRequest if this request could never run. `add_request` checks it (and
+        rejects the request with the message); a front end can ask first, to answer the client
+        at once. Reads only what is fixed when the engine is built, so any thread may call it."""
+        n = len(prompt_token_ids)
         max_len = self.config.max_model_len
         if n == 0:
-            return "empty prompt: at least one token is needed"
-        if req.sampling_params.stop and self.tokenizer is None:
-            return "stop strings need a tokenizer; this engine has none (use stop_token_ids)"
+            raise InvalidRequest("empty prompt: at least one token is needed", "prompt")
+        if sampling_params.stop and self.tokenizer is None:
+            raise InvalidRequest(
+                "stop strings need a tokenizer; this engine has none (use stop_token_ids)", "stop"
+            )
         if n >= max_len:
-            return (
-                f"prompt has {n} tokens but max_model_len={max_len} leaves no room for a new token"
+            raise InvalidRequest(
+                f"prompt has {n} tokens but max_model_len={max_len} leaves no room for a new token",
+                "prompt",
             )
         vocab = self.config.model.vocab_size
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            raise InvalidRequest(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt"
+            )
         # Alone in the cache, the request must be able to reach its last token.
-        total = min(n + req.sampling_params.max_tokens, max_len)
+        total = min(n + sampling_params.max_tokens, max_len)
         need = pages_needed(total, self.block_manager.page_size)
         if need > self.block_manager.num_usable_pages:
-            return (
+            raise InvalidRequest(
                 f"prompt ({n} tokens) + max_tokens needs {need} KV pages for {total} tokens but "
                 f"the whole cache has {self.block_manager.num_usable_pages}; raise num_pages or "
-                "lower max_tokens"
+                "lower max_tokens",
+                "max_tokens",
             )
-        return None
 
     def abort_request(self, request_id: str) -> bool:
         self._live.discard(request_id)

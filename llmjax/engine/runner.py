@@ -348,19 +348,22 @@ class ModelRunner:
             )
         return self._step.lower(self.params, self.kv_pages, *self._inputs(step, sampling))
 
-    def precompile(self, shapes: list[tuple[int, int, int]]) -> None:
+    def precompile(self, shapes: list[tuple[int, int, int]], progress=None) -> None:
         """Compile (or load from the persistent cache) the step for every (T, S, P) shape by
         running it once on an all-padding input, which writes only to the reserved page. With
         pp > 1: one tick per shape with an all-padding micro-batch entering, drained by pp - 1
         empty ticks (a tick's bucket is its micro-batches' largest, itself one of `shapes`), and
-        the hidden-state carry's resize between every pair of token buckets."""
+        the hidden-state carry's resize between every pair of token buckets. `progress()` is
+        called after each shape."""
+        progress = progress or (lambda: None)
         if self.pipelined:
-            self._precompile_pipeline(shapes)
+            self._precompile_pipeline(shapes, progress)
             return
         for T, S, P in shapes:
             self.run(pipeline.pad_step(None, T, S, P), _greedy_sampling(S))
+            progress()
 
-    def _precompile_pipeline(self, shapes: list[tuple[int, int, int]]) -> None:
+    def _precompile_pipeline(self, shapes: list[tuple[int, int, int]], progress) -> None:
         if self.num_in_flight:
             raise RuntimeError("precompile needs an empty pipeline")
         pp = self.mesh.shape["pp"]
@@ -368,6 +371,7 @@ class ModelRunner:
             self.tick(pipeline.pad_step(None, T, S, P), _greedy_sampling(S))
             for _ in range(pp - 1):
                 self.tick(None, None)
+            progress()
         # The carry as ticks leave it (sharded over 'pp'), resized from every bucket to every other.
         carry = NamedSharding(self.mesh, PartitionSpec("pp"))
         token_buckets = sorted({T for T, _, _ in shapes})

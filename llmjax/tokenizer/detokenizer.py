@@ -1,5 +1,6 @@
 """`IncrementalDetokenizer`: turns a stream of generated ids into printable text pieces;
-`StopStringMatcher`: finds the first stop string in a request's generated text as it grows.
+`StopStringMatcher`: finds the first stop string in a request's generated text as it grows;
+`TextStream`: a request's growing outputs -> the text pieces to show (LLM.stream, the server).
 
 No jax here: the engine's host side uses this module.
 """
@@ -125,3 +126,39 @@ class StopStringMatcher:
         index, self.matched = min(hits, key=lambda h: (h[0], -len(h[1])))
         self.text_end = index + len(self.matched) if self._include else index
         return True
+
+
+class TextStream:
+    """The text of one request as its outputs arrive, in pieces that join to its final text.
+
+    `update(token_ids, finished, text)` takes the request's cumulative generated ids (as in each
+    `RequestOutput`; outputs may be skipped, e.g. when a slow reader merges several steps) and
+    returns the text that is new since the last call. With stop strings, the last
+    len(longest) - 1 characters are held back until they cannot be the start of one, and the
+    final call returns the rest of the engine's `text` (cut at the stop string), so the pieces
+    always join to `RequestOutput.text`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._cut = bool(stop)
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._num_seen = 0
+        self._num_emitted = 0  # characters returned so far
+
+    def update(self, token_ids: Sequence[int], finished: bool = False, text: str = "") -> str:
+        for token_id in token_ids[self._num_seen :]:
+            self._detok.add(token_id)
+        self._num_seen = len(token_ids)
+        if finished:  # the final text: cut at a stop string, held-back bytes in
+            self._detok.finish()
+            final = text if self._cut else self._detok.text
+            piece = final[self._num_emitted :]
+            self._num_emitted = len(final)
+            return piece
+        safe = len(self._detok.text) - self._hold
+        if safe <= self._num_emitted:
+            return ""
+        piece = self._detok.text[self._num_emitted : safe]
+        self._num_emitted = safe
+        return piece
