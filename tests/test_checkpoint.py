@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,14 +106,10 @@ def write_safetensors_bf16(path: str, tensors: dict[str, np.ndarray]) -> None:
 
 
 def assert_same_params(got, want):
-    got_flat = jax.tree_util.tree_flatten_with_path(got)[0]
-    want_flat = jax.tree_util.tree_flatten_with_path(want)[0]
-    assert [p for p, _ in got_flat] == [p for p, _ in want_flat]
-    for (path, g), (_, w) in zip(got_flat, want_flat, strict=True):
-        name = jax.tree_util.keystr(path)
-        assert g.dtype == w.dtype, name
-        assert g.shape == w.shape, name
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    """Same tree, shapes, dtypes and values (chex names the first leaf that differs)."""
+    chex.assert_trees_all_equal_structs(got, want)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    chex.assert_trees_all_equal(got, want)
 
 
 def assert_same_shape_fields(got: ModelConfig, want: ModelConfig):

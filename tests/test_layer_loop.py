@@ -4,6 +4,7 @@ whatever the depth, and the layouts convert wherever weights cross (LLM, with_op
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,7 +52,7 @@ def test_scan_equals_unroll_step_by_step(name):
     assert layers_stacked(stacked) and not layers_stacked(params)
     kv_list = allocate_kv_pages(config, NUM_PAGES, PAGE, jnp.float32)
     kv_stacked = allocate_kv_pages(config, NUM_PAGES, PAGE, jnp.float32, stacked=True)
-    assert kv_stacked[0].shape == (config.num_layers * NUM_PAGES, *kv_list[0][0].shape[1:])
+    chex.assert_shape(kv_stacked, (config.num_layers * NUM_PAGES, *kv_list[0][0].shape[1:]))
     fwd = jax.jit(forward, static_argnums=3)
     a, b, c = _tokens(11, 1), _tokens(9, 2), _tokens(5, 3)
     ta, tb, tc = [5, 17, 2, 9], [12, 1, 19], [3, 8]  # shuffled page tables
@@ -66,9 +67,9 @@ def test_scan_equals_unroll_step_by_step(name):
         got, kv_stacked = fwd(stacked, kv_stacked, step, config)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     layer_rows = lambda x, i: np.asarray(x)[i * NUM_PAGES : (i + 1) * NUM_PAGES]
-    for i, (k, v) in enumerate(kv_list):  # layer i's pages at rows i * NUM_PAGES, ...
-        np.testing.assert_allclose(layer_rows(kv_stacked[0], i), np.asarray(k), atol=1e-6)
-        np.testing.assert_allclose(layer_rows(kv_stacked[1], i), np.asarray(v), atol=1e-6)
+    # layer i's pages at rows i * NUM_PAGES, ...
+    by_layer = [tuple(layer_rows(x, i) for x in kv_stacked) for i in range(config.num_layers)]
+    chex.assert_trees_all_close(by_layer, [tuple(kv) for kv in kv_list], atol=1e-6)
     # Every layer wrote its own pages: layer 0's and the last layer's keys differ.
     assert not np.allclose(layer_rows(kv_stacked[0], 0), layer_rows(kv_stacked[0], -1 % 2))
 
@@ -103,13 +104,12 @@ def test_stacked_layout_round_trip_and_specs():
     specs = param_specs(config, stacked=True)["layers"]
     for name, x in stacked["layers"].items():
         assert isinstance(x, np.ndarray)  # numpy stays on the host
-        assert x.shape == (config.num_layers, *params["layers"][0][name].shape)
+        chex.assert_shape(x, (config.num_layers, *params["layers"][0][name].shape))
         assert specs[name].logical_axes[0] == "layers" and specs[name].shape == x.shape
-    back = unstack_layers(stacked)
-    for i in range(config.num_layers):
-        for name, x in params["layers"][i].items():
-            np.testing.assert_array_equal(back["layers"][i][name], x)
-            np.testing.assert_array_equal(layer_params(stacked, i)[name], x)
+    chex.assert_trees_all_equal(unstack_layers(stacked), params)
+    chex.assert_trees_all_equal(
+        [layer_params(stacked, i) for i in range(config.num_layers)], params["layers"]
+    )
     assert stack_layers(stacked) is stacked and unstack_layers(params) is params
     bad = {**stacked, "layers": {**stacked["layers"], "wq": stacked["layers"]["wq"][:1]}}
     with pytest.raises(ValueError, match=r"'layers\.wq' has shape"):
