@@ -1,6 +1,6 @@
 r"""The absl flags every script shares for building an engine, in one place.
 
-Short flags for what researchers set most: `--model`, `--load_format`, `--dtype`,
+Short flags for what researchers set most: `--model`, `--load_format`, `--tokenizer`, `--dtype`,
 `--max_model_len`, `--page_size`, `--num_pages`, `--max_num_seqs`, `--max_num_batched_tokens`,
 `--precompile`, the step's kernels (`--attention_backend`, `--flash_prefill`, `--pallas_kernel`,
 `--kernel_options`, `--layer_loop`), parallelism (`--tp`, `--pp`, `--pad_heads`,
@@ -80,6 +80,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     )
     flags.DEFINE_enum(
         "load_format", "auto", ["auto", "dummy"], "'dummy' uses random weights (presets only).", **f
+    )
+    flags.DEFINE_string(
+        "tokenizer",
+        None,
+        "A .gguf file or a directory with tokenizer.json to take the tokenizer from (default: "
+        "the model's own), e.g. SmolLM2's for --model smollm2-tiny --load_format dummy.",
+        **f,
     )
     flags.DEFINE_enum(
         "dtype",
@@ -346,6 +353,7 @@ def llm_kwargs(values: flags.FlagValues) -> dict:
     kwargs = dict(
         dtype=values.dtype,
         load_format=values.load_format,
+        tokenizer=values.tokenizer,
         max_model_len=values.max_model_len,
         page_size=values.page_size,
         num_pages=values.num_pages,

@@ -337,6 +337,11 @@ class LLM:
         )
 
     @property
+    def model_name(self) -> str:
+        """The `model` this LLM was loaded from (a preset name or a path)."""
+        return self._fixed["model"]
+
+    @property
     def model_config(self) -> ModelConfig:
         return self.config.model
 

@@ -125,3 +125,23 @@ def test_chats_sharing_a_system_prompt_reuse_its_pages_and_answer_the_same(llm):
     want = off.chat(chats, params)
     assert [o.token_ids for o in first + rest] == [o.token_ids for o in want]
     assert all(o.num_cached_tokens == 0 for o in want)
+
+
+def test_the_server_answers_as_llm_chat(llm):
+    """SmolLM2 through the OpenAI-compatible server (the official client, streamed and not)
+    gives LLM.chat's greedy text."""
+    import openai
+
+    from llmjax import SamplingParams
+    from llmjax.serve import Server
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = llm.chat(messages, SamplingParams(max_tokens=12))[0]
+    with Server(llm) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=120)
+        kwargs = dict(model=server.model_name, messages=messages, max_tokens=12, temperature=0)
+        reply = client.chat.completions.create(**kwargs)
+        assert reply.choices[0].message.content == want.text
+        assert want.text.startswith("The capital of France is Paris")
+        chunks = client.chat.completions.create(**kwargs, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text

@@ -150,7 +150,9 @@ def _streams(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
     return np.random.default_rng([seed, 0]), np.random.default_rng([seed, 1])
 
 
-def _clip_to_context(prompt_len: int, output_len: int, max_model_len: int | None):
+def clip_to_context(prompt_len: int, output_len: int, max_model_len: int | None):
+    """(prompt_len, output_len) cut to fit max_model_len together: the output first (at most
+    max_model_len - 1), then the prompt."""
     if max_model_len is None:
         return prompt_len, output_len
     if max_model_len < 2:
@@ -162,7 +164,7 @@ def _clip_to_context(prompt_len: int, output_len: int, max_model_len: int | None
 def _specs(prompt_lens, output_lens, arrivals, max_model_len) -> list[RequestSpec]:
     specs = []
     for p, o, t in zip(prompt_lens, output_lens, arrivals, strict=True):
-        p, o = _clip_to_context(int(p), int(o), max_model_len)
+        p, o = clip_to_context(int(p), int(o), max_model_len)
         specs.append(RequestSpec(arrival_time=float(t), prompt_len=p, output_len=o))
     return specs
 

@@ -190,8 +190,13 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> bool:
+        """Stop a waiting or running request and free its pages; False if it is not live."""
         self._live.discard(request_id)
         return self.scheduler.abort(request_id) is not None
+
+    def abort_all(self) -> list[str]:
+        """Abort every waiting and running request; returns their ids."""
+        return [rid for rid in list(self._live) if self.abort_request(rid)]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._rejected)
@@ -340,6 +345,7 @@ class LLMEngine:
             metrics=req.metrics,
             num_cached_tokens=req.num_cached_tokens,
             error=req.error,
+            stop_reason=req.stop_reason,
         )
 
     @property

@@ -89,6 +89,7 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
+    stop_reason: str | int | None = None  # the stop string or stop token id that finished it
     metrics: RequestMetrics = dataclasses.field(
         default_factory=lambda: RequestMetrics(arrival_time=time.perf_counter())
     )
@@ -123,11 +124,14 @@ class Request:
             self.metrics.first_token_time = now
         self.metrics.token_times.append(now)
         params = self.sampling_params
-        if (
-            token_id in params.stop_token_ids
-            or (not params.ignore_eos and token_id in self.eos_token_ids)
-            or (self.stop_matcher is not None and self.stop_matcher.add(token_id))
+        if token_id in params.stop_token_ids:
+            self.stop_reason = token_id
+            self.finish("stop", now)
+        elif (not params.ignore_eos and token_id in self.eos_token_ids) or (
+            self.stop_matcher is not None and self.stop_matcher.add(token_id)
         ):
+            if self.stop_matcher is not None and self.stop_matcher.matched is not None:
+                self.stop_reason = self.stop_matcher.matched
             self.finish("stop", now)
         elif len(self.output_token_ids) >= params.max_tokens:
             self.finish("length", now)
@@ -147,6 +151,8 @@ class RequestOutput:
     stop string), 'length' (max_tokens or max_model_len), 'abort', or 'error' with
     `error` saying why (e.g. a prompt too long for the model). `num_cached_tokens` is the prompt
     tokens whose KV came from the prefix cache instead of being computed (its hit).
+    `stop_reason` (as vLLM's): the stop string or the stop token id that ended the request; None
+    for EOS and every other reason.
     """
 
     request_id: str
@@ -159,3 +165,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
+    stop_reason: str | int | None = None

@@ -1,0 +1,517 @@
+"""The OpenAI-compatible HTTP front door (FastAPI), with vLLM's wire conventions:
+
+    POST /v1/completions        prompt: a string, a list of strings, token ids, or lists of them
+    POST /v1/chat/completions   messages rendered with the model's chat template
+    GET  /v1/models   GET /health   GET /metrics   GET /version
+    POST /tokenize    POST /detokenize
+
+Streaming is server-sent events (`data: {json}\\n\\n`, ending `data: [DONE]\\n\\n`); a chat stream's
+role arrives with its first token; `stream_options.include_usage` adds a usage chunk with empty
+choices. Errors have vLLM's shape `{"error": {"message", "type", "param", "code"}}`: 400 for bad
+parameters, malformed JSON, wrong types and prompts that cannot fit (`param` names the field), 404
+for an unknown model, 401 for a wrong or missing key when an api key is set (on /v1/*), 503 with
+Retry-After when more than `max_num_queued` requests wait (decided before anything is streamed),
+and an error event inside a stream that fails after it started. A client that disconnects aborts
+its requests before the engine's next step.
+
+Every JAX call happens on the engine thread (`AsyncEngine`); handlers tokenize, check, queue and
+format. Timestamps come from the engine's own request metrics; the request's arrival is stamped
+when its handler starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import llmjax
+from llmjax.engine.engine import InvalidRequest
+from llmjax.engine.request import RequestOutput
+from llmjax.serve.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    OutputStream,
+)
+from llmjax.serve.metrics import CONTENT_TYPE
+from llmjax.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIModel,
+    TokenizeRequest,
+)
+from llmjax.tokenizer import TextStream
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """served_model_name: the `model` clients send (and /v1/models lists). model_path: where the
+    weights came from (`root` in /v1/models). api_key: if set, /v1/* need `Authorization: Bearer
+    <key>`. max_num_queued: at most this many requests wait for the engine (None: unbounded)."""
+
+    served_model_name: str
+    model_path: str = ""
+    api_key: str | None = None
+    max_num_queued: int | None = None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ERROR_TYPES.get(status, "InternalServerError")
+
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None, kind: str = "") -> dict:
+    kind = kind or ERROR_TYPES.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+    return JSONResponse(error_body(e.status, e.message, e.param, e.kind), e.status, headers)
+
+
+def build_app(async_engine: AsyncEngine, tokenizer, config: ServerConfig, metrics=None) -> FastAPI:
+    """The FastAPI app over a started-on-startup `AsyncEngine` (its lifespan starts and stops the
+    engine thread). `metrics`: the `ServingMetrics` /metrics exposes."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    app = FastAPI(title="llmjax", version=llmjax.__version__, lifespan=lifespan)
+    handler = _Handlers(async_engine, tokenizer, config)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return error_response(_validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        logger.exception("error serving %s", request.url.path)
+        return JSONResponse(error_body(500, f"{type(e).__name__}: {e}"), 500)
+
+    if config.api_key:
+        expected = f"Bearer {config.api_key}".encode()
+
+        @app.middleware("http")
+        async def _authenticate(request: Request, call_next):
+            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    message = "invalid or missing API key (Authorization: Bearer <key>)"
+                    return JSONResponse(error_body(401, message), 401)
+            return await call_next(request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await handler.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await handler.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return handler.models()
+
+    @app.get("/health")
+    async def health():
+        if async_engine.is_running:
+            return Response(status_code=200)
+        return JSONResponse(error_body(503, async_engine.error or "the engine is not running"), 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": llmjax.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body = metrics.exposition() if metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return handler.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return handler.detokenize(body)
+
+    return app
+
+
+def _validation_error(e: RequestValidationError) -> APIError:
+    """pydantic's errors -> one 400 naming the first field (loc after 'body')."""
+    errors = e.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', '')}")
+    parts = []
+    for err in errors[:3]:
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{where}: {err.get('msg')}")
+    return APIError(400, "invalid request: " + "; ".join(parts), loc[0] if loc else None)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Call:
+    """One completions or chat call, checked and ready to queue."""
+
+    kind: str  # "completion" or "chat"
+    response_id: str
+    prompts: list[list[int]]
+    texts: list[str | None]
+    params: list  # SamplingParams per prompt
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    arrival_time: float
+
+
+class _Handlers:
+    def __init__(self, async_engine: AsyncEngine, tokenizer, config: ServerConfig):
+        self.engine = async_engine
+        self.llm_engine = async_engine.engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.max_model_len = self.llm_engine.config.max_model_len
+        self.created = int(time.time())
+
+    # ---- checks shared by both endpoints
+
+    def _check_common(self, body: OpenAIModel) -> None:
+        if body.model is not None and body.model != self.config.served_model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist.", "model")
+        unsupported = body.unsupported()
+        if unsupported:
+            raise APIError(400, unsupported[1], unsupported[0])
+        if body.unknown_fields():
+            logger.warning("ignored unknown request fields %s", body.unknown_fields())
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream")
+        if body.stop and self.tokenizer is None:
+            raise APIError(400, "stop strings need the model's tokenizer", "stop")
+
+    def _tokenizer(self, param: str):
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send token ids", param)
+        return self.tokenizer
+
+    def _sampling(self, body, prompt: list[int], requested: int | None, prompt_param: str):
+        n, limit = len(prompt), self.max_model_len
+        max_tokens = requested if requested is not None else limit - n
+        if n + max(max_tokens, 1) > limit:
+            param = prompt_param if n >= limit else "max_tokens"
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the {prompt_param}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {prompt_param} or completion.",
+                param,
+            )
+        try:
+            params = body.sampling_params(max_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        try:
+            self.llm_engine.validate_request(prompt, params)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), prompt_param if e.param == "prompt" else e.param) from None
+        return params
+
+    def _call(self, kind: str, body, prompts, texts, requested, prompt_param, arrival) -> _Call:
+        params = [self._sampling(body, p, requested, prompt_param) for p in prompts]
+        options = body.stream_options
+        return _Call(
+            kind=kind,
+            response_id=f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
+            prompts=prompts,
+            texts=texts,
+            params=params,
+            stream=body.stream,
+            include_usage=bool(options and options.include_usage),
+            continuous_usage=bool(options and options.continuous_usage_stats),
+            arrival_time=arrival,
+        )
+
+    # ---- endpoints
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        self._check_common(body)
+        prompts, texts = [], []
+        for p in body.prompts():
+            if isinstance(p, str):
+                prompts.append(self._tokenizer("prompt").encode(p))
+                texts.append(p)
+            else:
+                prompts.append(list(p))
+                texts.append(None)
+        if not prompts or any(not p for p in prompts):
+            raise APIError(400, "prompt must not be empty", "prompt")
+        call = self._call("completion", body, prompts, texts, body.max_tokens, "prompt", arrival)
+        return await self._serve(call, request)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        self._check_common(body)
+        tok = self._tokenizer("messages")
+        messages = [m.as_template_message() for m in body.messages]
+        try:
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt
+            )
+        except Exception as e:  # a template that refuses these messages (roles, order)
+            raise APIError(400, f"the chat template failed: {e}", "messages") from None
+        requested = body.requested_max_tokens
+        call = self._call("chat", body, [tok.encode(text)], [text], requested, "messages", arrival)
+        return await self._serve(call, request)
+
+    def models(self) -> dict:
+        card = {
+            "id": self.config.served_model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "llmjax",
+            "root": self.config.model_path or self.config.served_model_name,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.llm_engine.config.model.vocab_size,  # llmjax's: for load tests
+        }
+        return {"object": "list", "data": [card]}
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        self._check_model(body.model)
+        tok = self._tokenizer("prompt")
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            messages = [m.as_template_message() for m in body.messages]
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt
+            )
+            tokens = tok.encode(text, add_special_tokens=body.add_special_tokens)
+        else:
+            tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        self._check_model(body.model)
+        vocab = self.llm_engine.config.model.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise APIError(
+                400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens"
+            )
+        return {"prompt": self._tokenizer("tokens").decode(body.tokens)}
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    # ---- queueing and answering
+
+    async def _serve(self, call: _Call, request: Request):
+        try:
+            stream = self.engine.add_requests(
+                list(zip(call.prompts, call.params, strict=True)),
+                request_id=call.response_id,
+                arrival_time=call.arrival_time,
+                prompts=call.texts if call.kind == "completion" else None,
+                final_only=not call.stream,
+            )
+        except EngineOverloadedError as e:
+            raise APIError(503, str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not serving: {e}") from None
+        if call.stream:
+            return _EventStream(self._sse(call, stream), lambda: self.engine.close(stream))
+        try:
+            outputs = await _collect_or_disconnect(stream, request)
+        finally:
+            self.engine.close(stream)
+        if outputs is None:  # the client went away: its requests are aborted
+            return Response(status_code=499)
+        return self._response(call, outputs)
+
+    def _response(self, call: _Call, outputs: dict[str, RequestOutput]) -> JSONResponse:
+        ordered = [outputs[f"{call.response_id}-{i}"] for i in range(len(call.prompts))]
+        failed = next((o for o in ordered if o.error), None)
+        if failed is not None:
+            raise APIError(400, failed.error, "prompt" if call.kind == "completion" else "messages")
+        choices = []
+        for i, out in enumerate(ordered):
+            choice = {"index": i}
+            if call.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": out.text}
+            else:
+                choice["text"] = out.text
+            choice |= {
+                "logprobs": None,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            choices.append(choice)
+        body = {
+            "id": call.response_id,
+            "object": "chat.completion" if call.kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": self.config.served_model_name,
+            "choices": choices,
+            "usage": _usage(ordered),
+        }
+        return JSONResponse(body)
+
+    async def _sse(self, call: _Call, stream: OutputStream):
+        """The events of one call: a chunk per output with new text (or a finish), the usage
+        chunk if asked for, [DONE]; an error event if the engine stops first."""
+        kind = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
+        head = {
+            "id": call.response_id,
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.config.served_model_name,
+        }
+        index = {rid: i for i, rid in enumerate(stream.request_ids)}
+        pieces = {
+            rid: TextStream(self.tokenizer, p.stop) if self.tokenizer is not None else None
+            for rid, p in zip(stream.request_ids, call.params, strict=True)
+        }
+        latest: dict[str, RequestOutput] = {}
+        try:
+            async for outputs in stream:
+                for out in outputs:
+                    first = out.request_id not in latest
+                    latest[out.request_id] = out
+                    if out.error:
+                        raise EngineDeadError(out.error)
+                    text = pieces[out.request_id].update(out.token_ids, out.finished, out.text)
+                    if not (text or out.finished or (first and call.kind == "chat")):
+                        continue
+                    choice = {"index": index[out.request_id]}
+                    if call.kind == "chat":  # the role comes with the first token
+                        role = {"role": "assistant"} if first else {}
+                        choice["delta"] = role | {"content": text}
+                    else:
+                        choice["text"] = text
+                    choice |= {
+                        "logprobs": None,
+                        "finish_reason": out.finish_reason if out.finished else None,
+                        "stop_reason": out.stop_reason if out.finished else None,
+                    }
+                    chunk = head | {"choices": [choice]}
+                    if call.continuous_usage:
+                        chunk["usage"] = _usage(latest.values())
+                    yield _event(chunk)
+            if call.include_usage:
+                yield _event(head | {"choices": [], "usage": _usage(latest.values())})
+        except EngineDeadError as e:
+            yield _event(error_body(500, str(e), kind="InternalServerError"))
+        yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream that calls `on_close` however it ends: finished, failed, or
+    cancelled because the client disconnected (even before its first event)."""
+
+    def __init__(self, events, on_close):
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _usage(outputs) -> dict:
+    outputs = list(outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+    }
+
+
+async def _collect_or_disconnect(
+    stream: OutputStream, request: Request
+) -> dict[str, RequestOutput] | None:
+    """Every request's final output, or None if the client disconnects first."""
+
+    async def collect():
+        final = {}
+        async for outputs in stream:
+            final |= {o.request_id: o for o in outputs}
+        return final
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    result, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if result in done:
+        try:
+            return result.result()
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine stopped: {e}") from None
+    result.cancel()
+    return None

@@ -1,0 +1,184 @@
+"""The request bodies of the OpenAI-compatible API (pydantic), with vLLM's extras that llmjax
+implements (`top_k`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `seed`,
+`max_completion_tokens`).
+
+Fields that OpenAI or vLLM define and llmjax does not implement yet are declared with their
+defaults, so a request that sets one to anything else is answered 400 naming it
+(`unsupported()`), never silently ignored. Other unknown fields are ignored with a warning in the
+server's log, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmjax.sampling_params import SamplingParams
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    # field -> its default (or a tuple of the values that mean "off"): others are refused
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) for the first field set to a value llmjax does not implement."""
+        for name, default in self.UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value not in (default if isinstance(default, tuple) else (default,)):
+                return name, (
+                    f"{name}={value!r} is not implemented by llmjax yet; leave it out (or at "
+                    f"{default[0] if isinstance(default, tuple) else default!r})"
+                )
+        return None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(OpenAIModel):
+    """What completions and chat completions share."""
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM: -1 or 0 disables
+    seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Not implemented yet: only their defaults are accepted.
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {
+        "n": 1,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_tokens": 0,
+        "min_p": 0.0,
+        "logit_bias": (None, {}),
+        "response_format": (None, {"type": "text"}),
+        "prompt_logprobs": None,
+    }
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        stop = self.stop if self.stop is not None else ()
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=max(self.top_k, 0),
+            top_p=self.top_p,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            stop=stop,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {
+        **_Sampling.UNSUPPORTED,
+        "best_of": (None, 1),
+        "echo": False,
+        "logprobs": None,
+        "suffix": None,
+    }
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per choice: a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it: content a string (text parts joined with
+        newlines, as vLLM does)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {
+        **_Sampling.UNSUPPORTED,
+        "logprobs": False,
+        "top_logprobs": (None, 0),
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+    }
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, or the deprecated max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: TokenIds
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}

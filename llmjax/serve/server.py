@@ -1,0 +1,92 @@
+"""Run the OpenAI-compatible server for an `LLM`: `serve(...)` blocks (scripts/serve.py);
+`Server` runs the same app under uvicorn in a background thread of this process and stops when
+asked (tests, notebooks, benchmarks):
+
+    with Server(llm, port=0) as server:        # port 0: a free port on 127.0.0.1
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        client.completions.create(model=server.model_name, prompt="Hi", max_tokens=8)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import uvicorn
+
+from llmjax.serve.app import ServerConfig, build_app
+from llmjax.serve.async_engine import AsyncEngine
+from llmjax.serve.metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def make_app(
+    llm,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_num_queued: int | None = None,
+    metrics_prefix: str = "llmjax:",
+):
+    """(FastAPI app, AsyncEngine, ServingMetrics) serving `llm`'s engine. The app's lifespan
+    starts the engine thread; from then on nothing else may drive `llm.engine`."""
+    name = served_model_name or llm.model_name
+    engine = llm.engine
+    metrics = ServingMetrics(
+        name, engine.config, engine.block_manager.num_pages, metrics_prefix, stats=engine.stats
+    )
+    async_engine = AsyncEngine(engine, metrics, max_num_queued)
+    config = ServerConfig(name, llm.model_name, api_key, max_num_queued)
+    return build_app(async_engine, llm.tokenizer, config, metrics), async_engine, metrics
+
+
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **options):
+    """Serve `llm` until interrupted (Ctrl-C). `options`: make_app's."""
+    app, _, _ = make_app(llm, **options)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+class Server:
+    """The server for `llm` under uvicorn in a daemon thread; `start()` returns once it accepts
+    connections, `stop()` (or leaving the `with` block) shuts it down and stops the engine
+    thread (unfinished requests are aborted). `url` is http://host:port."""
+
+    def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, log_level="warning", **options):
+        self.app, self.async_engine, self.metrics = make_app(llm, **options)
+        self.model_name = options.get("served_model_name") or llm.model_name
+        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        self.host, self.port = host, port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> Server:
+        self._thread = threading.Thread(target=self._server.run, name="llmjax-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        logger.info("serving %s on %s", self.model_name, self.url)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        self._thread = None
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,91 @@
+r"""Serve a model over an OpenAI-compatible HTTP API (llmjax/serve/; needs the `serve` extra).
+
+    python scripts/serve.py                                  # SmolLM2 on http://127.0.0.1:8000
+    python scripts/serve.py --port 8001 --api_key secret --max_num_queued 256
+    python scripts/serve.py --metrics_prefix vllm            # vLLM's dashboards read /metrics
+    python scripts/serve.py --config.scheduler.policy=prefill_first --precompile
+
+Then, from another shell:
+
+    curl -N http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
+        -d '{"model": "smollm2-135m-instruct", "stream": true,
+             "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+
+The engine is loaded and warmed up (--warmup: one short request compiles the prefill and decode
+steps it needs; --precompile compiles every step shape) before the server accepts connections;
+its address is logged. The engine flags are every script's (llmjax/engine_flags.py).
+"""
+
+from __future__ import annotations
+
+import logging as std_logging
+import time
+
+from absl import app, flags, logging
+
+from llmjax import engine_flags
+
+engine_flags.define_flags()
+flags.adopt_module_key_flags(engine_flags)  # listed by --help, not only --helpfull
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+flags.DEFINE_integer("port", 8000, "Port to listen on.")
+flags.DEFINE_string(
+    "served_model_name", None, "The model name clients send and /v1/models lists (default --model)."
+)
+flags.DEFINE_string(
+    "api_key", None, "If set, /v1/* requests need the header 'Authorization: Bearer <key>'."
+)
+flags.DEFINE_integer(
+    "max_num_queued",
+    None,
+    "At most this many requests wait for the engine; more are answered 503 with Retry-After "
+    "(default: no bound).",
+)
+flags.DEFINE_string(
+    "metrics_prefix",
+    "llmjax:",
+    "Prefix of the Prometheus metric names on /metrics ('vllm' gives vllm:..., what vLLM's "
+    "dashboards read).",
+)
+flags.DEFINE_bool(
+    "warmup", True, "Run one short request before serving, so the first client does not compile."
+)
+flags.DEFINE_enum(
+    "log_level", "info", ["debug", "info", "warning", "error"], "Server (uvicorn) log level."
+)
+
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    std_logging.basicConfig(level=std_logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from llmjax import LLM, SamplingParams
+    from llmjax.serve import serve
+
+    t = time.perf_counter()
+    llm = LLM(FLAGS.model, **engine_flags.llm_kwargs(FLAGS))
+    print(f"[serve] loaded {FLAGS.model} in {time.perf_counter() - t:.1f} s", flush=True)
+    if FLAGS.warmup:
+        t = time.perf_counter()
+        prompt = [llm.model_config.bos_token_id or 1] * 8
+        llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.reset_prefix_cache()
+        llm.engine.reset_stats()
+        print(f"[serve] warmed up in {time.perf_counter() - t:.1f} s", flush=True)
+    print(f"[serve] starting the server on http://{FLAGS.host}:{FLAGS.port}", flush=True)
+    serve(
+        llm,
+        host=FLAGS.host,
+        port=FLAGS.port,
+        log_level=FLAGS.log_level,
+        served_model_name=FLAGS.served_model_name,
+        api_key=FLAGS.api_key,
+        max_num_queued=FLAGS.max_num_queued,
+        metrics_prefix=FLAGS.metrics_prefix,
+    )
+
+
+if __name__ == "__main__":
+    logging.set_verbosity(logging.WARNING)
+    app.run(main)
