@@ -215,6 +215,7 @@ def test_errors_have_vllms_shape_and_name_the_field(llm):
         _error(_post(server, c, {"prompt": "x", "max_tokens": 10**4}), 400, "max_tokens")
         _error(_post(server, c, {"prompt": [1, 10**6]}), 400, "prompt", "outside the vocabulary")
         _error(_post(server, c, {"prompt": "x", "model": "gpt-5"}), 404, "model", "gpt-5")
+        _error(_post(server, c, {"prompt": "x", "stop": [""]}), 400, "stop", "non-empty")
         _error(_post(server, c, {"prompt": "x", "stream_options": {}}), 400, "stream")
         for field, value in [
             ("n", 2),
@@ -439,3 +440,27 @@ def test_health_turns_503_when_the_engine_thread_fails(llm):
         health = httpx.get(server.url + "/health", timeout=TIMEOUT)
         _error(health, 503, match="injected failure")
         _error(_post(server, "/v1/completions", {"prompt": "x"}), 503, match="injected failure")
+
+
+def test_a_model_without_tokenizer_serves_token_ids():
+    bare = LLM("tiny", load_format="dummy", max_model_len=64, num_pages=32)
+    assert bare.tokenizer is None
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    want = bare.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    with Server(bare) as server:
+        body = {"prompt": prompts, "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+        got = _post(server, "/v1/completions", body).json()
+        ids = [c["token_ids"] for c in sorted(got["choices"], key=lambda c: c["index"])]
+        assert ids == [o.token_ids for o in want]
+        with httpx.stream(
+            "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT
+        ) as r:
+            events = _sse(list(r.iter_lines()))
+        streamed = [[], []]
+        for e in events:
+            for c in e["choices"]:
+                streamed[c["index"]] += c["token_ids"]
+        assert streamed == ids
+        _error(_post(server, "/v1/completions", {"prompt": "text"}), 400, "prompt", "tokenizer")
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        _error(_post(server, "/v1/chat/completions", chat), 400, "messages", "tokenizer")

@@ -138,7 +138,7 @@ async def _send(
                     continue
                 choice = chunk["choices"][0] if chunk.get("choices") else {}
                 text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                if not text:
+                if not text and not choice.get("token_ids"):  # (a server without a tokenizer)
                     continue
                 pieces.append(text)
                 if last is None:

@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import llmjax
 from llmjax.engine.engine import InvalidRequest
 from llmjax.engine.request import RequestOutput
+from llmjax.sampling_params import SamplingParams
 from llmjax.serve.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -57,6 +58,7 @@ from llmjax.tokenizer import TextStream
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +225,7 @@ class _Handlers:
     # ---- checks shared by both endpoints
 
     def _check_common(self, body: OpenAIModel) -> None:
-        if body.model is not None and body.model != self.config.served_model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist.", "model")
+        self._check_model(body.model)
         unsupported = body.unsupported()
         if unsupported:
             raise APIError(400, unsupported[1], unsupported[0])
@@ -254,8 +255,9 @@ class _Handlers:
             )
         try:
             params = body.sampling_params(max_tokens)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        except ValueError as e:  # SamplingParams' messages start with the field's name
+            field = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), field if field in SAMPLING_FIELDS else None) from None
         try:
             self.llm_engine.validate_request(prompt, params)
         except InvalidRequest as e:
@@ -389,6 +391,8 @@ class _Handlers:
                 choice["message"] = {"role": "assistant", "content": out.text}
             else:
                 choice["text"] = out.text
+            if self.tokenizer is None:  # no text to give: the token ids (vLLM's token_ids)
+                choice["token_ids"] = out.token_ids
             choice |= {
                 "logprobs": None,
                 "finish_reason": out.finish_reason,
@@ -424,12 +428,15 @@ class _Handlers:
         try:
             async for outputs in stream:
                 for out in outputs:
-                    first = out.request_id not in latest
+                    previous = latest.get(out.request_id)
                     latest[out.request_id] = out
                     if out.error:
                         raise EngineDeadError(out.error)
-                    text = pieces[out.request_id].update(out.token_ids, out.finished, out.text)
-                    if not (text or out.finished or (first and call.kind == "chat")):
+                    new_ids = out.token_ids[len(previous.token_ids) if previous else 0 :]
+                    piece = pieces[out.request_id]
+                    text = piece.update(out.token_ids, out.finished, out.text) if piece else ""
+                    first = previous is None
+                    if not (text or out.finished or (first and call.kind == "chat") or not piece):
                         continue
                     choice = {"index": index[out.request_id]}
                     if call.kind == "chat":  # the role comes with the first token
@@ -437,6 +444,8 @@ class _Handlers:
                         choice["delta"] = role | {"content": text}
                     else:
                         choice["text"] = text
+                    if piece is None:  # no tokenizer: the new token ids instead of text
+                        choice["token_ids"] = new_ids
                     choice |= {
                         "logprobs": None,
                         "finish_reason": out.finish_reason if out.finished else None,

@@ -21,6 +21,10 @@ from llmjax.serve.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 
+# On shutdown, open connections get this long to finish before they are closed (and their
+# requests aborted with the engine thread).
+GRACEFUL_SHUTDOWN_S = 5
+
 
 def make_app(
     llm,
@@ -45,7 +49,13 @@ def make_app(
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **options):
     """Serve `llm` until interrupted (Ctrl-C). `options`: make_app's."""
     app, _, _ = make_app(llm, **options)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
 
 
 class Server:
@@ -56,7 +66,13 @@ class Server:
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, log_level="warning", **options):
         self.app, self.async_engine, self.metrics = make_app(llm, **options)
         self.model_name = options.get("served_model_name") or llm.model_name
-        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level)
+        config = uvicorn.Config(
+            self.app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
         self.host, self.port = host, port
