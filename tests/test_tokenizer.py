@@ -12,10 +12,10 @@ import os
 import gguf
 import jinja2
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from llmjax.tokenizer import IncrementalDetokenizer, Tokenizer
+from llmjax.tokenizer import IncrementalDetokenizer, TextStream, Tokenizer
 from llmjax.tokenizer.detokenizer import StopStringMatcher
 from llmjax.tokenizer.gguf_vocab import _bytes_to_unicode
 
@@ -240,6 +240,27 @@ def test_stream_emoji_held_until_complete(smol):
     pieces = _stream(smol, ids)
     assert "".join(pieces) == "a🎉b"
     assert all(p in ("", "a", "🎉", "b") or "🎉" in p for p in pieces), pieces
+
+
+@HYPOTHESIS
+@given(text=st.text(min_size=1, max_size=40), data=st.data())
+def test_text_stream_pieces_join_to_the_final_text(smol, text, data):
+    """TextStream (LLM.stream, the server): whatever outputs a reader sees (cumulative, some
+    merged), the pieces join to the engine's final text, cut at a stop string."""
+    ids = smol.encode(text, add_special_tokens=False)
+    assume(ids)
+    stop = data.draw(st.sampled_from([(), (text[len(text) // 2 :][:3],), ("zq", text[-1:])]))
+    stop = tuple(s for s in stop if s)
+    n, matcher = len(ids), StopStringMatcher(smol, stop) if stop else None
+    if matcher is not None:  # the engine ends the request at the token that completes one
+        n = next((i + 1 for i, t in enumerate(ids) if matcher.add(t)), n)
+    final = smol.decode(ids[:n])
+    if matcher is not None and matcher.text_end is not None:
+        final = final[: matcher.text_end]
+    seen = sorted(data.draw(st.sets(st.integers(1, n))) - {n})
+    stream = TextStream(smol, stop)
+    pieces = [stream.update(ids[:k]) for k in seen] + [stream.update(ids[:n], True, final)]
+    assert "".join(pieces) == final
 
 
 # ---- loading from a Hugging Face directory and errors --------------------------------------------
