@@ -21,7 +21,12 @@ import math
 
 import numpy as np
 
-from llmjax.bench.workloads import MIN_RANDOM_TOKEN_ID, RequestSpec, clip_to_context
+from llmjax.bench.workloads import (
+    MIN_RANDOM_TOKEN_ID,
+    RequestSpec,
+    clip_to_context,
+    read_json_object,
+)
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the released traces
 
@@ -101,12 +106,7 @@ def is_mooncake_trace(path: str) -> bool:
 
 
 def _parse(line: str, where: str) -> tuple[float, int, int, list[int]]:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    row = read_json_object(line, where)
     for key in ("timestamp", "input_length", "output_length", "hash_ids"):
         if key not in row:
             raise ValueError(f"{where}: missing {key!r}")

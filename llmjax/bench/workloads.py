@@ -641,13 +641,19 @@ def load_trace(path: str) -> list[RequestSpec]:
     return specs
 
 
-def _parse_trace_line(line: str, where: str, index: int) -> RequestSpec:
+def read_json_object(line: str, where: str) -> dict:
+    """One JSONL line as a dict; errors name `where` (file:line)."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e.msg}): {line.strip()[:80]!r}") from e
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _parse_trace_line(line: str, where: str, index: int) -> RequestSpec:
+    row = read_json_object(line, where)
     unknown = sorted(set(row) - set(TRACE_KEYS))
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}; allowed: {list(TRACE_KEYS)}")
