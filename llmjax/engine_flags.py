@@ -255,9 +255,8 @@ def _mirror(config) -> tuple[object, list[tuple[str, object, object]]]:
                 leaf = _leaf_hint(hint)
                 leaves.append((path, hint, value))
                 fields.append((field.name, leaf, dataclasses.field(default=None)))
-                values[field.name] = (
-                    value if leaf is not str or isinstance(value, str) else (_format(value))
-                )
+                keep = leaf is not str or isinstance(value, str)
+                values[field.name] = value if keep else _format(value)
         name = type(obj).__name__
         # Short repr: absl prints the flag's value in its errors.
         cls = dataclasses.make_dataclass(
