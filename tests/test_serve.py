@@ -19,6 +19,8 @@ from llmjax.serve import Server
 
 MAX_MODEL_LEN = 160
 TIMEOUT = 60.0
+PROMPTS = ["The capital of France is", "Once upon a time, in a land"]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,13 @@ def llm(smollm2_path):
 
 @pytest.fixture(scope="module")
 def llm_one(llm):
-    """One request runs at a time, so others wait: for the queueing tests."""
-    return llm.with_options(max_num_seqs=1, num_pages=40)
+    """One request runs at a time, so others wait: for the queueing tests. Its step shapes are
+    compiled first, so that a test's timings are the model's, not the compiler's (on a cold
+    machine a first step can outlast a client's patience)."""
+    one = llm.with_options(max_num_seqs=1, num_pages=40)
+    one.generate(PROMPTS, SamplingParams(max_tokens=3))
+    one.reset_prefix_cache()
+    return one
 
 
 def _client(server, **kwargs) -> openai.OpenAI:
@@ -79,10 +86,6 @@ def _sse(lines) -> list[dict]:
             events.append(json.loads(line[len("data: ") :]))
     assert done, "the stream did not end with [DONE]"
     return events
-
-
-PROMPTS = ["The capital of France is", "Once upon a time, in a land"]
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
 
 
 def test_completions_and_chat_equal_offline_greedy(llm):

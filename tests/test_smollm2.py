@@ -129,7 +129,7 @@ def test_chats_sharing_a_system_prompt_reuse_its_pages_and_answer_the_same(llm):
 
 def test_the_server_answers_as_llm_chat(llm):
     """SmolLM2 through the OpenAI-compatible server (the official client, streamed and not)
-    gives LLM.chat's greedy text."""
+    gives LLM.chat's and LLM.generate's greedy text."""
     import openai
 
     from llmjax import SamplingParams
@@ -145,3 +145,10 @@ def test_the_server_answers_as_llm_chat(llm):
         assert want.text.startswith("The capital of France is Paris")
         chunks = client.chat.completions.create(**kwargs, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+        prompts = ["The capital of France is", "def fibonacci(n):"]
+        offline = llm.generate(prompts, SamplingParams(max_tokens=8))
+        got = client.completions.create(
+            model=server.model_name, prompt=prompts, max_tokens=8, temperature=0
+        )
+        texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+        assert texts == [o.text for o in offline]
