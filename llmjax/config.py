@@ -328,7 +328,7 @@ PREFIX_CACHES = ("none", "radix")  # implemented in llmjax/engine/radix_cache.py
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "cpu")
 FLASH_PREFILL_MODES = ("auto", "on", "off")
 PALLAS_KERNELS = ("auto", "tpu", "gpu", "mgpu")
 LAYER_LOOPS = ("auto", "scan", "unroll")
@@ -485,8 +485,10 @@ class EngineConfig:
     `max_model_len` (prompt + generated tokens per request) defaults to the model's
     `max_position_embeddings`. `attention_backend` (ATTENTION_BACKENDS): 'reference' (plain jnp,
     llmjax/model/attention.py), 'pallas' (the ragged paged attention kernels of kernels_pallas/:
-    compiled on GPU/TPU, interpret mode on the CPU, slow, for checking) or 'auto' (pallas on
-    GPU/TPU, reference on the CPU). `flash_prefill` (pallas backend only): a step whose batch is
+    compiled on GPU/TPU, interpret mode on the CPU, slow, for checking), 'cpu' (kernels_cpu/'s C++
+    ragged paged attention, built at first use with the system compiler; CPU only) or 'auto'
+    (pallas on GPU/TPU; on the CPU, cpu where its kernels build, else reference).
+    `flash_prefill` (pallas backend only): a step whose batch is
     one fresh prompt (one sequence, nothing cached) attends with the flash prefill kernel instead
     of the ragged one: 'auto' where it was measured faster (token buckets from
     kernels_pallas/flash_prefill/tuning.py ENGINE_MIN_TOKENS: GPU >= 2048, TPU and mgpu never),

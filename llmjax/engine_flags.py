@@ -128,7 +128,8 @@ def _define_kernel_flags(f: dict) -> None:
         "auto",
         list(ATTENTION_BACKENDS),
         "Attention: 'pallas' kernels (compiled on GPU/TPU, interpreted on the CPU: slow), "
-        "'reference' (plain jnp), 'auto' (pallas on GPU/TPU, reference on the CPU).",
+        "'reference' (plain jnp), 'cpu' (kernels_cpu/'s C++ kernel, built at first use), 'auto' "
+        "(pallas on GPU/TPU; on the CPU, cpu where it builds, else reference).",
         **f,
     )
     flags.DEFINE_enum(

@@ -89,13 +89,15 @@ def test_padding_does_not_touch_real_pages(model):
         assert not np.array_equal(k0[3], k1[3])
 
 
-def _compiled_step_hlo(config, num_tokens, num_pages=64, layer_loop="auto"):
+def _compiled_step_hlo(config, num_tokens, num_pages=64, layer_loop="auto", attention="auto"):
     from llmjax.config import EngineConfig
     from llmjax.engine.batch import SamplingInput
     from llmjax.engine.runner import ModelRunner
 
     params = init_params(config, jax.random.key(0))
-    engine_config = EngineConfig(model=config, layer_loop=layer_loop, compilation_cache_dir="")
+    engine_config = EngineConfig(
+        model=config, layer_loop=layer_loop, attention_backend=attention, compilation_cache_dir=""
+    )
     runner = ModelRunner(engine_config, params, num_pages)
     page_size = engine_config.cache.page_size
     if num_tokens == 1:  # one decode
@@ -115,12 +117,30 @@ def _compiled_step_hlo(config, num_tokens, num_pages=64, layer_loop="auto"):
     return runner, runner.lower(step, sampling).compile().as_text()
 
 
+def _cpu_kernels():
+    import kernels_cpu
+
+    return kernels_cpu.available()
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        "reference",
+        pytest.param(
+            "cpu", marks=pytest.mark.skipif(not _cpu_kernels(), reason="no CPU kernels here")
+        ),
+    ],
+)
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-gqa1"])
 @pytest.mark.parametrize("num_tokens", [1, 2, 16, 64])
-def test_step_copies_neither_kv_pages_nor_weights(name, num_tokens, layer_loop):
+def test_step_copies_neither_kv_pages_nor_weights(name, num_tokens, layer_loop, attention):
+    """For the jnp reference attention and the C++ CPU kernel (an FFI call, whose operands XLA
+    could copy into another layout)."""
     config = configs.get_preset(name)
-    runner, hlo = _compiled_step_hlo(config, num_tokens, layer_loop=layer_loop)
+    runner, hlo = _compiled_step_hlo(config, num_tokens, layer_loop=layer_loop, attention=attention)
+    assert ("llmjax_cpu_ragged_paged_attention" in hlo) == (attention == "cpu")
     # Every KV array is donated and aliased to an output: the update happens in place.
     header = hlo.splitlines()[0]
     num_kv_arrays = 2 if layer_loop == "scan" else 2 * config.num_layers

@@ -103,7 +103,12 @@ def test_backend_choice():
     assert default_implementation("tpu") == "tpu"
     assert default_implementation("cuda") == "gpu" and default_implementation("gpu") == "gpu"
     assert default_implementation("cpu") == "tpu"  # interpreted
-    assert resolve_attention_backend("auto", "cpu") == "reference"
+    import kernels_cpu
+
+    want_cpu = "cpu" if kernels_cpu.available() else "reference"
+    assert resolve_attention_backend("auto", "cpu") == want_cpu  # the C++ kernel where it builds
+    with pytest.raises(ValueError, match="runs on the CPU, not on 'gpu'"):
+        resolve_attention_backend("cpu", "gpu")
     assert resolve_attention_backend("auto", "tpu") == "pallas"
     assert resolve_attention_backend("auto", "gpu") == "pallas"
     assert resolve_attention_backend("pallas", "cpu") == "pallas"

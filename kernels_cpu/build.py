@@ -1,0 +1,146 @@
+"""Building the CPU kernels (`csrc/*.cc`) into one shared library, at first use, with the system
+C++ compiler, and registering them as XLA FFI targets.
+
+The library is compiled for this machine (`-O3 -march=native`, so AVX-512 / VNNI paths are taken
+where the CPU has them) against the XLA FFI headers that jaxlib ships, into
+`$XDG_CACHE_HOME/llmjax/kernels_cpu/<key>/`, where the key hashes the sources, the compiler, the
+flags, jaxlib's version and the CPU's feature flags: later processes load it in milliseconds, and
+concurrent ones (test workers) build it once (a lock file; the library is renamed into place
+complete). `LLMJAX_CPU_KERNELS=0` turns the kernels off; `CXX` picks the compiler. When no
+compiler works, `load()` raises `KernelsUnavailable` with the reason, and callers fall back to
+the plain-jnp paths.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+logger = logging.getLogger(__name__)
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCES = ("ragged_paged_attention.cc",)
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+LIBRARY = "libllmjax_cpu.so"
+# FFI handler symbols in the library -> the XLA custom-call target names they are registered as.
+TARGETS = {"LlmjaxRaggedPagedAttention": "llmjax_cpu_ragged_paged_attention"}
+
+
+class KernelsUnavailable(RuntimeError):
+    """The CPU kernels cannot be built or loaded here (the message says why)."""
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise KernelsUnavailable("no C++ compiler found (install g++, or set CXX)")
+    return cxx
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _include_dir() -> str:
+    import jaxlib
+
+    include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
+    if not os.path.exists(os.path.join(include, "xla", "ffi", "api", "ffi.h")):
+        raise KernelsUnavailable(f"jaxlib ships no XLA FFI headers under {include}")
+    return include
+
+
+def _cache_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    return os.path.join(base, "llmjax", "kernels_cpu")
+
+
+def _key(cxx: str) -> str:
+    import jaxlib
+
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(CSRC)):
+        with open(os.path.join(CSRC, name), "rb") as f:
+            h.update(name.encode() + f.read())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    h.update("\0".join([version, *FLAGS, jaxlib.__version__, _cpu_flags()]).encode())
+    return h.hexdigest()[:16]
+
+
+def build() -> str:
+    """The library's path, compiled now if this machine has none yet."""
+    cxx = _compiler()
+    out_dir = os.path.join(_cache_root(), _key(cxx))
+    path = os.path.join(out_dir, LIBRARY)
+    if os.path.exists(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it
+        if os.path.exists(path):
+            return path
+        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so")
+        os.close(fd)
+        cmd = [cxx, *FLAGS, "-I", _include_dir(), "-I", CSRC]
+        cmd += [os.path.join(CSRC, s) for s in SOURCES] + ["-o", tmp]
+        logger.info("building the CPU kernels: %s", " ".join(cmd))
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            raise KernelsUnavailable(f"compiling the CPU kernels failed:\n{done.stderr[-4000:]}")
+        os.replace(tmp, path)
+    return path
+
+
+def load() -> str:
+    """Build (if needed), load and register the kernels once per process; returns the library's
+    path. Raises KernelsUnavailable (every call, after one attempt)."""
+    path, error = _load_once()
+    if error is not None:
+        raise KernelsUnavailable(error)
+    return path
+
+
+@functools.cache
+def _load_once() -> tuple[str | None, str | None]:
+    if os.environ.get("LLMJAX_CPU_KERNELS", "1") == "0":
+        return None, "turned off by LLMJAX_CPU_KERNELS=0"
+    import ctypes
+
+    import jax
+
+    try:
+        path = build()
+        library = ctypes.cdll.LoadLibrary(path)
+        for symbol, target in TARGETS.items():
+            capsule = jax.ffi.pycapsule(getattr(library, symbol))
+            jax.ffi.register_ffi_target(target, capsule, "cpu")
+    except (KernelsUnavailable, OSError, AttributeError) as e:
+        return None, str(e)
+    return path, None
+
+
+def available() -> bool:
+    """Whether the kernels load here (the reason is logged once when they do not)."""
+    try:
+        load()
+        return True
+    except KernelsUnavailable as e:
+        _warn_once(str(e))
+        return False
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning("CPU kernels unavailable, using the jnp paths: %s", message)

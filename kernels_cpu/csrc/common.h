@@ -1,0 +1,200 @@
+// What the CPU kernels share: element loads as float32, AVX-512 helpers with portable fallbacks,
+// and work sharing over XLA's intra-op thread pool (the FFI ThreadPool context).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LLMJAX_AVX512 1
+#else
+#define LLMJAX_AVX512 0
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace llmjax_cpu {
+namespace ffi = xla::ffi;
+
+// bfloat16 is the upper half of a float32.
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA converts
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Loads n elements of type T (float or uint16_t bf16) as float32 into out.
+template <typename T>
+inline void load_f32(const T* src, float* out, int64_t n);
+
+template <>
+inline void load_f32<float>(const float* src, float* out, int64_t n) {
+  std::memcpy(out, src, n * sizeof(float));
+}
+
+template <>
+inline void load_f32<uint16_t>(const uint16_t* src, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(src[i]);
+}
+
+template <typename T>
+inline void store_from_f32(const float* src, T* out, int64_t n);
+
+template <>
+inline void store_from_f32<float>(const float* src, float* out, int64_t n) {
+  std::memcpy(out, src, n * sizeof(float));
+}
+
+template <>
+inline void store_from_f32<uint16_t>(const float* src, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(src[i]);
+}
+
+// sum_i a[i] * b[i], a in float32, b of type T, in float32.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n);
+
+template <>
+inline float dot<float>(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#if LLMJAX_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+#if LLMJAX_AVX512
+inline __m512 load_bf16x16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+template <>
+inline float dot<uint16_t>(const float* a, const uint16_t* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#if LLMJAX_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load_bf16x16(b + i), acc);
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) s += a[i] * bf16_to_f32(b[i]);
+  return s;
+}
+
+// acc[i] += p * b[i] (b of type T).
+template <typename T>
+inline void axpy(float p, const T* b, float* acc, int64_t n);
+
+template <>
+inline void axpy<float>(float p, const float* b, float* acc, int64_t n) {
+  int64_t i = 0;
+#if LLMJAX_AVX512
+  __m512 pv = _mm512_set1_ps(p);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(b + i), _mm512_loadu_ps(acc + i)));
+#endif
+  for (; i < n; ++i) acc[i] += p * b[i];
+}
+
+template <>
+inline void axpy<uint16_t>(float p, const uint16_t* b, float* acc, int64_t n) {
+  int64_t i = 0;
+#if LLMJAX_AVX512
+  __m512 pv = _mm512_set1_ps(p);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, load_bf16x16(b + i), _mm512_loadu_ps(acc + i)));
+#endif
+  for (; i < n; ++i) acc[i] += p * bf16_to_f32(b[i]);
+}
+
+// x[i] = exp(x[i] - shift) in place; returns their sum. Cephes-style range reduction and a
+// degree-6 polynomial (relative error ~2e-7 over the range softmax uses), vectorized on AVX-512.
+inline float exp_shifted_sum(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#if LLMJAX_AVX512
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  const __m512 lo = _mm512_set1_ps(-87.3f), sh = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh), lo);  // -inf -> ~0
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, v);
+    r = _mm512_fnmadd_ps(k, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 e = _mm512_scalef_ps(p, k);  // p * 2^k
+    _mm512_storeu_ps(x + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// Runs fn(i) for i in [0, n) over the calling thread and XLA's intra-op pool, in chunks; returns
+// once every index is done. A pool task that starts late finds no work left and returns (the
+// shared state outlives this call).
+template <typename Fn>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t chunk, Fn fn) {
+  if (n <= 0) return;
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  int64_t num_chunks = (n + chunk - 1) / chunk;
+  auto run = [state, n, chunk, num_chunks, &fn]() {
+    for (int64_t c; (c = state->next.fetch_add(1)) < num_chunks;) {
+      int64_t end = std::min(n, (c + 1) * chunk);
+      for (int64_t i = c * chunk; i < end; ++i) fn(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), num_chunks - 1);
+  for (int64_t t = 0; t < helpers; ++t) {
+    // The helper may outlive this call; it then sees next >= num_chunks and never calls fn.
+    pool.Schedule([state, n, chunk, num_chunks, fn]() mutable {
+      for (int64_t c; (c = state->next.fetch_add(1)) < num_chunks;) {
+        int64_t end = std::min(n, (c + 1) * chunk);
+        for (int64_t i = c * chunk; i < end; ++i) fn(i);
+        state->done.fetch_add(1, std::memory_order_release);
+      }
+    });
+  }
+  run();
+  while (state->done.load(std::memory_order_acquire) < num_chunks) std::this_thread::yield();
+}
+
+}  // namespace llmjax_cpu

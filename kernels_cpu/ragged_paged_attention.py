@@ -1,0 +1,61 @@
+"""Ragged paged attention on the CPU (csrc/ragged_paged_attention.cc): the arguments and result
+of kernels_pallas/ragged_paged_attention/reference.py, float32 or bfloat16."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_cpu.build import load
+
+TARGET = "llmjax_cpu_ragged_paged_attention"
+DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,  # [num_pages, G, K, H]
+    v_pages: jax.Array,  # [num_pages, G, K, H]
+    kv_lens: jax.Array,  # [S] int32
+    page_indices: jax.Array,  # [S, P] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """-> [T, N, H] in q's dtype (see the reference for the contract). Raises ValueError for
+    shapes or dtypes it does not take, KernelsUnavailable where the kernels do not build."""
+    load()
+    _, N, H = q.shape
+    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape or k_pages.shape[3] != H:
+        raise ValueError(
+            f"want k/v pages [num_pages, G, K, {H}]: {k_pages.shape=} {v_pages.shape=}"
+        )
+    K = k_pages.shape[2]
+    if N % K:
+        raise ValueError(f"{N=} query heads must be a multiple of {K=} kv heads")
+    if q.dtype not in DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(f"q and the pages need one dtype of {DTYPES}: {q.dtype=} {k_pages.dtype=}")
+    S = kv_lens.shape[0]
+    if page_indices.shape[0] != S or cu_q_lens.shape != (S + 1,) or num_seqs.shape != (1,):
+        raise ValueError(
+            f"want kv_lens [S], page_indices [S, P], cu_q_lens [S+1], num_seqs [1]: "
+            f"{kv_lens.shape=} {page_indices.shape=} {cu_q_lens.shape=} {num_seqs.shape=}"
+        )
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    return call(
+        q,
+        k_pages,
+        v_pages,
+        i32(kv_lens),
+        i32(page_indices),
+        i32(cu_q_lens),
+        i32(num_seqs),
+        sm_scale=np.float32(sm_scale),
+        sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )

@@ -1,0 +1,160 @@
+"""The C++ CPU kernels (kernels_cpu/) against their jnp specifications on random ragged inputs, the
+engine on the 'cpu' attention backend against 'reference', and the fallback without them.
+
+Tolerances as the other kernels' (tests/kernels/kernel_testing.py): float32 2e-5 absolute (only
+the summation order and the vectorized exponential, ~2e-7 relative, differ from the reference),
+bfloat16 2e-2 x max|ref| (both sides round the output to bf16)."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_cpu
+from kernels_pallas.ragged_paged_attention.cases import RAGGED_CASES, make_case
+from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+pytestmark = pytest.mark.skipif(
+    not kernels_cpu.available(), reason="the CPU kernels do not build here (no C++ compiler?)"
+)
+TOL = {"float32": 2e-5, "bfloat16": 2e-2}
+
+
+def check(case, *, sliding_window=None, soft_cap=None, pages=None):
+    H = case.q.shape[-1]
+    kw = dict(sm_scale=H**-0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = case.args if pages is None else (case.q, *pages, *case.args[3:])
+    out = jax.jit(lambda *a: kernels_cpu.ragged_paged_attention(*a, **kw))(*args)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ragged_paged_attention_reference(*case.args, **kw).astype(jnp.float32))
+    assert np.isfinite(out).all()
+    scale = 1.0 if case.q.dtype == np.float32 else np.abs(ref).max()
+    err = np.abs(out - ref).max()
+    assert err <= TOL[jnp.dtype(case.q.dtype).name] * scale, f"max error {err}"
+    valid = int(case.cu_q_lens[case.num_seqs[0]])
+    assert (out[valid:] == 0).all(), "padding rows must be 0"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(RAGGED_CASES))
+def test_ragged_cases(name, dtype):
+    q_lens, kv_lens, page_size = RAGGED_CASES[name]
+    check(make_case(q_lens, kv_lens, page_size=page_size, dtype=jnp.dtype(dtype)))
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads, num_queries_per_kv, head_dim",
+    [(4, 1, 64), (2, 8, 64), (1, 4, 128), (3, 3, 64), (2, 2, 16), (2, 2, 40)],
+    ids=["mha", "gqa8", "gqa4_h128", "smollm2_like", "tiny", "h40_not_16x"],
+)
+def test_gqa_and_head_dims(num_kv_heads, num_queries_per_kv, head_dim):
+    q_lens, kv_lens, page_size = RAGGED_CASES["mixed"]
+    kw = dict(num_kv_heads=num_kv_heads, num_queries_per_kv=num_queries_per_kv)
+    check(make_case(q_lens, kv_lens, page_size=page_size, head_dim=head_dim, seed=1, **kw))
+
+
+@pytest.mark.parametrize(
+    "sliding_window, soft_cap", [(8, None), (None, 2.0), (5, 3.0)], ids=["window", "cap", "both"]
+)
+def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
+    q_lens, kv_lens, page_size = RAGGED_CASES["mixed"]
+    case = make_case(q_lens, kv_lens, page_size=page_size, seed=2)
+    check(case, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def test_padding_long_contexts_and_many_rows():
+    check(make_case([1, 9, 3], [20, 9, 40], num_tokens=32, max_num_seqs=8, seed=3))
+    check(make_case([1] * 24, list(range(100, 2500, 100)), page_size=16, seed=4))
+    check(make_case([96, 1, 33], [300, 700, 33], seed=5, dtype=jnp.bfloat16))
+
+
+def test_never_reads_past_kv_len():
+    """Keys at or past kv_len (the rest of the last page, unused pages) are NaN: none may reach
+    the output."""
+    q_lens, kv_lens, page_size = RAGGED_CASES["mixed"]
+    case = make_case(q_lens, kv_lens, page_size=page_size, seed=6)
+    read = np.zeros(case.k_pages.shape[:2], bool)  # [num_pages, G]
+    for s in range(int(case.num_seqs[0])):
+        for j in range(int(case.kv_lens[s])):
+            read[case.page_indices[s, j // page_size], j % page_size] = True
+    nan = [np.where(read[:, :, None, None], p, np.nan).astype(np.float32) for p in case.args[1:3]]
+    check(case, pages=nan)
+
+
+def test_bad_inputs_name_what_is_wrong():
+    case = make_case([1, 1], [5, 9])
+    with pytest.raises(ValueError, match="one dtype"):
+        kernels_cpu.ragged_paged_attention(case.q.astype(np.float16), *case.args[1:], sm_scale=1.0)
+    with pytest.raises(ValueError, match="multiple of K=2 kv heads"):
+        kernels_cpu.ragged_paged_attention(case.q[:, :3], *case.args[1:], sm_scale=1.0)
+
+
+def test_engine_on_the_cpu_backend_equals_reference():
+    """Greedy tokens on the C++ attention equal the jnp reference's, in a mixed continuous batch
+    with chunked prefill and prefix hits (tiny model, float32)."""
+    from llmjax import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 256, 20).tolist()
+    prompts = [shared + rng.integers(3, 256, int(n)).tolist() for n in (3, 30, 9, 61, 1)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    opts = dict(load_format="dummy", max_model_len=128, num_pages=64, max_num_batched_tokens=32)
+    ref = LLM("tiny", attention_backend="reference", **opts)
+    cpu = ref.with_options(attention_backend="cpu")
+    assert cpu.engine.runner.attention_backend == "cpu"
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    assert [o.token_ids for o in cpu.generate(prompts, params)] == want
+
+
+def test_bfloat16_model_logits_match_the_reference_backend():
+    """bf16 (where greedy tokens of a random model flip on rounding): the model's logits on two
+    mixed steps (a chunk beside a whole prompt, then the next chunk beside a decode, shuffled
+    pages) match the reference backend's to 2e-2 x max|logit| (the reference rounds the softmax
+    weights to bf16 before P.V, the kernel keeps them in float32)."""
+    import configs
+    from llmjax.model.attention import make_attention_fn
+    from llmjax.model.kv_cache import allocate_kv_pages
+    from llmjax.model.llama import forward
+    from llmjax.model.params import init_params
+    from tests.helpers import make_step
+
+    config = configs.get_preset("tiny-h64")
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(config, jax.random.key(0)))
+    rng = np.random.default_rng(3)
+    a, b = (rng.integers(3, 256, n).tolist() for n in (37, 21))
+    G, table_a, table_b = 16, [5, 2, 7], [3, 9, 1]
+    steps = [
+        make_step([(a[:-8], 0, table_a), (b[:-1], 0, table_b)], G, all_logits=True),
+        make_step(
+            [(a[-8:], len(a) - 8, table_a), (b[-1:], len(b) - 1, table_b)], G, all_logits=True
+        ),
+    ]
+
+    def run(attention_fn):
+        kv = allocate_kv_pages(config, 12, G, jnp.bfloat16)
+        out = []
+        for step in steps:
+            logits, kv = forward(params, kv, step, config, attention_fn)
+            out.append(np.asarray(logits))
+        return np.concatenate(out)
+
+    ref = run(make_attention_fn("reference"))
+    got = run(make_attention_fn("cpu"))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-2 * np.abs(ref).max())
+
+
+def test_without_the_kernels_auto_is_the_reference():
+    code = (
+        "import kernels_cpu; from llmjax.model.attention import resolve_attention_backend as r;"
+        "print(kernels_cpu.available(), r('auto', 'cpu'))"
+    )
+    env = dict(os.environ, LLMJAX_CPU_KERNELS="0", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.split() == ["False", "reference"], out.stderr
+    assert "CPU kernels unavailable" in out.stderr and "LLMJAX_CPU_KERNELS=0" in out.stderr
