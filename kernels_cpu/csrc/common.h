@@ -128,6 +128,13 @@ inline void axpy<uint16_t>(float p, const uint16_t* b, float* acc, int64_t n) {
   for (; i < n; ++i) acc[i] += p * bf16_to_f32(b[i]);
 }
 
+// Prefetches n elements from p into the caches.
+template <typename E>
+inline void prefetch_row(const E* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(E)); b += 64) __builtin_prefetch(c + b);
+}
+
 // x[i] = exp(x[i] - shift) in place; returns their sum. Cephes-style range reduction and a
 // degree-6 polynomial (relative error ~2e-7 over the range softmax uses), vectorized on AVX-512.
 inline float exp_shifted_sum(float* x, int64_t n, float shift) {

@@ -1,11 +1,11 @@
 // Ragged paged attention for CPUs: the contract of
 // kernels_pallas/ragged_paged_attention/reference.py (the specification), one query row at a time.
 //
-// Work items are (query row t, kv head k): the row's Q = N / K query heads that read kv head k
-// score every visible key of the row's sequence (read through its page table) in one pass that
-// also finds the maxima, take the exponentials in one vectorized pass, and sum the values in a
-// third; accumulation in float32. Items are shared over XLA's intra-op thread pool. Each key and
-// value row is read once per item, straight from the pages (nothing is gathered or transposed).
+// Work items are query rows: a row's N query heads score every visible key of its sequence (each
+// key position's [K, H] row read once, straight from its page, the next ones prefetched) in one
+// pass that also finds the maxima, take the exponentials in one vectorized pass, and sum the
+// value rows in a third; accumulation in float32. Rows are shared over XLA's intra-op thread
+// pool. Nothing is gathered or transposed.
 //
 // Arguments (shapes as in the reference):
 //   q [T, N, H], k_pages / v_pages [num_pages, G, K, H]  (float32 or bfloat16, all the same)
@@ -27,45 +27,51 @@ struct Row {
   int32_t pos;  // its position in the sequence
 };
 
+// One query row over every kv head: each visible key's row [K, H] (all heads, contiguous in the
+// page) is read once for the scores and each value row once for the sum.
 template <typename E>
 void attend(const E* q, const E* k_pages, const E* v_pages, const int32_t* pages, Row row,
-            int64_t kv_head, int64_t N, int64_t K, int64_t H, int64_t G, int64_t P, float scale,
-            int64_t window, float soft_cap, int64_t kv_len, E* out, std::vector<float>& buf) {
+            int64_t N, int64_t K, int64_t H, int64_t G, int64_t P, float scale, int64_t window,
+            float soft_cap, int64_t kv_len, E* out, std::vector<float>& buf) {
   const int64_t Q = N / K;
   // the last visible key: causal, within the sequence's keys and its page table
   int64_t end = std::min<int64_t>({static_cast<int64_t>(row.pos), kv_len - 1, P * G - 1});
   int64_t start = window > 0 ? std::max<int64_t>(0, row.pos - window + 1) : 0;
   int64_t C = end - start + 1;
   if (C <= 0) return;  // no visible key: the row stays 0
-  // buf: Q query rows (float32) | Q x C scores | Q accumulators
-  buf.resize(Q * H + Q * C + Q * H);
+  // buf: the N query heads (float32) | N x C scores | N accumulators | N maxima, N 1/sums
+  buf.resize(N * H + N * C + N * H + 2 * N);
   float* qf = buf.data();
-  float* scores = qf + Q * H;
-  float* acc = scores + Q * C;
-  for (int64_t j = 0; j < Q; ++j) load_f32(q + (kv_head * Q + j) * H, qf + j * H, H);
-  std::vector<float> maxima(Q, -INFINITY);
+  float* scores = qf + N * H;
+  float* acc = scores + N * C;
+  float* maxima = acc + N * H;
+  float* inv_sum = maxima + N;
+  load_f32(q, qf, N * H);
+  std::fill(maxima, maxima + N, -INFINITY);
+  const int64_t row_stride = K * H;  // one position's keys of every head
+  auto key_row = [&](const E* base, int64_t key) {
+    return base + (static_cast<int64_t>(pages[key / G]) * G + key % G) * row_stride;
+  };
   for (int64_t c = 0; c < C; ++c) {
-    int64_t key = start + c;
-    const E* kp = k_pages + ((static_cast<int64_t>(pages[key / G]) * G + key % G) * K + kv_head) * H;
-    for (int64_t j = 0; j < Q; ++j) {
-      float s = dot(qf + j * H, kp, H) * scale;
+    const E* kp = key_row(k_pages, start + c);
+    if (c + 2 < C) prefetch_row(key_row(k_pages, start + c + 2), row_stride);
+    for (int64_t n = 0; n < N; ++n) {
+      float s = dot(qf + n * H, kp + (n / Q) * H, H) * scale;
       if (soft_cap > 0) s = soft_cap * std::tanh(s / soft_cap);
-      scores[j * C + c] = s;
-      maxima[j] = std::max(maxima[j], s);
+      scores[n * C + c] = s;
+      maxima[n] = std::max(maxima[n], s);
     }
   }
-  std::vector<float> inv_sum(Q);
-  for (int64_t j = 0; j < Q; ++j) inv_sum[j] = 1.0f / exp_shifted_sum(scores + j * C, C, maxima[j]);
-  std::fill(acc, acc + Q * H, 0.0f);
+  for (int64_t n = 0; n < N; ++n) inv_sum[n] = 1.0f / exp_shifted_sum(scores + n * C, C, maxima[n]);
+  std::fill(acc, acc + N * H, 0.0f);
   for (int64_t c = 0; c < C; ++c) {
-    int64_t key = start + c;
-    const E* vp = v_pages + ((static_cast<int64_t>(pages[key / G]) * G + key % G) * K + kv_head) * H;
-    for (int64_t j = 0; j < Q; ++j) axpy(scores[j * C + c], vp, acc + j * H, H);
+    const E* vp = key_row(v_pages, start + c);
+    if (c + 2 < C) prefetch_row(key_row(v_pages, start + c + 2), row_stride);
+    for (int64_t n = 0; n < N; ++n) axpy(scores[n * C + c], vp + (n / Q) * H, acc + n * H, H);
   }
-  for (int64_t j = 0; j < Q; ++j) {
-    for (int64_t h = 0; h < H; ++h) acc[j * H + h] *= inv_sum[j];
-    store_from_f32(acc + j * H, out + (kv_head * Q + j) * H, H);
-  }
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) acc[n * H + h] *= inv_sum[n];
+  store_from_f32(acc, out, N * H);
 }
 
 template <typename E>
@@ -95,13 +101,12 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
     for (int32_t i = 0; i < q_len && cu[s] + i < num_tokens; ++i)
       rows.push_back({cu[s] + i, static_cast<int32_t>(s), lens[s] - q_len + i});
   }
-  const int64_t num_items = static_cast<int64_t>(rows.size()) * K;
-  parallel_for(pool, num_items, 4, [&](int64_t item) {
+  parallel_for(pool, static_cast<int64_t>(rows.size()), 1, [&](int64_t r) {
     thread_local std::vector<float> buf;
-    const Row row = rows[item / K];
-    const int64_t kv_head = item % K, t = row.t;
-    attend<E>(qp + t * N * H, kp, vp, pages + static_cast<int64_t>(row.seq) * P, row, kv_head, N,
-              K, H, G, P, sm_scale, sliding_window, soft_cap, lens[row.seq], op + t * N * H, buf);
+    const Row row = rows[r];
+    const int64_t t = row.t;
+    attend<E>(qp + t * N * H, kp, vp, pages + static_cast<int64_t>(row.seq) * P, row, N, K, H, G,
+              P, sm_scale, sliding_window, soft_cap, lens[row.seq], op + t * N * H, buf);
   });
   return ffi::Error::Success();
 }
