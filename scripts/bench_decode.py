@@ -11,6 +11,7 @@ the prefill already compiled its bucket; the persistent compilation cache is off
     python scripts/bench_decode.py                       # SmolLM2, float32 and bfloat16, batch 1
     python scripts/bench_decode.py --batch_sizes 1,8 --dtypes float32 --json_out out/decode.json
     python scripts/bench_decode.py --dtypes float32 --layer_loops scan,unroll
+    python scripts/bench_decode.py --batch_sizes 16 --attention_backends reference,cpu
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ flags.DEFINE_list("batch_sizes", ["1"], "Concurrent decoding requests.")
 flags.DEFINE_list(
     "layer_loops", ["auto"], "EngineConfig.layer_loop values to compare (auto, scan, unroll)."
 )
+flags.DEFINE_list(
+    "attention_backends",
+    ["auto"],
+    "EngineConfig.attention_backend values to compare (auto, reference, cpu, pallas).",
+)
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per request.")
+flags.DEFINE_integer("max_model_len", 512, "Max prompt + generated tokens (the page buckets).")
 flags.DEFINE_integer("decode_steps", 64, "Timed decode steps (after warm-up).")
 flags.DEFINE_integer("warmup_steps", 4, "Untimed decode steps (compilation happens here).")
 flags.DEFINE_integer("bandwidth_mib", 1024, "Size of the array read to measure bandwidth.")
@@ -103,25 +110,29 @@ def main(argv):
     for dtype in FLAGS.dtypes:
         base = None
         for layer_loop in FLAGS.layer_loops:
-            if base is None:
-                base = llm = LLM(
-                    FLAGS.model,
-                    load_format=FLAGS.load_format,
-                    dtype=dtype,
-                    max_model_len=512,
-                    layer_loop=layer_loop,
-                    compilation_cache_dir="",
-                )
-            else:  # the same weights (converted to the other layout if needed)
-                llm = base.with_options(layer_loop=layer_loop)
-            rows += _rows(llm, dtype, layer_loop, bandwidth)
-    header = f"{'loop':>6} {'dtype':>9} {'batch':>5} {'weights MB':>10} {'compile s':>9} "
+            for backend in FLAGS.attention_backends:
+                options = dict(layer_loop=layer_loop, attention_backend=backend)
+                if base is None:
+                    base = llm = LLM(
+                        FLAGS.model,
+                        load_format=FLAGS.load_format,
+                        dtype=dtype,
+                        max_model_len=FLAGS.max_model_len,
+                        compilation_cache_dir="",
+                        **options,
+                    )
+                else:  # the same weights (converted to the other layout if needed)
+                    llm = base.with_options(**options)
+                rows += _rows(llm, dtype, layer_loop, bandwidth)
+    header = f"{'loop':>6} {'attention':>9} {'dtype':>9} {'batch':>5} {'weights MB':>10} "
+    header += f"{'compile s':>9} "
     header += f"{'step ms':>8} {'tok/s':>8} {'bound tok/s':>11} {'of bound':>8}"
     print(f"device: {jax.devices()[0].device_kind}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
     print(header)
     for r in rows:
         print(
-            f"{r['layer_loop']:>6} {r['dtype']:>9} {r['batch']:>5} {r['weight_mb']:>10.1f} "
+            f"{r['layer_loop']:>6} {r['attention']:>9} {r['dtype']:>9} {r['batch']:>5} "
+            f"{r['weight_mb']:>10.1f} "
             f"{r['compile_s']:>9.2f} {r['step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} "
             f"{r['roofline_tokens_per_s']:>11.1f} {r['fraction_of_roofline']:>8.2f}"
         )
@@ -144,6 +155,7 @@ def _rows(llm, dtype: str, layer_loop: str, bandwidth: float) -> list[dict]:
             {
                 "model": FLAGS.model,
                 "layer_loop": "scan" if llm.config.scans_layers else "unroll",
+                "attention": llm.engine.runner.attention_backend,
                 "dtype": dtype,
                 "batch": batch,
                 "weight_mb": weight_bytes / 1e6,

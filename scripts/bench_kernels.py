@@ -8,6 +8,7 @@ mixed batches, with achieved memory bandwidth and FLOP/s next to the device's ro
 Implementations (--implementations):
   reference        the jnp specification (kernels_pallas/ragged_paged_attention/reference.py)
   model_reference  the engine's blocked jnp reference (llmjax/model/attention.py)
+  cpu              kernels_cpu/'s C++ kernel (XLA FFI; the CPU only, where it builds)
   tpu, gpu, mgpu   our Pallas kernels: Mosaic TPU, Triton GPU, Mosaic GPU (Hopper; bf16/f16 only)
                    (compiled on their platform; elsewhere only with --interpret)
   jax_tpu          jax.experimental.pallas.ops.tpu.ragged_paged_attention (TPU; K/V interleaved)
@@ -51,6 +52,7 @@ flags.DEFINE_list(
     [
         "reference",
         "model_reference",
+        "cpu",
         "tpu",
         "gpu",
         "mgpu",
@@ -242,6 +244,15 @@ def implementation(name: str, platform: str, case, args: list, scale: float, ker
         fn = functools.partial(
             ragged_paged_attention, sm_scale=scale, implementation=name, interpret=interpret
         )
+        return jax.jit(fn), args
+    if name == "cpu":
+        if platform != "cpu":
+            return "the C++ kernel runs on the CPU only"
+        import kernels_cpu
+
+        if not kernels_cpu.available():
+            return "the CPU kernels do not build here (no C++ compiler?)"
+        fn = functools.partial(kernels_cpu.ragged_paged_attention, sm_scale=scale)
         return jax.jit(fn), args
     if name == "model_reference":
         _, positions = query_positions(cu_q_lens, kv_lens, q.shape[0])
