@@ -116,33 +116,12 @@ def test_bfloat16_model_logits_match_the_reference_backend():
     mixed steps (a chunk beside a whole prompt, then the next chunk beside a decode, shuffled
     pages) match the reference backend's to 2e-2 x max|logit| (the reference rounds the softmax
     weights to bf16 before P.V, the kernel keeps them in float32)."""
-    import configs
     from llmjax.model.attention import make_attention_fn
-    from llmjax.model.kv_cache import allocate_kv_pages
-    from llmjax.model.llama import forward
-    from llmjax.model.params import init_params
-    from tests.helpers import make_step
+    from tests.kernels.kernel_testing import mixed_steps_logits
 
-    config = configs.get_preset("tiny-h64")
-    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(config, jax.random.key(0)))
     rng = np.random.default_rng(3)
     a, b = (rng.integers(3, 256, n).tolist() for n in (37, 21))
-    G, table_a, table_b = 16, [5, 2, 7], [3, 9, 1]
-    steps = [
-        make_step([(a[:-8], 0, table_a), (b[:-1], 0, table_b)], G, all_logits=True),
-        make_step(
-            [(a[-8:], len(a) - 8, table_a), (b[-1:], len(b) - 1, table_b)], G, all_logits=True
-        ),
-    ]
-
-    def run(attention_fn):
-        kv = allocate_kv_pages(config, 12, G, jnp.bfloat16)
-        out = []
-        for step in steps:
-            logits, kv = forward(params, kv, step, config, attention_fn)
-            out.append(np.asarray(logits))
-        return np.concatenate(out)
-
+    run = lambda fn: mixed_steps_logits(fn, a, b)
     ref = run(make_attention_fn("reference"))
     got = run(make_attention_fn("cpu"))
     assert np.isfinite(got).all()

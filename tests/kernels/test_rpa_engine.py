@@ -122,35 +122,11 @@ def test_mosaic_gpu_kernel_model_logits_match_the_reference_backend():
     reference backend's to 2e-2 x max|logit| (bf16; observed ~0.5 %). Greedy tokens of a random
     model can hide an attention bug (a kernel that skips each query's own key left the engine
     test's tokens unchanged but moved these logits by ~75 %)."""
-    import jax
-    import jax.numpy as jnp
-
-    import configs
     from llmjax.model.attention import make_attention_fn
-    from llmjax.model.kv_cache import allocate_kv_pages
-    from llmjax.model.llama import forward
-    from llmjax.model.params import init_params
-    from tests.helpers import make_step
+    from tests.kernels.kernel_testing import mixed_steps_logits
 
-    config = configs.get_preset("tiny-h64")
-    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(config, jax.random.key(0)))
     a, b = _prompts(2, seed=3, lo=12, hi=40)
-    G, table_a, table_b = 16, [5, 2, 7], [3, 9, 1]
-    steps = [
-        make_step([(a[:-8], 0, table_a), (b[:-1], 0, table_b)], G, all_logits=True),
-        make_step(
-            [(a[-8:], len(a) - 8, table_a), (b[-1:], len(b) - 1, table_b)], G, all_logits=True
-        ),
-    ]
-
-    def run(attention_fn):
-        kv = allocate_kv_pages(config, 12, G, jnp.bfloat16)
-        out = []
-        for step in steps:
-            logits, kv = forward(params, kv, step, config, attention_fn)
-            out.append(np.asarray(logits))
-        return np.concatenate(out)
-
+    run = functools.partial(mixed_steps_logits, a=a, b=b)
     ref = run(make_attention_fn("reference"))
     got = run(make_attention_fn("pallas", pallas_kernel="mgpu"))
     assert np.isfinite(got).all()
