@@ -118,9 +118,9 @@ def _compiled_step_hlo(config, num_tokens, num_pages=64, layer_loop="auto", atte
 
 
 def _cpu_kernels():
-    import kernels_cpu
+    import shutil
 
-    return kernels_cpu.available()
+    return bool(shutil.which("c++") or shutil.which("g++"))  # a failed build then fails here
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ def _cpu_kernels():
     [
         "reference",
         pytest.param(
-            "cpu", marks=pytest.mark.skipif(not _cpu_kernels(), reason="no CPU kernels here")
+            "cpu", marks=pytest.mark.skipif(not _cpu_kernels(), reason="no C++ compiler here")
         ),
     ],
 )

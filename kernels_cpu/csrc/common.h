@@ -181,26 +181,19 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t chunk, Fn fn) {
     std::atomic<int64_t> done{0};
   };
   auto state = std::make_shared<State>();
-  int64_t num_chunks = (n + chunk - 1) / chunk;
-  auto run = [state, n, chunk, num_chunks, &fn]() {
+  const int64_t num_chunks = (n + chunk - 1) / chunk;
+  // Copies of `work` (and of fn, whose references may dangle once this call returns) outlive it
+  // in late helpers, which then find no chunk left and never call fn.
+  auto work = [state, n, chunk, num_chunks, fn]() {
     for (int64_t c; (c = state->next.fetch_add(1)) < num_chunks;) {
-      int64_t end = std::min(n, (c + 1) * chunk);
+      const int64_t end = std::min(n, (c + 1) * chunk);
       for (int64_t i = c * chunk; i < end; ++i) fn(i);
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), num_chunks - 1);
-  for (int64_t t = 0; t < helpers; ++t) {
-    // The helper may outlive this call; it then sees next >= num_chunks and never calls fn.
-    pool.Schedule([state, n, chunk, num_chunks, fn]() mutable {
-      for (int64_t c; (c = state->next.fetch_add(1)) < num_chunks;) {
-        int64_t end = std::min(n, (c + 1) * chunk);
-        for (int64_t i = c * chunk; i < end; ++i) fn(i);
-        state->done.fetch_add(1, std::memory_order_release);
-      }
-    });
-  }
-  run();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_chunks - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));
+  work();
   while (state->done.load(std::memory_order_acquire) < num_chunks) std::this_thread::yield();
 }
 

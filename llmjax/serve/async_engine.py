@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import queue
 import threading
@@ -112,7 +111,6 @@ class AsyncEngine:
         self._streams: dict[str, OutputStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
         # Waiting requests = adds not yet applied by the engine thread + its waiting queue.
         self._num_added = 0  # event loop: requests submitted
         self._num_applied = 0  # engine thread: requests handed to the engine
@@ -137,9 +135,6 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Requests accepted and not yet running (as of the engine's last step)."""
         return self._num_added - self._num_applied + self._num_engine_waiting
-
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
 
     def add_requests(
         self,

@@ -174,11 +174,7 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
-
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: TokenIds
-
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
