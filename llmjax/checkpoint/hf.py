@@ -142,3 +142,223 @@ def load_hf(directory: str, dtype=np.float32, lazy: bool = False) -> tuple[Model
         if not lazy:  # lazy thunks keep the (memory-mapped) files open until they are dropped
             handles.clear()
     return config, params
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing: our tree -> an HF directory (the inverse of params_from_hf_tensors and
+# ModelConfig.from_hf_config), readable by load_hf, transformers and vLLM.
+
+# architecture -> (HF class, model_type)
+HF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+
+
+def hf_tensors_from_params(
+    config: ModelConfig, params: Params, dtype=None
+) -> dict[str, np.ndarray]:
+    """HF tensor name -> contiguous numpy array in HF's layout ([out, in]), in `dtype` (default:
+    as stored). `params` may be numpy or jax arrays, in the list or the stacked layer layout."""
+    from llmjax.model.params import unstack_layers
+
+    check_params(config, params, "params")
+    params = unstack_layers(params)
+    D, F = config.hidden_size, config.intermediate_size
+    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
+
+    def hf(x, convert=lambda x: x) -> np.ndarray:
+        x = np.asarray(x)
+        return np.ascontiguousarray(convert(x).astype(dtype or x.dtype))
+
+    out = {"model.embed_tokens.weight": hf(params["embed"])}  # [V, D]
+    for i, layer in enumerate(params["layers"]):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "input_layernorm.weight": hf(layer["attn_norm"]),
+            p + "self_attn.q_proj.weight": hf(layer["wq"], lambda w: w.reshape(D, N * H).T),
+            p + "self_attn.k_proj.weight": hf(layer["wk"], lambda w: w.reshape(D, K * H).T),
+            p + "self_attn.v_proj.weight": hf(layer["wv"], lambda w: w.reshape(D, K * H).T),
+            p + "self_attn.o_proj.weight": hf(layer["wo"], lambda w: w.reshape(N * H, D).T),
+            p + "post_attention_layernorm.weight": hf(layer["mlp_norm"]),
+            p + "mlp.gate_proj.weight": hf(layer["w_gate"], lambda w: w.reshape(D, F).T),
+            p + "mlp.up_proj.weight": hf(layer["w_up"], lambda w: w.reshape(D, F).T),
+            p + "mlp.down_proj.weight": hf(layer["w_down"], lambda w: w.reshape(F, D).T),
+        }
+        if config.attention_bias:
+            out |= {
+                p + "self_attn.q_proj.bias": hf(layer["bq"], lambda b: b.reshape(N * H)),
+                p + "self_attn.k_proj.bias": hf(layer["bk"], lambda b: b.reshape(K * H)),
+                p + "self_attn.v_proj.bias": hf(layer["bv"], lambda b: b.reshape(K * H)),
+            }
+    out["model.norm.weight"] = hf(params["final_norm"])
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = hf(params["lm_head"], lambda w: w.T)  # [D, V] -> [V, D]
+    return out
+
+
+def _hf_rope_scaling(config: ModelConfig) -> dict | None:
+    """config.json's rope_scaling. llama.cpp's per-frequency divisors (`freq_factors`, from a
+    Llama 3.1+ GGUF) have no HF spelling: they are matched to the llama3 parameters they were
+    computed from (Meta's published ones), or refused."""
+    from llmjax.config import RopeScaling
+
+    s = config.rope_scaling
+    if s is None:
+        return None
+    if s.rope_type == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    if s.rope_type == "freq_factors":
+        from llmjax.model.layers import rope_inv_freq
+
+        want = rope_inv_freq(config.head_dim, config.rope_theta, s)
+        for original in (8192, 4096, 2048, 16384, 32768, 131072):
+            guess = RopeScaling(
+                rope_type="llama3",
+                factor=round(s.factor, 4),
+                original_max_position_embeddings=original,
+            )
+            got = rope_inv_freq(config.head_dim, config.rope_theta, guess)
+            if np.allclose(got, want, rtol=1e-5, atol=0):
+                s = guess
+                break
+        else:
+            raise ValueError(
+                f"rope freq_factors {s.freq_factors[:4]}... match no llama3 rope_scaling "
+                "(factor = their largest, low/high_freq_factor 1/4); HF configs cannot express them"
+            )
+    return {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_position_embeddings,
+    }
+
+
+def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict:
+    """`config.json` of an HF model with this shape (every field transformers' LlamaConfig /
+    MistralConfig / Qwen2Config reads); ModelConfig.from_hf_config reads it back equal."""
+    if config.architecture not in HF_ARCHITECTURES:
+        raise ValueError(f"no HF class for architecture {config.architecture!r}")
+    if config.architecture == "llama" and config.sliding_window is not None:
+        raise ValueError(
+            f"HF's LlamaConfig has no sliding window ({config.sliding_window=}); "
+            "use architecture='mistral'"
+        )
+    if config.architecture == "qwen2" and not config.attention_bias:
+        raise ValueError("HF's Qwen2 always has Q/K/V biases; this config has none")
+    hf_class, model_type = HF_ARCHITECTURES[config.architecture]
+    eos = list(config.eos_token_ids)
+    out = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "_name_or_path": config.name,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": _hf_rope_scaling(config),
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+    if config.architecture == "mistral":
+        out["sliding_window"] = config.sliding_window
+    if config.architecture == "qwen2":
+        out["use_sliding_window"] = config.sliding_window is not None
+        out["sliding_window"] = config.sliding_window
+        out["max_window_layers"] = config.num_layers
+    return out
+
+
+def save_hf(
+    out_dir: str | os.PathLike,
+    config: ModelConfig,
+    params: Params,
+    tokenizer_source=None,
+    dtype: str = "float32",
+) -> str:
+    """Write an HF model directory: config.json, generation_config.json, model.safetensors (in
+    `dtype`: float32, bfloat16 or float16) and, given `tokenizer_source` (a .gguf file, an HF
+    directory, or an `llmjax.tokenizer.Tokenizer`), tokenizer.json and tokenizer_config.json.
+    Returns `out_dir`."""
+    from safetensors.numpy import save_file
+
+    from llmjax.config import DTYPES
+
+    if dtype not in DTYPES:
+        raise ValueError(f"{dtype=} must be one of {DTYPES}")
+    if dtype == "bfloat16":
+        import jax.numpy as jnp
+
+        np_dtype = np.dtype(jnp.bfloat16)  # ml_dtypes' bfloat16, which safetensors writes as BF16
+    else:
+        np_dtype = np.dtype(dtype)
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = hf_tensors_from_params(config, params, np_dtype)
+    # "format": "pt" is what transformers checks before it reads a safetensors file.
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    _write_json(os.path.join(out_dir, "config.json"), hf_config_dict(config, dtype))
+    eos = list(config.eos_token_ids)
+    generation = {"bos_token_id": config.bos_token_id}
+    generation["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    _write_json(os.path.join(out_dir, "generation_config.json"), generation)
+    if tokenizer_source is not None:
+        save_hf_tokenizer(out_dir, tokenizer_source, config.max_position_embeddings)
+    return out_dir
+
+
+def save_hf_tokenizer(out_dir: str, source, model_max_length: int | None = None) -> None:
+    """tokenizer.json (the `tokenizers` pipeline our Tokenizer runs: for a GGUF, the one rebuilt
+    from its vocabulary and merges) and tokenizer_config.json (special tokens, the chat
+    template). `source`: a .gguf file, an HF directory or a Tokenizer."""
+    from llmjax.tokenizer import Tokenizer
+
+    tok = source
+    if not isinstance(tok, Tokenizer):
+        path = os.fspath(source)
+        tok = Tokenizer.from_hf_dir(path) if os.path.isdir(path) else Tokenizer.from_gguf(path)
+    tok.backend.save(os.path.join(out_dir, "tokenizer.json"))
+
+    def token(token_id: int | None) -> str | None:
+        return tok.id_to_token(token_id) if token_id is not None else None
+
+    eos_id = tok.eos_token_id
+    probe = tok.backend.encode("a", add_special_tokens=True).ids
+    config = {
+        # The generic fast tokenizer runs tokenizer.json as it is (a model-specific class may
+        # rebuild parts of the pipeline, e.g. the pre-tokenizer, from its own defaults).
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token(tok.bos_token_id),
+        "eos_token": token(eos_id),
+        "pad_token": token(tok.pad_token_id),
+        "unk_token": token(tok.unk_token_id),
+        "add_bos_token": tok.add_bos_token,
+        "add_eos_token": eos_id is not None and probe[-1:] == [eos_id],
+        "clean_up_tokenization_spaces": False,
+        "chat_template": tok.chat_template,
+    }
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
