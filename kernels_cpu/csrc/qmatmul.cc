@@ -1,0 +1,472 @@
+// Quantized matmul for CPUs: y[T, out] = x[T, in] @ W^T in float32, W [out, in] in one of four
+// formats (a "row" is one output channel o; blocks b of 32 elements run along `in`):
+//   int8  values s8 [out, in],   scales [out]:     W[o, i] = values[o, i] * scales[o]
+//   q8_0  values s8 [out, in],   scales [out, nb]: W[o, 32b+j] = values[o, 32b+j] * scales[o, b]
+//   q4_0  values u8 [out, in/2], scales [out, nb]: byte j of block b, values[o, 16b+j], holds
+//         element 32b+j in its low nibble and 32b+16+j in its high one; W = (nibble - 8) * scale
+//   q4_1  as q4_0, plus mins [out, nb]:            W = nibble * scales[o, b] + mins[o, b]
+//
+// The activations are quantized to int8 first, once per call: per token (row of x) for int8,
+// per 32-element block for the others. d = max|x| / 127 (1 where the max is 0) and
+// q = rint(x / d) (ties to even), clipped to [-127, 127], all in float32, so that the reference
+// (kernels_cpu/qmatmul.py) reproduces q bit for bit. Then, with int32 sums over int8 products,
+//   int8:        y[t, o] = d[t] scales[o] sum_i q[t, i] values[o, i]
+//   q8_0, q4_0:  y[t, o] = sum_b scales[o, b] d[t, b] sum_j q[t, b, j] w[o, b, j]
+//                (w = values, or nibble - 8)
+//   q4_1:        y[t, o] = sum_b (scales[o, b] d[t, b] sum_j q[t, b, j] nibble[o, b, j]
+//                             + mins[o, b] d[t, b] sum_j q[t, b, j])
+// vpdpbusd multiplies unsigned by signed bytes: nibbles are unsigned already, and signed weights
+// are made unsigned by adding 128 (xor 0x80). What the 128 adds, like q4_0's -8 and q4_1's min,
+// is a multiple of the activations' sum: int8 takes 128 d[t] sum_i q[t, i] off in int32; the
+// block formats add sum_b a[o, b] c[t, b] with c = d sum_j q times -128 (q8_0), -8 (q4_0) or 1
+// (q4_1), and a = mins for q4_1, scales otherwise.
+//
+// Pass 1 quantizes x into a scratch buffer (tokens shared over the thread pool). Pass 2 shares
+// items of (up to 256 tokens) x (32 outputs) over the pool; an item runs tiles of M <= 4 tokens x
+// N = 4 outputs that keep their M x N accumulators in registers over the whole of `in`, so each
+// weight vector is loaded once per M tokens, and a row's weights stay in L1 over the item's tokens.
+//
+// The block formats' scratch puts 4 blocks (a group, 128 elements) in two 64-byte vectors: the
+// first halves of the 4 blocks, then their second halves, which is how a q4 group's 64 bytes
+// unpack (v & 15, v >> 4); q8_0's weights are permuted to match. Each 128-bit lane of an int32
+// product then holds one block, and the activation scales are stored repeated 4x to match.
+
+#include <string_view>
+#include <vector>
+
+#include "common.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LLMJAX_VNNI 1
+#else
+#define LLMJAX_VNNI 0
+#endif
+
+namespace llmjax_cpu {
+
+namespace {
+
+enum class Fmt { kInt8, kQ8_0, kQ4_0, kQ4_1 };
+
+constexpr int64_t kBlock = 32;      // elements per block
+constexpr int64_t kGroup = 4;       // blocks per group
+constexpr int64_t kTileT = 4;       // tokens per register tile (M)
+constexpr int64_t kTileO = 4;       // outputs per register tile (N)
+constexpr int64_t kItemO = 32;      // outputs per work item
+constexpr int64_t kMaxItemT = 256;  // tokens per work item, at most
+
+// One layer's weights.
+struct Weights {
+  Fmt fmt;
+  int64_t in, out, nb;  // nb: blocks per row
+  const uint8_t* values;
+  int64_t row_bytes;
+  const float* scales;  // [out] (int8) or [out, nb]
+  const float* mins;    // [out, nb] (q4_1)
+  // The per-block factors of the activation-sum term: mins for q4_1, the scales otherwise.
+  const float* sum_factors() const { return fmt == Fmt::kQ4_1 ? mins : scales; }
+};
+
+// The quantized activations, per token: q bytes (int8: in order; the block formats: in the group
+// layout), the scales d (int8: one; the block formats: 16 per group, each block's 4x), and for
+// int8 the sum of q, for the block formats the per-block terms c (see the top).
+struct Acts {
+  int64_t q_stride, d_stride, c_stride;
+  std::vector<int8_t> q;
+  std::vector<float> d, c;
+  std::vector<int32_t> sum;
+  const int8_t* q_row(int64_t t) const { return q.data() + t * q_stride; }
+  const float* d_row(int64_t t) const { return d.data() + t * d_stride; }
+  const float* c_row(int64_t t) const { return c.data() + t * c_stride; }
+};
+
+int64_t num_groups(int64_t nb) { return (nb + kGroup - 1) / kGroup; }
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// ---- Pass 1: quantizing the activations ----
+
+#if LLMJAX_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
+#else
+inline float bf16_or_f32(float x) { return x; }
+inline float bf16_or_f32(uint16_t x) { return bf16_to_f32(x); }
+#endif
+
+// max |x[i]| over n elements (n a multiple of 16).
+template <typename E>
+float absmax(const E* x, int64_t n) {
+#if LLMJAX_AVX512
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(x + i)));
+  return _mm512_reduce_max_ps(m);
+#else
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(bf16_or_f32(x[i])));
+  return m;
+#endif
+}
+
+// The scale of a row or block whose largest magnitude is amax.
+inline float scale_of(float amax) { return amax == 0.0f ? 1.0f : amax / 127.0f; }
+
+// q[i] = rint(x[i] / d) clipped to [-127, 127] for n elements (a multiple of 16); returns sum q.
+template <typename E>
+int32_t quantize(const E* x, int64_t n, float d, int8_t* q) {
+#if LLMJAX_AVX512
+  const __m512 dv = _mm512_set1_ps(d), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 r = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), dv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i v = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(v));
+    sum = _mm512_add_epi32(sum, v);
+  }
+  return _mm512_reduce_add_epi32(sum);
+#else
+  int32_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    float r = std::nearbyint(bf16_or_f32(x[i]) / d);
+    q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+    sum += q[i];
+  }
+  return sum;
+#endif
+}
+
+// int8: one token's row, in order, zero-padded to q_stride.
+template <typename E>
+void quantize_row(const E* x, int64_t in, Acts& a, int64_t t) {
+  int8_t* q = a.q.data() + t * a.q_stride;
+  const float d = scale_of(absmax(x, in));
+  a.d[t] = d;
+  a.sum[t] = quantize(x, in, d, q);
+  std::memset(q + in, 0, a.q_stride - in);
+}
+
+// The block formats: one token's blocks in the group layout; c = factor * d * sum q per block.
+template <typename E>
+void quantize_blocks(const E* x, int64_t nb, float factor, Acts& a, int64_t t) {
+  int8_t* q = a.q.data() + t * a.q_stride;
+  float* d = a.d.data() + t * a.d_stride;
+  float* c = a.c.data() + t * a.c_stride;
+  std::memset(q, 0, a.q_stride);  // the last group's missing blocks stay 0
+  std::fill(d, d + a.d_stride, 0.0f);
+  std::fill(c, c + a.c_stride, 0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const E* xb = x + b * kBlock;
+    const float db = scale_of(absmax(xb, kBlock));
+    int8_t* first = q + (b / kGroup) * kGroup * kBlock + (b % kGroup) * 16;  // see the top
+    const int32_t sum = quantize(xb, 16, db, first) + quantize(xb + 16, 16, db, first + 64);
+    std::fill(d + b * 4, d + b * 4 + 4, db);
+    c[b] = db * (factor * static_cast<float>(sum));
+  }
+}
+
+// ---- Pass 2: the dot products ----
+
+#if LLMJAX_VNNI
+
+// Lane i of the result: the sum of v[i]'s 16 lanes, for i < n (n <= 16); add adds two vectors.
+template <typename Add>
+__m512i hsum16(const __m512i* v, int n, Add add) {
+  __m512i a[16];
+  for (int i = 0; i < 16; ++i) a[i] = i < n ? v[i] : _mm512_setzero_si512();
+  // pairs: per 128-bit lane [v0+v2, w0+w2, v1+v3, w1+w3] of v = a[2i], w = a[2i+1]
+  for (int i = 0; i < 8; ++i)
+    a[i] = add(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+               _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  // quads: per 128-bit lane, the lane's sums of a[4i .. 4i+3]
+  for (int i = 0; i < 4; ++i)
+    a[i] = add(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
+               _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+  // the 4 lanes of each: lanes 0,2 + lanes 1,3, twice
+  auto fold = [&](__m512i x, __m512i y) {
+    return add(_mm512_shuffle_i32x4(x, y, 0x88), _mm512_shuffle_i32x4(x, y, 0xdd));
+  };
+  return fold(fold(a[0], a[1]), fold(a[2], a[3]));
+}
+
+inline __m512i add_epi32(__m512i x, __m512i y) { return _mm512_add_epi32(x, y); }
+inline __m512i add_ps(__m512i x, __m512i y) {
+  return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(y)));
+}
+
+// int8: M tokens from t0 x N outputs from o0, into y [T, out].
+template <int M, int N>
+void int8_tile(const Weights& w, const Acts& a, int64_t t0, int64_t o0, float* y) {
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i acc[M * N];
+  for (auto& v : acc) v = _mm512_setzero_si512();
+  for (int64_t k = 0; k < w.in; k += 64) {
+    const __mmask64 mask = w.in - k >= 64 ? ~0ull : (1ull << (w.in - k)) - 1;
+    __m512i wv[N];
+    for (int n = 0; n < N; ++n)  // values + 128, unsigned
+      wv[n] = _mm512_xor_si512(
+          _mm512_maskz_loadu_epi8(mask, w.values + (o0 + n) * w.row_bytes + k), bias);
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_loadu_si512(a.q_row(t0 + m) + k);
+      for (int n = 0; n < N; ++n) acc[m * N + n] = _mm512_dpbusd_epi32(acc[m * N + n], wv[n], xv);
+    }
+  }
+  alignas(64) int32_t sums[M * N];
+  for (int i = 0; i < M * N; i += 16)
+    _mm512_store_si512(sums + i, hsum16(acc + i, std::min(16, M * N - i), add_epi32));
+  for (int m = 0; m < M; ++m) {
+    const int64_t t = t0 + m;
+    for (int n = 0; n < N; ++n) {
+      const int32_t dot = sums[m * N + n] - 128 * a.sum[t];
+      y[t * w.out + o0 + n] = static_cast<float>(dot) * (a.d[t] * w.scales[o0 + n]);
+    }
+  }
+}
+
+// The block formats' weights of group g of a row (`blocks` of its 4 present) as the unsigned
+// bytes of the group layout: lo, the 4 blocks' first halves, hi their second halves.
+template <Fmt F>
+inline void load_group(const uint8_t* row, int64_t g, int64_t blocks, __m512i& lo, __m512i& hi) {
+  if constexpr (F == Fmt::kQ8_0) {
+    const int64_t bytes = blocks * kBlock;  // of the group's 128
+    const __mmask64 m0 = bytes >= 64 ? ~0ull : (1ull << bytes) - 1;
+    const __mmask64 m1 = bytes >= 128 ? ~0ull : bytes <= 64 ? 0 : (1ull << (bytes - 64)) - 1;
+    const __m512i v0 = _mm512_maskz_loadu_epi8(m0, row + g * 128);  // blocks 0, 1
+    const __m512i v1 = _mm512_maskz_loadu_epi8(m1, row + g * 128 + 64);  // blocks 2, 3
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i first = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);  // qwords, v1 = 8..15
+    const __m512i second = _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2);
+    lo = _mm512_xor_si512(_mm512_permutex2var_epi64(v0, first, v1), bias);
+    hi = _mm512_xor_si512(_mm512_permutex2var_epi64(v0, second, v1), bias);
+  } else {
+    const int64_t bytes = blocks * 16;
+    const __mmask64 mask = bytes >= 64 ? ~0ull : (1ull << bytes) - 1;
+    const __m512i v = _mm512_maskz_loadu_epi8(mask, row + g * 64);
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    lo = _mm512_and_si512(v, nibble);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  }
+}
+
+// The block formats: M tokens from t0 x N outputs from o0, into y [T, out].
+template <Fmt F, int M, int N>
+void block_tile(const Weights& w, const Acts& a, int64_t t0, int64_t o0, float* y) {
+  const int64_t nb = w.nb, ng = num_groups(nb);
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i repeat4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[M * N];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t blocks = std::min(kGroup, nb - g * kGroup);
+    const __mmask8 smask = (1u << blocks) - 1;
+    __m512i lo[N], hi[N];
+    __m512 ds[N];  // the row's block scales, each 4x
+    for (int n = 0; n < N; ++n) {
+      const int64_t o = o0 + n;
+      load_group<F>(w.values + o * w.row_bytes, g, blocks, lo[n], hi[n]);
+      const __m128 s = _mm_maskz_loadu_ps(smask, w.scales + o * nb + g * kGroup);
+      ds[n] = _mm512_permutexvar_ps(repeat4, _mm512_castps128_ps512(s));
+    }
+    for (int m = 0; m < M; ++m) {
+      const int8_t* q = a.q_row(t0 + m) + g * kGroup * kBlock;
+      const __m512i xlo = _mm512_loadu_si512(q), xhi = _mm512_loadu_si512(q + 64);
+      const __m512 dx = _mm512_loadu_ps(a.d_row(t0 + m) + g * 16);
+      for (int n = 0; n < N; ++n) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo[n], xlo), hi[n], xhi);
+        acc[m * N + n] =
+            _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), dx), ds[n], acc[m * N + n]);
+      }
+    }
+  }
+  // + sum_b a[o, b] c[t, b], 16 blocks at a time (c is zero-padded)
+  const float* factors = w.sum_factors();
+  for (int64_t b = 0; b < nb; b += 16) {
+    const __mmask16 mask = nb - b >= 16 ? 0xffff : (1u << (nb - b)) - 1;
+    __m512 f[N];
+    for (int n = 0; n < N; ++n) f[n] = _mm512_maskz_loadu_ps(mask, factors + (o0 + n) * nb + b);
+    for (int m = 0; m < M; ++m) {
+      const __m512 c = _mm512_loadu_ps(a.c_row(t0 + m) + b);
+      for (int n = 0; n < N; ++n) acc[m * N + n] = _mm512_fmadd_ps(f[n], c, acc[m * N + n]);
+    }
+  }
+  alignas(64) float sums[M * N];
+  for (int i = 0; i < M * N; i += 16) {
+    __m512i v[16];
+    for (int j = 0; j < 16 && i + j < M * N; ++j) v[j] = _mm512_castps_si512(acc[i + j]);
+    _mm512_store_si512(sums + i, hsum16(v, std::min(16, M * N - i), add_ps));
+  }
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) y[(t0 + m) * w.out + o0 + n] = sums[m * N + n];
+}
+
+template <Fmt F, int M, int N>
+void tile(const Weights& w, const Acts& a, int64_t t0, int64_t o0, float* y) {
+  if constexpr (F == Fmt::kInt8)
+    int8_tile<M, N>(w, a, t0, o0, y);
+  else
+    block_tile<F, M, N>(w, a, t0, o0, y);
+}
+
+#else  // portable: one (token, output) at a time, from the same scratch
+
+template <Fmt F, int M, int N>
+void tile(const Weights& w, const Acts& a, int64_t t0, int64_t o0, float* y) {
+  for (int m = 0; m < M; ++m) {
+    const int64_t t = t0 + m;
+    const int8_t* q = a.q_row(t);
+    for (int n = 0; n < N; ++n) {
+      const int64_t o = o0 + n;
+      const uint8_t* row = w.values + o * w.row_bytes;
+      float out;
+      if constexpr (F == Fmt::kInt8) {
+        int32_t dot = 0;
+        for (int64_t i = 0; i < w.in; ++i) dot += q[i] * static_cast<int8_t>(row[i]);
+        out = static_cast<float>(dot) * (a.d[t] * w.scales[o]);
+      } else {
+        out = 0.0f;
+        for (int64_t b = 0; b < w.nb; ++b) {
+          const int8_t* first = q + (b / kGroup) * kGroup * kBlock + (b % kGroup) * 16;
+          int32_t dot = 0;  // over w = values, or the nibbles (q4_0's -8 is in c)
+          for (int64_t j = 0; j < kBlock; ++j) {
+            const int32_t x = j < 16 ? first[j] : first[64 + j - 16];
+            int32_t v;
+            if constexpr (F == Fmt::kQ8_0)
+              v = static_cast<int8_t>(row[b * kBlock + j]) + 128;  // as the AVX-512 path
+            else
+              v = j < 16 ? row[b * 16 + j] & 15 : row[b * 16 + j - 16] >> 4;
+            dot += x * v;
+          }
+          out += static_cast<float>(dot) * a.d_row(t)[b * 4] * w.scales[o * w.nb + b] +
+                 w.sum_factors()[o * w.nb + b] * a.c_row(t)[b];
+        }
+      }
+      y[t * w.out + o] = out;
+    }
+  }
+}
+
+#endif  // LLMJAX_VNNI
+
+// The tokens [t0, t1) x outputs [o0, o0 + N), in tiles of up to kTileT tokens.
+template <Fmt F, int N>
+void tokens(const Weights& w, const Acts& a, int64_t t0, int64_t t1, int64_t o0, float* y) {
+  int64_t t = t0;
+  for (; t + kTileT <= t1; t += kTileT) tile<F, kTileT, N>(w, a, t, o0, y);
+  switch (t1 - t) {
+    case 3: tile<F, 3, N>(w, a, t, o0, y); break;
+    case 2: tile<F, 2, N>(w, a, t, o0, y); break;
+    case 1: tile<F, 1, N>(w, a, t, o0, y); break;
+  }
+  static_assert(kTileT == 4, "the remainder cases above");
+}
+
+template <Fmt F>
+void dots(ffi::ThreadPool& pool, const Weights& w, const Acts& a, int64_t T, float* y) {
+  const int64_t items_o = w.out / kItemO;
+  int64_t item_t = kMaxItemT;  // smaller while that leaves the pool too few items
+  while (item_t > 16 && (T + item_t - 1) / item_t * items_o < 32) item_t /= 2;
+  const int64_t items_t = (T + item_t - 1) / item_t;
+  parallel_for(pool, items_t * items_o, 1, [&](int64_t i) {
+    const int64_t t0 = (i / items_o) * item_t, t1 = std::min(T, t0 + item_t);
+    const int64_t o0 = (i % items_o) * kItemO;
+    for (int64_t o = o0; o < o0 + kItemO; o += kTileO) tokens<F, kTileO>(w, a, t0, t1, o, y);
+  });
+}
+
+template <typename E>
+void quantize_all(ffi::ThreadPool& pool, const E* x, const Weights& w, int64_t T, Acts& a) {
+  const float factor = w.fmt == Fmt::kQ8_0 ? -128.0f : w.fmt == Fmt::kQ4_0 ? -8.0f : 1.0f;
+  parallel_for(pool, T, 16, [&](int64_t t) {
+    if (w.fmt == Fmt::kInt8)
+      quantize_row(x + t * w.in, w.in, a, t);
+    else
+      quantize_blocks(x + t * w.in, w.nb, factor, a, t);
+  });
+}
+
+bool parse(std::string_view name, Fmt& fmt) {
+  if (name == "int8") fmt = Fmt::kInt8;
+  else if (name == "q8_0") fmt = Fmt::kQ8_0;
+  else if (name == "q4_0") fmt = Fmt::kQ4_0;
+  else if (name == "q4_1") fmt = Fmt::kQ4_1;
+  else return false;
+  return true;
+}
+
+ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                   ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
+                   ffi::Buffer<ffi::S32> layer, std::string_view fmt_name,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  Fmt fmt;
+  if (!parse(fmt_name, fmt)) return ffi::Error::InvalidArgument("fmt: int8, q8_0, q4_0 or q4_1");
+  auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions();
+  if (xd.size() != 2 || vd.size() != 3 || sd.size() != (fmt == Fmt::kInt8 ? 2u : 3u))
+    return ffi::Error::InvalidArgument("want x [T, in], values [L, out, *], scales [L, out, *]");
+  const int64_t T = xd[0], in = xd[1], L = vd[0], out = vd[1];
+  const bool q4 = fmt == Fmt::kQ4_0 || fmt == Fmt::kQ4_1;
+  const auto want_values = q4 ? ffi::DataType::U8 : ffi::DataType::S8;
+  if (in % kBlock || out % kItemO || vd[2] != (q4 ? in / 2 : in) || values.element_type() != want_values ||
+      sd[0] != L || sd[1] != out || (fmt != Fmt::kInt8 && sd[2] != in / kBlock))
+    return ffi::Error::InvalidArgument("qmatmul: shapes or dtypes do not match the format");
+  auto md = mins.dimensions();
+  if (fmt == Fmt::kQ4_1 && !(md.size() == 3 && md[0] == L && md[1] == out && md[2] == sd[2]))
+    return ffi::Error::InvalidArgument("qmatmul: q4_1 wants mins shaped as the scales");
+  if (T == 0) return ffi::Error::Success();
+  // the layer, clamped as dynamic_slice clamps
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  Weights w;
+  w.fmt = fmt;
+  w.in = in;
+  w.out = out;
+  w.nb = in / kBlock;
+  w.row_bytes = vd[2];
+  w.values = static_cast<const uint8_t*>(values.untyped_data()) + l * out * w.row_bytes;
+  const int64_t scales_per_layer = fmt == Fmt::kInt8 ? out : out * w.nb;
+  w.scales = scales.typed_data() + l * scales_per_layer;
+  w.mins = fmt == Fmt::kQ4_1 ? mins.typed_data() + l * scales_per_layer : nullptr;
+
+  thread_local Acts a;  // reused by the calls on this thread; parallel_for returns when done
+  if (fmt == Fmt::kInt8) {
+    a.q_stride = round_up(in, 64);
+    a.d_stride = 1;
+    a.c_stride = 0;
+    a.sum.resize(T);
+  } else {
+    a.q_stride = num_groups(w.nb) * kGroup * kBlock;
+    a.d_stride = num_groups(w.nb) * 16;
+    a.c_stride = round_up(w.nb, 16);
+  }
+  a.q.resize(T * a.q_stride);
+  a.d.resize(T * a.d_stride);
+  a.c.resize(T * a.c_stride);
+
+  if (x.element_type() == ffi::DataType::F32)
+    quantize_all(pool, static_cast<const float*>(x.untyped_data()), w, T, a);
+  else if (x.element_type() == ffi::DataType::BF16)
+    quantize_all(pool, static_cast<const uint16_t*>(x.untyped_data()), w, T, a);
+  else
+    return ffi::Error::InvalidArgument("qmatmul: x must be float32 or bfloat16");
+
+  float* yp = y->typed_data();
+  switch (fmt) {
+    case Fmt::kInt8: dots<Fmt::kInt8>(pool, w, a, T, yp); break;
+    case Fmt::kQ8_0: dots<Fmt::kQ8_0>(pool, w, a, T, yp); break;
+    case Fmt::kQ4_0: dots<Fmt::kQ4_0>(pool, w, a, T, yp); break;
+    case Fmt::kQ4_1: dots<Fmt::kQ4_1>(pool, w, a, T, yp); break;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+}  // namespace llmjax_cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxQmatmul, llmjax_cpu::Qmatmul,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Attr<std::string_view>("fmt")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
