@@ -328,6 +328,7 @@ PREFIX_CACHES = ("none", "radix")  # implemented in llmjax/engine/radix_cache.py
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "q8_0", "q4_0", "q4_1", "gguf")  # llmjax/model/quant.py
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "cpu")
 FLASH_PREFILL_MODES = ("auto", "on", "off")
 PALLAS_KERNELS = ("auto", "tpu", "gpu", "mgpu")
@@ -482,6 +483,12 @@ class EngineConfig:
 
     `dtype` is the compute and storage dtype of weights and KV cache. float32 is the CPU default:
     bf16 matrix-vector products run about 20x slower than f32 on x86 CPUs at small batch.
+    `quantization` (QUANTIZATIONS; llmjax/model/quant.py): 'none'; 'int8', W8A8 dynamic (weights
+    int8 per output channel, activations int8 per token at run time, int32 accumulation; norms,
+    biases and an untied embedding stay in `dtype`); 'q8_0', 'q4_0', 'q4_1', the float weights
+    quantized into those GGUF block formats as llama.cpp does; 'gguf', a GGUF checkpoint's Q8_0 /
+    Q4_0 / Q4_1 tensors kept in their blocks as stored (the rest loaded in `dtype`). Activations
+    and the KV cache stay in `dtype`.
     `max_model_len` (prompt + generated tokens per request) defaults to the model's
     `max_position_embeddings`. `attention_backend` (ATTENTION_BACKENDS): 'reference' (plain jnp,
     llmjax/model/attention.py), 'pallas' (the ragged paged attention kernels of kernels_pallas/:
@@ -525,6 +532,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     sparse_kv: SparseKVConfig = SparseKVConfig()
     dtype: str = "float32"
+    quantization: str = "none"
     max_model_len: int | None = None
     attention_backend: str = "auto"
     flash_prefill: str = "auto"
@@ -540,6 +548,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported {self.dtype=}; choose one of {DTYPES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown {self.quantization=}; choose one of {QUANTIZATIONS}")
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", self.model.max_position_embeddings)
         _check_positive(self, "max_model_len")
@@ -620,7 +630,14 @@ def layer_loop_scans(layer_loop: str, sparse_kv: bool) -> bool:
 
 
 # Fields an override may not change: the loaded weights were read and placed for them.
-FIXED_BY_WEIGHTS = ("model", "dtype", "parallel.tp", "parallel.pp", "parallel.pad_heads")
+FIXED_BY_WEIGHTS = (
+    "model",
+    "dtype",
+    "quantization",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.pad_heads",
+)
 
 
 def apply_overrides(config, overrides: Mapping[str, Any]):

@@ -1,10 +1,10 @@
 r"""The absl flags every script shares for building an engine, in one place.
 
 Short flags for what researchers set most: `--model`, `--load_format`, `--tokenizer`, `--dtype`,
-`--max_model_len`, `--page_size`, `--num_pages`, `--max_num_seqs`, `--max_num_batched_tokens`,
-`--precompile`, the step's kernels (`--attention_backend`, `--flash_prefill`, `--pallas_kernel`,
-`--kernel_options`, `--layer_loop`), parallelism (`--tp`, `--pp`, `--pad_heads`,
-`--balance_micro_batches`, `--check_lockstep`) and a multi-process launch
+`--quantization`, `--max_model_len`, `--page_size`, `--num_pages`, `--max_num_seqs`,
+`--max_num_batched_tokens`, `--precompile`, the step's kernels (`--attention_backend`,
+`--flash_prefill`, `--pallas_kernel`, `--kernel_options`, `--layer_loop`), parallelism (`--tp`,
+`--pp`, `--pad_heads`, `--balance_micro_batches`, `--check_lockstep`) and a multi-process launch
 (`--coordinator_address`, `--num_processes`, `--process_id`).
 
 Every other `EngineConfig` field is an ml_collections config flag (DESIGN principle 4), set by
@@ -17,8 +17,9 @@ Values are read by the field's type ('none' for an optional field, true/false or
 --config.X / --noconfig.X for a boolean, commas for a tuple) and validated by the config
 dataclasses' own `__post_init__` as the script starts, with the errors the Python API gives
 (`LLM(overrides=...)`, `llmjax.config.apply_overrides`); the fields the loaded weights fix
-(`model.*`, `dtype`, `parallel.tp` / `pp` / `pad_heads`) are refused: use `--model`, `--dtype`,
-`--tp`, `--pp`, `--pad_heads`. `--help` lists the fields (the `--config` entry).
+(`model.*`, `dtype`, `quantization`, `parallel.tp` / `pp` / `pad_heads`) are refused: use
+`--model`, `--dtype`, `--quantization`, `--tp`, `--pp`, `--pad_heads`. `--help` lists the
+fields (the `--config` entry).
 
 Use from a script:
 
@@ -54,6 +55,7 @@ from llmjax.config import (
     FLASH_PREFILL_MODES,
     LAYER_LOOPS,
     PALLAS_KERNELS,
+    QUANTIZATIONS,
     EngineConfig,
     apply_overrides,
 )
@@ -93,6 +95,15 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "float32",
         list(DTYPES),
         "Weights and KV cache dtype (float32 is fastest on CPUs; bfloat16 on GPUs/TPUs).",
+        **f,
+    )
+    flags.DEFINE_enum(
+        "quantization",
+        "none",
+        list(QUANTIZATIONS),
+        "Weight quantization: 'int8' (W8A8 dynamic int8 matmuls), 'q8_0' / 'q4_0' / 'q4_1' (the "
+        "weights quantized to those GGUF block formats), 'gguf' (a GGUF file's Q8_0/Q4_0/Q4_1 "
+        "blocks kept as stored). Activations and the KV cache stay in --dtype.",
         **f,
     )
     flags.DEFINE_integer(
@@ -274,9 +285,9 @@ _LEAVES: list[tuple[str, object, object]] = []
 def _fields_help(leaves) -> str:
     lines = [
         "EngineConfig fields, each settable as --config.PATH=VALUE and applied after the short "
-        "flags ('none' for an optional field; commas for a tuple). model.*, dtype and "
-        "parallel.tp/pp/pad_heads are fixed by the loaded weights: use --model, --dtype, --tp, "
-        "--pp, --pad_heads. Fields:"
+        "flags ('none' for an optional field; commas for a tuple). model.*, dtype, quantization "
+        "and parallel.tp/pp/pad_heads are fixed by the loaded weights: use --model, --dtype, "
+        "--quantization, --tp, --pp, --pad_heads. Fields:"
     ]
     for path, hint, default in leaves:
         if path.startswith("model."):
@@ -324,7 +335,12 @@ def check_overrides(overrides: dict[str, object]) -> None:
     itself are checked when the engine is built, against the loaded model)."""
     for path in overrides:
         if any(path == f or path.startswith(f + ".") for f in FIXED_BY_WEIGHTS):
-            short = {"dtype": "--dtype", "parallel.pp": "--pp", "parallel.tp": "--tp"}
+            short = {
+                "dtype": "--dtype",
+                "quantization": "--quantization",
+                "parallel.pp": "--pp",
+                "parallel.tp": "--tp",
+            }
             use = short.get(path, "--pad_heads" if path.endswith("pad_heads") else "--model")
             raise ValueError(
                 f"--{CONFIG_FLAG}.{path} is fixed by the loaded weights; set it with {use}"
@@ -352,6 +368,7 @@ def llm_kwargs(values: flags.FlagValues) -> dict:
     overrides included (as `overrides`)."""
     kwargs = dict(
         dtype=values.dtype,
+        quantization=values.quantization,
         load_format=values.load_format,
         tokenizer=values.tokenizer,
         max_model_len=values.max_model_len,

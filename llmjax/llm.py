@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from llmjax.config import (
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -108,6 +109,12 @@ def default_num_pages(config: EngineConfig, params_bytes: int) -> int:
 class LLM:
     """Load a model and its tokenizer, and serve requests with continuous batching.
 
+    Weights: `model` (a preset, a .gguf file, an HF or orbax directory), `dtype` (of the weights,
+    activations and KV cache), `quantization` ('none'; 'int8': W8A8 dynamic int8 matmuls;
+    'q8_0', 'q4_0', 'q4_1': the weights quantized to those GGUF block formats; 'gguf': a GGUF
+    file's Q8_0/Q4_0/Q4_1 blocks kept as stored; see EngineConfig and
+    llmjax/model/quant.py), `tokenizer`, `load_format` ('dummy': random weights).
+
     Engine options: `max_model_len` (prompt + generated tokens per request; default the model's
     context, capped at 4096), `page_size`, `num_pages` (default: what the memory budget allows),
     `scheduler_policy` (sarathi | prefill_first | decode_first | splitfuse, see SchedulerConfig),
@@ -137,6 +144,7 @@ class LLM:
         model: str = DEFAULT_MODEL,
         *,
         dtype: str = "float32",
+        quantization: str = "none",
         tokenizer: str | None = None,
         load_format: str = "auto",
         max_model_len: int | None = None,
@@ -164,26 +172,33 @@ class LLM:
         compilation_cache_dir: str | None = None,
         overrides: dict | None = None,
     ):
-        import jax
-        import jax.numpy as jnp
 
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"{load_format=} must be 'auto' or 'dummy'")
         t0 = time.perf_counter()
         sharded = tp * pp > 1  # then weights load one at a time, each device getting its shard
         parallel = ParallelConfig(tp=tp, pp=pp, pad_heads=pad_heads, check_lockstep=check_lockstep)
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown {quantization=}; choose one of {QUANTIZATIONS}")
+        if quantization != "none" and sharded:
+            raise ValueError(
+                f"quantization={quantization!r} runs on one device for now (tp={tp}, pp={pp})"
+            )
         self._model_config, params, self.tokenizer = _load(
-            model, dtype, load_format, tokenizer, parallel if sharded else None
+            model, dtype, load_format, tokenizer, parallel if sharded else None, quantization
         )
         if not sharded:  # else ModelRunner places (and converts) each weight on the mesh
+            params = _pack_weights(params, quantization, dtype)
             sparse = sparse_kv if isinstance(sparse_kv, str) else sparse_kv.mode
             if layer_loop_scans(layer_loop, sparse != "none"):
                 from llmjax.model.params import stack_layers
 
                 params = stack_layers(params)  # on the host, before the device holds them
-            params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+            params = _to_device(params, dtype)
         self._weights = params
-        self._fixed = dict(model=model, dtype=dtype, tp=tp, pp=pp, pad_heads=pad_heads)
+        self._fixed = dict(
+            model=model, dtype=dtype, quantization=quantization, tp=tp, pp=pp, pad_heads=pad_heads
+        )
         self._build_engine(
             dict(
                 max_model_len=max_model_len,
@@ -212,7 +227,16 @@ class LLM:
         )
 
     # Arguments that fix how the weights were loaded and placed: `with_options` cannot change them.
-    WEIGHT_OPTIONS = ("model", "dtype", "tokenizer", "load_format", "tp", "pp", "pad_heads")
+    WEIGHT_OPTIONS = (
+        "model",
+        "dtype",
+        "quantization",
+        "tokenizer",
+        "load_format",
+        "tp",
+        "pp",
+        "pad_heads",
+    )
 
     def with_options(self, **options) -> LLM:
         """Another LLM over this one's loaded weights and tokenizer, with other engine options
@@ -256,6 +280,7 @@ class LLM:
         import jax.numpy as jnp
 
         from llmjax.model.params import num_params
+        from llmjax.model.quant import weight_bytes
 
         o, fixed, model_config = dict(options), self._fixed, self._model_config
         if o["overrides"]:
@@ -297,6 +322,7 @@ class LLM:
                 balance_micro_batches=o["balance_micro_batches"],
             ),
             dtype=fixed["dtype"],
+            quantization=fixed["quantization"],
             max_model_len=max_model_len,
             attention_backend=o["attention_backend"],
             flash_prefill=o["flash_prefill"],
@@ -315,6 +341,8 @@ class LLM:
             config = apply_overrides(config, o["overrides"])
         itemsize = jnp.dtype(fixed["dtype"]).itemsize
         params_bytes = num_params(model_config) * itemsize
+        if config.parallel.num_devices == 1:
+            params_bytes = weight_bytes(self._weights)  # quantized weights as stored
         num_pages = config.cache.num_pages
         if num_pages is None:
             num_pages = default_num_pages(config, params_bytes)
@@ -328,10 +356,12 @@ class LLM:
             # (with_options): keep one copy of the weights, in the layout now used.
             self._weights = self.engine.runner.params
         logger.info(
-            "loaded %s (%.1f M params, %s) with %d KV pages in %.1f s",
+            "loaded %s (%.1f M params, %s, quantization %s, %.0f MB) with %d KV pages in %.1f s",
             fixed["model"],
-            params_bytes / itemsize / 1e6,
+            num_params(model_config) / 1e6,
             fixed["dtype"],
+            fixed["quantization"],
+            params_bytes / 1e6,
             num_pages,
             time.perf_counter() - t0,
         )
@@ -480,12 +510,46 @@ def _infinigen_skew(config: EngineConfig, params, tokenizer, num_tokens: int):
     return skew
 
 
+def _pack_weights(params, quantization: str, dtype: str):
+    """The loaded (list-layout, host) weights packed for `quantization` (llmjax/model/quant.py):
+    'int8', 'q8_0', 'q4_0', 'q4_1' quantize every matrix; 'gguf' came packed from the loader."""
+    from llmjax.model.quant import quantize_params
+
+    if quantization in ("none", "gguf"):
+        return params
+    return quantize_params(params, quantization)
+
+
+def _to_device(params, dtype: str):
+    """Each weight as a jax array in `dtype` (a packed weight's dense values too; quantized
+    values and their scales keep their own dtypes)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from llmjax.model.quant import is_packed
+
+    def one(x):
+        if not is_packed(x):
+            return jnp.asarray(x, dtype)
+        values = jnp.asarray(x.values, dtype if x.fmt == "dense" else None)
+        return dataclasses.replace(
+            x,
+            values=values,
+            **{k: jax.tree.map(jnp.asarray, getattr(x, k)) for k in ("scales", "mins")},
+        )
+
+    return jax.tree.map(one, params, is_leaf=is_packed)
+
+
 def _load(
     model: str,
     dtype: str,
     load_format: str,
     tokenizer_path: str | None,
     parallel: ParallelConfig | None = None,
+    quantization: str = "none",
 ):
     """-> (ModelConfig, params, Tokenizer | None). With `parallel` (a sharded run), GGUF/HF
     weights come as thunks that load one weight each (see `params_from_hf_tensors`) and orbax
@@ -498,6 +562,8 @@ def _load(
     from llmjax.model.params import init_params
 
     if load_format == "dummy":
+        if quantization == "gguf":
+            raise ValueError("quantization='gguf' keeps a GGUF file's blocks: not with 'dummy'")
         config = configs.get_preset(model)
         params = init_params(config, jax.random.key(0), dtype)
         if tokenizer_path is None and model in PRESET_WEIGHTS:
@@ -510,8 +576,12 @@ def _load(
     path = resolve_model_path(model)
     if path.endswith(".gguf") and os.path.isfile(path):
         reader = open_gguf(path)  # read once for both weights and tokenizer
-        config, params = load_gguf(reader, np_dtype, lazy=parallel is not None)
+        config, params = load_gguf(
+            reader, np_dtype, lazy=parallel is not None, quantized=quantization == "gguf"
+        )
         kind, path = "gguf", reader
+    elif quantization == "gguf":
+        raise ValueError(f"quantization='gguf' needs a .gguf checkpoint; {model!r} is not one")
     else:
         config, params, kind = load_model(model, np_dtype, parallel=parallel)
     source = tokenizer_path or path

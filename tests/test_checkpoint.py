@@ -166,9 +166,12 @@ def write_gguf(
     drop: str | None = None,
     dtype=np.float32,
     extra_tensors: dict | None = None,
+    quant: str | None = None,
 ) -> str:
     """Convert tiny HF checkpoint `name` to a GGUF file the way llama.cpp does (F32, or F16 for
-    the matrices with dtype=np.float16), with `extra_tensors` (GGUF name -> array) added."""
+    the matrices with dtype=np.float16; with `quant`, e.g. "Q4_1", the layers' matrices in that
+    block type and the embedding in Q8_0, as SmolLM2's file), with `extra_tensors` (GGUF name ->
+    array) added."""
     import gguf
 
     with open(os.path.join(hf_dir(name), "config.json")) as f:
@@ -199,6 +202,11 @@ def write_gguf(
             t = llama_cpp_permute(t, n_head)
         elif ".k_proj." in hf_name:
             t = llama_cpp_permute(t, n_kv)
+        if t.ndim == 2 and quant is not None:
+            qtype = gguf.GGMLQuantizationType["Q8_0" if "embed" in hf_name else quant]
+            data = gguf.quants.quantize(np.ascontiguousarray(t), qtype)
+            w.add_tensor(gguf_name(hf_name), data, raw_dtype=qtype)
+            continue
         if t.ndim == 2:
             t = t.astype(dtype)
         w.add_tensor(gguf_name(hf_name), np.ascontiguousarray(t))

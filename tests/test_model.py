@@ -89,12 +89,19 @@ def test_padding_does_not_touch_real_pages(model):
         assert not np.array_equal(k0[3], k1[3])
 
 
-def _compiled_step_hlo(config, num_tokens, num_pages=64, layer_loop="auto", attention="auto"):
+def _compiled_step_hlo(
+    config, num_tokens, num_pages=64, layer_loop="auto", attention="auto", quantization="none"
+):
     from llmjax.config import EngineConfig
     from llmjax.engine.batch import SamplingInput
     from llmjax.engine.runner import ModelRunner
+    from llmjax.model.quant import quantize_params
 
     params = init_params(config, jax.random.key(0))
+    if quantization != "none":
+        params = jax.tree.map(
+            jnp.asarray, quantize_params(jax.tree.map(np.asarray, params), quantization)
+        )
     engine_config = EngineConfig(
         model=config, layer_loop=layer_loop, attention_backend=attention, compilation_cache_dir=""
     )
@@ -141,7 +148,25 @@ def test_step_copies_neither_kv_pages_nor_weights(name, num_tokens, layer_loop, 
     config = configs.get_preset(name)
     runner, hlo = _compiled_step_hlo(config, num_tokens, layer_loop=layer_loop, attention=attention)
     assert ("llmjax_cpu_ragged_paged_attention" in hlo) == (attention == "cpu")
-    # Every KV array is donated and aliased to an output: the update happens in place.
+    _assert_no_copies(config, runner, hlo, layer_loop)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4_1"])
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_quantized_step_copies_neither_kv_pages_nor_weights(quantization, layer_loop, num_tokens):
+    """Packed weights (llmjax/model/quant.py: codes, scales, mins), through whichever matmul
+    form the CPU takes (the C++ kernels when they build, XLA's int8 dot otherwise)."""
+    config = configs.get_preset("tiny-gqa1")  # tied: the packed embedding is the LM head
+    runner, hlo = _compiled_step_hlo(
+        config, num_tokens, layer_loop=layer_loop, quantization=quantization
+    )
+    _assert_no_copies(config, runner, hlo, layer_loop)
+
+
+def _assert_no_copies(
+    config, runner, hlo, layer_loop
+):  # Every KV array is donated and aliased to an output: the update happens in place.
     header = hlo.splitlines()[0]
     num_kv_arrays = 2 if layer_loop == "scan" else 2 * config.num_layers
     assert header.count("-alias)") == num_kv_arrays, header[:300]

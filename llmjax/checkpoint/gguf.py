@@ -139,12 +139,48 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def load_gguf(reader_or_path, dtype=np.float32, lazy: bool = False) -> tuple[ModelConfig, Params]:
+# Our weight matrices -> their HF names (per layer), to keep GGUF blocks (`quantized=True`).
+_MATRIX_HF_NAMES = {
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+# GGUF block types kept quantized -> their PackedWeight format.
+PACKED_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+
+
+def packed_from_gguf(t, plain_shape, in_ndim: int, out_first: bool = False, num_heads=None):
+    """A GGUF tensor of a PACKED_TYPES type -> PackedWeight (blocks split into codes, scales
+    and mins, nothing dequantized; `num_heads`: undo llama.cpp's Q/K row permutation, on the
+    rows). None for other tensor types."""
+    from llmjax.model.quant import from_gguf_blocks
+
+    fmt = PACKED_TYPES.get(t.tensor_type.name)
+    if fmt is None:
+        return None
+    rows = int(t.shape[1]) if len(t.shape) > 1 else 1
+    data = np.asarray(t.data, np.uint8).reshape(rows, -1)
+    if num_heads is not None:
+        data = unpermute_rope_rows(data, num_heads)
+    return from_gguf_blocks(data, fmt, plain_shape, in_ndim, out_first)
+
+
+def load_gguf(
+    reader_or_path, dtype=np.float32, lazy: bool = False, quantized: bool = False
+) -> tuple[ModelConfig, Params]:
     """Load a GGUF file (a path or an open reader) -> (ModelConfig, numpy parameter tree in
-    `dtype`), dequantizing; with `lazy`, a thunk per weight that dequantizes it when called."""
+    `dtype`), dequantizing; with `lazy`, a thunk per weight that dequantizes it when called.
+    With `quantized`, the weight matrices (and the embedding) stored in a PACKED_TYPES type stay
+    quantized as `llmjax.model.quant.PackedWeight`s; the rest is dequantized."""
     import gguf
 
-    from llmjax.checkpoint.hf import params_from_hf_tensors
+    from llmjax.checkpoint.hf import _load_all, params_from_hf_tensors
+    from llmjax.model.params import check_params, param_specs
+    from llmjax.model.quant import MATRICES
 
     reader, path = _reader_and_name(reader_or_path)
     config = model_config_from_gguf(reader)
@@ -169,4 +205,32 @@ def load_gguf(reader_or_path, dtype=np.float32, lazy: bool = False) -> tuple[Mod
             w = unpermute_rope_rows(w, config.num_kv_heads)
         return w
 
-    return config, params_from_hf_tensors(config, get, path, dtype, lazy)
+    if not quantized:
+        return config, params_from_hf_tensors(config, get, path, dtype, lazy)
+    if lazy:
+        raise ValueError("quantized GGUF weights load whole (not one shard at a time)")
+    params = params_from_hf_tensors(config, get, path, dtype, lazy=True)
+    specs = param_specs(config)
+    heads = {"wq": config.num_heads, "wk": config.num_kv_heads}
+
+    def packed_or(thunk, hf, shape, in_ndim, out_first=False, num_heads=None):
+        t = by_hf_name.get(hf)
+        packed = None if t is None else packed_from_gguf(t, shape, in_ndim, out_first, num_heads)
+        return (lambda: packed) if packed is not None else thunk
+
+    for i, layer in enumerate(params["layers"]):
+        for name, in_ndim in MATRICES.items():
+            hf = f"model.layers.{i}.{_MATRIX_HF_NAMES[name]}"
+            shape = specs["layers"][i][name].shape
+            layer[name] = packed_or(layer[name], hf, shape, in_ndim, num_heads=heads.get(name))
+    if config.tie_word_embeddings:
+        params["embed"] = packed_or(
+            params["embed"], "model.embed_tokens.weight", specs["embed"].shape, 1, out_first=True
+        )
+    else:
+        params["lm_head"] = packed_or(
+            params["lm_head"], "lm_head.weight", specs["lm_head"].shape, 1
+        )
+    params = _load_all(params)
+    check_params(config, params, path)
+    return config, params

@@ -25,6 +25,7 @@ from llmjax.model.attention import make_attention_fn, resolve_attention_backend
 from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
 from llmjax.model.params import Params, stack_layers, unstack_layers
+from llmjax.model.quant import is_packed
 from llmjax.model.sampler import sample
 from llmjax.model.step_input import StepInput
 from llmjax.parallel import pipeline
@@ -75,6 +76,12 @@ class ModelRunner:
             mesh=self.mesh,
         )
         self.pipelined = parallel.pp > 1
+        if parallel.num_devices > 1 and any(
+            is_packed(x) for x in jax.tree.leaves(params, is_leaf=is_packed)
+        ):
+            raise ValueError(
+                "packed (quantized) weights run on one device for now: tp * pp must be 1"
+            )
         self.sparse = config.sparse_kv
         self.last_sparse_stats = None
         if self.sparse.enabled:

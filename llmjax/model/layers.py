@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmjax.config import ModelConfig, RopeScaling
+from llmjax.model.quant import linear
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -65,8 +66,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] -> [T, D]."""
-    gate = jnp.einsum("td,df->tf", x, w_gate)
-    up = jnp.einsum("td,df->tf", x, w_up)
-    return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down)
+def swiglu_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] (plain, or packed: llmjax/model/quant.py)
+    -> [T, D]."""
+    gate = linear(x, w_gate)
+    up = linear(x, w_up)
+    return linear(jax.nn.silu(gate) * up, w_down)

@@ -30,14 +30,14 @@ from llmjax.model.attention import AttentionFn, reference_attention
 from llmjax.model.kv_cache import KVPages, write_kv
 from llmjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
 from llmjax.model.params import Params, layers_stacked
+from llmjax.model.quant import is_packed, linear, qdot, take_rows
 from llmjax.model.step_input import StepInput
 
 
-def _project(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x: [T, D] @ w: [D, heads, H] -> [T, heads, H], as one 2-D matmul (a 3-D einsum made XLA
-    transpose the weight every step)."""
-    D, heads, H = w.shape
-    return (x @ w.reshape(D, heads * H)).reshape(-1, heads, H)
+def _project(x: jax.Array, w) -> jax.Array:
+    """x: [T, D] @ w: [D, heads, H] (plain or packed, llmjax/model/quant.py) -> [T, heads, H],
+    as one 2-D matmul (a 3-D einsum made XLA transpose the weight every step)."""
+    return linear(x, w)
 
 
 def _attention_block(
@@ -67,9 +67,7 @@ def _attention_block(
         sliding_window=config.sliding_window,
         new_kv=(k, v),
     )  # [T, N, H]
-    T, N, H = o.shape
-    wo = layer["wo"].reshape(N * H, -1)  # [N*H, D]
-    return o.reshape(T, N * H) @ wo, (k_pages, v_pages)
+    return linear(o, layer["wo"]), (k_pages, v_pages)  # [T, N, H] @ [N, H, D]
 
 
 def decoder_layer(
@@ -139,9 +137,17 @@ def scan_layers(
 def lm_head(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
     """Final norm + vocabulary projection of the rows `x` [L, D] -> logits [L, V] float32."""
     x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    if is_packed(head):
+        return qdot(x, head, jnp.float32)
     if config.tie_word_embeddings:
         return jnp.einsum("ld,vd->lv", x, params["embed"], preferred_element_type=jnp.float32)
     return jnp.einsum("ld,dv->lv", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
+    """Rows of the embedding table (plain or packed) in the activations' dtype (the norms')."""
+    return take_rows(params["embed"], token_ids).astype(params["final_norm"].dtype)
 
 
 def forward(
@@ -155,7 +161,7 @@ def forward(
     scanned as `params` and `kv_pages` are laid out (see the module doc). `attention_fn`: see
     llmjax/model/attention.py (`make_attention_fn` picks one by backend name). The pipeline-
     parallel step (llmjax/parallel/pipeline.py) runs the same pieces split over stages."""
-    x = params["embed"][step.token_ids]  # [T, D]
+    x = embed_tokens(params, step.token_ids)  # [T, D]
     cos, sin = rope_cos_sin(step.positions, config)  # [T, H/2]
     if layers_stacked(params):
         with jax.named_scope("layers"):

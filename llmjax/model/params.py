@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmjax.config import ModelConfig
+from llmjax.model.quant import is_packed
 
 Params = dict[str, Any]
 
@@ -132,7 +133,10 @@ def stack_layers(params: Params) -> Params:
 
     return {
         **params,
-        "layers": {name: stack([layer[name] for layer in layers]) for name in layers[0]},
+        "layers": {
+            name: jax.tree.map(lambda *xs: stack(xs), *[layer[name] for layer in layers])
+            for name in layers[0]
+        },
     }
 
 
@@ -191,11 +195,12 @@ def check_params(config: ModelConfig, params: Params, source: str = "params") ->
     (of either layout)."""
     specs = param_specs(config, stacked=layers_stacked(params))
     flat_specs = dict(_flatten_with_names(specs))
-    flat_params = dict(_flatten_with_names(params))
+    flat_params = dict(_flatten_with_names(params, is_leaf=is_packed))
     for name, spec in flat_specs.items():
         if name not in flat_params:
             raise ValueError(f"{source}: missing weight {name!r} (expected shape {spec.shape})")
-        shape = tuple(np.shape(flat_params[name]))
+        leaf = flat_params[name]
+        shape = tuple(leaf.shape) if is_packed(leaf) else tuple(np.shape(leaf))
         if shape != spec.shape:
             raise ValueError(f"{source}: weight {name!r} has shape {shape}, expected {spec.shape}")
     extra = sorted(set(flat_params) - set(flat_specs))
@@ -203,8 +208,8 @@ def check_params(config: ModelConfig, params: Params, source: str = "params") ->
         raise ValueError(f"{source}: unexpected weights {extra[:5]} for this model config")
 
 
-def _flatten_with_names(tree) -> list[tuple[str, Any]]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_spec)
+def _flatten_with_names(tree, is_leaf=_is_spec) -> list[tuple[str, Any]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return [(jax.tree_util.keystr(path, simple=True, separator="."), leaf) for path, leaf in flat]
 
 

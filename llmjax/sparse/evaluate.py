@@ -108,7 +108,7 @@ def teacher_forced(
     B, n = sequences.shape
     if not 0 < prefix_len < n:
         raise ValueError(f"{prefix_len=} must be in (0, {n}) for sequences of {n} tokens")
-    dtype = jax.tree.leaves(params)[0].dtype
+    dtype = params["final_norm"].dtype  # the activations' (weights may be packed)
     num_pages = 1 + B * -(-n // page_size)
     kind = infinigen.pool_memory_kind(sparse.pool_memory)
     pool = infinigen.allocate_pool(config, num_pages, page_size, dtype, kind)
@@ -147,7 +147,7 @@ def greedy_continuations(params, config: ModelConfig, prompts, num_tokens: int, 
     B, n = prompts.shape
     seqs = np.concatenate([prompts, np.zeros((B, num_tokens), prompts.dtype)], axis=1)
     full = SparseKVConfig(mode="offload", pool_memory="device")
-    dtype = jax.tree.leaves(params)[0].dtype
+    dtype = params["final_norm"].dtype  # the activations' (weights may be packed)
     num_pages = 1 + B * -(-seqs.shape[1] // page_size)
     pool = infinigen.allocate_pool(config, num_pages, page_size, dtype, None)
     partial = [None] * config.num_layers

@@ -50,8 +50,9 @@ from llmjax.config import ModelConfig, SparseKVConfig
 from llmjax.model.attention import paged_attention_reference, token_seq_ids
 from llmjax.model.kv_cache import KVPages
 from llmjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
-from llmjax.model.llama import _project, lm_head
+from llmjax.model.llama import _project, embed_tokens, lm_head
 from llmjax.model.params import Params, unstack_layers
+from llmjax.model.quant import linear
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
 from llmjax.sparse.skew import partial_columns
 
@@ -425,7 +426,7 @@ def sparse_forward(
     # (S <= T): speculation, fetch buffers and sparse attention are sized for them.
     D = S
     use_sparse = decode_only(step) if sparse.mode == "infinigen" else jnp.bool_(False)
-    x = params["embed"][step.token_ids]
+    x = embed_tokens(params, step.token_ids)
     cos, sin = rope_cos_sin(step.positions, config)
     rows = jnp.zeros(T, jnp.int32)
     hits = jnp.zeros((S, P), jnp.int32)
@@ -469,8 +470,7 @@ def sparse_forward(
                     return jnp.concatenate([o, jnp.zeros((T - D, *o.shape[1:]), o.dtype)])
 
                 o = jax.lax.cond(use_sparse, sparse_path, dense)
-            N, H = o.shape[1:]
-            x = x + o.reshape(T, N * H) @ layer["wo"].reshape(N * H, -1)
+            x = x + linear(o, layer["wo"])
             fetched = None
             if i + 1 < L and weights[i + 1] is not None:
                 # Speculate layer i+1 from this layer's attention input and issue its fetch

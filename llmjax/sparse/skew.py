@@ -121,7 +121,7 @@ def collect_qk(params, config: ModelConfig, token_ids, page_size: int = 16):
         forward(params, kv, step, config, recording)
         return queries, keys
 
-    dtype = jax.tree.leaves(params)[0].dtype
+    dtype = params["final_norm"].dtype  # the activations' (weights may be packed)
     kv = allocate_kv_pages(config, pages + 1, page_size, dtype)
     queries, keys = jax.jit(run)(params, kv, step)
     return [np.asarray(q) for q in queries], [np.asarray(k) for k in keys]

@@ -246,7 +246,7 @@ def trace_prefill(params, config, token_ids, page_size: int = 16) -> PrefillTrac
             x, _ = decoder_layer(layer, x, layer_kv, step, cos, sin, config, recording)
         return inputs, queries, keys
 
-    dtype = jax.tree.leaves(params)[0].dtype
+    dtype = params["final_norm"].dtype  # the activations' (weights may be packed)
     kv = allocate_kv_pages(config, -(-n // page_size) + 1, page_size, dtype)
     out = jax.jit(run)(params, kv, step)
     return PrefillTrace(*([np.asarray(a) for a in part] for part in out))

@@ -1,0 +1,409 @@
+"""Matmul weights packed for a backend: transposed, int8 (W8A8), or GGUF blocks kept quantized.
+
+A `PackedWeight` stands in the parameter tree where a plain weight matrix would be. It holds the
+matrix as [out, in] (an output channel per row, the layout of HF, GGUF and the fast narrow dot
+kernels of XLA:CPU) in one of these formats (`FORMATS`):
+
+    dense   values [out, in] in any float dtype (bf16 on CPU: XLA's bf16 dot is fast only with
+            both operands contracting their last dim)
+    int8    values int8 [out, in], scales f32 [out]; W = values * scales[:, None]. Activations
+            are quantized per token at run time: W8A8 dynamic, int32 accumulation (`quantize`)
+    q8_0    GGUF Q8_0: values int8 [out, in], scales f32 [out, in/32]; W = values * scale of its
+            32-block
+    q4_0    GGUF Q4_0: values uint8 [out, in/2], two 4-bit codes a byte, packed as GGUF packs a
+            block: byte j of block b holds element 32b+j (low nibble) and 32b+16+j (high);
+            W = (code - 8) * scale
+    q4_1    GGUF Q4_1: packed as Q4_0; W = code * scale + min (mins f32 [out, in/32])
+
+(+ a leading layers axis on every array in the stacked layout, llmjax/model/params.py.) Static
+metadata records the plain weight's shape and how it is laid out (`plain_shape`, `out_first`:
+the embedding [V, D] is [out, in]; every other matrix is [in..., out...]), so `dequantize` gives
+back exactly the plain weight, and `PackedWeight.shape` is the plain shape.
+
+`qdot(x, w)` is the one matmul of the model: x [T, in] @ W -> [T, out]. It picks the form per
+backend with `lax.platform_dependent` (decided at lowering): on CPU the C++ kernels
+(kernels_cpu/qmatmul.py) for the quantized formats, else XLA's int8 x int8 dot for int8 and a
+[out, in]-contracting dot for dense (one-row batches padded to two rows: XLA:CPU widens narrow
+weights to a materialized f32 copy for a single row); on GPU and TPU the dequantize-in-the-matmul
+form (XLA fuses the dequantization into the dot's operand).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmjax.config import QUANTIZATIONS  # noqa: F401  (EngineConfig.quantization's choices)
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("dense", "int8", "q8_0", "q4_0", "q4_1")
+BLOCK = 32  # the GGUF formats' block length along `in`
+
+# Weight matrices of the parameter tree (llmjax/model/params.py) and how many of their leading
+# plain axes are `in` (wo is [N, H, D]: two).
+MATRICES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight matrix as [out, in] in one of FORMATS (see the module doc)."""
+
+    values: Any
+    scales: Any = None
+    mins: Any = None
+    fmt: str = dataclasses.field(default="dense", metadata=dict(static=True))
+    plain_shape: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    in_ndim: int = dataclasses.field(default=1, metadata=dict(static=True))
+    out_first: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The leading axes before [out, in] (the layers axis when stacked)."""
+        return tuple(np.shape(self.values)[:-2])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.batch_shape + self.plain_shape
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        p = self.plain_shape
+        return p[len(p) - self.in_ndim :] if self.out_first else p[: self.in_ndim]
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        p = self.plain_shape
+        return p[: len(p) - self.in_ndim] if self.out_first else p[self.in_ndim :]
+
+    @property
+    def num_in(self) -> int:
+        return math.prod(self.in_shape)
+
+    @property
+    def num_out(self) -> int:
+        return math.prod(self.out_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize
+            for a in (self.values, self.scales, self.mins)
+            if a is not None
+        )
+
+    def __getitem__(self, index) -> PackedWeight:
+        """Index the leading (layers) axes: `w[i]` is layer i's weight."""
+        if not self.batch_shape:
+            raise IndexError("a PackedWeight without a layers axis cannot be indexed")
+        take = lambda a: None if a is None else a[index]
+        return dataclasses.replace(
+            self, values=take(self.values), scales=take(self.scales), mins=take(self.mins)
+        )
+
+
+def is_packed(x) -> bool:
+    return isinstance(x, PackedWeight)
+
+
+# ---- packing and quantizing (host side, numpy) ----------------------------------------------
+
+
+def _as_out_in(w: np.ndarray, in_ndim: int, out_first: bool) -> np.ndarray:
+    """A plain weight -> its [out, in] matrix."""
+    if out_first:
+        n_out = w.ndim - in_ndim
+        return w.reshape(math.prod(w.shape[:n_out]), -1)
+    return w.reshape(math.prod(w.shape[:in_ndim]), -1).T
+
+
+def pack_dense(w, in_ndim: int = 1, out_first: bool = False) -> PackedWeight:
+    """A plain float weight -> the dense format ([out, in], same dtype)."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    m = _as_out_in(w, in_ndim, out_first)
+    return PackedWeight(
+        xp.ascontiguousarray(m) if xp is np else m,
+        fmt="dense",
+        plain_shape=tuple(w.shape),
+        in_ndim=in_ndim,
+        out_first=out_first,
+    )
+
+
+def quantize_int8(w, in_ndim: int = 1, out_first: bool = False) -> PackedWeight:
+    """A plain float weight -> int8 per output channel, symmetric: scale = max|row| / 127."""
+    m = np.asarray(_as_out_in(np.asarray(w, np.float32), in_ndim, out_first), np.float32)
+    amax = np.abs(m).max(axis=1)
+    scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    values = np.clip(np.rint(m / scales[:, None]), -127, 127).astype(np.int8)
+    return PackedWeight(
+        values,
+        scales,
+        fmt="int8",
+        plain_shape=tuple(np.shape(w)),
+        in_ndim=in_ndim,
+        out_first=out_first,
+    )
+
+
+GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # f16 scale [+ f16 min] + codes
+GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+
+
+def from_gguf_blocks(data, fmt: str, plain_shape, in_ndim: int = 1, out_first: bool = False):
+    """GGUF blocks as stored, uint8 [out, in/32 * block bytes] -> PackedWeight (codes, and the
+    f16 scales/mins widened to f32, exactly)."""
+    rows = data.shape[0]
+    blocks = np.asarray(data, np.uint8).reshape(rows, -1, GGUF_BLOCK_BYTES[fmt])
+    f16 = lambda b: np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+    scales, mins = f16(blocks[..., 0:2]), None
+    if fmt == "q4_1":
+        mins, codes = f16(blocks[..., 2:4]), blocks[..., 4:]
+    else:
+        codes = blocks[..., 2:]
+    values = np.ascontiguousarray(codes).reshape(rows, -1)
+    if fmt == "q8_0":
+        values = values.view(np.int8)
+    return PackedWeight(
+        values,
+        scales,
+        mins,
+        fmt=fmt,
+        plain_shape=tuple(plain_shape),
+        in_ndim=in_ndim,
+        out_first=out_first,
+    )
+
+
+def quantize_blocks(w, fmt: str, in_ndim: int = 1, out_first: bool = False) -> PackedWeight:
+    """A plain float weight -> GGUF blocks (q8_0, q4_0, q4_1), quantized by the gguf package
+    as llama.cpp's converter does (`in` must be a multiple of 32)."""
+    import gguf
+
+    m = np.ascontiguousarray(_as_out_in(np.asarray(w, np.float32), in_ndim, out_first))
+    if m.shape[1] % BLOCK:
+        raise ValueError(f"{fmt} needs in features % {BLOCK} == 0, the weight has {m.shape[1]}")
+    data = gguf.quants.quantize(m, gguf.GGMLQuantizationType[GGUF_TYPES[fmt]])
+    return from_gguf_blocks(data, fmt, np.shape(w), in_ndim, out_first)
+
+
+def quantize_params(params, method: str):
+    """Every weight matrix of a (list-layout) parameter tree packed by `method` ('int8':
+    W8A8 per-channel int8 of the float weights; 'q8_0', 'q4_0', 'q4_1': GGUF blocks, quantized
+    as llama.cpp does; 'dense': transposed, same dtype). The tied
+    embedding is packed too (it is also the LM head: lookups dequantize their rows), an untied
+    embedding is not (a lookup reads one row; `lm_head` is packed instead). Norms and biases stay
+    plain. Already packed weights (GGUF blocks) are kept."""
+    if method in GGUF_BLOCK_BYTES:
+        pack = lambda w, in_ndim, out_first: quantize_blocks(w, method, in_ndim, out_first)
+    else:
+        pack = {"int8": quantize_int8, "dense": pack_dense}[method]
+    if isinstance(params["layers"], dict):
+        raise ValueError("quantize_params takes the list layout (stack the layers afterwards)")
+
+    def one(w, in_ndim, out_first=False):
+        return w if is_packed(w) else pack(w, in_ndim, out_first)
+
+    out = dict(params)
+    out["layers"] = [
+        {k: one(v, MATRICES[k]) if k in MATRICES else v for k, v in layer.items()}
+        for layer in params["layers"]
+    ]
+    if "lm_head" in params:
+        out["lm_head"] = one(params["lm_head"], 1)
+    else:
+        out["embed"] = one(params["embed"], 1, out_first=True)
+    return out
+
+
+def _unpack_nibbles(values, xp):
+    """uint8 [..., out, in/2] -> codes uint8 [..., out, in] (GGUF's within-block order)."""
+    *lead, out, half = values.shape
+    p = values.reshape(*lead, out, half // 16, 1, 16)
+    codes = xp.concatenate([p & 0x0F, p >> 4], axis=-2)  # [..., out, nb, 2, 16]
+    return codes.reshape(*lead, out, half * 2)
+
+
+def dequantize_matrix(w: PackedWeight, dtype=jnp.float32, xp=jnp):
+    """-> the [..., out, in] float32 matrix, computed as gguf.quants.dequantize does (numpy:
+    bit-exact with it), then cast to `dtype`."""
+    v = w.values
+    if w.fmt == "dense":
+        return v.astype(dtype)
+    if w.fmt == "int8":
+        return (v.astype(xp.float32) * w.scales[..., None]).astype(dtype)
+    *lead, out = v.shape[:-1]
+    if w.fmt == "q8_0":
+        n = v.shape[-1]
+        blocks = v.reshape(*lead, out, n // BLOCK, BLOCK).astype(xp.float32)
+        m = blocks * w.scales[..., None]
+    else:
+        codes = _unpack_nibbles(v, xp)
+        n = codes.shape[-1]
+        codes = codes.reshape(*lead, out, n // BLOCK, BLOCK)
+        if w.fmt == "q4_0":
+            m = w.scales[..., None] * (codes.astype(xp.int8) - xp.int8(8)).astype(xp.float32)
+        elif w.fmt == "q4_1":
+            m = (w.scales[..., None] * codes.astype(xp.float32)) + w.mins[..., None]
+        else:
+            raise ValueError(f"unknown packed weight format {w.fmt!r}; choose one of {FORMATS}")
+    return m.reshape(*lead, out, n).astype(dtype)
+
+
+def dequantize(w: PackedWeight, dtype=jnp.float32, xp=jnp):
+    """-> the plain weight (`w.shape`, e.g. wq's [D, N, H]) in `dtype`."""
+    m = dequantize_matrix(w, dtype, xp)
+    lead = w.batch_shape
+    if w.out_first:
+        return m.reshape(*lead, *w.plain_shape)
+    m = xp.swapaxes(m, -1, -2)  # [..., in, out]
+    return m.reshape(*lead, *w.plain_shape)
+
+
+def unpack_params(params, dtype=jnp.float32):
+    """Every PackedWeight of a tree dequantized to its plain weight (numpy stays numpy)."""
+
+    def one(x):
+        if not is_packed(x):
+            return x
+        xp = np if isinstance(x.values, np.ndarray) else jnp
+        return dequantize(x, dtype, xp)
+
+    return jax.tree.map(one, params, is_leaf=is_packed)
+
+
+def weight_bytes(params) -> int:
+    """Bytes the weights occupy (packed weights as packed)."""
+    total = 0
+    for leaf in jax.tree.leaves(params, is_leaf=is_packed):
+        if is_packed(leaf):
+            total += leaf.nbytes
+        else:
+            total += int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+# ---- the matmul ---------------------------------------------------------------------------------
+
+
+def _pad_one_row(x):
+    """[1, in] -> [2, in] (XLA:CPU runs narrow dots on its fast kernels from two rows)."""
+    return jnp.concatenate([x, jnp.zeros_like(x)]) if x.shape[0] == 1 else x
+
+
+def quantize_rows_int8(x):
+    """Per-token symmetric int8: x [T, in] -> (xq int8 [T, in], sx f32 [T]); a zero row's scale
+    is 1. Rounds half to even."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=1)
+    sx = jnp.where(amax > 0, amax / 127.0, 1.0)
+    xq = jnp.clip(jnp.round(x32 / sx[:, None]), -127, 127).astype(jnp.int8)
+    return xq, sx
+
+
+def int8_dot_xla(x, w: PackedWeight):
+    """W8A8 with XLA's int8 x int8 -> int32 dot (weights [out, in], contracting both last)."""
+    T = x.shape[0]
+    xq, sx = quantize_rows_int8(x)
+    acc = jax.lax.dot_general(
+        _pad_one_row(xq), w.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32
+    )[:T]
+    return acc.astype(jnp.float32) * sx[:, None] * w.scales[None, :]
+
+
+def dense_dot_xla(x, w: PackedWeight):
+    T = x.shape[0]
+    y = jax.lax.dot_general(
+        _pad_one_row(x.astype(w.values.dtype)),
+        w.values,
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+    return y[:T]
+
+
+def dequantized_dot(x, w: PackedWeight):
+    """The dequantize-in-the-matmul form (GPU, TPU; and the CPU fallback for GGUF blocks)."""
+    m = dequantize_matrix(w, x.dtype)
+    return jax.lax.dot_general(
+        x, m, (((1,), (w.values.ndim - 1,)), ((), ())), preferred_element_type=jnp.float32
+    )
+
+
+def _cpu_kernel():
+    """kernels_cpu.qmatmul when the C++ kernels build here (else None)."""
+    try:
+        from kernels_cpu.qmatmul import qmatmul
+
+        from kernels_cpu import build
+    except ImportError:
+        return None
+    return qmatmul if build.available() else None
+
+
+CPU_KERNEL_FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
+
+
+def cpu_dot(x, w: PackedWeight):
+    kernel = _cpu_kernel() if w.fmt in CPU_KERNEL_FORMATS else None
+    if kernel is not None:
+        try:
+            return kernel(x, w.values, w.scales, w.mins, fmt=w.fmt)
+        except ValueError as e:  # a shape the kernel does not take (checked while tracing)
+            logger.debug("qmatmul kernel refused %s %s: %s; XLA's form instead", w.fmt, w.shape, e)
+    if w.fmt == "int8":
+        return int8_dot_xla(x, w)
+    if w.fmt == "dense":
+        return dense_dot_xla(x, w)
+    return dequantized_dot(x, w)
+
+
+def qdot(x: jax.Array, w, out_dtype=None) -> jax.Array:
+    """x [T, in] @ w -> [T, out] in `out_dtype` (x's dtype by default). `w` is a PackedWeight
+    (its [out, in] matrix; the form chosen per backend, see the module doc) or a plain [in, out]
+    matrix (`x @ w`)."""
+    out_dtype = out_dtype or x.dtype
+    if not is_packed(w):
+        return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+    if w.batch_shape:
+        raise ValueError(f"qdot takes one layer's weight, got batch shape {w.batch_shape}")
+    if x.shape[-1] != w.num_in:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {w.num_in}")
+    y = jax.lax.platform_dependent(x, w, cpu=cpu_dot, default=dequantized_dot)
+    return y.astype(out_dtype)
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """x [T, *in] @ a weight (plain [*in, *out] with `in` given by x's trailing dims after T, or
+    packed) -> [T, *out]."""
+    T = x.shape[0]
+    x2 = x.reshape(T, -1)
+    if is_packed(w):
+        return qdot(x2, w).reshape(T, *w.out_shape)
+    n_in = x.ndim - 1
+    out_shape = w.shape[n_in:]
+    return (x2 @ w.reshape(x2.shape[1], -1)).reshape(T, *out_shape)
+
+
+def take_rows(embed, ids: jax.Array) -> jax.Array:
+    """Embedding lookup: rows `ids` of a plain [V, D] table, or of a packed (out-first) one,
+    dequantized (float32 for quantized formats, the table's dtype for dense)."""
+    if not is_packed(embed):
+        return embed[ids]
+    if not embed.out_first:
+        raise ValueError("an embedding table is packed out-first ([V, D])")
+    rows = dataclasses.replace(
+        embed,
+        values=embed.values[ids],
+        scales=None if embed.scales is None else embed.scales[ids],
+        mins=None if embed.mins is None else embed.mins[ids],
+    )
+    dtype = embed.values.dtype if embed.fmt == "dense" else jnp.float32
+    return dequantize_matrix(rows, dtype)
