@@ -1,5 +1,6 @@
 """The absl scripts run end to end (on tiny checkpoints, in subprocesses)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -77,3 +78,28 @@ def test_bench_kernels_times_what_runs_here_and_says_what_it_skips(tmp_path):
     assert "one prompt with no cache hit" in doc["skipped"]["mixed/flash_gpu"]
     assert "compiles only on gpu" in doc["skipped"]["decode/mgpu"]
     assert "one prompt with no cache hit" in doc["skipped"]["mixed/flash_mgpu"]
+
+
+def test_eval_precision_reports_each_precision(tmp_path):
+    out = tmp_path / "p.json"
+    stdout = _run(
+        "eval_precision.py",
+        "--model=smollm2-tiny",
+        "--load_format=dummy",
+        "--window=48",
+        "--num_windows=2",
+        "--num_prompts=2",
+        "--prompt_len=12",
+        "--gen_len=6",
+        "--precisions=f32=float32:none,int8=float32:int8,q4_1=float32:q4_1",
+        f"--out={out}",
+    ).stdout
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["f32", "int8", "q4_1"] and "| int8 | float32 | int8 |" in stdout
+    assert rows["f32"]["greedy_agreement"] == 1.0  # the reference agrees with itself
+    for r in rows.values():
+        assert np.isfinite(r["perplexity"]) and r["perplexity"] > 1
+        assert 0 <= r["greedy_agreement"] <= 1
+    # Packed weights take less memory: int8 about 1/4 of f32, Q4_1 less still.
+    assert rows["q4_1"]["weight_mb"] < rows["int8"]["weight_mb"] < rows["f32"]["weight_mb"] / 3
