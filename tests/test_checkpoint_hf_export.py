@@ -251,3 +251,23 @@ def test_transformers_runs_the_export(smollm2_hf, smollm2_path, tmp_path):
     assert chat == gguf.apply_chat_template(CHAT)
     for text in [*TEXTS, chat]:
         assert hf_tok.encode(text) == gguf.encode(text), text
+
+
+def test_sentencepiece_tokenizer_export(tmp_path):
+    """A sentencepiece GGUF vocabulary (Llama 2 style: BOS added, byte fallback) exports too."""
+    from tokenizers import Tokenizer as Backend
+
+    from llmjax.checkpoint.hf import save_hf_tokenizer
+    from llmjax.tokenizer import Tokenizer
+    from tests.test_tokenizer import TOY, _write_gguf
+
+    path = _write_gguf(tmp_path / "toy.gguf", model="llama", meta=TOY["gguf"])
+    gguf = Tokenizer.from_gguf(path)
+    save_hf_tokenizer(str(tmp_path), path)
+    backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    assert ours.add_bos_token and gguf.add_bos_token
+    for case in TOY["cases"]:
+        want = gguf.encode(case["text"])
+        assert backend.encode(case["text"]).ids == want == ours.encode(case["text"])
+        assert ours.decode(want) == gguf.decode(want)
