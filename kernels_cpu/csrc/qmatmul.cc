@@ -15,21 +15,31 @@
 //                (w = values, or nibble - 8)
 //   q4_1:        y[t, o] = sum_b (scales[o, b] d[t, b] sum_j q[t, b, j] nibble[o, b, j]
 //                             + mins[o, b] d[t, b] sum_j q[t, b, j])
-// vpdpbusd multiplies unsigned by signed bytes: nibbles are unsigned already, and signed weights
-// are made unsigned by adding 128 (xor 0x80). What the 128 adds, like q4_0's -8 and q4_1's min,
-// is a multiple of the activations' sum: int8 takes 128 d[t] sum_i q[t, i] off in int32; the
-// block formats add sum_b a[o, b] c[t, b] with c = d sum_j q times -128 (q8_0), -8 (q4_0) or 1
-// (q4_1), and a = mins for q4_1, scales otherwise.
 //
-// Pass 1 quantizes x into a scratch buffer (tokens shared over the thread pool). Pass 2 shares
-// items of (up to 256 tokens) x (32 outputs) over the pool; an item runs tiles of M <= 4 tokens x
-// N = 4 outputs that keep their M x N accumulators in registers over the whole of `in`, so each
-// weight vector is loaded once per M tokens, and a row's weights stay in L1 over the item's tokens.
+// Pass 1 quantizes x into a scratch buffer, once (tokens shared over the thread pool). Pass 2
+// shares items of (up to 256 tokens) x (32 outputs) over the pool, on one of two engines:
 //
-// The block formats' scratch puts 4 blocks (a group, 128 elements) in two 64-byte vectors: the
-// first halves of the 4 blocks, then their second halves, which is how a q4 group's 64 bytes
-// unpack (v & 15, v >> 4); q8_0's weights are permuted to match. Each 128-bit lane of an int32
-// product then holds one block, and the activation scales are stored repeated 4x to match.
+// AMX (int8 tiles; where the CPU and the kernel allow it, from kAmxMinTokens tokens on): the
+// weights are the A tiles, 16 output rows read in place (q4: unpacked once per item to bytes,
+// q4_0 as nibble - 8), and the activations the B tiles, stored by pass 1 in 16-token tiles in
+// the B layout ([in/4][16 tokens][4 bytes]), so that C = [16 outputs x 16 tokens] of int32.
+// int8 accumulates C over the whole row (2 x 2 tiles: 32 outputs x 32 tokens) and scales once;
+// the block formats take one 32-deep product per block and fold it into float32 accumulators
+// with that block's scales (the mins term as a float term with c = d sum_j q). C is transposed
+// on the way out.
+//
+// AVX-512 VNNI (vpdpbusd, fewer tokens, or no AMX): tiles of M <= 4 tokens x N = 4 outputs keep
+// their M x N accumulators in registers over the whole of `in`, so each weight vector is loaded
+// once per M tokens, and a row's weights stay in L1 over the item's tokens. vpdpbusd multiplies
+// unsigned by signed bytes: nibbles are unsigned already, and signed weights are made unsigned
+// by adding 128 (xor 0x80). What the 128 adds, like q4_0's -8 and q4_1's min, is a multiple of
+// the activations' sum: int8 takes 128 d[t] sum_i q[t, i] off in int32; the block formats add
+// sum_b a[o, b] c[t, b] with c = d sum_j q times -128 (q8_0), -8 (q4_0) or 1 (q4_1), and
+// a = mins for q4_1, scales otherwise. The block formats' scratch puts 4 blocks (a group, 128
+// elements) in two 64-byte vectors: the first halves of the 4 blocks, then their second halves,
+// which is how a q4 group's 64 bytes unpack (v & 15, v >> 4); q8_0's weights are permuted to
+// match. Each 128-bit lane of an int32 product then holds one block, and the activation scales
+// are stored repeated 4x to match.
 
 #include <string_view>
 #include <vector>
@@ -40,6 +50,14 @@
 #define LLMJAX_VNNI 1
 #else
 #define LLMJAX_VNNI 0
+#endif
+
+#if LLMJAX_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define LLMJAX_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define LLMJAX_AMX 0
 #endif
 
 namespace llmjax_cpu {
@@ -54,6 +72,8 @@ constexpr int64_t kTileT = 4;       // tokens per register tile (M)
 constexpr int64_t kTileO = 4;       // outputs per register tile (N)
 constexpr int64_t kItemO = 32;      // outputs per work item
 constexpr int64_t kMaxItemT = 256;  // tokens per work item, at most
+constexpr int64_t kAmxMinTokens = 4;  // AMX from here on (where it is usable)
+constexpr int64_t kTile = 16;       // AMX: tokens per B tile, outputs per A tile
 
 // One layer's weights.
 struct Weights {
@@ -67,17 +87,21 @@ struct Weights {
   const float* sum_factors() const { return fmt == Fmt::kQ4_1 ? mins : scales; }
 };
 
-// The quantized activations, per token: q bytes (int8: in order; the block formats: in the group
-// layout), the scales d (int8: one; the block formats: 16 per group, each block's 4x), and for
-// int8 the sum of q, for the block formats the per-block terms c (see the top).
+// The quantized activations, in one of two layouts ("rows": tokens, or for AMX 16-token tiles):
+//   VNNI  per token: q in order (int8) or in the group layout (the blocks), zero-padded; d: one
+//         scale (int8) or 16 per group (each block's 4x); int8: sum q; blocks: c per block
+//   AMX   per 16-token tile: q as B tiles [in/4 (int8: rounded up to 16)][16 tokens][4 bytes];
+//         d: the 16 tokens' scale (int8) or [nb][16] (the blocks); q4_1: c [nb][16]
+// Tokens past T are zero.
 struct Acts {
+  bool tiles;  // the AMX layout
   int64_t q_stride, d_stride, c_stride;
   std::vector<int8_t> q;
   std::vector<float> d, c;
   std::vector<int32_t> sum;
-  const int8_t* q_row(int64_t t) const { return q.data() + t * q_stride; }
-  const float* d_row(int64_t t) const { return d.data() + t * d_stride; }
-  const float* c_row(int64_t t) const { return c.data() + t * c_stride; }
+  const int8_t* q_row(int64_t r) const { return q.data() + r * q_stride; }
+  const float* d_row(int64_t r) const { return d.data() + r * d_stride; }
+  const float* c_row(int64_t r) const { return c.data() + r * c_stride; }
 };
 
 int64_t num_groups(int64_t nb) { return (nb + kGroup - 1) / kGroup; }
@@ -413,7 +437,7 @@ void tokens(const Weights& w, const Acts& a, int64_t t0, int64_t t1, int64_t o0,
 }
 
 template <Fmt F>
-void dots(ffi::ThreadPool& pool, const Weights& w, const Acts& a, int64_t T, float* y) {
+void vnni_dots(ffi::ThreadPool& pool, const Weights& w, const Acts& a, int64_t T, float* y) {
   const int64_t items_o = w.out / kItemO;
   int64_t item_t = kMaxItemT;  // smaller while that leaves the pool too few items
   while (item_t > 16 && (T + item_t - 1) / item_t * items_o < 32) item_t /= 2;
@@ -425,8 +449,371 @@ void dots(ffi::ThreadPool& pool, const Weights& w, const Acts& a, int64_t T, flo
   });
 }
 
+#if LLMJAX_AMX
+
+// Whether this process may use the AMX tile registers (Linux grants them on request, once).
+bool amx_usable() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+// Stores tile T to the 16 x 16 int32 at c. (GCC's _tile_stored clobbers all of memory, which
+// keeps the caller's float accumulators out of registers; this one names the 1 KB it writes.
+// GCC's tile loads name no memory at all: whatever they read that the same function wrote
+// must come before a compiler barrier, LLMJAX_STORES_DONE.)
+#define LLMJAX_TILE_STORED(T, c)                                             \
+  asm volatile("tilestored %%tmm" #T ", (%1,%2,1)"                           \
+               : "=m"(*reinterpret_cast<int32_t(*)[kTile * kTile]>(c))       \
+               : "r"(c), "r"(int64_t{64}))
+#define LLMJAX_STORES_DONE() asm volatile("" ::: "memory")
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row
+  uint8_t rows[16] = {};
+  TileConfig& tile(int i, int r, int bytes) {
+    rows[i] = r;
+    colsb[i] = bytes;
+    return *this;
+  }
+};
+
+// int8: C 0-3 [16 outputs x 16 tokens] int32, A 4-5 [16 outputs x 64 bytes], B 6-7 [16 x 64].
+const TileConfig kInt8Tiles = TileConfig()
+                                  .tile(0, 16, 64).tile(1, 16, 64).tile(2, 16, 64).tile(3, 16, 64)
+                                  .tile(4, 16, 64).tile(5, 16, 64).tile(6, 16, 64).tile(7, 16, 64);
+// The blocks: C 0-3, A 4-5 [16 outputs x 32 bytes: one block], B 6-7 [8 x 64: its 32 x 16 tokens].
+const TileConfig kBlockTiles = TileConfig()
+                                   .tile(0, 16, 64).tile(1, 16, 64).tile(2, 16, 64).tile(3, 16, 64)
+                                   .tile(4, 16, 32).tile(5, 16, 32).tile(6, 8, 64).tile(7, 8, 64);
+
+// Transposes the 16 x 16 matrix of 32-bit elements whose rows are r[0..15], in place.
+[[gnu::always_inline]] inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  LLMJAX_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // r[4i + k], 128-bit lane l: rows 4i .. 4i+3 of column 4l + k
+  LLMJAX_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // then the 4 x 4 transposition of those 128-bit lanes, for each k
+  LLMJAX_UNROLL
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);  // lanes 0, 2 | 0, 2
+    const __m512i v1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);  // lanes 1, 3 | 1, 3
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+    t[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[8 + k] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    t[12 + k] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+  LLMJAX_UNROLL
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Pass 1 for AMX: token tile tt (16 tokens from 16 tt, zero past T) quantized into the B layout.
+// Each token's q is made in order into rows [16][kq], then every 64 bytes of the 16 rows are
+// transposed as 16 x 16 dwords: the 16 B-tile rows of those 64 elements.
+template <typename E>
+void quantize_tile(const E* x, const Weights& w, int64_t T, Acts& a, int64_t tt) {
+  const int64_t in = w.in, kq = a.q_stride / kTile;  // kq: in rounded up to 64
+  const int64_t tokens = std::min(kTile, T - tt * kTile);
+  thread_local std::vector<int8_t> rows;
+  rows.assign(kTile * kq, 0);
+  float* d = a.d.data() + tt * a.d_stride;
+  float* c = a.c.data() + tt * a.c_stride;
+  std::fill(d, d + a.d_stride, 0.0f);
+  std::fill(c, c + a.c_stride, 0.0f);
+  for (int64_t j = 0; j < tokens; ++j) {
+    const E* xt = x + (tt * kTile + j) * in;
+    int8_t* q = rows.data() + j * kq;
+    if (w.fmt == Fmt::kInt8) {
+      d[j] = scale_of(absmax(xt, in));
+      quantize(xt, in, d[j], q);
+      continue;
+    }
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const float db = scale_of(absmax(xt + b * kBlock, kBlock));
+      const int32_t sum = quantize(xt + b * kBlock, kBlock, db, q + b * kBlock);
+      d[b * kTile + j] = db;
+      if (w.fmt == Fmt::kQ4_1) c[b * kTile + j] = db * static_cast<float>(sum);
+    }
+  }
+  int8_t* out = a.q.data() + tt * a.q_stride;
+  for (int64_t k = 0; k < kq; k += 64) {
+    __m512i r[16];
+    LLMJAX_UNROLL
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows.data() + j * kq + k);
+    transpose16(r);
+    LLMJAX_UNROLL
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (k / 4 + i) * 64, r[i]);
+  }
+}
+
+// Rows r[o] (16 outputs from o0, lanes: the 16 tokens of tile tt) into y, transposed.
+inline void store_transposed(__m512i r[16], const Weights& w, int64_t T, int64_t tt, int64_t o0,
+                             float* y) {
+  transpose16(r);
+  const int64_t tokens = std::min(kTile, T - tt * kTile);
+  for (int64_t j = 0; j < tokens; ++j)
+    _mm512_storeu_ps(y + (tt * kTile + j) * w.out + o0, _mm512_castsi512_ps(r[j]));
+}
+
+// int8: C tile kC (outputs from o0, token tile tt) scaled by d[t] scales[o] into y.
+template <int kC>
+void int8_out(const Weights& w, const Acts& a, int64_t T, int64_t tt, int64_t o0, float* y) {
+  alignas(64) int32_t c[kTile * kTile];
+  // (literal tile numbers: the tile instructions spell them into their assembly)
+  if constexpr (kC == 0) LLMJAX_TILE_STORED(0, c);
+  if constexpr (kC == 1) LLMJAX_TILE_STORED(1, c);
+  if constexpr (kC == 2) LLMJAX_TILE_STORED(2, c);
+  if constexpr (kC == 3) LLMJAX_TILE_STORED(3, c);
+  const __m512 d = _mm512_loadu_ps(a.d_row(tt));
+  __m512i r[16];
+  LLMJAX_UNROLL
+  for (int o = 0; o < 16; ++o) {
+    const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(w.scales[o0 + o]));
+    r[o] = _mm512_castps_si512(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + o * kTile)), scale));
+  }
+  store_transposed(r, w, T, tt, o0, y);
+}
+
+// int8: outputs [o0, o0 + 32) x token tiles tt (and tt + 1 when kTiles = 2), over all of `in`.
+template <int kTiles>
+void amx_int8(const Weights& w, const Acts& a, int64_t T, int64_t tt, int64_t o0, float* y) {
+  thread_local uint8_t tail[2 * kTile * 64];  // the last 32 columns of 32 rows, zero-padded
+  const int8_t* b0 = a.q_row(tt);
+  const int8_t* b1 = a.q_row(tt + kTiles - 1);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < w.in; k += 64) {
+    const uint8_t* A = w.values + o0 * w.row_bytes + k;
+    int64_t stride = w.row_bytes;
+    if (k + 2 * 64 < w.in) {  // tile loads that miss L1 stall: bring two steps on into it
+      for (int64_t r = 0; r < 2 * kTile; ++r) _mm_prefetch(A + 2 * 64 + r * stride, _MM_HINT_T0);
+      for (int64_t r = 0; r < kTile; ++r) {
+        _mm_prefetch(b0 + (k + 2 * 64) * kTile + r * 64, _MM_HINT_T0);
+        if constexpr (kTiles == 2) _mm_prefetch(b1 + (k + 2 * 64) * kTile + r * 64, _MM_HINT_T0);
+      }
+    }
+    if (w.in - k < 64) {
+      for (int64_t r = 0; r < 2 * kTile; ++r) {
+        std::memcpy(tail + r * 64, A + r * stride, 32);
+        std::memset(tail + r * 64 + 32, 0, 32);
+      }
+      LLMJAX_STORES_DONE();
+      A = tail;
+      stride = 64;
+    }
+    // Tiles are not renamed: a load waits for the products reading its tile. In this order
+    // each load follows the products that last read its tile by one or two products.
+    _tile_loadd(4, A, stride);
+    _tile_loadd(6, b0 + k * kTile, 64);  // B rows k/4 ..: 64 bytes each
+    _tile_dpbssd(0, 4, 6);
+    if constexpr (kTiles == 2) {
+      _tile_loadd(7, b1 + k * kTile, 64);
+      _tile_dpbssd(2, 4, 7);
+    }
+    _tile_loadd(5, A + kTile * stride, stride);
+    _tile_dpbssd(1, 5, 6);
+    if constexpr (kTiles == 2) _tile_dpbssd(3, 5, 7);
+  }
+  int8_out<0>(w, a, T, tt, o0, y);
+  int8_out<1>(w, a, T, tt, o0 + kTile, y);
+  if constexpr (kTiles == 2) {
+    int8_out<2>(w, a, T, tt + 1, o0, y);
+    int8_out<3>(w, a, T, tt + 1, o0 + kTile, y);
+  }
+}
+
+// q4: 16 rows from o0 as bytes, [16][in], each block's 32 in order (q4_0: nibble - 8, signed).
+template <Fmt F>
+void unpack_q4(const Weights& w, int64_t o0, uint8_t* out) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);  // lo 0-1, hi 0-1, ...
+  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  const int64_t ng = num_groups(w.nb);
+  for (int64_t o = 0; o < kTile; ++o) {
+    const uint8_t* row = w.values + (o0 + o) * w.row_bytes;
+    uint8_t* dst = out + o * w.in;
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t bytes = std::min(kGroup, w.nb - g * kGroup) * kBlock;  // unpacked
+      const __mmask64 m0 = bytes >= 64 ? ~0ull : (1ull << bytes) - 1;
+      const __mmask64 m1 = bytes >= 128 ? ~0ull : bytes <= 64 ? 0 : (1ull << (bytes - 64)) - 1;
+      const __mmask64 packed = bytes >= 128 ? ~0ull : (1ull << (bytes / 2)) - 1;
+      const __m512i v = _mm512_maskz_loadu_epi8(packed, row + g * 64);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      __m512i p0 = _mm512_permutex2var_epi64(lo, first, hi);  // blocks 0, 1 of the group
+      __m512i p1 = _mm512_permutex2var_epi64(lo, second, hi);  // blocks 2, 3
+      if constexpr (F == Fmt::kQ4_0) {
+        p0 = _mm512_sub_epi8(p0, eight);
+        p1 = _mm512_sub_epi8(p1, eight);
+      }
+      _mm512_mask_storeu_epi8(dst + g * 128, m0, p0);
+      _mm512_mask_storeu_epi8(dst + g * 128 + 64, m1, p1);
+    }
+  }
+}
+
+// A block's product, A (16 rows of the block) x B (its 32 x 16 tokens), into c, on the tiles
+// of slot kSlot: C = kSlot, A = 4 + kSlot % 2, B = 6 + kSlot % 2.
+template <Fmt F, int kSlot>
+inline void block_product(const uint8_t* A, int64_t a_stride, const int8_t* B, int32_t* c) {
+#define LLMJAX_PRODUCT(TC, TA, TB)          \
+  _tile_zero(TC);                           \
+  _tile_loadd(TA, A, a_stride);             \
+  _tile_loadd(TB, B, 64);                   \
+  if constexpr (F == Fmt::kQ4_1)            \
+    _tile_dpbusd(TC, TA, TB); /* nibbles */ \
+  else                                      \
+    _tile_dpbssd(TC, TA, TB);               \
+  LLMJAX_TILE_STORED(TC, c);
+  if constexpr (kSlot == 0) {
+    LLMJAX_PRODUCT(0, 4, 6)
+  } else if constexpr (kSlot == 1) {
+    LLMJAX_PRODUCT(1, 5, 7)
+  } else if constexpr (kSlot == 2) {
+    LLMJAX_PRODUCT(2, 4, 6)
+  } else {
+    LLMJAX_PRODUCT(3, 5, 7)
+  }
+#undef LLMJAX_PRODUCT
+}
+
+// The blocks: 16 outputs from o0 (their A rows at A, a_stride apart) x token tile tt, into y.
+// Each block's int32 product goes through memory (tiles have no way into vector registers) to
+// be folded into float32 accumulators, acc[o] += d_w[o] d_x C[o] (+ m[o] c). The tile unit (a
+// product or a store: about 16 cycles each, whatever K) runs 4 blocks ahead of the folding: the
+// products of blocks b + 4 .. b + 7 go to one set of 4 buffers while blocks b .. b + 3 are
+// folded from the other. (GCC keeps acc in memory around the tile instructions, so a group of
+// 4 is folded in one pass: one load and store of acc per 4 blocks.)
+template <Fmt F>
+void amx_blocks(const Weights& w, const Acts& a, const uint8_t* A, int64_t a_stride, int64_t T,
+                int64_t tt, int64_t o0, float* y) {
+  const int64_t nb = w.nb;
+  const int8_t* B = a.q_row(tt);
+  const float* dx = a.d_row(tt);
+  const float* c = a.c_row(tt);
+  const float* scales = w.scales + o0 * nb;
+  const float* mins = F == Fmt::kQ4_1 ? w.mins + o0 * nb : nullptr;
+  alignas(64) int32_t prod[2][kGroup][kTile * kTile];
+  __m512 acc[16];
+  LLMJAX_UNROLL
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  const int64_t b_bytes = kBlock * kTile;  // one block's B rows
+  auto issue = [&](int64_t g) {  // the products of group g's blocks into prod[g % 2]
+    const int64_t b = g * kGroup;
+    int32_t(*p)[kTile * kTile] = prod[g % 2];
+#define LLMJAX_ISSUE(S) \
+  if (b + (S) < nb) block_product<F, S>(A + (b + (S)) * kBlock, a_stride, B + (b + (S)) * b_bytes, p[S]);
+    LLMJAX_ISSUE(0)
+    LLMJAX_ISSUE(1)
+    LLMJAX_ISSUE(2)
+    LLMJAX_ISSUE(3)
+#undef LLMJAX_ISSUE
+  };
+  // acc[o] += block b's term for row o, from its product p
+  auto fold = [&](__m512& acc, int o, int64_t b, const int32_t* p) [[gnu::always_inline]] {
+    const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scales[o * nb + b]), _mm512_loadu_ps(dx + b * kTile));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(p + o * kTile)), s, acc);
+    if constexpr (F == Fmt::kQ4_1)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(mins[o * nb + b]), _mm512_loadu_ps(c + b * kTile), acc);
+  };
+  const int64_t ng = num_groups(nb);
+  issue(0);
+  for (int64_t g = 0; g < ng; ++g) {
+    if (g + 1 < ng) issue(g + 1);
+    const int64_t b = g * kGroup;
+    int32_t(*p)[kTile * kTile] = prod[g % 2];
+    if (b + kGroup <= nb) {
+      LLMJAX_UNROLL
+      for (int o = 0; o < 16; ++o) {
+        LLMJAX_UNROLL
+        for (int k = 0; k < kGroup; ++k) fold(acc[o], o, b + k, p[k]);
+      }
+    } else {
+      for (int64_t k = 0; b + k < nb; ++k) {
+        LLMJAX_UNROLL
+        for (int o = 0; o < 16; ++o) fold(acc[o], o, b + k, p[k]);
+      }
+    }
+  }
+  __m512i r[16];
+  LLMJAX_UNROLL
+  for (int o = 0; o < 16; ++o) r[o] = _mm512_castps_si512(acc[o]);
+  store_transposed(r, w, T, tt, o0, y);
+}
+
+template <Fmt F>
+void amx_dots(ffi::ThreadPool& pool, const Weights& w, const Acts& a, int64_t T, float* y) {
+  const int64_t tiles = (T + kTile - 1) / kTile, items_o = w.out / kItemO;
+  int64_t item_tiles = kMaxItemT / kTile;  // fewer while that leaves the pool too few items
+  while (item_tiles > 1 && (tiles + item_tiles - 1) / item_tiles * items_o < 32) item_tiles /= 2;
+  const int64_t items_t = (tiles + item_tiles - 1) / item_tiles;
+  parallel_for(pool, items_t * items_o, 1, [&](int64_t i) {
+    const int64_t tt0 = (i / items_o) * item_tiles, tt1 = std::min(tiles, tt0 + item_tiles);
+    const int64_t o0 = (i % items_o) * kItemO;
+    if constexpr (F == Fmt::kInt8) {
+      _tile_loadconfig(&kInt8Tiles);
+      for (int64_t tt = tt0; tt < tt1; tt += 2) {
+        if (tt + 1 < tt1)
+          amx_int8<2>(w, a, T, tt, o0, y);
+        else
+          amx_int8<1>(w, a, T, tt, o0, y);
+      }
+    } else {
+      _tile_loadconfig(&kBlockTiles);
+      thread_local std::vector<uint8_t> unpacked;
+      for (int64_t o = o0; o < o0 + kItemO; o += kTile) {
+        const uint8_t* A = w.values + o * w.row_bytes;
+        int64_t a_stride = w.row_bytes;
+        if constexpr (F != Fmt::kQ8_0) {
+          unpacked.resize(kTile * w.in);
+          unpack_q4<F>(w, o, unpacked.data());
+          LLMJAX_STORES_DONE();
+          A = unpacked.data();
+          a_stride = w.in;
+        }
+        for (int64_t tt = tt0; tt < tt1; ++tt) amx_blocks<F>(w, a, A, a_stride, T, tt, o, y);
+      }
+    }
+    _tile_release();
+  });
+}
+
+#endif  // LLMJAX_AMX
+
+// Whether a call of T tokens takes the AMX path (and so the tile layout).
+bool use_amx(int64_t T) {
+#if LLMJAX_AMX
+  return T >= kAmxMinTokens && amx_usable();
+#else
+  return false;
+#endif
+}
+
 template <typename E>
 void quantize_all(ffi::ThreadPool& pool, const E* x, const Weights& w, int64_t T, Acts& a) {
+#if LLMJAX_AMX
+  if (a.tiles) {
+    parallel_for(pool, (T + kTile - 1) / kTile, 1,
+                 [&](int64_t tt) { quantize_tile(x, w, T, a, tt); });
+    return;
+  }
+#endif
   const float factor = w.fmt == Fmt::kQ8_0 ? -128.0f : w.fmt == Fmt::kQ4_0 ? -8.0f : 1.0f;
   parallel_for(pool, T, 16, [&](int64_t t) {
     if (w.fmt == Fmt::kInt8)
@@ -434,6 +821,14 @@ void quantize_all(ffi::ThreadPool& pool, const E* x, const Weights& w, int64_t T
     else
       quantize_blocks(x + t * w.in, w.nb, factor, a, t);
   });
+}
+
+template <Fmt F>
+void dots(ffi::ThreadPool& pool, const Weights& w, const Acts& a, int64_t T, float* y) {
+#if LLMJAX_AMX
+  if (a.tiles) return amx_dots<F>(pool, w, a, T, y);
+#endif
+  vnni_dots<F>(pool, w, a, T, y);
 }
 
 bool parse(std::string_view name, Fmt& fmt) {
@@ -478,7 +873,13 @@ ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values
   w.mins = fmt == Fmt::kQ4_1 ? mins.typed_data() + l * scales_per_layer : nullptr;
 
   thread_local Acts a;  // reused by the calls on this thread; parallel_for returns when done
-  if (fmt == Fmt::kInt8) {
+  a.tiles = use_amx(T);
+  const int64_t rows = a.tiles ? (T + kTile - 1) / kTile : T;
+  if (a.tiles) {
+    a.q_stride = round_up(in, 64) * kTile;
+    a.d_stride = fmt == Fmt::kInt8 ? kTile : w.nb * kTile;
+    a.c_stride = fmt == Fmt::kQ4_1 ? w.nb * kTile : 0;
+  } else if (fmt == Fmt::kInt8) {
     a.q_stride = round_up(in, 64);
     a.d_stride = 1;
     a.c_stride = 0;
@@ -488,9 +889,9 @@ ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values
     a.d_stride = num_groups(w.nb) * 16;
     a.c_stride = round_up(w.nb, 16);
   }
-  a.q.resize(T * a.q_stride);
-  a.d.resize(T * a.d_stride);
-  a.c.resize(T * a.c_stride);
+  a.q.resize(rows * a.q_stride);
+  a.d.resize(rows * a.d_stride);
+  a.c.resize(rows * a.c_stride);
 
   if (x.element_type() == ffi::DataType::F32)
     quantize_all(pool, static_cast<const float*>(x.untyped_data()), w, T, a);
