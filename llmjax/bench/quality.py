@@ -38,7 +38,7 @@ def teacher_forced(params, config: ModelConfig, sequences, page_size: int = 16):
     """[B, n] token ids -> (nll [B, n-1] of each next token, argmax [B, n-1]) from one prefill
     of each row (a row at a time: the logits of every position of a 49k vocabulary are big)."""
     sequences = np.asarray(sequences, np.int32)
-    B, n = sequences.shape
+    n = sequences.shape[1]
     dtype = params["final_norm"].dtype
     nll, argmax = [], []
     for row in sequences:

@@ -115,9 +115,14 @@ def scan_layers(
     k_pages, v_pages = kv_pages
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     num_pages, page_size = k_pages.shape[0] // num_layers, k_pages.shape[1]
+    # Packed weights stay whole (loop-invariant) and each step views its layer in them: their
+    # C++ kernels read it in place, where scanning over them would copy every layer's slice.
+    packed = {name: w for name, w in layers.items() if is_packed(w)}
+    sliced = {name: w for name, w in layers.items() if not is_packed(w)}
 
     def body(carry, layer):
         x, k, v, i = carry
+        layer = {**layer, **{name: w.at_layer(i) for name, w in packed.items()}}
         x, (k, v) = decoder_layer(
             layer,
             x,
@@ -130,7 +135,9 @@ def scan_layers(
         )
         return (x, k, v, i + 1), None
 
-    (x, k, v, _), _ = jax.lax.scan(body, (x, k_pages, v_pages, jnp.int32(0)), layers)
+    (x, k, v, _), _ = jax.lax.scan(
+        body, (x, k_pages, v_pages, jnp.int32(0)), sliced, length=num_layers
+    )
     return x, (k, v)
 
 

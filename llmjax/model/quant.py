@@ -59,6 +59,7 @@ class PackedWeight:
     values: Any
     scales: Any = None
     mins: Any = None
+    layer: Any = None  # an int32 scalar: a view of that layer of stacked arrays (`at_layer`)
     fmt: str = dataclasses.field(default="dense", metadata=dict(static=True))
     plain_shape: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
     in_ndim: int = dataclasses.field(default=1, metadata=dict(static=True))
@@ -66,8 +67,10 @@ class PackedWeight:
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
-        """The leading axes before [out, in] (the layers axis when stacked)."""
-        return tuple(np.shape(self.values)[:-2])
+        """The leading axes before [out, in] (the layers axis when stacked; none for a view of
+        one layer)."""
+        lead = tuple(np.shape(self.values)[:-2])
+        return lead if self.layer is None else lead[1:]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -97,6 +100,29 @@ class PackedWeight:
             int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize
             for a in (self.values, self.scales, self.mins)
             if a is not None
+        )
+
+    def at_layer(self, layer) -> PackedWeight:
+        """A view of layer `layer` (an int32 scalar, may be traced) of a stacked weight: the
+        arrays stay whole, so a C++ kernel reads the layer in place (a `lax.scan` that sliced
+        the stack would copy each layer's weights every step); other forms slice it."""
+        if len(self.batch_shape) != 1:
+            raise ValueError(f"at_layer wants one layers axis, the weight has {self.batch_shape}")
+        return dataclasses.replace(self, layer=layer)
+
+    def one_layer(self) -> PackedWeight:
+        """A view (`at_layer`) materialized as that layer's own arrays (a dynamic slice)."""
+        if self.layer is None:
+            return self
+        take = lambda a: (
+            None if a is None else jax.lax.dynamic_index_in_dim(a, self.layer, 0, False)
+        )
+        return dataclasses.replace(
+            self,
+            values=take(self.values),
+            scales=take(self.scales),
+            mins=take(self.mins),
+            layer=None,
         )
 
     def __getitem__(self, index) -> PackedWeight:
@@ -331,6 +357,7 @@ def dense_dot_xla(x, w: PackedWeight):
 
 def dequantized_dot(x, w: PackedWeight):
     """The dequantize-in-the-matmul form (GPU, TPU; and the CPU fallback for GGUF blocks)."""
+    w = w.one_layer()
     m = dequantize_matrix(w, x.dtype)
     return jax.lax.dot_general(
         x, m, (((1,), (w.values.ndim - 1,)), ((), ())), preferred_element_type=jnp.float32
@@ -340,9 +367,8 @@ def dequantized_dot(x, w: PackedWeight):
 def _cpu_kernel():
     """kernels_cpu.qmatmul when the C++ kernels build here (else None)."""
     try:
-        from kernels_cpu.qmatmul import qmatmul
-
         from kernels_cpu import build
+        from kernels_cpu.qmatmul import qmatmul
     except ImportError:
         return None
     return qmatmul if build.available() else None
@@ -355,9 +381,10 @@ def cpu_dot(x, w: PackedWeight):
     kernel = _cpu_kernel() if w.fmt in CPU_KERNEL_FORMATS else None
     if kernel is not None:
         try:
-            return kernel(x, w.values, w.scales, w.mins, fmt=w.fmt)
+            return kernel(x, w.values, w.scales, w.mins, fmt=w.fmt, layer=w.layer)
         except ValueError as e:  # a shape the kernel does not take (checked while tracing)
             logger.debug("qmatmul kernel refused %s %s: %s; XLA's form instead", w.fmt, w.shape, e)
+    w = w.one_layer()
     if w.fmt == "int8":
         return int8_dot_xla(x, w)
     if w.fmt == "dense":
