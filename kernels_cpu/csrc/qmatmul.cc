@@ -19,7 +19,7 @@
 // Pass 1 quantizes x into a scratch buffer, once (tokens shared over the thread pool). Pass 2
 // shares items of (up to 256 tokens) x (32 outputs) over the pool, on one of two engines:
 //
-// AMX (int8 tiles; where the CPU and the kernel allow it, from kAmxMinTokens tokens on): the
+// AMX (int8 tiles; where the CPU and Linux allow it, from 5-10 tokens on, use_amx): the
 // weights are the A tiles, 16 output rows read in place (q4: unpacked once per item to bytes,
 // q4_0 as nibble - 8), and the activations the B tiles, stored by pass 1 in 16-token tiles in
 // the B layout ([in/4][16 tokens][4 bytes]), so that C = [16 outputs x 16 tokens] of int32.
@@ -72,7 +72,6 @@ constexpr int64_t kTileT = 4;       // tokens per register tile (M)
 constexpr int64_t kTileO = 4;       // outputs per register tile (N)
 constexpr int64_t kItemO = 32;      // outputs per work item
 constexpr int64_t kMaxItemT = 256;  // tokens per work item, at most
-constexpr int64_t kAmxMinTokens = 4;  // AMX from here on (where it is usable)
 constexpr int64_t kTile = 16;       // AMX: tokens per B tile, outputs per A tile
 
 // One layer's weights.
@@ -796,10 +795,13 @@ void amx_dots(ffi::ThreadPool& pool, const Weights& w, const Acts& a, int64_t T,
 
 #endif  // LLMJAX_AMX
 
-// Whether a call of T tokens takes the AMX path (and so the tile layout).
-bool use_amx(int64_t T) {
+// Whether a call of T tokens takes the AMX path (and so the tile layout): where a 16-token tile
+// costs less than the VNNI path's T tokens (measured on Sapphire Rapids, one core: about 5
+// tokens, 10 for q4, which unpacks its weights for the tiles).
+bool use_amx(Fmt fmt, int64_t T) {
 #if LLMJAX_AMX
-  return T >= kAmxMinTokens && amx_usable();
+  const int64_t min_tokens = fmt == Fmt::kQ4_0 || fmt == Fmt::kQ4_1 ? 10 : 5;
+  return T >= min_tokens && amx_usable();
 #else
   return false;
 #endif
@@ -873,7 +875,7 @@ ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values
   w.mins = fmt == Fmt::kQ4_1 ? mins.typed_data() + l * scales_per_layer : nullptr;
 
   thread_local Acts a;  // reused by the calls on this thread; parallel_for returns when done
-  a.tiles = use_amx(T);
+  a.tiles = use_amx(fmt, T);
   const int64_t rows = a.tiles ? (T + kTile - 1) / kTile : T;
   if (a.tiles) {
     a.q_stride = round_up(in, 64) * kTile;
