@@ -523,7 +523,11 @@ class EngineConfig:
     `precompile` compiles every step shape at start (|token buckets| x |page buckets| variants;
     with pp > 1 the pipeline tick of each, and the carry's resizes) so that serving never
     compiles; off by default because on a CPU that takes minutes for a real model the first time
-    (later starts load the persistent cache).
+    (later starts load the persistent cache). `compile_ahead` compiles, in a background
+    thread, the step shapes the next steps are likely to meet (the next page bucket of the
+    batch's contexts, the decode-only batch of the running requests: `Buckets.likely_next`), so
+    that a cold start overlaps compilation with running steps instead of stopping for each new
+    bucket (one device, one process; not with sparse_kv or pp > 1).
     """
 
     model: ModelConfig
@@ -541,6 +545,7 @@ class EngineConfig:
     layer_loop: str = "auto"
     seed: int = 0
     precompile: bool = False
+    compile_ahead: bool = True
     compilation_cache_dir: str = os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llmjax", "jax"
     )

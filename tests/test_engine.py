@@ -296,3 +296,24 @@ def test_duplicate_request_id_is_refused_while_in_flight(llm):
         engine.step()
     engine.add_request([8, 9], SamplingParams(max_tokens=2), request_id="dup")  # free again
     assert engine.abort_request("dup")
+
+
+def test_compile_ahead_serves_steps_from_shapes_compiled_in_the_background():
+    """`EngineConfig.compile_ahead`: the steps' likely next shapes compile in a background
+    thread; steps that meet one run its executable (no compile on the spot), and the tokens are
+    the ones the synchronous path gives."""
+    prompts = _prompts(6, seed=3, lo=20, hi=40)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    off = _llm(overrides={"compile_ahead": False})
+    on = _llm(overrides={"compile_ahead": True})
+    want = [o.token_ids for o in off.generate(prompts, params)]
+    got = [o.token_ids for o in on.generate(prompts, params)]
+    assert got == want
+    r_on, r_off = on.engine.runner, off.engine.runner
+    assert r_off.num_compiled_ahead == 0
+    assert r_on.num_compiled_ahead > 0
+    assert r_on.num_compiles < r_off.num_compiles  # some shapes were ready when first met
+    before = (r_on.num_compiles, r_on.num_compiled_ahead)
+    on.generate(prompts, params)  # the same shapes again: nothing new either way
+    assert (r_on.num_compiles, r_on.num_compiled_ahead) == before
+    assert on.engine.buckets.likely_next((8, 8, 4), 3) == [(8, 8, 8), (4, 4, 4), (4, 4, 8)]

@@ -642,6 +642,9 @@ class _FakeRunner:
     def precompile(self, shapes) -> None:
         pass
 
+    def compile_ahead(self, shapes) -> None:
+        pass
+
     @staticmethod
     def annotate(name: str, **metadata):
         return contextlib.nullcontext()

@@ -58,11 +58,32 @@ class Buckets:
         T = _round_up(num_tokens, self.token_buckets)
         return T, min(T, self.max_num_seqs), _round_up(max_pages, self.page_buckets)
 
+    def likely_next(
+        self, shape: tuple[int, int, int], num_running: int
+    ) -> list[tuple[int, int, int]]:
+        """The shapes steps after one of `shape` are likely to take, with `num_running`
+        requests running: the same batch once its contexts cross into the next page bucket,
+        and the decode-only batch of the running requests (now and in the next page bucket)."""
+        T, S, P = shape
+        bigger = [b for b in self.page_buckets if b > P][:1]
+        out = [(T, S, p) for p in bigger]
+        n = min(max(num_running, 1), self.max_num_seqs)
+        if n <= self.token_buckets[-1]:
+            Td = _round_up(n, self.token_buckets)
+            out += [(Td, min(Td, self.max_num_seqs), p) for p in [P, *bigger]]
+        return [s for s in dict.fromkeys(out) if s != shape]
+
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every (T, S, P) a step can take, for precompilation."""
         return [
             (T, min(T, self.max_num_seqs), P) for T in self.token_buckets for P in self.page_buckets
         ]
+
+
+def step_shape(step) -> tuple[int, int, int]:
+    """A packed StepInput's bucket: (T tokens, S sequence rows, P pages per sequence)."""
+    S, P = np.shape(step.page_indices)
+    return int(np.shape(step.token_ids)[0]), int(S), int(P)
 
 
 @dataclasses.dataclass

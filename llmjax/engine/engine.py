@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from llmjax.config import EngineConfig
-from llmjax.engine.batch import Buckets, pack
+from llmjax.engine.batch import Buckets, pack, step_shape
 from llmjax.engine.block_manager import BlockManager, pages_needed
 from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import make_prefix_cache
@@ -234,6 +234,9 @@ class LLMEngine:
         with trace("llmjax.update"):
             for req in self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist()):
                 self._live.discard(req.request_id)
+        if self.config.compile_ahead and not self.config.precompile:
+            likely = self.buckets.likely_next(step_shape(step_input), len(self.scheduler.running))
+            self.runner.compile_ahead(likely)
         outputs += [self._output(r) for r in sampled]
         if self.config.sparse_kv.enabled:
             self._sparse_step_done(batch, step_input)

@@ -10,9 +10,11 @@ not recompile; `precompile` compiles every bucket up front.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import logging
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llmjax.config import EngineConfig
-from llmjax.engine.batch import SamplingInput
+from llmjax.engine.batch import SamplingInput, step_shape
 from llmjax.model.attention import make_attention_fn, resolve_attention_backend
 from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
@@ -61,6 +63,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, params: Params, num_pages: int, skew=None):
         enable_compilation_cache(config.compilation_cache_dir)
         self.config = config
+        self._ahead: dict[tuple[int, int, int], concurrent.futures.Future] = {}
+        self._ahead_pool = None  # see compile_ahead
+        self._tracing = threading.local()
+        self.num_compiled_ahead = 0
         self.dtype = jnp.dtype(config.dtype)
         parallel = config.parallel
         self.mesh = make_mesh(parallel) if parallel.num_devices > 1 else None
@@ -127,6 +133,16 @@ class ModelRunner:
             donate_argnames=("kv_pages",),
             out_shardings=out_shardings,
         )
+        # Compiling ahead (`compile_ahead`): one background thread, one device, one process.
+        if config.compile_ahead and self.mesh is None and jax.process_count() == 1:
+            self._ahead_pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="llmjax-compile-ahead"
+            )
+            self._kv_structs = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                self.kv_pages,
+            )
+            self._ran_shapes: set[tuple[int, int, int]] = set()
 
     def _init_sparse(self, params, num_pages: int, skew) -> None:
         """sparse_kv != 'none': the KV pool in host memory, InfiniGen's partial keys and
@@ -295,7 +311,10 @@ class ModelRunner:
         return self._tick.lower(self.params, self.kv_pages, h, metas, sampling)
 
     def _step_impl(self, params, kv_pages, step, sampling, *, model_config, attention_fn):
-        self.num_compiles += 1  # runs only while tracing
+        if getattr(self._tracing, "ahead", False):  # runs only while tracing
+            self.num_compiled_ahead += 1
+        else:
+            self.num_compiles += 1
         logits, kv_pages = forward(params, kv_pages, step, model_config, attention_fn)
         next_ids = sample(logits, *sampling)
         return next_ids, kv_pages
@@ -334,14 +353,53 @@ class ModelRunner:
             self.last_sparse_stats = jax.tree.map(np.asarray, stats)
             self.num_steps += 1
             return to_host(next_ids)
-        next_ids, self.kv_pages = self._step(
-            self.params, self.kv_pages, *self._inputs(step, sampling)
-        )
+        step_fn = self._step
+        if self._ahead_pool is not None:
+            shape = step_shape(step)
+            self._ran_shapes.add(shape)
+            ahead = self._ahead.get(shape)
+            if ahead is not None and not ahead.cancelled():
+                if ahead.exception() is None:  # waits for it if it is still compiling
+                    step_fn = ahead.result()
+                else:
+                    logger.warning("compiling %s ahead failed: %r", shape, ahead.exception())
+        next_ids, self.kv_pages = step_fn(self.params, self.kv_pages, *self._inputs(step, sampling))
         next_ids = to_host(next_ids)
         self.num_steps += 1
         if self.config.parallel.check_lockstep:
             check_lockstep(next_ids, self.num_steps)
         return next_ids
+
+    def compile_ahead(self, shapes) -> None:
+        """Compile the step for these (T, S, P) shapes in the background (those not yet run or
+        queued), so that a step meeting one finds it ready instead of compiling it on the spot;
+        the engine queues the shapes its next steps are likely to take (`Buckets.likely_next`).
+        A no-op unless `EngineConfig.compile_ahead` (and one device, one process, no sparse_kv
+        or pipeline)."""
+        if self._ahead_pool is None:
+            return
+        for shape in shapes:
+            shape = tuple(int(d) for d in shape)
+            if shape not in self._ahead and shape not in self._ran_shapes:
+                self._ahead[shape] = self._ahead_pool.submit(self._compile, shape)
+
+    def _compile(self, shape: tuple[int, int, int]):
+        T, S, P = shape
+        self._tracing.ahead = True
+        try:
+            lowered = self._step.lower(
+                self.params,
+                self._kv_structs,
+                *self._inputs(pipeline.pad_step(None, T, S, P), _greedy_sampling(S)),
+            )
+        finally:
+            self._tracing.ahead = False
+        return lowered.compile()
+
+    def close(self) -> None:
+        """Stop compiling ahead (queued shapes are dropped; one in progress finishes)."""
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=False, cancel_futures=True)
 
     def lower(self, step: StepInput, sampling: SamplingInput):
         """The lowered step for these shapes (for HLO inspection in tests)."""
