@@ -26,13 +26,14 @@ import tempfile
 logger = logging.getLogger(__name__)
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("ragged_paged_attention.cc", "qmatmul.cc")
+SOURCES = ("ragged_paged_attention.cc", "qmatmul.cc", "dense_matmul.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 LIBRARY = "libllmjax_cpu.so"
 # FFI handler symbols in the library -> the XLA custom-call target names they are registered as.
 TARGETS = {
     "LlmjaxRaggedPagedAttention": "llmjax_cpu_ragged_paged_attention",
     "LlmjaxQmatmul": "llmjax_cpu_qmatmul",
+    "LlmjaxDenseMatmul": "llmjax_cpu_dense_matmul",
 }
 
 

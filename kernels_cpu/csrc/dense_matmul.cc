@@ -1,0 +1,566 @@
+// Dense float matmul for CPUs, for the small token counts of decoding: y[T, out] = x[T, in] @ W^T
+// in float32, W [out, in] (one layer of a stack [L, out, in], read in place) in float32 or
+// bfloat16, x float32 or bfloat16. Any in >= 1 and out >= 1 (the tails are masked loads and
+// one-output tiles).
+//
+// What it computes:
+//   W float32:  x widened to float32 (exact), products and sums in float32 (FMA).
+//   W bfloat16: x rounded to bfloat16 (to nearest even), each product exact in float32, the sums
+//               in float32 (vdpbf16ps, or the AMX tiles' tdpbf16ps). Both instructions treat
+//               bfloat16 denormals as zero and flush float32 denormal results to zero.
+//
+// The AVX-512 engine (every T for float32 weights; bfloat16 weights below kAmxMinTokens tokens,
+// or without AMX): register tiles of M tokens x N outputs hold M * N float32 vectors of partial
+// dot products along `in` (M x N = 1 x 16 for T = 1, 2 x 8 for T = 2, else 4 x 4), 16 float32
+// or 32 bfloat16 elements (one 64-byte line of each weight row) per step, reduced horizontally
+// once at the end (16 vectors into one vector of 16 sums). A tile's N weight rows stay in L1
+// while the token tiles of its token block (up to kTokenBlock tokens) run over them, so each
+// weight is read from memory once per token block. The work is shared over XLA's thread pool as
+// contiguous parts of the outputs (several per thread, taken dynamically); within a part, the
+// first token tile over each tile of rows prefetches the next tile's rows into L2 (one
+// prefetch per line read), and each part starts with a burst of prefetches of its first tile.
+//
+// The AMX engine (bfloat16 weights, from kAmxMinTokens tokens, in a multiple of 32, where Linux
+// grants the tiles): the weight rows are the A tiles, read in place (16 rows x 32 elements, a
+// row's stride apart), and x the B tiles, packed once per call by 16-token tiles into the pair
+// layout [in / 2][16 tokens][2]; 2 x 2 C tiles of [16 outputs x 16 tokens] accumulate 32 outputs
+// x 32 tokens over the whole row, and are transposed on the way out. Outputs past the last
+// multiple of 16 go through the AVX-512 engine.
+
+#include <vector>
+
+#include "common.h"
+
+#if LLMJAX_AVX512 && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LLMJAX_DENSE_AVX512 1
+#else
+#define LLMJAX_DENSE_AVX512 0
+#endif
+
+#if LLMJAX_DENSE_AVX512 && defined(__AVX512BF16__)
+#define LLMJAX_DENSE_BF16DOT 1
+#else
+#define LLMJAX_DENSE_BF16DOT 0
+#endif
+
+#if LLMJAX_DENSE_BF16DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LLMJAX_DENSE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define LLMJAX_DENSE_AMX 0
+#endif
+
+namespace llmjax_cpu {
+
+namespace {
+
+constexpr int64_t kTokenBlock = 64;    // tokens per work item (AVX-512 engine)
+constexpr int64_t kPartsPerWorker = 8;  // output parts per thread, for the dynamic balance
+constexpr int64_t kAmxMinTokens = 16;   // AMX from here on (where it is usable)
+constexpr int64_t kAmxGroupTiles = 16;  // 16-token tiles per AMX work item, at most
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Contiguous parts of `units` units over `groups` groups of tokens: enough items for every
+// thread to take several.
+int64_t units_per_part(ffi::ThreadPool& pool, int64_t units, int64_t groups) {
+  const int64_t workers = pool.num_threads() + 1;  // the pool and the calling thread
+  const int64_t parts = std::clamp<int64_t>(ceil_div(kPartsPerWorker * workers, groups), 1, units);
+  return ceil_div(units, parts);
+}
+
+#if LLMJAX_DENSE_AVX512
+
+// Loops over the registers of a tile are unrolled whole, so that GCC keeps them in registers.
+#define LLMJAX_DENSE_UNROLL _Pragma("GCC unroll 16")
+
+// Lane i of the result: the sum of v[i]'s 16 lanes, for i < n (n <= 16; lanes from n on are 0).
+[[gnu::always_inline]] inline __m512 reduce16(const __m512* v, int n) {
+  __m512 a[16];
+  LLMJAX_DENSE_UNROLL
+  for (int i = 0; i < 16; ++i) a[i] = i < n ? v[i] : _mm512_setzero_ps();
+  // per 128-bit lane: [v0 + v2, w0 + w2, v1 + v3, w1 + w3] of v = a[2i], w = a[2i + 1]
+  LLMJAX_DENSE_UNROLL
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  // per 128-bit lane: the lane's sums of the 4 vectors 4i .. 4i + 3, in order
+  LLMJAX_DENSE_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    a[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // the 4 lanes of each: (lanes 0 + 1, 2 + 3) of x, then of y, twice
+  auto fold = [](__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd));
+  };
+  return fold(fold(a[0], a[1]), fold(a[2], a[3]));
+}
+
+// The engines' element types: a step takes 64 bytes of each weight row (kStep elements), loads
+// the weights (W) and activations (X) as 512-bit vectors, and accumulates their products.
+struct F32Kernel {  // float32 weights and activations: FMA
+  using W = float;
+  using X = float;
+  static constexpr int64_t kStep = 16;
+  static __m512 load_w(const W* p) { return _mm512_loadu_ps(p); }
+  static __m512 load_x(const X* p) { return _mm512_loadu_ps(p); }
+  static __m512 load_w(const W* p, int64_t n) {  // n < kStep elements, the rest 0
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  }
+  static __m512 load_x(const X* p, int64_t n) { return load_w(p, n); }
+  [[gnu::always_inline]] static void madd(__m512& acc, __m512 x, __m512 w) {
+    acc = _mm512_fmadd_ps(x, w, acc);
+  }
+};
+
+#if LLMJAX_DENSE_BF16DOT
+struct Bf16Kernel {  // bfloat16 weights and activations: pairs of products per float32 lane
+  using W = uint16_t;
+  using X = uint16_t;
+  static constexpr int64_t kStep = 32;
+  static __m512 load_w(const W* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+  static __m512 load_x(const X* p) { return load_w(p); }
+  static __m512 load_w(const W* p, int64_t n) {
+    return _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p));
+  }
+  static __m512 load_x(const X* p, int64_t n) { return load_w(p, n); }
+  // acc += x[2i] w[2i] + x[2i + 1] w[2i + 1] per lane i, in place (inline assembly: GCC copies
+  // the intrinsic's accumulators through other registers).
+  [[gnu::always_inline]] static void madd(__m512& acc, __m512 x, __m512 w) {
+    asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  }
+};
+#else
+struct Bf16Kernel {  // no vdpbf16ps: bfloat16 weights widened, activations float32 (bf16 values)
+  using W = uint16_t;
+  using X = float;
+  static constexpr int64_t kStep = 16;
+  static __m512 load_w(const W* p) { return load_bf16x16(p); }
+  static __m512 load_x(const X* p) { return _mm512_loadu_ps(p); }
+  static __m512 load_w(const W* p, int64_t n) {
+    const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static __m512 load_x(const X* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  }
+  [[gnu::always_inline]] static void madd(__m512& acc, __m512 x, __m512 w) {
+    acc = _mm512_fmadd_ps(x, w, acc);
+  }
+};
+#endif
+
+// M tokens (x, x_stride apart) x N outputs (weight rows w, `in` apart) into y (y_stride apart).
+// pf, when given, is the next tile's rows: one line of it is prefetched per line read here.
+template <class K, int M, int N>
+void tile(const typename K::W* w, int64_t in, const typename K::X* x, int64_t x_stride, float* y,
+          int64_t y_stride, const char* pf) {
+  static_assert(M * N <= 16, "the accumulators fit one reduction");
+  const typename K::W* rows[N];
+  LLMJAX_DENSE_UNROLL
+  for (int n = 0; n < N; ++n) rows[n] = w + n * in;
+  const typename K::X* xs[M];
+  LLMJAX_DENSE_UNROLL
+  for (int m = 0; m < M; ++m) xs[m] = x + m * x_stride;
+  __m512 acc[M * N];
+  LLMJAX_DENSE_UNROLL
+  for (auto& v : acc) v = _mm512_setzero_ps();
+
+  auto step = [&](int64_t k) __attribute__((always_inline)) {
+    __m512 xv[M];
+    LLMJAX_DENSE_UNROLL
+    for (int m = 0; m < M; ++m) xv[m] = K::load_x(xs[m] + k);
+    LLMJAX_DENSE_UNROLL
+    for (int n = 0; n < N; ++n) {
+      const __m512 wv = K::load_w(rows[n] + k);
+      LLMJAX_DENSE_UNROLL
+      for (int m = 0; m < M; ++m) K::madd(acc[m * N + n], xv[m], wv);
+    }
+  };
+  const int64_t full = in - in % K::kStep;
+  int64_t k = 0;
+  if (pf != nullptr) {
+    for (; k < full; k += K::kStep, pf += N * 64) {
+      LLMJAX_DENSE_UNROLL
+      for (int n = 0; n < N; ++n) _mm_prefetch(pf + n * 64, _MM_HINT_T1);
+      step(k);
+    }
+  }
+  for (; k < full; k += K::kStep) step(k);
+  if (k < in) {  // the tail, masked (the elements past `in` load as 0)
+    const int64_t rest = in - k;
+    __m512 wv[N];
+    LLMJAX_DENSE_UNROLL
+    for (int n = 0; n < N; ++n) wv[n] = K::load_w(rows[n] + k, rest);
+    LLMJAX_DENSE_UNROLL
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = K::load_x(xs[m] + k, rest);
+      LLMJAX_DENSE_UNROLL
+      for (int n = 0; n < N; ++n) K::madd(acc[m * N + n], xv, wv[n]);
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(acc, M * N));
+  LLMJAX_DENSE_UNROLL
+  for (int m = 0; m < M; ++m) std::memcpy(y + m * y_stride, sums + m * N, N * sizeof(float));
+}
+
+// tile<K, m, N> for a run-time m <= M.
+template <class K, int N, int M>
+void tile_upto(int64_t m, const typename K::W* w, int64_t in, const typename K::X* x,
+               int64_t x_stride, float* y, int64_t y_stride, const char* pf) {
+  if constexpr (M > 1) {
+    if (m < M) return tile_upto<K, N, M - 1>(m, w, in, x, x_stride, y, y_stride, pf);
+  }
+  tile<K, M, N>(w, in, x, x_stride, y, y_stride, pf);
+}
+
+template <typename E>
+void prefetch_bytes(const E* p, int64_t n_elements) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n_elements * static_cast<int64_t>(sizeof(E)); b += 64)
+    _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
+// Outputs [o0, o1) for tokens [t0, t1): tiles of N rows (the rest one row at a time) x up to M
+// tokens. w is the layer's [out, in], x [T, x_stride], y [T, out].
+template <class K, int N, int M>
+void part(const typename K::W* w, int64_t in, int64_t out, const typename K::X* x,
+          int64_t x_stride, int64_t t0, int64_t t1, int64_t o0, int64_t o1, float* y) {
+  const int64_t full = o0 + (o1 - o0) / N * N;
+  prefetch_bytes(w + o0 * in, std::min<int64_t>(N, o1 - o0) * in);
+  for (int64_t o = o0; o < full; o += N) {
+    const char* pf = o + 2 * N <= full ? reinterpret_cast<const char*>(w + (o + N) * in) : nullptr;
+    for (int64_t t = t0; t < t1; t += M) {
+      tile_upto<K, N, M>(std::min<int64_t>(M, t1 - t), w + o * in, in, x + t * x_stride, x_stride,
+                         y + t * out + o, out, t == t0 ? pf : nullptr);
+    }
+  }
+  for (int64_t o = full; o < o1; ++o) {
+    for (int64_t t = t0; t < t1; t += M) {
+      tile_upto<K, 1, M>(std::min<int64_t>(M, t1 - t), w + o * in, in, x + t * x_stride, x_stride,
+                         y + t * out + o, out, nullptr);
+    }
+  }
+}
+
+template <class K, int N, int M>
+void run_parts(ffi::ThreadPool& pool, const typename K::W* w, int64_t in, int64_t out,
+               const typename K::X* x, int64_t x_stride, int64_t T, int64_t o0, int64_t o1,
+               float* y) {
+  const int64_t blocks = ceil_div(T, kTokenBlock), tiles = ceil_div(o1 - o0, N);
+  const int64_t rows = units_per_part(pool, tiles, blocks) * N;
+  const int64_t parts = ceil_div(o1 - o0, rows);
+  parallel_for(pool, blocks * parts, 1, [&](int64_t i) {
+    const int64_t t0 = (i / parts) * kTokenBlock, p0 = o0 + (i % parts) * rows;
+    part<K, N, M>(w, in, out, x, x_stride, t0, std::min(T, t0 + kTokenBlock), p0,
+                  std::min(o1, p0 + rows), y);
+  });
+}
+
+// The AVX-512 engine over outputs [o0, o1), with the tile shape for T.
+template <class K>
+void avx512_dots(ffi::ThreadPool& pool, const typename K::W* w, int64_t in, int64_t out,
+                 const typename K::X* x, int64_t x_stride, int64_t T, int64_t o0, int64_t o1,
+                 float* y) {
+  if (T == 1)
+    run_parts<K, 16, 1>(pool, w, in, out, x, x_stride, T, o0, o1, y);
+  else if (T == 2)
+    run_parts<K, 8, 2>(pool, w, in, out, x, x_stride, T, o0, o1, y);
+  else
+    run_parts<K, 4, 4>(pool, w, in, out, x, x_stride, T, o0, o1, y);
+}
+
+#if LLMJAX_DENSE_BF16DOT
+// x float32 [T, in] -> bfloat16 (round to nearest even) in dst [T, in].
+void to_bf16(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t in, uint16_t* dst) {
+  parallel_for(pool, T, 16, [&](int64_t t) {
+    const float* s = x + t * in;
+    uint16_t* d = dst + t * in;
+    int64_t i = 0;
+    for (; i + 16 <= in; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i)));
+    if (i < in) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (in - i)) - 1);
+      _mm256_mask_storeu_epi16(d + i, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, s + i)));
+    }
+  });
+}
+#endif
+
+#endif  // LLMJAX_DENSE_AVX512
+
+#if LLMJAX_DENSE_AMX
+
+// Whether this process may use the AMX tile registers (Linux grants them on request, once).
+bool amx_usable() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+// C 0-3 [16 outputs x 16 tokens] float32, A 4-5 [16 outputs x 32 bf16], B 6-7 [16 pairs x 16
+// tokens x 2 bf16]: every tile 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) {
+      colsb[i] = 64;
+      rows[i] = 16;
+    }
+  }
+};
+const TileConfig kTiles;
+
+// Transposes the 16 x 16 matrix of 32-bit elements whose rows are r[0..15], in place.
+[[gnu::always_inline]] inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  LLMJAX_DENSE_UNROLL
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // r[4i + k], 128-bit lane l: rows 4i .. 4i + 3 of column 4l + k
+  LLMJAX_DENSE_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // the 4 x 4 transposition of the 128-bit lanes of r[k], r[4 + k], r[8 + k], r[12 + k]
+  LLMJAX_DENSE_UNROLL
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+    t[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[8 + k] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    t[12 + k] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+  LLMJAX_DENSE_UNROLL
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+inline __m512i load_pairs(const float* p) {  // 32 float32 -> 32 bf16, as 16 pairs
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+}
+inline __m512i load_pairs(const uint16_t* p) { return _mm512_loadu_si512(p); }
+
+// Token tile tt (tokens 16 tt .. 16 tt + 15, zeros past T) of x [T, in] as B tiles: dst
+// [in / 2][16 tokens] pairs of bf16.
+template <typename E>
+void pack_tile(const E* x, int64_t T, int64_t in, int64_t tt, uint32_t* dst) {
+  const int64_t tokens = std::min<int64_t>(16, T - tt * 16);
+  for (int64_t k = 0; k < in; k += 32) {
+    __m512i r[16];
+    LLMJAX_DENSE_UNROLL
+    for (int j = 0; j < 16; ++j)
+      r[j] = j < tokens ? load_pairs(x + (tt * 16 + j) * in + k) : _mm512_setzero_si512();
+    transpose16(r);
+    LLMJAX_DENSE_UNROLL
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (k / 2 + i) * 16, r[i]);
+  }
+}
+
+// NA x 16 outputs (rows a, `in` apart) x NB x 16 tokens (B tiles b, b + tile_stride) over the
+// whole row, into y (row t0 of [T, out], column o). pf: NA * 16 rows of the next block to
+// prefetch (pf_rows of them), or null.
+template <int NA, int NB>
+void amx_block(const uint16_t* a, int64_t in, const uint32_t* b, int64_t tile_stride, int64_t T,
+               int64_t t0, float* y, int64_t out, const uint16_t* pf, int64_t pf_rows) {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (NA == 2) _tile_zero(2);
+  if constexpr (NA == 2 && NB == 2) _tile_zero(3);
+  const int64_t a_stride = in * 2;
+  for (int64_t k = 0; k < in; k += 32) {
+    if (pf != nullptr) {
+      for (int64_t r = 0; r < pf_rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * in + k), _MM_HINT_T1);
+    }
+    _tile_loadd(4, a + k, a_stride);
+    if constexpr (NA == 2) _tile_loadd(5, a + 16 * in + k, a_stride);
+    _tile_loadd(6, b + k / 2 * 16, 64);
+    if constexpr (NB == 2) _tile_loadd(7, b + tile_stride + k / 2 * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NA == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float c[4][16 * 16];  // [tile: a * 2 + b][output][token]
+  _tile_stored(0, c[0], 64);
+  if constexpr (NB == 2) _tile_stored(1, c[1], 64);
+  if constexpr (NA == 2) _tile_stored(2, c[2], 64);
+  if constexpr (NA == 2 && NB == 2) _tile_stored(3, c[3], 64);
+  for (int ia = 0; ia < NA; ++ia) {
+    for (int ib = 0; ib < NB; ++ib) {
+      __m512i r[16];
+      LLMJAX_DENSE_UNROLL
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(c[ia * 2 + ib] + i * 16);
+      transpose16(r);  // r[token]: its 16 outputs
+      const int64_t t = t0 + ib * 16, tokens = std::min<int64_t>(16, T - t);
+      for (int64_t j = 0; j < tokens; ++j)
+        _mm512_storeu_si512(y + (t + j) * out + ia * 16, r[j]);
+    }
+  }
+}
+
+// Outputs [o0, o1) (a multiple of 16) x token tiles [tt0, tt1), in blocks of 32 outputs x 32
+// tokens. w the layer's [out, in], b the packed tiles (in * 16 pairs each), y [T, out].
+void amx_part(const uint16_t* w, int64_t in, int64_t out, const uint32_t* b, int64_t T,
+              int64_t tt0, int64_t tt1, int64_t o0, int64_t o1, float* y) {
+  asm volatile("" ::: "memory");  // the tiles' loads read what pass 1 stored
+  _tile_loadconfig(&kTiles);
+  const int64_t tile_stride = in * 16;
+  prefetch_bytes(w + o0 * in, std::min<int64_t>(32, o1 - o0) * in);
+  for (int64_t o = o0; o < o1; o += 32) {
+    const bool two_a = o + 32 <= o1;
+    const int64_t next = o + 32, pf_rows = std::clamp<int64_t>(o1 - next, 0, 32);
+    for (int64_t tt = tt0; tt < tt1; tt += 2) {
+      const uint16_t* pf = tt == tt0 && pf_rows > 0 ? w + next * in : nullptr;
+      const uint32_t* bt = b + tt * tile_stride;
+      float* yt = y + o;
+      const bool two_b = tt + 1 < tt1;
+      if (two_a && two_b)
+        amx_block<2, 2>(w + o * in, in, bt, tile_stride, T, tt * 16, yt, out, pf, pf_rows);
+      else if (two_a)
+        amx_block<2, 1>(w + o * in, in, bt, tile_stride, T, tt * 16, yt, out, pf, pf_rows);
+      else if (two_b)
+        amx_block<1, 2>(w + o * in, in, bt, tile_stride, T, tt * 16, yt, out, pf, pf_rows);
+      else
+        amx_block<1, 1>(w + o * in, in, bt, tile_stride, T, tt * 16, yt, out, pf, pf_rows);
+    }
+  }
+  _tile_release();
+}
+
+template <typename E>
+void amx_dots(ffi::ThreadPool& pool, const uint16_t* w, int64_t in, int64_t out, const E* x,
+              int64_t T, int64_t out16, float* y) {
+  const int64_t tiles = ceil_div(T, 16);
+  thread_local std::vector<uint32_t> packed;  // reused by this thread's calls
+  packed.resize(tiles * in * 16);
+  uint32_t* b = packed.data();
+  parallel_for(pool, tiles, 1, [&](int64_t tt) { pack_tile(x, T, in, tt, b + tt * in * 16); });
+  const int64_t groups = ceil_div(tiles, kAmxGroupTiles), blocks = ceil_div(out16, 32);
+  const int64_t rows = units_per_part(pool, blocks, groups) * 32;
+  const int64_t parts = ceil_div(out16, rows);
+  parallel_for(pool, groups * parts, 1, [&](int64_t i) {
+    const int64_t tt0 = (i / parts) * kAmxGroupTiles, o0 = (i % parts) * rows;
+    amx_part(w, in, out, b, T, tt0, std::min(tiles, tt0 + kAmxGroupTiles), o0,
+             std::min(out16, o0 + rows), y);
+  });
+}
+
+#endif  // LLMJAX_DENSE_AMX
+
+#if !LLMJAX_DENSE_AVX512
+// The portable engine: one dot product per output (common.h's dot), outputs over the pool.
+template <typename W>
+void portable_dots(ffi::ThreadPool& pool, const W* w, int64_t in, int64_t out, const float* x,
+                   int64_t T, float* y) {
+  parallel_for(pool, out, 16, [&](int64_t o) {
+    for (int64_t t = 0; t < T; ++t) y[t * out + o] = dot<W>(x + t * in, w + o * in, in);
+  });
+}
+#endif
+
+// x as float32 [T, in] in dst (bf16 x widened; rounded to bf16 values first when `round`).
+template <typename E>
+void to_f32(ffi::ThreadPool& pool, const E* x, int64_t T, int64_t in, bool round, float* dst) {
+  parallel_for(pool, T, 16, [&](int64_t t) {
+    load_f32<E>(x + t * in, dst + t * in, in);
+    if (round) {
+      for (int64_t i = 0; i < in; ++i) dst[t * in + i] = bf16_to_f32(f32_to_bf16(dst[t * in + i]));
+    }
+  });
+}
+
+ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != xd[1] || wd[0] < 1 || xd[1] < 1)
+    return ffi::Error::InvalidArgument("dense_matmul: want x [T, in], w [L, out, in]");
+  const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
+  const bool w_bf16 = w.element_type() == ffi::DataType::BF16;
+  if (!(x_bf16 || x.element_type() == ffi::DataType::F32) ||
+      !(w_bf16 || w.element_type() == ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("dense_matmul: x and w must be float32 or bfloat16");
+  const int64_t T = xd[0], in = xd[1], L = wd[0], out = wd[1];
+  if (T == 0 || out == 0) return ffi::Error::Success();
+  // the layer, clamped as dynamic_slice clamps
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  float* yp = y->typed_data();
+  const float* xf = static_cast<const float*>(x.untyped_data());
+  const uint16_t* xh = static_cast<const uint16_t*>(x.untyped_data());
+  thread_local std::vector<float> xf_scratch;  // reused by this thread's calls
+  thread_local std::vector<uint16_t> xh_scratch;
+
+  if (!w_bf16) {
+    const float* wp = static_cast<const float*>(w.untyped_data()) + l * out * in;
+    if (x_bf16) {
+      xf_scratch.resize(T * in);
+      to_f32(pool, xh, T, in, false, xf_scratch.data());
+      xf = xf_scratch.data();
+    }
+#if LLMJAX_DENSE_AVX512
+    avx512_dots<F32Kernel>(pool, wp, in, out, xf, in, T, 0, out, yp);
+#else
+    portable_dots(pool, wp, in, out, xf, T, yp);
+#endif
+    return ffi::Error::Success();
+  }
+
+  const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data()) + l * out * in;
+  int64_t done = 0;  // outputs [0, done) computed
+#if LLMJAX_DENSE_AMX
+  if (T >= kAmxMinTokens && in % 32 == 0 && out >= 16 && amx_usable()) {
+    done = out / 16 * 16;
+    if (x_bf16)
+      amx_dots(pool, wp, in, out, xh, T, done, yp);
+    else
+      amx_dots(pool, wp, in, out, xf, T, done, yp);
+    if (done == out) return ffi::Error::Success();
+  }
+#endif
+#if LLMJAX_DENSE_BF16DOT
+  if (!x_bf16) {
+    xh_scratch.resize(T * in);
+    to_bf16(pool, xf, T, in, xh_scratch.data());
+    xh = xh_scratch.data();
+  }
+  avx512_dots<Bf16Kernel>(pool, wp, in, out, xh, in, T, done, out, yp);
+#else
+  xf_scratch.resize(T * in);  // the activations' bf16 values, as float32
+  if (x_bf16)
+    to_f32(pool, xh, T, in, false, xf_scratch.data());
+  else
+    to_f32(pool, xf, T, in, true, xf_scratch.data());
+#if LLMJAX_DENSE_AVX512
+  avx512_dots<Bf16Kernel>(pool, wp, in, out, xf_scratch.data(), in, T, done, out, yp);
+#else
+  portable_dots(pool, wp, in, out, xf_scratch.data(), T, yp);
+#endif
+#endif
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+}  // namespace llmjax_cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxDenseMatmul, llmjax_cpu::DenseMatmul,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());

@@ -1,0 +1,80 @@
+"""Dense float matmul on the CPU for small token counts (csrc/dense_matmul.cc): y[T, out] =
+x[T, in] @ w.T in float32, w [out, in] float32 or bfloat16, x float32 or bfloat16.
+
+XLA:CPU's dot runs far below the memory bandwidth at decode-sized T (1-64 rows); this kernel
+streams each weight from memory once (register tiles of up to 4 tokens x 4-16 outputs,
+prefetching the next tile's rows, both cores over parts of the outputs), and for bfloat16
+weights from 16 tokens on uses the AMX tiles where the CPU and Linux allow them.
+
+What it computes (any in >= 1, out >= 1; T >= 0):
+  w float32:   x widened to float32 (exact), the products and sums in float32.
+  w bfloat16:  x rounded to bfloat16 first (round to nearest even, as `x.astype(bfloat16)`),
+               each product exact in float32, the sums in float32 (vdpbf16ps / AMX tdpbf16ps,
+               which treat bfloat16 denormals as zero and flush float32 denormals to zero). So
+               against x @ w.T in exact arithmetic the error is at most
+               2^-9 sum_i |x_i| |w_i|  (x's rounding)  +  float32 summation error,
+               and against x.astype(bfloat16) @ w.T only the float32 summation error.
+The summation order depends on T (tiles of 16 / 32 elements per lane, then a tree over the
+lanes; AMX: 32-element steps along `in`), so results for one row can differ in the last bits
+between calls with different T.
+
+`layer`: with w stacked over layers ([L, out, in]) and `layer` a (traced) int32 scalar, the kernel
+reads that layer in place, so a `lax.scan` over layers can pass the whole stack (loop-invariant)
+and the index, and XLA copies no slice. Out-of-range layers are clamped, as `lax.dynamic_slice`
+clamps.
+
+Where it wins against XLA's own dot: scripts/bench_dense_matmul.py measures it per T.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_cpu.build import load
+
+TARGET = "llmjax_cpu_dense_matmul"
+DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def dense_matmul(x, w, *, layer=None) -> jax.Array:
+    """y[T, out] = x[T, in] @ w.T in float32 (x and w float32 or bfloat16; the module docstring
+    says what the bfloat16 weights compute).
+
+    w is [out, in], or [L, out, in] with `layer` (an int32 scalar, may be traced) picking one,
+    clamped to [0, L). Raises ValueError for shapes or dtypes it does not take,
+    KernelsUnavailable where the kernels do not build."""
+    load()
+    x_dtype, w_dtype = jnp.dtype(x.dtype), jnp.dtype(w.dtype)
+    if x.ndim != 2 or x_dtype not in DTYPES:
+        raise ValueError(f"want x [T, in] of float32 or bfloat16: {x.shape=} {x.dtype=}")
+    if w_dtype not in DTYPES:
+        raise ValueError(f"want w of float32 or bfloat16: {w.dtype=}")
+    T, n_in = x.shape
+    if layer is None:
+        if w.ndim != 2:
+            raise ValueError(f"want w [out, in] (no layer given): {w.shape=}")
+        w = w[None]  # a unit layer axis (a bitcast, no copy)
+        layer = 0
+    elif w.ndim != 3:
+        raise ValueError(f"want w [L, out, in] (layer given): {w.shape=}")
+    L, out, w_in = w.shape
+    if w_in != n_in or n_in < 1:
+        raise ValueError(f"w's in={w_in} must equal x's in={n_in} (>= 1): {x.shape=} {w.shape=}")
+    if out < 1 or L < 1:
+        raise ValueError(f"want out >= 1 and L >= 1: {w.shape=}")
+    layer = jnp.asarray(layer)
+    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer must be an integer scalar: {layer.shape=} {layer.dtype=}")
+    layer = layer.astype(jnp.int32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((T, out), jnp.float32))
+    return call(x, w, layer)
+
+
+def dense_matmul_reference(x, w) -> np.ndarray:
+    """What the kernel computes, in float64 (not rounded): x @ w.T with x rounded to bfloat16
+    first where w is bfloat16."""
+    if jnp.dtype(w.dtype) == jnp.bfloat16:
+        x = np.asarray(jnp.asarray(x).astype(jnp.bfloat16))
+    return np.asarray(x).astype(np.float64) @ np.asarray(w).astype(np.float64).T
