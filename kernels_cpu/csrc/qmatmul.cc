@@ -89,7 +89,7 @@ struct Weights {
 // The quantized activations, in one of two layouts ("rows": tokens, or for AMX 16-token tiles):
 //   VNNI  per token: q in order (int8) or in the group layout (the blocks), zero-padded; d: one
 //         scale (int8) or 16 per group (each block's 4x); int8: sum q; blocks: c per block
-//   AMX   per 16-token tile: q as B tiles [in/4 (int8: rounded up to 16)][16 tokens][4 bytes];
+//   AMX   per 16-token tile: q as B tiles [in/4, rounded up to 16][16 tokens][4 bytes];
 //         d: the 16 tokens' scale (int8) or [nb][16] (the blocks); q4_1: c [nb][16]
 // Tokens past T are zero.
 struct Acts {
