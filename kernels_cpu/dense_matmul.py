@@ -12,7 +12,8 @@ What it computes (any in >= 1, out >= 1; T >= 0):
                each product exact in float32, the sums in float32 (vdpbf16ps / AMX tdpbf16ps,
                which treat bfloat16 denormals as zero and flush float32 denormals to zero). So
                against x @ w.T in exact arithmetic the error is at most
-               2^-9 sum_i |x_i| |w_i|  (x's rounding)  +  float32 summation error,
+               2^-8 sum_i |x_i| |w_i|  (x's rounding: bf16 keeps 8 significant bits)
+               + the float32 summation error,
                and against x.astype(bfloat16) @ w.T only the float32 summation error.
 The summation order depends on T (tiles of 16 / 32 elements per lane, then a tree over the
 lanes; AMX: 32-element steps along `in`), so results for one row can differ in the last bits
@@ -20,8 +21,9 @@ between calls with different T.
 
 `layer`: with w stacked over layers ([L, out, in]) and `layer` a (traced) int32 scalar, the kernel
 reads that layer in place, so a `lax.scan` over layers can pass the whole stack (loop-invariant)
-and the index, and XLA copies no slice. Out-of-range layers are clamped, as `lax.dynamic_slice`
-clamps.
+and the index, and XLA copies no slice. Out-of-range layers are clamped to [0, L), as HLO's
+DynamicSlice clamps (negative ones to 0: not wrapped from the end as `lax.dynamic_slice`'s
+Python-style negative indices are).
 
 Where it wins against XLA's own dot: scripts/bench_dense_matmul.py measures it per T.
 """
@@ -42,7 +44,7 @@ def dense_matmul(x, w, *, layer=None) -> jax.Array:
     """y[T, out] = x[T, in] @ w.T in float32 (x and w float32 or bfloat16; the module docstring
     says what the bfloat16 weights compute).
 
-    w is [out, in], or [L, out, in] with `layer` (an int32 scalar, may be traced) picking one,
+    w is [out, in], or [L, out, in] with `layer` (an integer scalar, may be traced) picking one,
     clamped to [0, L). Raises ValueError for shapes or dtypes it does not take,
     KernelsUnavailable where the kernels do not build."""
     load()
