@@ -23,8 +23,10 @@
 // The AMX engine (bfloat16 weights, from kAmxMinTokens tokens, in a multiple of 32, where Linux
 // grants the tiles): the weight rows are the A tiles, read in place (16 rows x 32 elements, a
 // row's stride apart), and x the B tiles, packed once per call by 16-token tiles into the pair
-// layout [in / 2][16 tokens][2]; 2 x 2 C tiles of [16 outputs x 16 tokens] accumulate 32 outputs
-// x 32 tokens over the whole row, and are transposed on the way out. Outputs past the last
+// layout [in / 2][16 tokens][2] (64-byte aligned: tile rows that straddle cache lines load 3-4x
+// slower); 2 x 2 C tiles of [16 outputs x 16 tokens] accumulate 32 outputs x 32 tokens over the
+// whole row (a last single token tile: 2 x 1, with two sets of A / B tiles taking alternate
+// steps, as tile registers are not renamed), transposed on the way out. Outputs past the last
 // multiple of 16 go through the AVX-512 engine.
 
 #include <vector>
@@ -61,6 +63,14 @@ constexpr int64_t kAmxMinTokens = 16;   // AMX from here on (where it is usable)
 constexpr int64_t kAmxGroupTiles = 16;  // 16-token tiles per AMX work item, at most
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// n elements of v's storage from a 64-byte boundary on (v grown as needed).
+template <typename E>
+E* aligned64(std::vector<E>& v, int64_t n) {
+  v.resize(n + 64 / sizeof(E));
+  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+  return reinterpret_cast<E*>((p + 63) & ~uintptr_t{63});
+}
 
 // Contiguous parts of `units` units over `groups` groups of tokens: enough items for every
 // thread to take several.
@@ -371,50 +381,112 @@ void pack_tile(const E* x, int64_t T, int64_t in, int64_t tt, uint32_t* dst) {
   }
 }
 
-// NA x 16 outputs (rows a, `in` apart) x NB x 16 tokens (B tiles b, b + tile_stride) over the
-// whole row, into y (row t0 of [T, out], column o). pf: NA * 16 rows of the next block to
-// prefetch (pf_rows of them), or null.
+// A C tile c [16 outputs][16 tokens] into y [T, out] (at the tile's first output), transposed;
+// tokens t0 .. t0 + 15 while below T.
+inline void store_c(const float* c, int64_t T, int64_t t0, float* y, int64_t out) {
+  __m512i r[16];
+  LLMJAX_DENSE_UNROLL
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(c + j * 16);
+  transpose16(r);  // r[token]: its 16 outputs
+  const int64_t tokens = std::min<int64_t>(16, T - t0);
+  for (int64_t j = 0; j < tokens; ++j) _mm512_storeu_si512(y + (t0 + j) * out, r[j]);
+}
+
+// NA x 16 outputs (rows a, `in` apart) x NB x 16 tokens (B tiles b, b + tile_stride), NA * NB
+// <= 2, over the whole row, into y (row t0 of [T, out], column of a's first row). Two sets of
+// A and B tiles (2-4 and 5-7) take alternate 32-element steps, so that one set loads while the
+// other's products run (the tile registers are not renamed); C is 0 and 1. pf: pf_rows rows of
+// the next block to prefetch (a line of each per step), or null.
 template <int NA, int NB>
 void amx_block(const uint16_t* a, int64_t in, const uint32_t* b, int64_t tile_stride, int64_t T,
                int64_t t0, float* y, int64_t out, const uint16_t* pf, int64_t pf_rows) {
+  static_assert(NA * NB <= 2, "two C tiles");
   _tile_zero(0);
-  if constexpr (NB == 2) _tile_zero(1);
-  if constexpr (NA == 2) _tile_zero(2);
-  if constexpr (NA == 2 && NB == 2) _tile_zero(3);
+  if constexpr (NA * NB == 2) _tile_zero(1);
   const int64_t a_stride = in * 2;
-  for (int64_t k = 0; k < in; k += 32) {
+  const uint16_t* a1 = a + 16 * in;          // NA == 2: the second 16 rows
+  const uint32_t* b1 = b + tile_stride;      // NB == 2: the second 16 tokens
+  auto prefetch = [&](int64_t k) __attribute__((always_inline)) {
     if (pf != nullptr) {
-      for (int64_t r = 0; r < pf_rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * in + k), _MM_HINT_T1);
+      for (int64_t r = 0; r < pf_rows; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + r * in + k), _MM_HINT_T1);
     }
-    _tile_loadd(4, a + k, a_stride);
-    if constexpr (NA == 2) _tile_loadd(5, a + 16 * in + k, a_stride);
-    _tile_loadd(6, b + k / 2 * 16, 64);
-    if constexpr (NB == 2) _tile_loadd(7, b + tile_stride + k / 2 * 16, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (NA == 2) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (NA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+  };
+  // One step of 32 elements from k on the tiles from 2 (set 0) or 5 (set 1): A [, A1], B [, B1].
+#define LLMJAX_AMX_STEP(A, X, Y, k)                                          \
+  do {                                                                       \
+    _tile_loadd(A, a + (k), a_stride);                                       \
+    if constexpr (NA == 2) {                                                 \
+      _tile_loadd(X, a1 + (k), a_stride);                                    \
+      _tile_loadd(Y, b + (k) / 2 * 16, 64);                                  \
+      _tile_dpbf16ps(0, A, Y);                                               \
+      _tile_dpbf16ps(1, X, Y);                                               \
+    } else if constexpr (NB == 2) {                                          \
+      _tile_loadd(X, b + (k) / 2 * 16, 64);                                  \
+      _tile_loadd(Y, b1 + (k) / 2 * 16, 64);                                 \
+      _tile_dpbf16ps(0, A, X);                                               \
+      _tile_dpbf16ps(1, A, Y);                                               \
+    } else {                                                                 \
+      _tile_loadd(X, b + (k) / 2 * 16, 64);                                  \
+      _tile_dpbf16ps(0, A, X);                                               \
+    }                                                                        \
+  } while (0)
+  int64_t k = 0;
+  for (; k + 64 <= in; k += 64) {
+    prefetch(k);
+    LLMJAX_AMX_STEP(2, 3, 4, k);
+    prefetch(k + 32);
+    LLMJAX_AMX_STEP(5, 6, 7, k + 32);
   }
-  alignas(64) float c[4][16 * 16];  // [tile: a * 2 + b][output][token]
+  if (k < in) {
+    prefetch(k);
+    LLMJAX_AMX_STEP(2, 3, 4, k);
+  }
+#undef LLMJAX_AMX_STEP
+  alignas(64) float c[2][16 * 16];  // [C tile][output][token]
   _tile_stored(0, c[0], 64);
-  if constexpr (NB == 2) _tile_stored(1, c[1], 64);
-  if constexpr (NA == 2) _tile_stored(2, c[2], 64);
-  if constexpr (NA == 2 && NB == 2) _tile_stored(3, c[3], 64);
-  for (int ia = 0; ia < NA; ++ia) {
-    for (int ib = 0; ib < NB; ++ib) {
-      __m512i r[16];
-      LLMJAX_DENSE_UNROLL
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(c[ia * 2 + ib] + i * 16);
-      transpose16(r);  // r[token]: its 16 outputs
-      const int64_t t = t0 + ib * 16, tokens = std::min<int64_t>(16, T - t);
-      for (int64_t j = 0; j < tokens; ++j)
-        _mm512_storeu_si512(y + (t + j) * out + ia * 16, r[j]);
-    }
-  }
+  if constexpr (NA * NB == 2) _tile_stored(1, c[1], 64);
+  for (int i = 0; i < NA * NB; ++i)
+    store_c(c[i], T, t0 + (NB == 2 ? i * 16 : 0), y + (NA == 2 ? i * 16 : 0), out);
 }
 
-// Outputs [o0, o1) (a multiple of 16) x token tiles [tt0, tt1), in blocks of 32 outputs x 32
-// tokens. w the layer's [out, in], b the packed tiles (in * 16 pairs each), y [T, out].
+// 32 outputs x 32 tokens (as amx_block), for the weights' rows the dearer tiles to load: C 0-3,
+// A 4-5, B 6-7, each A and B tile used twice per step (one set of tiles: loads wait for the
+// products reading their registers).
+void amx_block22(const uint16_t* a, int64_t in, const uint32_t* b, int64_t tile_stride, int64_t T,
+                 int64_t t0, float* y, int64_t out, const uint16_t* pf, int64_t pf_rows) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t a_stride = in * 2;
+  const uint16_t* a1 = a + 16 * in;
+  const uint32_t* b1 = b + tile_stride;
+  for (int64_t k = 0; k < in; k += 32) {
+    if (pf != nullptr) {
+      for (int64_t r = 0; r < pf_rows; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + r * in + k), _MM_HINT_T1);
+    }
+    _tile_loadd(4, a + k, a_stride);
+    _tile_loadd(6, b + k / 2 * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b1 + k / 2 * 16, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1 + k, a_stride);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float c[4][16 * 16];  // [C tile: 2 * (outputs / 16) + tokens / 16][output][token]
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+  _tile_stored(3, c[3], 64);
+  for (int i = 0; i < 4; ++i) store_c(c[i], T, t0 + (i % 2) * 16, y + (i / 2) * 16, out);
+}
+
+// Outputs [o0, o1) (a multiple of 16) x token tiles [tt0, tt1), in blocks of 32 outputs (the
+// last maybe 16) x 32 tokens (amx_block22) or x 16 (the last token tile, amx_block). w the
+// layer's [out, in], b the packed tiles (in * 16 pairs each), y [T, out].
 void amx_part(const uint16_t* w, int64_t in, int64_t out, const uint32_t* b, int64_t T,
               int64_t tt0, int64_t tt1, int64_t o0, int64_t o1, float* y) {
   asm volatile("" ::: "memory");  // the tiles' loads read what pass 1 stored
@@ -422,21 +494,23 @@ void amx_part(const uint16_t* w, int64_t in, int64_t out, const uint32_t* b, int
   const int64_t tile_stride = in * 16;
   prefetch_bytes(w + o0 * in, std::min<int64_t>(32, o1 - o0) * in);
   for (int64_t o = o0; o < o1; o += 32) {
-    const bool two_a = o + 32 <= o1;
     const int64_t next = o + 32, pf_rows = std::clamp<int64_t>(o1 - next, 0, 32);
+    const uint16_t* a = w + o * in;
+    const bool two_a = o + 32 <= o1;
     for (int64_t tt = tt0; tt < tt1; tt += 2) {
       const uint16_t* pf = tt == tt0 && pf_rows > 0 ? w + next * in : nullptr;
       const uint32_t* bt = b + tt * tile_stride;
-      float* yt = y + o;
-      const bool two_b = tt + 1 < tt1;
-      if (two_a && two_b)
-        amx_block<2, 2>(w + o * in, in, bt, tile_stride, T, tt * 16, yt, out, pf, pf_rows);
-      else if (two_a)
-        amx_block<2, 1>(w + o * in, in, bt, tile_stride, T, tt * 16, yt, out, pf, pf_rows);
-      else if (two_b)
-        amx_block<1, 2>(w + o * in, in, bt, tile_stride, T, tt * 16, yt, out, pf, pf_rows);
-      else
-        amx_block<1, 1>(w + o * in, in, bt, tile_stride, T, tt * 16, yt, out, pf, pf_rows);
+      if (tt + 1 < tt1) {
+        if (two_a)
+          amx_block22(a, in, bt, tile_stride, T, tt * 16, y + o, out, pf, pf_rows);
+        else
+          amx_block<1, 2>(a, in, bt, tile_stride, T, tt * 16, y + o, out, pf, pf_rows);
+      } else {
+        if (two_a)
+          amx_block<2, 1>(a, in, bt, tile_stride, T, tt * 16, y + o, out, pf, pf_rows);
+        else
+          amx_block<1, 1>(a, in, bt, tile_stride, T, tt * 16, y + o, out, pf, pf_rows);
+      }
     }
   }
   _tile_release();
@@ -447,8 +521,7 @@ void amx_dots(ffi::ThreadPool& pool, const uint16_t* w, int64_t in, int64_t out,
               int64_t T, int64_t out16, float* y) {
   const int64_t tiles = ceil_div(T, 16);
   thread_local std::vector<uint32_t> packed;  // reused by this thread's calls
-  packed.resize(tiles * in * 16);
-  uint32_t* b = packed.data();
+  uint32_t* b = aligned64(packed, tiles * in * 16);  // tile rows that straddle lines load slowly
   parallel_for(pool, tiles, 1, [&](int64_t tt) { pack_tile(x, T, in, tt, b + tt * in * 16); });
   const int64_t groups = ceil_div(tiles, kAmxGroupTiles), blocks = ceil_div(out16, 32);
   const int64_t rows = units_per_part(pool, blocks, groups) * 32;
@@ -507,9 +580,9 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   if (!w_bf16) {
     const float* wp = static_cast<const float*>(w.untyped_data()) + l * out * in;
     if (x_bf16) {
-      xf_scratch.resize(T * in);
-      to_f32(pool, xh, T, in, false, xf_scratch.data());
-      xf = xf_scratch.data();
+      float* buf = aligned64(xf_scratch, T * in);
+      to_f32(pool, xh, T, in, false, buf);
+      xf = buf;
     }
 #if LLMJAX_DENSE_AVX512
     avx512_dots<F32Kernel>(pool, wp, in, out, xf, in, T, 0, out, yp);
@@ -533,21 +606,21 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 #endif
 #if LLMJAX_DENSE_BF16DOT
   if (!x_bf16) {
-    xh_scratch.resize(T * in);
-    to_bf16(pool, xf, T, in, xh_scratch.data());
-    xh = xh_scratch.data();
+    uint16_t* buf = aligned64(xh_scratch, T * in);
+    to_bf16(pool, xf, T, in, buf);
+    xh = buf;
   }
   avx512_dots<Bf16Kernel>(pool, wp, in, out, xh, in, T, done, out, yp);
 #else
-  xf_scratch.resize(T * in);  // the activations' bf16 values, as float32
+  float* buf = aligned64(xf_scratch, T * in);  // the activations' bf16 values, as float32
   if (x_bf16)
-    to_f32(pool, xh, T, in, false, xf_scratch.data());
+    to_f32(pool, xh, T, in, false, buf);
   else
-    to_f32(pool, xf, T, in, true, xf_scratch.data());
+    to_f32(pool, xf, T, in, true, buf);
 #if LLMJAX_DENSE_AVX512
-  avx512_dots<Bf16Kernel>(pool, wp, in, out, xf_scratch.data(), in, T, done, out, yp);
+  avx512_dots<Bf16Kernel>(pool, wp, in, out, buf, in, T, done, out, yp);
 #else
-  portable_dots(pool, wp, in, out, xf_scratch.data(), T, yp);
+  portable_dots(pool, wp, in, out, buf, T, yp);
 #endif
 #endif
   return ffi::Error::Success();
