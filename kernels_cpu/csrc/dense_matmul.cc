@@ -17,8 +17,8 @@
 // while the token tiles of its token block (up to kTokenBlock tokens) run over them, so each
 // weight is read from memory once per token block. The work is shared over XLA's thread pool as
 // contiguous parts of the outputs (several per thread, taken dynamically); within a part, the
-// first token tile over each tile of rows prefetches the next tile's rows into L2 (one
-// prefetch per line read), and each part starts with a burst of prefetches of its first tile.
+// token tiles over each tile of rows prefetch the next tile's rows into L2, spread evenly over
+// their steps, and each part starts with a burst of prefetches of its first tile.
 //
 // The AMX engine (bfloat16 weights, from kAmxMinTokens tokens, in a multiple of 32, where Linux
 // grants the tiles): the weight rows are the A tiles, read in place (16 rows x 32 elements, a
@@ -163,11 +163,18 @@ struct Bf16Kernel {  // no vdpbf16ps: bfloat16 weights widened, activations floa
 };
 #endif
 
+// What a tile prefetches of the next tile's rows (p, null for nothing): N lines (as many as a
+// step reads) at the steps s with s % period == phase, so that the token tiles over one tile of
+// rows (period of them, phases 0, 1, ...) share the next tile's lines evenly.
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t phase = 0, period = 1;
+};
+
 // M tokens (x, x_stride apart) x N outputs (weight rows w, `in` apart) into y (y_stride apart).
-// pf, when given, is the next tile's rows: one line of it is prefetched per line read here.
 template <class K, int M, int N>
 void tile(const typename K::W* w, int64_t in, const typename K::X* x, int64_t x_stride, float* y,
-          int64_t y_stride, const char* pf) {
+          int64_t y_stride, Prefetch pf) {
   static_assert(M * N <= 16, "the accumulators fit one reduction");
   const typename K::W* rows[N];
   LLMJAX_DENSE_UNROLL
@@ -192,10 +199,14 @@ void tile(const typename K::W* w, int64_t in, const typename K::X* x, int64_t x_
   };
   const int64_t full = in - in % K::kStep;
   int64_t k = 0;
-  if (pf != nullptr) {
-    for (; k < full; k += K::kStep, pf += N * 64) {
-      LLMJAX_DENSE_UNROLL
-      for (int n = 0; n < N; ++n) _mm_prefetch(pf + n * 64, _MM_HINT_T1);
+  if (pf.p != nullptr) {
+    const char* q = pf.p;
+    for (int64_t wait = pf.phase; k < full; k += K::kStep, q += N * 64, --wait) {
+      if (wait == 0) {
+        LLMJAX_DENSE_UNROLL
+        for (int n = 0; n < N; ++n) _mm_prefetch(q + n * 64, _MM_HINT_T1);
+        wait = pf.period;
+      }
       step(k);
     }
   }
@@ -221,7 +232,7 @@ void tile(const typename K::W* w, int64_t in, const typename K::X* x, int64_t x_
 // tile<K, m, N> for a run-time m <= M.
 template <class K, int N, int M>
 void tile_upto(int64_t m, const typename K::W* w, int64_t in, const typename K::X* x,
-               int64_t x_stride, float* y, int64_t y_stride, const char* pf) {
+               int64_t x_stride, float* y, int64_t y_stride, Prefetch pf) {
   if constexpr (M > 1) {
     if (m < M) return tile_upto<K, N, M - 1>(m, w, in, x, x_stride, y, y_stride, pf);
   }
@@ -242,17 +253,19 @@ void part(const typename K::W* w, int64_t in, int64_t out, const typename K::X* 
           int64_t x_stride, int64_t t0, int64_t t1, int64_t o0, int64_t o1, float* y) {
   const int64_t full = o0 + (o1 - o0) / N * N;
   prefetch_bytes(w + o0 * in, std::min<int64_t>(N, o1 - o0) * in);
+  const int64_t passes = ceil_div(t1 - t0, M);  // token tiles over each tile of rows
   for (int64_t o = o0; o < full; o += N) {
-    const char* pf = o + 2 * N <= full ? reinterpret_cast<const char*>(w + (o + N) * in) : nullptr;
-    for (int64_t t = t0; t < t1; t += M) {
+    Prefetch pf;
+    if (o + 2 * N <= full) pf = {reinterpret_cast<const char*>(w + (o + N) * in), 0, passes};
+    for (int64_t t = t0; t < t1; t += M, ++pf.phase) {
       tile_upto<K, N, M>(std::min<int64_t>(M, t1 - t), w + o * in, in, x + t * x_stride, x_stride,
-                         y + t * out + o, out, t == t0 ? pf : nullptr);
+                         y + t * out + o, out, pf);
     }
   }
   for (int64_t o = full; o < o1; ++o) {
     for (int64_t t = t0; t < t1; t += M) {
       tile_upto<K, 1, M>(std::min<int64_t>(M, t1 - t), w + o * in, in, x + t * x_stride, x_stride,
-                         y + t * out + o, out, nullptr);
+                         y + t * out + o, out, Prefetch{});
     }
   }
 }
