@@ -1,0 +1,166 @@
+"""Benchmark of the CPU dense matmul (kernels_cpu/dense_matmul.py) against XLA's float dots, at
+decode and prefill row counts, with the weights cold in cache.
+
+    python scripts/bench_dense_matmul.py                        # the default table
+    python scripts/bench_dense_matmul.py --shapes 576x49152 --tokens 1,16 --impls kernel_bf16,xla_f32
+    python scripts/bench_dense_matmul.py --warm --out /tmp/dense.json
+
+Implementations, each y[T, out] float32 from x[T, in] float32:
+  kernel_f32    dense_matmul(x, w), w float32 [out, in]
+  kernel_bf16   dense_matmul(x, w), w bfloat16 [out, in] (x rounded to bf16 inside)
+  xla_f32       XLA's x @ w, w float32 [in, out]
+  xla_f32_oi    XLA's dot_general(x, w, (((1,), (1,)), ((), ()))), w float32 [out, in]
+  xla_bf16_oi   the same on bfloat16 x and w [out, in], preferred_element_type float32
+
+Cold (the default): one jitted program applies the matmul to `n` different weights in turn
+(separate arrays, the program unrolled, so that XLA reads each weight where it is, as the kernel
+does), n = cold_bytes / (one weight's bytes), at least --min_weights: the weights together
+overflow the caches (the last level is large here: 30 layers of a [576, 1536] float32 weight,
+106 MB, still partly hit it), so each application streams its weight from DRAM, as a model
+step does. Each application's x depends on the previous y (x_i + 1e-30 y_{i-1}[:, :1], a
+small elementwise op, in every implementation alike), so they run one after another. --warm
+instead applies one weight over and over (it stays in cache where it fits: L2 is 2 MB per
+core). The table gives the median over --repeats timed calls of the time per application (us)
+and the weight bandwidth, weight bytes / time (GB/s); the JSON (--out) every time and n.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+IMPLS = ("kernel_f32", "kernel_bf16", "xla_f32", "xla_f32_oi", "xla_bf16_oi")
+
+flags.DEFINE_list("shapes", ["576x1536", "1536x576", "576x49152"], "Weights as INxOUT.")
+flags.DEFINE_list("impls", list(IMPLS), f"Implementations, of {IMPLS}.")
+flags.DEFINE_list("tokens", ["1", "2", "8", "16", "32", "64", "128", "512"], "Row counts T.")
+flags.DEFINE_integer("repeats", 7, "Timed calls per cell; the median is reported.")
+flags.DEFINE_bool("warm", False, "One weight, reused (cache-warm), instead of cold weights.")
+flags.DEFINE_integer("cold_bytes", 512 << 20, "Cold: the weights' total bytes, at least.")
+flags.DEFINE_integer("min_weights", 30, "Cold: distinct weights, at least.")
+flags.DEFINE_integer("max_weights", 320, "Cold: distinct weights, at most.")
+flags.DEFINE_string("out", None, "Write the results as JSON here.")
+FLAGS = flags.FLAGS
+
+
+def weight_spec(impl: str, n_in: int, out: int):
+    """(shape, dtype) of the implementation's weight."""
+    import jax.numpy as jnp
+
+    if impl == "xla_f32":
+        return (n_in, out), jnp.float32
+    return (out, n_in), jnp.bfloat16 if "bf16" in impl else jnp.float32
+
+
+def apply_fn(impl: str):
+    """f(x [T, in] float32, w) -> y [T, out] float32."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_cpu.dense_matmul import dense_matmul
+
+    dims = (((1,), (1,)), ((), ()))
+    if impl in ("kernel_f32", "kernel_bf16"):
+        return dense_matmul
+    if impl == "xla_f32":
+        return lambda x, w: x @ w
+    if impl == "xla_f32_oi":
+        return lambda x, w: jax.lax.dot_general(x, w, dims)
+    if impl == "xla_bf16_oi":
+        return lambda x, w: jax.lax.dot_general(
+            x.astype(jnp.bfloat16), w, dims, preferred_element_type=jnp.float32
+        )
+    raise ValueError(f"unknown impl {impl!r}; want one of {IMPLS}")
+
+
+def make_weights(impl: str, n_in: int, out: int, n: int):
+    """n different weights (separate arrays), uniform in [-1, 1)."""
+    import jax
+
+    shape, dtype = weight_spec(impl, n_in, out)
+    make = jax.jit(lambda k: jax.random.uniform(k, shape, minval=-1.0, maxval=1.0).astype(dtype))
+    keys = jax.random.split(jax.random.key(0), n)
+    return [make(k).block_until_ready() for k in keys]
+
+
+def time_chain(impl: str, ws, n_in: int, out: int, T: int, steps: int) -> float:
+    """Median microseconds per application, over `steps` applications cycling over ws."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    f = apply_fn(impl)
+    xs = jax.random.normal(jax.random.key(1), (steps, T, n_in), jnp.float32)
+
+    @jax.jit
+    def run(xs, ws):
+        y = jnp.zeros((T, out), jnp.float32)
+        for i in range(steps):
+            y = f(xs[i] + 1e-30 * y[:, :1], ws[i % len(ws)])
+        return y
+
+    run(xs, ws).block_until_ready()
+    times = []
+    for _ in range(FLAGS.repeats):
+        t0 = time.perf_counter()
+        run(xs, ws).block_until_ready()
+        times.append((time.perf_counter() - t0) / steps)
+    return float(np.median(times)) * 1e6
+
+
+def main(argv):
+    del argv
+    import jax.numpy as jnp
+
+    import kernels_cpu
+
+    kernels_cpu.load()
+    for impl in FLAGS.impls:
+        apply_fn(impl)  # unknown names fail now
+    tokens = [int(t) for t in FLAGS.tokens]
+    results = []
+    for shape in FLAGS.shapes:
+        n_in, out = (int(s) for s in shape.split("x"))
+        rows = {T: {"in": n_in, "out": out, "T": T, "mode": "warm" if FLAGS.warm else "cold"} for T in tokens}
+        for impl in FLAGS.impls:
+            wshape, dtype = weight_spec(impl, n_in, out)
+            nbytes = n_in * out * jnp.dtype(dtype).itemsize
+            if FLAGS.warm:
+                n, steps = 1, 20
+            else:
+                n = -(-FLAGS.cold_bytes // nbytes)
+                n = max(FLAGS.min_weights, min(FLAGS.max_weights, n))
+                if n * nbytes > 4 * FLAGS.cold_bytes:  # huge weights: cold_bytes decides
+                    n = max(2, -(-FLAGS.cold_bytes // nbytes))
+                steps = n
+            ws = make_weights(impl, n_in, out, n)
+            for T in tokens:
+                us = time_chain(impl, ws, n_in, out, T, steps)
+                rows[T][impl] = {"us": us, "gbs": nbytes / us / 1e3, "weight_bytes": nbytes, "weights": n}
+                print(f"  {shape} {impl} T={T}: {us:.1f} us ({nbytes / us / 1e3:.1f} GB/s, {n} weights)",
+                      file=sys.stderr, flush=True)
+            del ws
+        results += rows.values()
+        print_table([rows[T] for T in tokens], FLAGS.impls)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump({"impls": FLAGS.impls, "results": results}, f, indent=1)
+
+
+def print_table(rows, impls):
+    print("\n| in x out | mode | T | " + " | ".join(f"{i} us (GB/s)" for i in impls) + " |")
+    print("|---" * (3 + len(impls)) + "|")
+    for row in rows:
+        cells = [f"{row[i]['us']:.1f} ({row[i]['gbs']:.1f})" for i in impls]
+        print(f"| {row['in']}x{row['out']} | {row['mode']} | {row['T']} | " + " | ".join(cells) + " |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
