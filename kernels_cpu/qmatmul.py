@@ -88,10 +88,14 @@ def qmatmul(x, values, scales, mins=None, *, fmt: str, layer=None) -> jax.Array:
             f"{values.shape=} {values.dtype=}"
         )
     if scales.shape != (*lead, *s_shape) or scales.dtype != jnp.float32:
-        raise ValueError(f"{fmt} wants scales float32 {(*lead, *s_shape)}: {scales.shape=} {scales.dtype=}")
+        raise ValueError(
+            f"{fmt} wants scales float32 {(*lead, *s_shape)}: {scales.shape=} {scales.dtype=}"
+        )
     if fmt == "q4_1":
         if mins is None or mins.shape != scales.shape or mins.dtype != jnp.float32:
-            raise ValueError(f"q4_1 wants mins float32 {scales.shape}: {getattr(mins, 'shape', None)}")
+            raise ValueError(
+                f"q4_1 wants mins float32 {scales.shape}: {getattr(mins, 'shape', None)}"
+            )
     elif mins is not None:
         raise ValueError(f"{fmt} takes no mins")
     if layer is None:  # one layer: a unit leading axis (a bitcast, no copy)
@@ -120,7 +124,10 @@ def _dequantize(values, scales, mins, fmt: str, dtype) -> np.ndarray:
         if fmt == "q4_0":
             w = (nibbles.astype(np.int8) - 8).astype(dtype) * scales[..., None]
         elif fmt == "q4_1":
-            w = nibbles.astype(dtype) * scales[..., None] + np.asarray(mins).astype(dtype)[..., None]
+            w = (
+                nibbles.astype(dtype) * scales[..., None]
+                + np.asarray(mins).astype(dtype)[..., None]
+            )
         else:
             raise ValueError(f"fmt must be one of {FORMATS}: {fmt!r}")
     return w.reshape(*lead, -1)

@@ -165,8 +165,10 @@ def print_row(row, impls, header: bool):
         print("| in x out | mode | T | " + " | ".join(f"{i} us (GB/s)" for i in impls) + " |")
         print("|---" * (3 + len(impls)) + "|")
     cells = [f"{row[i]['us']:.1f} ({row[i]['gbs']:.1f})" for i in impls]
-    print(f"| {row['in']}x{row['out']} | {row['mode']} | {row['T']} | " + " | ".join(cells) + " |",
-          flush=True)
+    print(
+        f"| {row['in']}x{row['out']} | {row['mode']} | {row['T']} | " + " | ".join(cells) + " |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

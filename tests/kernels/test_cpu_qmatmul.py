@@ -101,7 +101,9 @@ def check(fmt, T, n_in, out, *, dtype=jnp.float32, seed=0, x=None):
             x[1] = 0  # a zero row
             x[2, :32] = 0  # a zero block
     x = jnp.asarray(x, dtype)
-    y = jax.jit(lambda *a: qmatmul(*a, fmt=fmt))(x, values, scales, *([] if mins is None else [mins]))
+    y = jax.jit(lambda *a: qmatmul(*a, fmt=fmt))(
+        x, values, scales, *([] if mins is None else [mins])
+    )
     assert y.shape == (T, out) and y.dtype == jnp.float32
     y = np.asarray(y)
     assert np.isfinite(y).all()
@@ -151,7 +153,7 @@ def test_stacked_layers_in_a_scan(fmt):
     rng = np.random.default_rng(5)
     L, T, n_in, out = 3, 5, 128, 64
     layers = [make_weights(rng, fmt, out, n_in) for _ in range(L)]
-    stack = [np.stack([l[i] for l in layers]) for i in range(2 if fmt != "q4_1" else 3)]
+    stack = [np.stack([layer[i] for layer in layers]) for i in range(2 if fmt != "q4_1" else 3)]
     x = jnp.asarray(rng.standard_normal((T, n_in)).astype(np.float32))
 
     def scanned(x, *stack):
