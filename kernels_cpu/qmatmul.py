@@ -1,7 +1,7 @@
 """Quantized matmul on the CPU (csrc/qmatmul.cc): y[T, out] = x[T, in] @ dequantize(W).T in
 float32, with W [out, in] in one of four formats and the activations quantized to int8 inside the
 kernel, once per call; int32 dot products on AVX-512 VNNI for a few tokens, on AMX tiles from
-5-10 tokens on where the CPU has them (Sapphire Rapids on), on portable C++ elsewhere: the same
+3-8 tokens on where the CPU has them (Sapphire Rapids on), on portable C++ elsewhere: the same
 result up to float32 rounding.
 
 Weight formats (a row is one output channel; blocks of 32 run along `in`, nb = in / 32):

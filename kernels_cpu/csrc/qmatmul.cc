@@ -19,7 +19,7 @@
 // Pass 1 quantizes x into a scratch buffer, once (tokens shared over the thread pool). Pass 2
 // shares items of (up to 256 tokens) x (32 outputs) over the pool, on one of two engines:
 //
-// AMX (int8 tiles; where the CPU and Linux allow it, from 5-10 tokens on, use_amx): the
+// AMX (int8 tiles; where the CPU and Linux allow it, from 3-8 tokens on, use_amx): the
 // weights are the A tiles, 16 output rows read in place (q4: unpacked once per item to bytes,
 // q4_0 as nibble - 8), and the activations the B tiles, stored by pass 1 in 16-token tiles in
 // the B layout ([in/4][16 tokens][4 bytes]), so that C = [16 outputs x 16 tokens] of int32.
@@ -41,6 +41,7 @@
 // match. Each 128-bit lane of an int32 product then holds one block, and the activation scales
 // are stored repeated 4x to match.
 
+#include <new>
 #include <string_view>
 #include <vector>
 
@@ -74,6 +75,25 @@ constexpr int64_t kItemO = 32;      // outputs per work item
 constexpr int64_t kMaxItemT = 256;  // tokens per work item, at most
 constexpr int64_t kTile = 16;       // AMX: tokens per B tile, outputs per A tile
 
+// Allocations on 64-byte boundaries: tile rows that straddle cache lines load several times slower.
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, Aligned64<T>>;
+
 // One layer's weights.
 struct Weights {
   Fmt fmt;
@@ -95,8 +115,8 @@ struct Weights {
 struct Acts {
   bool tiles;  // the AMX layout
   int64_t q_stride, d_stride, c_stride;
-  std::vector<int8_t> q;
-  std::vector<float> d, c;
+  AlignedVector<int8_t> q;
+  AlignedVector<float> d, c;
   std::vector<int32_t> sum;
   const int8_t* q_row(int64_t r) const { return q.data() + r * q_stride; }
   const float* d_row(int64_t r) const { return d.data() + r * d_stride; }
@@ -526,7 +546,7 @@ template <typename E>
 void quantize_tile(const E* x, const Weights& w, int64_t T, Acts& a, int64_t tt) {
   const int64_t in = w.in, kq = a.q_stride / kTile;  // kq: in rounded up to 64
   const int64_t tokens = std::min(kTile, T - tt * kTile);
-  thread_local std::vector<int8_t> rows;
+  thread_local AlignedVector<int8_t> rows;
   rows.assign(kTile * kq, 0);
   float* d = a.d.data() + tt * a.d_stride;
   float* c = a.c.data() + tt * a.c_stride;
@@ -590,7 +610,7 @@ void int8_out(const Weights& w, const Acts& a, int64_t T, int64_t tt, int64_t o0
 // int8: outputs [o0, o0 + 32) x token tiles tt (and tt + 1 when kTiles = 2), over all of `in`.
 template <int kTiles>
 void amx_int8(const Weights& w, const Acts& a, int64_t T, int64_t tt, int64_t o0, float* y) {
-  thread_local uint8_t tail[2 * kTile * 64];  // the last 32 columns of 32 rows, zero-padded
+  alignas(64) thread_local uint8_t tail[2 * kTile * 64];  // the last 32 columns of 32 rows, zero-padded
   const int8_t* b0 = a.q_row(tt);
   const int8_t* b1 = a.q_row(tt + kTiles - 1);
   _tile_zero(0);
@@ -775,7 +795,7 @@ void amx_dots(ffi::ThreadPool& pool, const Weights& w, const Acts& a, int64_t T,
       }
     } else {
       _tile_loadconfig(&kBlockTiles);
-      thread_local std::vector<uint8_t> unpacked;
+      thread_local AlignedVector<uint8_t> unpacked;
       for (int64_t o = o0; o < o0 + kItemO; o += kTile) {
         const uint8_t* A = w.values + o * w.row_bytes;
         int64_t a_stride = w.row_bytes;
@@ -796,11 +816,11 @@ void amx_dots(ffi::ThreadPool& pool, const Weights& w, const Acts& a, int64_t T,
 #endif  // LLMJAX_AMX
 
 // Whether a call of T tokens takes the AMX path (and so the tile layout): where a 16-token tile
-// costs less than the VNNI path's T tokens (measured on Sapphire Rapids, one core: about 5
-// tokens, 10 for q4, which unpacks its weights for the tiles).
+// costs less than the VNNI path's T tokens (measured on Sapphire Rapids, one core, 576 x 1536
+// and 1536 x 576: from 3 tokens for int8, 4 for q8_0, 8 for q4, which unpacks its weights).
 bool use_amx(Fmt fmt, int64_t T) {
 #if LLMJAX_AMX
-  const int64_t min_tokens = fmt == Fmt::kQ4_0 || fmt == Fmt::kQ4_1 ? 10 : 5;
+  const int64_t min_tokens = fmt == Fmt::kInt8 ? 3 : fmt == Fmt::kQ8_0 ? 4 : 8;
   return T >= min_tokens && amx_usable();
 #else
   return false;
