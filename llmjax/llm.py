@@ -513,14 +513,15 @@ def _infinigen_skew(config: EngineConfig, params, tokenizer, num_tokens: int):
 def _pack_weights(params, quantization: str, dtype: str):
     """The loaded (list-layout, host) weights packed for `quantization` (llmjax/model/quant.py):
     'int8', 'q8_0', 'q4_0', 'q4_1' quantize every matrix; 'gguf' came packed from the loader.
-    Unquantized 16-bit weights on a CPU are packed [out, in] ('dense'): XLA:CPU's bf16 and f16
+    Unquantized weights on a CPU are packed [out, in] ('dense'): the C++ dense kernel
+    (kernels_cpu/dense_matmul.py) takes them at decode-sized steps, and XLA:CPU's bf16 and f16
     dots run on their fast kernels only with both operands contracting their last dim."""
     import jax
 
     from llmjax.model.quant import quantize_params
 
     if quantization == "none":
-        if dtype in ("bfloat16", "float16") and jax.default_backend() == "cpu":
+        if jax.default_backend() == "cpu":
             return quantize_params(params, "dense")
         return params
     if quantization == "gguf":

@@ -375,9 +375,28 @@ def _cpu_kernel():
 
 
 CPU_KERNEL_FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
+# Dense weights take the C++ kernel (kernels_cpu/dense_matmul.py) up to this many tokens, XLA's
+# dot above (where its GEMM is faster: scripts/bench_dense_matmul.py).
+DENSE_KERNEL_MAX_TOKENS = 64
+
+
+def _cpu_dense_kernel():
+    try:
+        from kernels_cpu import build
+        from kernels_cpu.dense_matmul import dense_matmul
+    except ImportError:
+        return None
+    return dense_matmul if build.available() else None
 
 
 def cpu_dot(x, w: PackedWeight):
+    if w.fmt == "dense" and x.shape[0] <= DENSE_KERNEL_MAX_TOKENS:
+        kernel = _cpu_dense_kernel()
+        if kernel is not None and w.values.dtype in (jnp.float32, jnp.bfloat16):
+            try:
+                return kernel(x.astype(w.values.dtype), w.values, layer=w.layer)
+            except ValueError as e:  # a shape the kernel does not take (checked while tracing)
+                logger.debug("dense kernel refused %s: %s; XLA's dot instead", w.shape, e)
     kernel = _cpu_kernel() if w.fmt in CPU_KERNEL_FORMATS else None
     if kernel is not None:
         try:
