@@ -59,7 +59,7 @@ namespace {
 
 constexpr int64_t kTokenBlock = 64;    // tokens per work item (AVX-512 engine)
 constexpr int64_t kPartsPerWorker = 8;  // output parts per thread, for the dynamic balance
-constexpr int64_t kAmxMinTokens = 16;   // AMX from here on (where it is usable)
+constexpr int64_t kAmxMinTokens = 8;    // AMX from here on (where it is usable)
 constexpr int64_t kAmxGroupTiles = 16;  // 16-token tiles per AMX work item, at most
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -9,7 +9,7 @@ float32 weights, rounded to bfloat16 for bfloat16 weights):
                      significant bits, to nearest: each element moves by at most half an ulp,
                      2^-8 of its magnitude).
 Shapes cover every engine (T = 1: 1x16 tiles, T = 2: 2x8, T >= 3: 4x4 with token tails; bfloat16
-weights from T = 16: AMX where the CPU grants it), `in` and `out` that are not multiples of the
+weights from T = 8: AMX where the CPU grants it), `in` and `out` that are not multiples of the
 vector / tile sizes (masked tails, one-output tiles), the tied-embedding LM head (49152 x 576),
 the stacked-layer `layer` argument in a lax.scan (no slice copied), and the wrapper's errors."""
 
@@ -87,7 +87,7 @@ ODD = [(1, 1), (17, 37), (100, 40), (40, 48), (31, 200), (96, 17)]  # (in, out)
 
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("n_in, out", ODD, ids=[f"{i}x{o}" for i, o in ODD])
-@pytest.mark.parametrize("T", [1, 2, 3, 6, 16, 35])
+@pytest.mark.parametrize("T", [1, 2, 3, 6, 9, 16, 35])
 def test_tails_of_in_and_out(T, n_in, out, w_dtype):
     """in not a multiple of 16 / 32 (masked loads), out not a multiple of the tiles' 4 / 8 / 16
     outputs nor of AMX's 16 / 32 (one-output tiles; AMX's tail rows by the AVX-512 engine)."""
@@ -108,7 +108,7 @@ def test_bfloat16_activations(T, w_dtype):
 def test_tied_embedding_lm_head(w_dtype):
     """x @ E.T with E the [49152, 576] embedding (the LM head of a tied model)."""
     rng = np.random.default_rng(49152)
-    for T in (1, 3, 16):
+    for T in (1, 3, 8, 16):
         x, w = random_inputs(rng, T, 576, 49152, w_dtype, jnp.float32)
         check(_jitted(x, w), x, w)
 
