@@ -226,3 +226,21 @@ def test_bad_shapes_are_refused_clearly():
     stacked = dataclasses.replace(w, values=w.values[None], scales=w.scales[None])
     with pytest.raises(ValueError, match="one layer"):
         quant.qdot(jnp.ones((2, 64)), stacked)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_weights_take_the_cpu_kernel_at_decode_sizes_and_xla_above(dtype):
+    w = quant.pack_dense(_random_weight(np.random.default_rng(0), (64, 96)).astype(dtype))
+    w = jax.tree.map(jnp.asarray, w)
+    kernel = quant._cpu_dense_kernel() is not None
+    for T, want_kernel in ((1, kernel), (quant.DENSE_KERNEL_MAX_TOKENS, kernel), (128, False)):
+        x = jnp.asarray(_random_weight(np.random.default_rng(T), (T, 64)), dtype)
+        text = jax.jit(quant.qdot).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+        assert ("llmjax_cpu_dense_matmul" in text) == want_kernel, T
+        y = np.asarray(jax.jit(quant.qdot)(x, w), np.float32)
+        exact = np.asarray(x, np.float64) @ np.asarray(w.values, np.float64).T
+        # bf16: x's rounding (2^-8 relative) and the output's (2^-9), of at most sum |x||w|.
+        tol = (1.5 * 2**-8 if dtype == jnp.bfloat16 else 1e-5) * (
+            np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w.values, np.float64)).T
+        )
+        assert np.all(np.abs(y - exact) <= tol + 1e-6)
