@@ -129,9 +129,11 @@ def main(argv):
         bandwidth_mib=FLAGS.bandwidth_mib,
         matmul_n=FLAGS.matmul_n,
     )
+    load_before = os.getloadavg()  # others' work on the machine contends with the figures
     result = peers.run_comparison(specs, workloads, opts)
-    result["load_average"] = os.getloadavg()
+    result["load_average"] = {"before": load_before, "after": os.getloadavg()}
     print(peers.format_table(result))
+    print(f"load average (1, 5, 15 min) before {load_before}, after {os.getloadavg()}")
     if FLAGS.cold:
         cold = [
             s for s in specs if s.engine == "llmjax" and s.name == (FLAGS.cold_engine or s.name)
