@@ -48,6 +48,9 @@ flags.DEFINE_integer("decode_prompt_len", 32, "decode: prompt tokens per request
 flags.DEFINE_integer("decode_max_tokens", 128, "decode: new tokens per request.")
 flags.DEFINE_integer("prefill_len", 2048, "prefill: prompt tokens.")
 flags.DEFINE_integer("rounds", 2, "Rounds of every workload per engine (engines take turns).")
+flags.DEFINE_integer(
+    "warmup_rounds", 0, "Untimed rounds of every workload first (compiles llmjax's step shapes)."
+)
 flags.DEFINE_integer("max_model_len", 4096, "Both engines' max_model_len (unless a config's).")
 flags.DEFINE_integer("max_num_seqs", 32, "Both engines' max_num_seqs (unless a config's).")
 flags.DEFINE_integer("seed", 0, "Prompt seed.")
@@ -124,6 +127,7 @@ def main(argv):
         max_model_len=FLAGS.max_model_len,
         max_num_seqs=FLAGS.max_num_seqs,
         rounds=FLAGS.rounds,
+        warmup_rounds=FLAGS.warmup_rounds,
         seed=FLAGS.seed,
         log_dir=log_dir,
         bandwidth_mib=FLAGS.bandwidth_mib,

@@ -121,6 +121,7 @@ def test_harness_end_to_end(tmp_path):
     cmd += [f"--vllm_python={sys.executable}", f"--hf_dir={hf_dir}", "--vllm_preload="]
     cmd += ["--num_requests=3", "--prompt_len=8", "--max_tokens=6", "--decode_batch_sizes=1,2"]
     cmd += ["--decode_prompt_len=4", "--decode_max_tokens=5", "--prefill_len=40", "--rounds=2"]
+    cmd += ["--warmup_rounds=1"]
     cmd += ["--max_model_len=128", "--bandwidth_mib=16", "--matmul_n=128", "--cold"]
     cmd += [f"--out={out}", f"--engine_log_dir={tmp_path / 'logs'}"]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)

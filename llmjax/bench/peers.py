@@ -284,6 +284,7 @@ class Options:
     max_num_seqs: int = 32
     kv_cache_bytes: int = 1 << 30
     rounds: int = 2
+    warmup_rounds: int = 0  # untimed rounds of every workload after the two short requests
     seed: int = 0
     log_dir: str = ""
     bandwidth_mib: int = 1024
@@ -361,7 +362,7 @@ def run_comparison(specs: list[EngineSpec], workloads: list[Workload], opts: Opt
             p.run(make_prompts(2, 8, ids, (opts.seed, 999)), 4)
         runs = {p.spec.name: {w.name: [] for w in workloads} for p in procs}
         tokens = {p.spec.name: {w.name: [] for w in workloads} for p in procs}
-        for r in range(opts.rounds):
+        for r in range(-opts.warmup_rounds, opts.rounds):  # r < 0: warm-up, not recorded
             for p in procs:
                 for wi, w in enumerate(workloads):
                     seconds = {}
@@ -369,10 +370,12 @@ def run_comparison(specs: list[EngineSpec], workloads: list[Workload], opts: Opt
                         prompts = make_prompts(n, length, ids, (opts.seed, wi, pi, r))
                         res = p.run(prompts, new)
                         seconds[phase] = res["seconds"]
-                        tokens[p.spec.name][w.name] += res["token_ids"]
-                    runs[p.spec.name][w.name].append(
-                        {"round": r, "seconds": seconds, "tok_s": w.rate(seconds)}
-                    )
+                        if r >= 0:
+                            tokens[p.spec.name][w.name] += res["token_ids"]
+                    if r >= 0:
+                        runs[p.spec.name][w.name].append(
+                            {"round": r, "seconds": seconds, "tok_s": w.rate(seconds)}
+                        )
         engines = {p.spec.name: _engine_entry(p, opts) for p in procs}
     finally:
         for p in procs:
@@ -481,7 +484,11 @@ def cold_start(spec: EngineSpec, opts: Options, workload: Workload, ids: np.ndar
 
 
 def _digest_seed(seed: tuple) -> list[int]:
-    return [s if isinstance(s, int) else int.from_bytes(s.encode(), "little") for s in seed]
+    """Seed entries -> non-negative ints (strings by their bytes, negative ints shifted)."""
+    return [
+        (s if s >= 0 else 2**32 - s) if isinstance(s, int) else int.from_bytes(s.encode(), "little")
+        for s in seed
+    ]
 
 
 def best_seconds(result: dict, engine: str, workload: str) -> float | None:
