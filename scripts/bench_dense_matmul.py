@@ -14,14 +14,17 @@ Implementations, each y[T, out] float32 from x[T, in] float32:
 
 Cold (the default): one jitted program applies the matmul to `n` different weights in turn
 (separate arrays, the program unrolled, so that XLA reads each weight where it is, as the kernel
-does), n = cold_bytes / (one weight's bytes), at least --min_weights: the weights together
+does), n = cold_bytes / (one weight's bytes), at least --min_weights (at most --max_weights and
+--max_bytes in all): the weights together
 overflow the caches (the last level is large here: 30 layers of a [576, 1536] float32 weight,
 106 MB, still partly hit it), so each application streams its weight from DRAM, as a model
 step does. Each application's x depends on the previous y (x_i + 1e-30 y_{i-1}[:, :1], a
 small elementwise op, in every implementation alike), so they run one after another. --warm
 instead applies one weight over and over (it stays in cache where it fits: L2 is 2 MB per
-core). The table gives the median over --repeats timed calls of the time per application (us)
-and the weight bandwidth, weight bytes / time (GB/s); the JSON (--out) every time and n.
+core). The implementations are timed in turn, --repeats rounds (all their weights are made
+first), so that a shared machine's load falls on them alike. The table gives the median time per
+application (us), the weight bandwidth, weight bytes / time (GB/s), and the 1-minute load
+average while timing (other processes' share of the machine); the JSON (--out) every time and n.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ flags.DEFINE_bool("warm", False, "One weight, reused (cache-warm), instead of co
 flags.DEFINE_integer("cold_bytes", 512 << 20, "Cold: the weights' total bytes, at least.")
 flags.DEFINE_integer("min_weights", 30, "Cold: distinct weights, at least.")
 flags.DEFINE_integer("max_weights", 320, "Cold: distinct weights, at most.")
+flags.DEFINE_integer("max_bytes", 768 << 20, "Cold: the weights' total bytes per implementation, at most.")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
 FLAGS = flags.FLAGS
 
@@ -89,11 +93,10 @@ def make_weights(impl: str, n_in: int, out: int, n: int):
     return [make(k).block_until_ready() for k in keys]
 
 
-def time_chain(impl: str, ws, n_in: int, out: int, T: int, steps: int) -> float:
-    """Median microseconds per application, over `steps` applications cycling over ws."""
+def chain_fn(impl: str, ws, n_in: int, out: int, T: int, steps: int):
+    """(run, xs): run(xs, ws) applies the implementation `steps` times, cycling over ws."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     f = apply_fn(impl)
     xs = jax.random.normal(jax.random.key(1), (steps, T, n_in), jnp.float32)
@@ -105,18 +108,21 @@ def time_chain(impl: str, ws, n_in: int, out: int, T: int, steps: int) -> float:
             y = f(xs[i] + 1e-30 * y[:, :1], ws[i % len(ws)])
         return y
 
-    run(xs, ws).block_until_ready()
-    times = []
-    for _ in range(FLAGS.repeats):
-        t0 = time.perf_counter()
-        run(xs, ws).block_until_ready()
-        times.append((time.perf_counter() - t0) / steps)
-    return float(np.median(times)) * 1e6
+    run(xs, ws).block_until_ready()  # compiled, and the weights touched once
+    return run, xs
+
+
+def num_weights(nbytes: int) -> int:
+    """Cold: distinct weights of nbytes each, so that they hold cold_bytes (min_weights at least,
+    max_weights and max_bytes at most)."""
+    n = max(FLAGS.min_weights, -(-FLAGS.cold_bytes // nbytes))
+    return max(2, min(n, FLAGS.max_weights, FLAGS.max_bytes // nbytes))
 
 
 def main(argv):
     del argv
     import jax.numpy as jnp
+    import numpy as np
 
     import kernels_cpu
 
@@ -127,39 +133,49 @@ def main(argv):
     results = []
     for shape in FLAGS.shapes:
         n_in, out = (int(s) for s in shape.split("x"))
-        rows = {T: {"in": n_in, "out": out, "T": T, "mode": "warm" if FLAGS.warm else "cold"} for T in tokens}
+        weights, counts, sizes = {}, {}, {}
         for impl in FLAGS.impls:
             wshape, dtype = weight_spec(impl, n_in, out)
-            nbytes = n_in * out * jnp.dtype(dtype).itemsize
-            if FLAGS.warm:
-                n, steps = 1, 20
-            else:
-                n = -(-FLAGS.cold_bytes // nbytes)
-                n = max(FLAGS.min_weights, min(FLAGS.max_weights, n))
-                if n * nbytes > 4 * FLAGS.cold_bytes:  # huge weights: cold_bytes decides
-                    n = max(2, -(-FLAGS.cold_bytes // nbytes))
-                steps = n
-            ws = make_weights(impl, n_in, out, n)
-            for T in tokens:
-                us = time_chain(impl, ws, n_in, out, T, steps)
-                rows[T][impl] = {"us": us, "gbs": nbytes / us / 1e3, "weight_bytes": nbytes, "weights": n}
-                print(f"  {shape} {impl} T={T}: {us:.1f} us ({nbytes / us / 1e3:.1f} GB/s, {n} weights)",
-                      file=sys.stderr, flush=True)
-            del ws
-        results += rows.values()
-        print_table([rows[T] for T in tokens], FLAGS.impls)
+            sizes[impl] = n_in * out * jnp.dtype(dtype).itemsize
+            counts[impl] = 1 if FLAGS.warm else num_weights(sizes[impl])
+            weights[impl] = make_weights(impl, n_in, out, counts[impl])
+        rows = []
+        for T in tokens:
+            steps = {i: 20 if FLAGS.warm else counts[i] for i in FLAGS.impls}
+            runs = {i: chain_fn(i, weights[i], n_in, out, T, steps[i]) for i in FLAGS.impls}
+            times = {i: [] for i in FLAGS.impls}
+            load = []
+            for _ in range(FLAGS.repeats):  # the implementations in turn: the same conditions
+                load.append(os.getloadavg()[0])
+                for impl, (run, xs) in runs.items():
+                    t0 = time.perf_counter()
+                    run(xs, weights[impl]).block_until_ready()
+                    times[impl].append((time.perf_counter() - t0) / steps[impl] * 1e6)
+            row = {"in": n_in, "out": out, "T": T, "mode": "warm" if FLAGS.warm else "cold",
+                   "loadavg_1min": float(np.median(load))}
+            for impl in FLAGS.impls:
+                us = float(np.median(times[impl]))
+                row[impl] = {"us": us, "gbs": sizes[impl] / us / 1e3, "weight_bytes": sizes[impl],
+                             "weights": counts[impl], "times_us": times[impl]}
+            rows.append(row)
+            del runs
+            print(f"  {shape} T={T}: " + ", ".join(f"{i} {row[i]['us']:.1f} us" for i in FLAGS.impls),
+                  file=sys.stderr, flush=True)
+        del weights
+        results += rows
+        print_table(rows, FLAGS.impls)
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump({"impls": FLAGS.impls, "results": results}, f, indent=1)
 
 
 def print_table(rows, impls):
-    print("\n| in x out | mode | T | " + " | ".join(f"{i} us (GB/s)" for i in impls) + " |")
-    print("|---" * (3 + len(impls)) + "|")
+    print("\n| in x out | mode | T | " + " | ".join(f"{i} us (GB/s)" for i in impls) + " | load |")
+    print("|---" * (4 + len(impls)) + "|")
     for row in rows:
         cells = [f"{row[i]['us']:.1f} ({row[i]['gbs']:.1f})" for i in impls]
-        print(f"| {row['in']}x{row['out']} | {row['mode']} | {row['T']} | " + " | ".join(cells) + " |",
-              flush=True)
+        print(f"| {row['in']}x{row['out']} | {row['mode']} | {row['T']} | " + " | ".join(cells)
+          + f" | {row['loadavg_1min']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ namespace {
 
 constexpr int64_t kTokenBlock = 64;    // tokens per work item (AVX-512 engine)
 constexpr int64_t kPartsPerWorker = 8;  // output parts per thread, for the dynamic balance
+constexpr double kMinPartWork = 64 << 10;  // see units_per_part
 constexpr int64_t kAmxMinTokens = 8;    // AMX from here on (where it is usable)
 constexpr int64_t kAmxGroupTiles = 16;  // 16-token tiles per AMX work item, at most
 
@@ -73,12 +74,20 @@ E* aligned64(std::vector<E>& v, int64_t n) {
 }
 
 // Contiguous parts of `units` units over `groups` groups of tokens: enough items for every
-// thread to take several.
-int64_t units_per_part(ffi::ThreadPool& pool, int64_t units, int64_t groups) {
+// thread to take several, but none smaller than kMinPartWork of `work` (the weight bytes times
+// 1 + T / 8, a guess at the cost), as waking the pool's threads costs microseconds.
+int64_t units_per_part(ffi::ThreadPool& pool, int64_t units, int64_t groups, double work) {
   const int64_t workers = pool.num_threads() + 1;  // the pool and the calling thread
-  const int64_t parts = std::clamp<int64_t>(ceil_div(kPartsPerWorker * workers, groups), 1, units);
+  const int64_t by_work = static_cast<int64_t>(work / (kMinPartWork * groups)) + 1;
+  const int64_t parts =
+      std::clamp<int64_t>(std::min(ceil_div(kPartsPerWorker * workers, groups), by_work), 1, units);
   return ceil_div(units, parts);
 }
+
+double work_of(int64_t weight_bytes, int64_t T) { return weight_bytes * (1.0 + T / 8.0); }
+
+// Tokens per chunk of a conversion of x: 64K elements at least.
+int64_t convert_chunk(int64_t in) { return std::max<int64_t>(16, (1 << 16) / in); }
 
 #if LLMJAX_DENSE_AVX512
 
@@ -275,7 +284,8 @@ void run_parts(ffi::ThreadPool& pool, const typename K::W* w, int64_t in, int64_
                const typename K::X* x, int64_t x_stride, int64_t T, int64_t o0, int64_t o1,
                float* y) {
   const int64_t blocks = ceil_div(T, kTokenBlock), tiles = ceil_div(o1 - o0, N);
-  const int64_t rows = units_per_part(pool, tiles, blocks) * N;
+  const double work = work_of((o1 - o0) * in * sizeof(typename K::W), T);
+  const int64_t rows = units_per_part(pool, tiles, blocks, work) * N;
   const int64_t parts = ceil_div(o1 - o0, rows);
   parallel_for(pool, blocks * parts, 1, [&](int64_t i) {
     const int64_t t0 = (i / parts) * kTokenBlock, p0 = o0 + (i % parts) * rows;
@@ -300,7 +310,7 @@ void avx512_dots(ffi::ThreadPool& pool, const typename K::W* w, int64_t in, int6
 #if LLMJAX_DENSE_BF16DOT
 // x float32 [T, in] -> bfloat16 (round to nearest even) in dst [T, in].
 void to_bf16(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t in, uint16_t* dst) {
-  parallel_for(pool, T, 16, [&](int64_t t) {
+  parallel_for(pool, T, convert_chunk(in), [&](int64_t t) {
     const float* s = x + t * in;
     uint16_t* d = dst + t * in;
     int64_t i = 0;
@@ -535,9 +545,10 @@ void amx_dots(ffi::ThreadPool& pool, const uint16_t* w, int64_t in, int64_t out,
   const int64_t tiles = ceil_div(T, 16);
   thread_local std::vector<uint32_t> packed;  // reused by this thread's calls
   uint32_t* b = aligned64(packed, tiles * in * 16);  // tile rows that straddle lines load slowly
-  parallel_for(pool, tiles, 1, [&](int64_t tt) { pack_tile(x, T, in, tt, b + tt * in * 16); });
+  parallel_for(pool, tiles, std::max<int64_t>(1, (1 << 16) / (16 * in)),  // >= 64K elements each
+               [&](int64_t tt) { pack_tile(x, T, in, tt, b + tt * in * 16); });
   const int64_t groups = ceil_div(tiles, kAmxGroupTiles), blocks = ceil_div(out16, 32);
-  const int64_t rows = units_per_part(pool, blocks, groups) * 32;
+  const int64_t rows = units_per_part(pool, blocks, groups, work_of(out16 * in * 2, T)) * 32;
   const int64_t parts = ceil_div(out16, rows);
   parallel_for(pool, groups * parts, 1, [&](int64_t i) {
     const int64_t tt0 = (i / parts) * kAmxGroupTiles, o0 = (i % parts) * rows;
@@ -562,7 +573,7 @@ void portable_dots(ffi::ThreadPool& pool, const W* w, int64_t in, int64_t out, c
 // x as float32 [T, in] in dst (bf16 x widened; rounded to bf16 values first when `round`).
 template <typename E>
 void to_f32(ffi::ThreadPool& pool, const E* x, int64_t T, int64_t in, bool round, float* dst) {
-  parallel_for(pool, T, 16, [&](int64_t t) {
+  parallel_for(pool, T, convert_chunk(in), [&](int64_t t) {
     load_f32<E>(x + t * in, dst + t * in, in);
     if (round) {
       for (int64_t i = 0; i < in; ++i) dst[t * in + i] = bf16_to_f32(f32_to_bf16(dst[t * in + i]));
