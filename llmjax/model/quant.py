@@ -378,6 +378,9 @@ CPU_KERNEL_FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
 # Dense weights take the C++ kernel (kernels_cpu/dense_matmul.py) up to this many tokens, XLA's
 # dot above (where its GEMM is faster: scripts/bench_dense_matmul.py).
 DENSE_KERNEL_MAX_TOKENS = 64
+# int8 weights likewise (scripts/bench_qmatmul.py: the kernel wins to ~64 tokens); the GGUF block
+# formats take the kernel at every size (XLA has no form for them but dequantizing).
+INT8_KERNEL_MAX_TOKENS = 64
 
 
 def _cpu_dense_kernel():
@@ -398,6 +401,8 @@ def cpu_dot(x, w: PackedWeight):
             except ValueError as e:  # a shape the kernel does not take (checked while tracing)
                 logger.debug("dense kernel refused %s: %s; XLA's dot instead", w.shape, e)
     kernel = _cpu_kernel() if w.fmt in CPU_KERNEL_FORMATS else None
+    if w.fmt == "int8" and x.shape[0] > INT8_KERNEL_MAX_TOKENS:
+        kernel = None  # XLA's int8 GEMM (oneDNN) is faster at prefill sizes
     if kernel is not None:
         try:
             return kernel(x, w.values, w.scales, w.mins, fmt=w.fmt, layer=w.layer)
