@@ -28,12 +28,16 @@ def is_orbax_dir(path: str) -> bool:
 
 
 def save_params(directory: str, config: ModelConfig, params: Params) -> None:
-    """Save `params` (either layer layout, llmjax/model/params.py; stored as the list layout)."""
+    """Save `params` (either layer layout, llmjax/model/params.py; stored as the list layout,
+    plain: packed weights, llmjax/model/quant.py, are stored dequantized to float32)."""
+    import jax.numpy as jnp
     import orbax.checkpoint as ocp
+
+    from llmjax.model.quant import unpack_params
 
     directory = os.path.abspath(os.fspath(directory))
     check_params(config, params, "save_params")
-    params = unstack_layers(params)
+    params = unpack_params(unstack_layers(params), jnp.float32)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(dataclasses.asdict(config), f, indent=2)

@@ -102,6 +102,13 @@ class PackedWeight:
             if a is not None
         )
 
+    def __array__(self, dtype=None, copy=None):
+        """`np.asarray(w)`: the plain weight (dequantized, float32 unless `dtype`), for code
+        that reads weights as arrays (plots, calibration)."""
+        xp = np if isinstance(self.values, np.ndarray) else jnp
+        plain = np.asarray(dequantize(self.one_layer(), np.float32, xp))
+        return plain if dtype is None else plain.astype(dtype)
+
     def at_layer(self, layer) -> PackedWeight:
         """A view of layer `layer` (an int32 scalar, may be traced) of a stacked weight: the
         arrays stay whole, so a C++ kernel reads the layer in place (a `lax.scan` that sliced
