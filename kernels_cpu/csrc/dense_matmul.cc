@@ -18,7 +18,8 @@
 // weight is read from memory once per token block. The work is shared over XLA's thread pool as
 // contiguous parts of the outputs (several per thread, taken dynamically); within a part, the
 // token tiles over each tile of rows prefetch the next tile's rows into L2, spread evenly over
-// their steps, and each part starts with a burst of prefetches of its first tile.
+// their steps, and each part starts with a burst of prefetches of its first tile (up to kBurst
+// bytes: the hardware's prefetchers take the rest).
 //
 // The AMX engine (bfloat16 weights, from kAmxMinTokens tokens, in a multiple of 32, where Linux
 // grants the tiles): the weight rows are the A tiles, read in place (16 rows x 32 elements, a
@@ -60,6 +61,7 @@ namespace {
 constexpr int64_t kTokenBlock = 64;    // tokens per work item (AVX-512 engine)
 constexpr int64_t kPartsPerWorker = 8;  // output parts per thread, for the dynamic balance
 constexpr double kMinPartWork = 64 << 10;  // see units_per_part
+constexpr int64_t kBurst = 16 << 10;        // bytes prefetched at once as a part starts
 constexpr int64_t kAmxMinTokens = 8;    // AMX from here on (where it is usable)
 constexpr int64_t kAmxGroupTiles = 16;  // 16-token tiles per AMX work item, at most
 
@@ -261,7 +263,7 @@ template <class K, int N, int M>
 void part(const typename K::W* w, int64_t in, int64_t out, const typename K::X* x,
           int64_t x_stride, int64_t t0, int64_t t1, int64_t o0, int64_t o1, float* y) {
   const int64_t full = o0 + (o1 - o0) / N * N;
-  prefetch_bytes(w + o0 * in, std::min<int64_t>(N, o1 - o0) * in);
+  prefetch_bytes(w + o0 * in, std::min<int64_t>(std::min<int64_t>(N, o1 - o0) * in, kBurst / sizeof(*w)));
   const int64_t passes = ceil_div(t1 - t0, M);  // token tiles over each tile of rows
   for (int64_t o = o0; o < full; o += N) {
     Prefetch pf;
@@ -515,7 +517,7 @@ void amx_part(const uint16_t* w, int64_t in, int64_t out, const uint32_t* b, int
   asm volatile("" ::: "memory");  // the tiles' loads read what pass 1 stored
   _tile_loadconfig(&kTiles);
   const int64_t tile_stride = in * 16;
-  prefetch_bytes(w + o0 * in, std::min<int64_t>(32, o1 - o0) * in);
+  prefetch_bytes(w + o0 * in, std::min<int64_t>(std::min<int64_t>(32, o1 - o0) * in, kBurst / 2));
   for (int64_t o = o0; o < o1; o += 32) {
     const int64_t next = o + 32, pf_rows = std::clamp<int64_t>(o1 - next, 0, 32);
     const uint16_t* a = w + o * in;
