@@ -1,6 +1,6 @@
 """One engine in its own process, for scripts/bench_peers.py: llmjax or vLLM, run the same way.
 
-    python llmjax/bench/peer_worker.py --job job.json --result_fd 5  (llmjax.bench.peers)
+    python llmjax/peer_worker.py --job job.json --result_fd 5  (llmjax.bench.peers)
 
 This file imports only the standard library at the top, and then the one engine its job names
 (`vllm` or `llmjax`), so it runs under another virtualenv's Python (vLLM's) as a plain script.

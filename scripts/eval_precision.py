@@ -1,4 +1,4 @@
-r"""What each weight precision costs in quality (llmjax/bench/quality.py), on SmolLM2 by default.
+r"""What each weight precision costs in quality (llmjax/quality.py), on SmolLM2 by default.
 
 For each --precisions entry (name=dtype:quantization; the first is the reference):
   MB       bytes of the weights as the engine holds them (quantized ones packed)
@@ -60,8 +60,7 @@ def parse_precisions(entries: list[str]) -> list[tuple[str, str, str]]:
 
 def main(argv):
     del argv
-    from llmjax import LLM, SamplingParams
-    from llmjax.bench import quality
+    from llmjax import LLM, SamplingParams, quality
     from llmjax.bench.texts import public_domain_text
     from llmjax.model.quant import weight_bytes
 

