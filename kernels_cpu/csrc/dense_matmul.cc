@@ -353,38 +353,6 @@ struct alignas(64) TileConfig {
 };
 const TileConfig kTiles;
 
-// Transposes the 16 x 16 matrix of 32-bit elements whose rows are r[0..15], in place.
-[[gnu::always_inline]] inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  LLMJAX_DENSE_UNROLL
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // r[4i + k], 128-bit lane l: rows 4i .. 4i + 3 of column 4l + k
-  LLMJAX_DENSE_UNROLL
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // the 4 x 4 transposition of the 128-bit lanes of r[k], r[4 + k], r[8 + k], r[12 + k]
-  LLMJAX_DENSE_UNROLL
-  for (int k = 0; k < 4; ++k) {
-    const __m512i v0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
-    const __m512i v1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
-    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
-    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
-    t[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    t[4 + k] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    t[8 + k] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-    t[12 + k] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-  }
-  LLMJAX_DENSE_UNROLL
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
 inline __m512i load_pairs(const float* p) {  // 32 float32 -> 32 bf16, as 16 pairs
   return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
 }

@@ -211,9 +211,6 @@ void quantize_blocks(const E* x, int64_t nb, float factor, Acts& a, int64_t t) {
 
 #if LLMJAX_VNNI
 
-// Loops over the registers of a tile are unrolled whole, so that GCC keeps them in registers.
-#define LLMJAX_UNROLL _Pragma("GCC unroll 16")
-
 // acc += the sums of 4 products u8 a x s8 b per int32 lane, in place: inline assembly, as GCC
 // copies each accumulator of the intrinsic's loops through another register (and spills).
 inline void dpbusd(__m512i& acc, __m512i a, __m512i b) {
@@ -506,38 +503,6 @@ const TileConfig kInt8Tiles = TileConfig()
 const TileConfig kBlockTiles = TileConfig()
                                    .tile(0, 16, 64).tile(1, 16, 64).tile(2, 16, 64).tile(3, 16, 64)
                                    .tile(4, 16, 32).tile(5, 16, 32).tile(6, 8, 64).tile(7, 8, 64);
-
-// Transposes the 16 x 16 matrix of 32-bit elements whose rows are r[0..15], in place.
-[[gnu::always_inline]] inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  LLMJAX_UNROLL
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // r[4i + k], 128-bit lane l: rows 4i .. 4i+3 of column 4l + k
-  LLMJAX_UNROLL
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // then the 4 x 4 transposition of those 128-bit lanes, for each k
-  LLMJAX_UNROLL
-  for (int k = 0; k < 4; ++k) {
-    const __m512i v0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);  // lanes 0, 2 | 0, 2
-    const __m512i v1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);  // lanes 1, 3 | 1, 3
-    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
-    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
-    t[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    t[4 + k] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    t[8 + k] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-    t[12 + k] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-  }
-  LLMJAX_UNROLL
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
 
 // Pass 1 for AMX: token tile tt (16 tokens from 16 tt, zero past T) quantized into the B layout.
 // Each token's q is made in order into rows [16][kq], then every 64 bytes of the 16 rows are

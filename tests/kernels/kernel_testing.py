@@ -90,3 +90,20 @@ def mixed_steps_logits(attention_fn, a: list[int], b: list[int]) -> np.ndarray:
         logits, kv = forward(params, kv, step, config, attention_fn)
         out.append(np.asarray(logits))
     return np.concatenate(out)
+
+
+def no_cpu_compiler() -> bool:
+    """Whether the CPU kernel tests skip: only where there is nothing to build with (or the
+    kernels are turned off, LLMJAX_CPU_KERNELS=0); where a compiler is, a kernel that fails to
+    build fails the tests instead of skipping them."""
+    import os
+
+    from kernels_cpu.build import KernelsUnavailable, _compiler
+
+    if os.environ.get("LLMJAX_CPU_KERNELS", "1") == "0":
+        return True
+    try:
+        _compiler()
+    except KernelsUnavailable:
+        return True
+    return False

@@ -13,7 +13,6 @@ weights from T = 8: AMX where the CPU grants it), `in` and `out` that are not mu
 vector / tile sizes (masked tails, one-output tiles), the tied-embedding LM head (49152 x 576),
 the stacked-layer `layer` argument in a lax.scan (no slice copied), and the wrapper's errors."""
 
-import os
 import re
 
 import jax
@@ -22,21 +21,11 @@ import numpy as np
 import pytest
 
 from kernels_cpu.dense_matmul import dense_matmul, dense_matmul_reference
+from tests.kernels.kernel_testing import no_cpu_compiler
 
-
-def _no_compiler() -> bool:
-    from kernels_cpu.build import KernelsUnavailable, _compiler
-
-    if os.environ.get("LLMJAX_CPU_KERNELS", "1") == "0":
-        return True
-    try:
-        _compiler()
-    except KernelsUnavailable:
-        return True
-    return False
-
-
-pytestmark = pytest.mark.skipif(_no_compiler(), reason="no C++ compiler (or LLMJAX_CPU_KERNELS=0)")
+pytestmark = pytest.mark.skipif(
+    no_cpu_compiler(), reason="no C++ compiler (or LLMJAX_CPU_KERNELS=0)"
+)
 
 RTOL = 1e-5  # of mag, the float32 summation
 BF16_X = 2.0**-8  # bfloat16's rounding of x (half an ulp), relative to |x|
@@ -60,7 +49,9 @@ def check(y, x, w):
     w64 = np.asarray(w.astype(jnp.float32), np.float64)
     x64 = np.asarray(x.astype(jnp.float32), np.float64)
     ref = dense_matmul_reference(x, w)  # x as the kernel takes it
-    x_k = np.asarray(jnp.asarray(x).astype(jnp.bfloat16 if w.dtype == jnp.bfloat16 else jnp.float32))
+    x_k = np.asarray(
+        jnp.asarray(x).astype(jnp.bfloat16 if w.dtype == jnp.bfloat16 else jnp.float32)
+    )
     mag = np.abs(x_k.astype(np.float64)) @ np.abs(w64).T
     err = np.abs(y - ref)
     assert (err <= RTOL * mag).all(), f"vs the reference: max {(err / mag).max():.3g} of mag"
@@ -117,8 +108,11 @@ def _stack_copies(hlo: str, stack_shape: str) -> list[str]:
     """The instructions of the compiled HLO that make a value of the stack's shape other than
     by naming it (parameter, get-tuple-element, bitcast): copies or slices of the stack."""
     pattern = re.compile(r"=\s*" + re.escape(stack_shape) + r"\{[^}]*\}\s+([\w-]+)\(")
-    return [m.group(0) for m in pattern.finditer(hlo)
-            if m.group(1) not in ("parameter", "get-tuple-element", "bitcast")]
+    return [
+        m.group(0)
+        for m in pattern.finditer(hlo)
+        if m.group(1) not in ("parameter", "get-tuple-element", "bitcast")
+    ]
 
 
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

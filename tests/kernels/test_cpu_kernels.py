@@ -17,23 +17,11 @@ import pytest
 import kernels_cpu
 from kernels_pallas.ragged_paged_attention.cases import RAGGED_CASES, make_case
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
+from tests.kernels.kernel_testing import no_cpu_compiler
 
-
-def _no_compiler() -> bool:
-    """Skip only where there is nothing to build with (or the kernels are turned off): where a
-    compiler is, a kernel that fails to build fails the tests below instead of skipping them."""
-    from kernels_cpu.build import KernelsUnavailable, _compiler
-
-    if os.environ.get("LLMJAX_CPU_KERNELS", "1") == "0":
-        return True
-    try:
-        _compiler()
-    except KernelsUnavailable:
-        return True
-    return False
-
-
-pytestmark = pytest.mark.skipif(_no_compiler(), reason="no C++ compiler (or LLMJAX_CPU_KERNELS=0)")
+pytestmark = pytest.mark.skipif(
+    no_cpu_compiler(), reason="no C++ compiler (or LLMJAX_CPU_KERNELS=0)"
+)
 
 
 def test_the_kernels_build_and_load():

@@ -4,8 +4,6 @@ float32 rounding: 1e-5 of the sum of the terms' magnitudes), and against x @ W.T
 activation quantization's error bound (sum_i d_i / 2 |W[o, i]|); the stacked-weights `layer`
 argument inside a lax.scan; the wrapper's errors."""
 
-import os
-
 import gguf
 import jax
 import jax.numpy as jnp
@@ -19,21 +17,11 @@ from kernels_cpu.qmatmul import (
     qmatmul_reference,
     quantize_activations,
 )
+from tests.kernels.kernel_testing import no_cpu_compiler
 
-
-def _no_compiler() -> bool:
-    from kernels_cpu.build import KernelsUnavailable, _compiler
-
-    if os.environ.get("LLMJAX_CPU_KERNELS", "1") == "0":
-        return True
-    try:
-        _compiler()
-    except KernelsUnavailable:
-        return True
-    return False
-
-
-pytestmark = pytest.mark.skipif(_no_compiler(), reason="no C++ compiler (or LLMJAX_CPU_KERNELS=0)")
+pytestmark = pytest.mark.skipif(
+    no_cpu_compiler(), reason="no C++ compiler (or LLMJAX_CPU_KERNELS=0)"
+)
 
 GGUF_TYPES = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
