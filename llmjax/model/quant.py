@@ -39,8 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llmjax.config import QUANTIZATIONS  # noqa: F401  (EngineConfig.quantization's choices)
-
 logger = logging.getLogger(__name__)
 
 FORMATS = ("dense", "int8", "q8_0", "q4_0", "q4_1")
