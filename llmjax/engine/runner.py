@@ -358,7 +358,7 @@ class ModelRunner:
             shape = step_shape(step)
             self._ran_shapes.add(shape)
             ahead = self._ahead.get(shape)
-            if ahead is not None and not ahead.cancelled():
+            if ahead is not None:
                 if ahead.exception() is None:  # waits for it if it is still compiling
                     step_fn = ahead.result()
                 else:
@@ -395,11 +395,6 @@ class ModelRunner:
         finally:
             self._tracing.ahead = False
         return lowered.compile()
-
-    def close(self) -> None:
-        """Stop compiling ahead (queued shapes are dropped; one in progress finishes)."""
-        if self._ahead_pool is not None:
-            self._ahead_pool.shutdown(wait=False, cancel_futures=True)
 
     def lower(self, step: StepInput, sampling: SamplingInput):
         """The lowered step for these shapes (for HLO inspection in tests)."""
