@@ -22,7 +22,10 @@ step does. Each application's x depends on the previous y (x_i + 1e-30 y_{i-1}[:
 small elementwise op, in every implementation alike), so they run one after another. --warm
 instead applies one weight over and over (it stays in cache where it fits: L2 is 2 MB per
 core). The implementations are timed in turn, --repeats rounds (all their weights are made
-first), so that a shared machine's load falls on them alike. The table gives the median time per
+first), so that a shared machine's load falls on them alike; each timed call follows --settle
+untimed ones of the same implementation, as what ran before can slow a call down (after XLA's
+slow bf16 dot at T = 1, the kernel's chain at T = 1 ran ~1.5x slower, at about what one core
+alone streams, ~15 GB/s: probably the thread pool's helpers, asleep, joining late). The table gives the median time per
 application (us), the weight bandwidth, weight bytes / time (GB/s), and the 1-minute load
 average while timing (other processes' share of the machine); the JSON (--out) every time and n.
 """
@@ -44,6 +47,7 @@ flags.DEFINE_list("shapes", ["576x1536", "1536x576", "576x49152"], "Weights as I
 flags.DEFINE_list("impls", list(IMPLS), f"Implementations, of {IMPLS}.")
 flags.DEFINE_list("tokens", ["1", "2", "8", "16", "32", "64", "128", "512"], "Row counts T.")
 flags.DEFINE_integer("repeats", 7, "Timed calls per cell; the median is reported.")
+flags.DEFINE_integer("settle", 1, "Untimed calls before each timed one (see the docstring).")
 flags.DEFINE_bool("warm", False, "One weight, reused (cache-warm), instead of cold weights.")
 flags.DEFINE_integer("cold_bytes", 512 << 20, "Cold: the weights' total bytes, at least.")
 flags.DEFINE_integer("min_weights", 30, "Cold: distinct weights, at least.")
@@ -99,13 +103,13 @@ def chain_fn(impl: str, ws, n_in: int, out: int, T: int, steps: int):
     import jax.numpy as jnp
 
     f = apply_fn(impl)
-    xs = jax.random.normal(jax.random.key(1), (steps, T, n_in), jnp.float32)
+    xs = jax.random.normal(jax.random.key(1), (min(steps, 8), T, n_in), jnp.float32)
 
     @jax.jit
     def run(xs, ws):
         y = jnp.zeros((T, out), jnp.float32)
         for i in range(steps):
-            y = f(xs[i] + 1e-30 * y[:, :1], ws[i % len(ws)])
+            y = f(xs[i % len(xs)] + 1e-30 * y[:, :1], ws[i % len(ws)])
         return y
 
     run(xs, ws).block_until_ready()  # compiled, and the weights touched once
@@ -148,6 +152,8 @@ def main(argv):
             for _ in range(FLAGS.repeats):  # the implementations in turn: the same conditions
                 load.append(os.getloadavg()[0])
                 for impl, (run, xs) in runs.items():
+                    for _ in range(FLAGS.settle):
+                        run(xs, weights[impl]).block_until_ready()
                     t0 = time.perf_counter()
                     run(xs, weights[impl]).block_until_ready()
                     times[impl].append((time.perf_counter() - t0) / steps[impl] * 1e6)
