@@ -59,7 +59,7 @@ namespace llmjax_cpu {
 namespace {
 
 constexpr int64_t kTokenBlock = 64;    // tokens per work item (AVX-512 engine)
-constexpr int64_t kPartsPerWorker = 8;  // output parts per thread, for the dynamic balance
+constexpr int64_t kPartsPerWorker = 2;  // output parts per thread, for the dynamic balance
 constexpr double kMinPartWork = 64 << 10;  // see units_per_part
 constexpr int64_t kBurst = 16 << 10;        // bytes prefetched at once as a part starts
 constexpr int64_t kAmxMinTokens = 8;    // AMX from here on (where it is usable)
