@@ -79,7 +79,7 @@ E* aligned64(std::vector<E>& v, int64_t n) {
 // thread to take several, but none smaller than kMinPartWork of `work` (the weight bytes times
 // 1 + T / 8, a guess at the cost), as waking the pool's threads costs microseconds.
 int64_t units_per_part(ffi::ThreadPool& pool, int64_t units, int64_t groups, double work) {
-  const int64_t workers = pool.num_threads() + 1;  // the pool and the calling thread
+  const int64_t workers = max_helpers(pool) + 1;  // the pool's helpers and the calling thread
   const int64_t by_work = static_cast<int64_t>(work / (kMinPartWork * groups)) + 1;
   const int64_t parts =
       std::clamp<int64_t>(std::min(ceil_div(kPartsPerWorker * workers, groups), by_work), 1, units);
