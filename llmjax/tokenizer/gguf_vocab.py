@@ -80,14 +80,16 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def _read_gguf_tokenizer_metadata(source: str | os.PathLike | gguf.GGUFReader) -> tuple[str, dict]:
     """`(file name, {key: value})` for general.architecture and every tokenizer.* key."""
+    from llmjax.checkpoint.gguf import gguf_file_name, open_gguf
+
     if isinstance(source, gguf.GGUFReader):
         reader = source
-        name = str(getattr(source.data, "filename", None) or "<GGUFReader>")
+        name = gguf_file_name(source, "<GGUFReader>")
     else:
         name = os.fspath(source)
         if not os.path.isfile(name):
             raise FileNotFoundError(f"GGUF file not found: {name!r}")
-        reader = gguf.GGUFReader(name)
+        reader = open_gguf(name)
     metadata = {
         key: field.contents()
         for key, field in reader.fields.items()
