@@ -216,6 +216,8 @@ def test_no_compile_after_precompile():
     llm = _policy_llm("sarathi", precompile=True, max_num_seqs=4, max_model_len=48)
     engine = llm.engine
     assert engine.num_compiles == len(engine.buckets.shapes())
+    # the sampler, its own program, once per sequence-row bucket
+    assert engine.runner.num_sample_compiles == len({S for _, S, _ in engine.buckets.shapes()})
     before, num_events = engine.num_compiles, len(events)
     mixed = [
         SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=1)
@@ -239,6 +241,35 @@ def test_profile_holds_the_engine_steps(llm, tmp_path):
     data = open(xplane, "rb").read()
     for name in ("llmjax_step", "llmjax.schedule", "llmjax.pack", "llmjax.run", "llmjax.update"):
         assert name.encode() in data, name
+
+
+def test_the_sampler_compiles_only_for_sampling_steps_once_per_row_bucket():
+    """Greedy steps never build the sampler (sort, top-p, threefry); sampling steps build it
+    once per S bucket, whatever their T and P, and draw what the in-step form drew."""
+    import jax.numpy as jnp
+
+    from llmjax.model.sampler import sample
+
+    llm = _llm()
+    runner = llm.engine.runner
+    llm.generate(_prompts(5, seed=2), SamplingParams(max_tokens=6, ignore_eos=True))
+    assert runner.num_sample_compiles == 0 and runner.num_compiles > 0
+    sampled = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_p=0.9, seed=s)
+               for s in range(5)]  # fmt: skip
+    first = [o.token_ids for o in llm.generate(_prompts(5, seed=2), sampled)]
+    rows = {S for _, S, _ in llm.engine.buckets.shapes()}
+    assert 0 < runner.num_sample_compiles <= len(rows)
+    before = runner.num_sample_compiles
+    assert [o.token_ids for o in llm.generate(_prompts(5, seed=2), sampled)] == first
+    assert runner.num_sample_compiles == before
+    # the split program draws what `sample` (greedy shortcut included) draws on the same logits
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, 300)), jnp.float32)
+    args = (jnp.asarray([0.0, 0.7, 1.3, 0.7]), jnp.asarray([0, 5, 0, 0], jnp.int32),
+            jnp.asarray([1.0, 1.0, 0.8, 0.5]), jnp.arange(4, dtype=jnp.uint32),
+            jnp.asarray([0, 3, 9, 1], jnp.int32))  # fmt: skip
+    want = sample(logits, *args, jnp.bool_(False))
+    assert np.array_equal(runner._sample(logits, *args), want)
 
 
 def test_serving_again_does_not_recompile(llm):
@@ -316,4 +347,11 @@ def test_compile_ahead_serves_steps_from_shapes_compiled_in_the_background():
     before = (r_on.num_compiles, r_on.num_compiled_ahead)
     on.generate(prompts, params)  # the same shapes again: nothing new either way
     assert (r_on.num_compiles, r_on.num_compiled_ahead) == before
-    assert on.engine.buckets.likely_next((8, 8, 4), 3) == [(8, 8, 8), (4, 4, 4), (4, 4, 8)]
+    from llmjax.engine.batch import Buckets
+
+    paged = Buckets.create(64, 8, 24)  # a page bucket per context length (the jnp reference)
+    assert paged.likely_next((8, 8, 4), 3) == [(8, 8, 8), (4, 4, 4), (4, 4, 8)]
+    ragged = Buckets.create(64, 8, 24, ragged_pages=True)  # the CPU kernel: one P
+    assert ragged.page_buckets == (24,)
+    assert ragged.likely_next((8, 8, 24), 3) == [(4, 4, 24)]
+    assert on.engine.buckets.page_buckets == (24,)  # the CPU kernel here

@@ -44,11 +44,19 @@ class Buckets:
 
     @classmethod
     def create(
-        cls, max_num_batched_tokens: int, max_num_seqs: int, max_pages_per_seq: int
+        cls,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_pages_per_seq: int,
+        ragged_pages: bool = False,
     ) -> Buckets:
+        """`ragged_pages`: the attention reads only each sequence's `kv_lens` worth of its page
+        table (the CPU kernel), so one P, the longest table, serves every step: no variants
+        per context length."""
+        pages = (max_pages_per_seq,) if ragged_pages else None
         return cls(
             token_buckets=_pow2_buckets(1, max_num_batched_tokens),
-            page_buckets=_pow2_buckets(min(4, max_pages_per_seq), max_pages_per_seq),
+            page_buckets=pages or _pow2_buckets(min(4, max_pages_per_seq), max_pages_per_seq),
             max_num_seqs=max_num_seqs,
         )
 

@@ -64,6 +64,7 @@ class LLMEngine:
             config.scheduler.max_num_batched_tokens,
             config.scheduler.max_num_seqs,
             pages_needed(config.max_model_len, page_size),
+            ragged_pages=self.runner.ragged_page_tables,
         )
         self._ids = itertools.count()
         self._num_step_calls = 0

@@ -1,10 +1,12 @@
-"""The device side of the engine: weights, KV pages and the jitted step (forward + sample), on
-one device or sharded over a mesh (llmjax/parallel/).
+"""The device side of the engine: weights, KV pages and the jitted step (forward, greedy ids and
+logits; then sampling, its own program, when a row samples), on one device or sharded over a mesh
+(llmjax/parallel/).
 
 This is the only module under `llmjax/engine/` that imports jax. The step is jitted once per shape
-bucket (T tokens, S sequences, P pages per sequence); the KV pages are donated, so they are
-updated in place. `num_compiles` counts traces, so tests can assert that steady-state serving does
-not recompile; `precompile` compiles every bucket up front.
+bucket (T tokens, S sequences, P pages per sequence), the sampler once per S; the KV pages are
+donated, so they are updated in place. `num_compiles` counts step traces (`num_sample_compiles`
+the sampler's), so tests can assert that steady-state serving does not recompile; `precompile`
+compiles every bucket up front.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
 from llmjax.model.params import Params, stack_layers, unstack_layers
 from llmjax.model.quant import is_packed
-from llmjax.model.sampler import sample
+from llmjax.model.sampler import sample, sample_random
 from llmjax.model.step_input import StepInput
 from llmjax.parallel import pipeline
 from llmjax.parallel.distributed import check_lockstep, to_host
@@ -90,6 +92,11 @@ class ModelRunner:
             )
         self.sparse = config.sparse_kv
         self.last_sparse_stats = None
+        # The CPU kernel walks each sequence's page table only as far as its kv_lens, so the
+        # engine pads every table to the longest (Buckets.create(ragged_pages=True)): the page
+        # count stops being a compiled dimension. The jnp reference gathers all P pages, and the
+        # sparse path sizes its fetch buffers by P, so they keep P buckets.
+        self.ragged_page_tables = self.attention_backend == "cpu" and not self.sparse.enabled
         if self.sparse.enabled:
             self._init_sparse(params, num_pages, skew)
             return
@@ -122,6 +129,7 @@ class ModelRunner:
             self.kv_pages = jax.jit(allocate, out_shardings=kv_shardings)()
             out_shardings = (
                 replicated(self.mesh),
+                replicated(self.mesh),
                 jax.tree.map(lambda x: x.sharding, self.kv_pages),
             )
         self.num_compiles = 0
@@ -132,6 +140,18 @@ class ModelRunner:
             ),
             donate_argnames=("kv_pages",),
             out_shardings=out_shardings,
+        )
+
+        # Sampling is its own program over the step's logits, run only when a row samples: it
+        # compiles once per S bucket instead of inside every (T, S, P) step (the sort, cumsum
+        # and threefry were 0.35 s of a 0.55 s step compile on the CPU).
+        def sample_impl(*args):
+            self.num_sample_compiles += 1  # runs only while tracing
+            return sample_random(*args)
+
+        self.num_sample_compiles = 0
+        self._sample = jax.jit(
+            sample_impl, out_shardings=None if self.mesh is None else replicated(self.mesh)
         )
         # Compiling ahead (`compile_ahead`): one background thread, one device, one process.
         if config.compile_ahead and self.mesh is None and jax.process_count() == 1:
@@ -310,14 +330,14 @@ class ModelRunner:
         h = pipeline.resize_carry(self._h, T)
         return self._tick.lower(self.params, self.kv_pages, h, metas, sampling)
 
-    def _step_impl(self, params, kv_pages, step, sampling, *, model_config, attention_fn):
+    def _step_impl(self, params, kv_pages, step, *, model_config, attention_fn):
+        """One step's forward -> (greedy next ids [S], logits [S, V], kv_pages)."""
         if getattr(self._tracing, "ahead", False):  # runs only while tracing
             self.num_compiled_ahead += 1
         else:
             self.num_compiles += 1
         logits, kv_pages = forward(params, kv_pages, step, model_config, attention_fn)
-        next_ids = sample(logits, *sampling)
-        return next_ids, kv_pages
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, kv_pages
 
     @staticmethod
     def _sampling_arrays(sampling: SamplingInput) -> tuple:
@@ -363,7 +383,10 @@ class ModelRunner:
                     step_fn = ahead.result()
                 else:
                     logger.warning("compiling %s ahead failed: %r", shape, ahead.exception())
-        next_ids, self.kv_pages = step_fn(self.params, self.kv_pages, *self._inputs(step, sampling))
+        step_arg, sampling_args = self._inputs(step, sampling)
+        next_ids, logits, self.kv_pages = step_fn(self.params, self.kv_pages, step_arg)
+        if not sampling.all_greedy:
+            next_ids = self._sample(logits, *sampling_args[:-1])
         next_ids = to_host(next_ids)
         self.num_steps += 1
         if self.config.parallel.check_lockstep:
@@ -387,11 +410,8 @@ class ModelRunner:
         T, S, P = shape
         self._tracing.ahead = True
         try:
-            lowered = self._step.lower(
-                self.params,
-                self._kv_structs,
-                *self._inputs(pipeline.pad_step(None, T, S, P), _greedy_sampling(S)),
-            )
+            step, _ = self._inputs(pipeline.pad_step(None, T, S, P), _greedy_sampling(S))
+            lowered = self._step.lower(self.params, self._kv_structs, step)
         finally:
             self._tracing.ahead = False
         return lowered.compile()
@@ -406,21 +426,27 @@ class ModelRunner:
                 self.spec_weights,
                 *self._inputs(step, sampling),
             )
-        return self._step.lower(self.params, self.kv_pages, *self._inputs(step, sampling))
+        return self._step.lower(self.params, self.kv_pages, self._inputs(step, sampling)[0])
 
     def precompile(self, shapes: list[tuple[int, int, int]], progress=None) -> None:
         """Compile (or load from the persistent cache) the step for every (T, S, P) shape by
         running it once on an all-padding input, which writes only to the reserved page. With
         pp > 1: one tick per shape with an all-padding micro-batch entering, drained by pp - 1
         empty ticks (a tick's bucket is its micro-batches' largest, itself one of `shapes`), and
-        the hidden-state carry's resize between every pair of token buckets. `progress()` is
-        called after each shape."""
+        the hidden-state carry's resize between every pair of token buckets. The sampler runs
+        once per S bucket, on one such step with a sampling row. `progress()` is called after
+        each shape."""
         progress = progress or (lambda: None)
         if self.pipelined:
             self._precompile_pipeline(shapes, progress)
             return
+        sampled = set()
         for T, S, P in shapes:
-            self.run(pipeline.pad_step(None, T, S, P), _greedy_sampling(S))
+            sampling = _greedy_sampling(S)
+            if S not in sampled:
+                sampled.add(S)
+                sampling.temperature[0], sampling.all_greedy = 1.0, False
+            self.run(pipeline.pad_step(None, T, S, P), sampling)
             progress()
 
     def _precompile_pipeline(self, shapes: list[tuple[int, int, int]], progress) -> None:
