@@ -221,7 +221,7 @@ def test_bad_shapes_are_refused_clearly():
     w = quant.quantize_int8(_random_weight(np.random.default_rng(0), (64, 32)))
     with pytest.raises(ValueError, match="features"):
         quant.qdot(jnp.ones((2, 63)), jax.tree.map(jnp.asarray, w))
-    with pytest.raises(ValueError, match="multiple of 32|% 32"):
+    with pytest.raises(ValueError, match=r"multiple of 32|% 32"):
         quant.quantize_blocks(np.ones((40, 8), np.float32), "q4_0")
     stacked = dataclasses.replace(w, values=w.values[None], scales=w.scales[None])
     with pytest.raises(ValueError, match="one layer"):
@@ -230,10 +230,13 @@ def test_bad_shapes_are_refused_clearly():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dense_weights_take_the_cpu_kernel_at_decode_sizes_and_xla_above(dtype):
+    """float32: the kernel up to DENSE_KERNEL_MAX_TOKENS, XLA's GEMM above; bf16: the kernel at
+    every size (its AMX path is as fast as XLA's there and reads a scanned layer in place)."""
     w = quant.pack_dense(_random_weight(np.random.default_rng(0), (64, 96)).astype(dtype))
     w = jax.tree.map(jnp.asarray, w)
     kernel = quant._cpu_dense_kernel() is not None
-    for T, want_kernel in ((1, kernel), (quant.DENSE_KERNEL_MAX_TOKENS, kernel), (128, False)):
+    big = kernel and dtype == jnp.bfloat16
+    for T, want_kernel in ((1, kernel), (quant.DENSE_KERNEL_MAX_TOKENS, kernel), (128, big)):
         x = jnp.asarray(_random_weight(np.random.default_rng(T), (T, 64)), dtype)
         text = jax.jit(quant.qdot).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
         assert ("llmjax_cpu_dense_matmul" in text) == want_kernel, T

@@ -69,6 +69,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def swiglu_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
     """x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] (plain, or packed: llmjax/model/quant.py)
     -> [T, D]."""
-    gate = linear(x, w_gate)
-    up = linear(x, w_up)
-    return linear(jax.nn.silu(gate) * up, w_down)
+    gate = linear(x, w_gate).astype(jnp.float32)
+    up = linear(x, w_up).astype(jnp.float32)
+    # In float32, rounded once to x's dtype (a no-op for float32): in bfloat16 XLA:CPU otherwise
+    # rounds after every op of silu (neg, exp, add, divide, multiply), slower and less exact.
+    return linear((jax.nn.silu(gate) * up).astype(x.dtype), w_down)

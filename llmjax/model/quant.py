@@ -380,8 +380,11 @@ def _cpu_kernel():
 
 
 CPU_KERNEL_FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
-# Dense weights take the C++ kernel (kernels_cpu/dense_matmul.py) up to this many tokens, XLA's
-# dot above (where its GEMM is faster: scripts/bench_dense_matmul.py).
+# Dense float32 weights take the C++ kernel (kernels_cpu/dense_matmul.py) up to this many tokens,
+# XLA's dot above (where its GEMM is faster: scripts/bench_dense_matmul.py). bfloat16 weights take
+# it at every size: its AMX path is as fast as XLA's oneDNN dot at prefill sizes (609 vs 634 us
+# for [576, 1536] at T = 512) and reads a scanned layer in place, where XLA's dot needs the layer
+# sliced out of the stacked weights first (22 ms of copies per 512-token bf16 step).
 DENSE_KERNEL_MAX_TOKENS = 64
 # int8 weights likewise (scripts/bench_qmatmul.py: the kernel wins to ~64 tokens); the GGUF block
 # formats take the kernel at every size (XLA has no form for them but dequantizing).
@@ -398,7 +401,9 @@ def _cpu_dense_kernel():
 
 
 def cpu_dot(x, w: PackedWeight):
-    if w.fmt == "dense" and x.shape[0] <= DENSE_KERNEL_MAX_TOKENS:
+    if w.fmt == "dense" and (
+        x.shape[0] <= DENSE_KERNEL_MAX_TOKENS or w.values.dtype == jnp.bfloat16
+    ):
         kernel = _cpu_dense_kernel()
         if kernel is not None and w.values.dtype in (jnp.float32, jnp.bfloat16):
             try:
