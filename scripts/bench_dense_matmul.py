@@ -2,7 +2,8 @@
 decode and prefill row counts, with the weights cold in cache.
 
     python scripts/bench_dense_matmul.py                        # the default table
-    python scripts/bench_dense_matmul.py --shapes 576x49152 --tokens 1,16 --impls kernel_bf16,xla_f32
+    python scripts/bench_dense_matmul.py --shapes 576x49152 --tokens 1,16 \
+        --impls kernel_bf16,xla_f32
     python scripts/bench_dense_matmul.py --warm --out /tmp/dense.json
 
 Implementations, each y[T, out] float32 from x[T, in] float32:
@@ -25,9 +26,10 @@ core). The implementations are timed in turn, --repeats rounds (all their weight
 first), so that a shared machine's load falls on them alike; each timed call follows --settle
 untimed ones of the same implementation, as what ran before can slow a call down (after XLA's
 slow bf16 dot at T = 1, the kernel's chain at T = 1 ran ~1.5x slower, at about what one core
-alone streams, ~15 GB/s: probably the thread pool's helpers, asleep, joining late). The table gives the median time per
-application (us), the weight bandwidth, weight bytes / time (GB/s), and the 1-minute load
-average while timing (other processes' share of the machine); the JSON (--out) every time and n.
+alone streams, ~15 GB/s: probably the thread pool's helpers, asleep, joining late). The table
+gives the median time per application (us), the weight bandwidth, weight bytes / time (GB/s),
+and the 1-minute load average while timing (other processes' share of the machine); the JSON
+(--out) every time and n.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ flags.DEFINE_bool("warm", False, "One weight, reused (cache-warm), instead of co
 flags.DEFINE_integer("cold_bytes", 512 << 20, "Cold: the weights' total bytes, at least.")
 flags.DEFINE_integer("min_weights", 30, "Cold: distinct weights, at least.")
 flags.DEFINE_integer("max_weights", 320, "Cold: distinct weights, at most.")
-flags.DEFINE_integer("max_bytes", 768 << 20, "Cold: the weights' total bytes per implementation, at most.")
+flags.DEFINE_integer(
+    "max_bytes", 768 << 20, "Cold: the weights' total bytes per implementation, at most."
+)
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
 FLAGS = flags.FLAGS
 
@@ -139,7 +143,7 @@ def main(argv):
         n_in, out = (int(s) for s in shape.split("x"))
         weights, counts, sizes = {}, {}, {}
         for impl in FLAGS.impls:
-            wshape, dtype = weight_spec(impl, n_in, out)
+            _, dtype = weight_spec(impl, n_in, out)
             sizes[impl] = n_in * out * jnp.dtype(dtype).itemsize
             counts[impl] = 1 if FLAGS.warm else num_weights(sizes[impl])
             weights[impl] = make_weights(impl, n_in, out, counts[impl])
@@ -157,16 +161,26 @@ def main(argv):
                     t0 = time.perf_counter()
                     run(xs, weights[impl]).block_until_ready()
                     times[impl].append((time.perf_counter() - t0) / steps[impl] * 1e6)
-            row = {"in": n_in, "out": out, "T": T, "mode": "warm" if FLAGS.warm else "cold",
-                   "loadavg_1min": float(np.median(load))}
+            row = {
+                "in": n_in,
+                "out": out,
+                "T": T,
+                "mode": "warm" if FLAGS.warm else "cold",
+                "loadavg_1min": float(np.median(load)),
+            }
             for impl in FLAGS.impls:
                 us = float(np.median(times[impl]))
-                row[impl] = {"us": us, "gbs": sizes[impl] / us / 1e3, "weight_bytes": sizes[impl],
-                             "weights": counts[impl], "times_us": times[impl]}
+                row[impl] = {
+                    "us": us,
+                    "gbs": sizes[impl] / us / 1e3,
+                    "weight_bytes": sizes[impl],
+                    "weights": counts[impl],
+                    "times_us": times[impl],
+                }
             rows.append(row)
             del runs
-            print(f"  {shape} T={T}: " + ", ".join(f"{i} {row[i]['us']:.1f} us" for i in FLAGS.impls),
-                  file=sys.stderr, flush=True)
+            times = ", ".join(f"{i} {row[i]['us']:.1f} us" for i in FLAGS.impls)
+            print(f"  {shape} T={T}: {times}", file=sys.stderr, flush=True)
         del weights
         results += rows
         print_table(rows, FLAGS.impls)
@@ -180,8 +194,12 @@ def print_table(rows, impls):
     print("|---" * (4 + len(impls)) + "|")
     for row in rows:
         cells = [f"{row[i]['us']:.1f} ({row[i]['gbs']:.1f})" for i in impls]
-        print(f"| {row['in']}x{row['out']} | {row['mode']} | {row['T']} | " + " | ".join(cells)
-          + f" | {row['loadavg_1min']:.1f} |", flush=True)
+        print(
+            f"| {row['in']}x{row['out']} | {row['mode']} | {row['T']} | "
+            + " | ".join(cells)
+            + f" | {row['loadavg_1min']:.1f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,10 @@ flags.DEFINE_integer("max_num_seqs", 32, "Both engines' max_num_seqs (unless a c
 flags.DEFINE_integer("seed", 0, "Prompt seed.")
 flags.DEFINE_integer("bandwidth_mib", 1024, "Array size for the bandwidth measurement.")
 flags.DEFINE_integer("matmul_n", 2048, "Matrix size for the matmul peak measurement.")
-flags.DEFINE_bool("cold", False, "Also time a cold start of an llmjax configuration.")
-flags.DEFINE_string("cold_engine", None, "The llmjax configuration --cold starts (default: first).")
+flags.DEFINE_bool("cold", False, "Also time cold starts (fresh process, empty caches).")
+flags.DEFINE_list(
+    "cold_engines", [], "The configurations --cold starts (default: the first llmjax and vLLM)."
+)
 flags.DEFINE_string("engine_log_dir", None, "Engine logs (default: a temporary directory).")
 flags.DEFINE_string("out", "out/bench_peers.json", "Where to write the JSON results ('' for none).")
 
@@ -139,11 +141,14 @@ def main(argv):
     print(peers.format_table(result))
     print(f"load average (1, 5, 15 min) before {load_before}, after {os.getloadavg()}")
     if FLAGS.cold:
-        cold = [
-            s for s in specs if s.engine == "llmjax" and s.name == (FLAGS.cold_engine or s.name)
-        ]
-        if not cold:
-            raise app.UsageError(f"--cold_engine={FLAGS.cold_engine} is no llmjax configuration")
+        if FLAGS.cold_engines:
+            unknown = sorted(set(FLAGS.cold_engines) - set(names))
+            if unknown:
+                raise app.UsageError(f"--cold_engines {unknown} are no configurations: {names}")
+            cold = [s for s in specs if s.name in FLAGS.cold_engines]
+        else:
+            cold = [next(s for s in specs if s.engine == e) for e in ("llmjax", "vllm")
+                    if any(s.engine == e for s in specs)]  # fmt: skip
         throughput = next((w for w in workloads if w.kind == "throughput"), None)
         throughput = (
             throughput
@@ -154,14 +159,24 @@ def main(argv):
                 max_tokens=FLAGS.max_tokens,
             )[0]
         )
-        info = result["engines"][cold[0].name]["info"]
+        ref = next(s for s in specs if s.engine == "llmjax")
+        info = result["engines"][ref.name]["info"]
         ids = peers.allowed_ids(info["vocab_size"], info["special_ids"])
-        result["cold_start"] = peers.cold_start(cold[0], opts, throughput, ids)
-        if throughput in workloads:  # the same workload in the benchmark's warm process
-            result["cold_start"]["warm_process_workload_s"] = peers.best_seconds(
-                result, cold[0].name, throughput.name
+        result["cold_starts"] = []
+        for spec in cold:
+            c = peers.cold_start(spec, opts, throughput, ids)
+            if throughput in workloads:  # the same workload in the benchmark's warm process
+                c["warm_process_workload_s"] = peers.best_seconds(
+                    result, spec.name, throughput.name
+                )
+            result["cold_starts"].append(c)
+            print(peers.format_cold_start(c))
+        result["cold_start_ratios"] = peers.compare_cold_starts(result["cold_starts"])
+        for r in result["cold_start_ratios"]:
+            print(
+                f"cold, empty caches: {r['engine']} vs {r['reference']}: launch to end "
+                f"{r['launch_to_end_speedup']:.2f}x, workload {r['workload_speedup']:.2f}x faster"
             )
-        print(peers.format_cold_start(result["cold_start"]))
     if FLAGS.out:
         os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
         with open(FLAGS.out, "w") as f:

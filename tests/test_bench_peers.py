@@ -134,6 +134,8 @@ def test_harness_end_to_end(tmp_path):
     assert given["kwargs"] == want | {"seed": 0, "kv_cache_memory_bytes": 1 << 30}
     assert given["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert given["env"]["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{os.cpu_count() - 1}"
+    # its last launch was the cold start's, with caches of its own
+    assert "vllm-cold-cache-" in given["env"]["VLLM_CACHE_ROOT"]
     assert result["engines"]["fake"]["info"]["version"] == "0.0-fake"
     # weight bytes: llmjax's counted on its device, vLLM's from the safetensors header
     nbytes = result["engines"]["tiny"]["info"]["weight_bytes"]
@@ -177,14 +179,25 @@ def test_harness_end_to_end(tmp_path):
     # every request's tokens: 2 rounds of 3 requests, 6 each
     assert [len(t) for t in result["tokens"]["tiny"]["3x(8+6)"]] == [6] * 6
 
-    cold = result["cold_start"]
-    assert cold["engine"] == "tiny" and cold["workload"] == "3x(8+6)"
-    for label in ("empty_cache", "warm_cache"):
-        c = cold[label]
-        assert 0 < c["ready_s"] < c["ttft_s"] <= c["total_s"] and c["workload_s"] > 0
-    assert cold["warm_process_workload_s"] > 0
+    # --cold: the first llmjax and the first vLLM config, each from its own launch
+    tiny, fake = result["cold_starts"]
+    assert (tiny["engine"], fake["engine"]) == ("tiny", "fake")
+    for cold in (tiny, fake):
+        assert cold["workload"] == "3x(8+6)" and cold["warm_process_workload_s"] > 0
+        for label in ("empty_cache", "warm_cache"):
+            c = cold[label]
+            assert 0 < c["ready_s"] <= c["total_s"] and c["workload_s"] > 0
+            if cold is tiny:
+                assert c["ready_s"] < c["ttft_s"] <= c["total_s"]
+            else:  # vLLM's offline API reports no first-token time
+                assert c["ttft_s"] is None
+    (ratio,) = result["cold_start_ratios"]
+    assert (ratio["engine"], ratio["reference"]) == ("tiny", "fake")
+    want = fake["empty_cache"]["total_s"] / tiny["empty_cache"]["total_s"]
+    assert ratio["launch_to_end_speedup"] == pytest.approx(want)
 
-    for line in ("read bandwidth", "tiny         3x(8+6)", "fake         prefill 40", "TTFT"):
+    for line in ("read bandwidth", "tiny         3x(8+6)", "fake         prefill 40", "TTFT",
+                 "cold, empty caches: tiny vs fake"):  # fmt: skip
         assert line in res.stdout, res.stdout
 
 

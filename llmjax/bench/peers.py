@@ -2,9 +2,9 @@
 (scripts/bench_peers.py is the command line).
 
 Every engine configuration runs in its own process (`llmjax/peer_worker.py`, kept outside
-llmjax/bench/, which imports no JAX; loaded once, then driven over a pipe), all timed by the same code through their offline `generate` APIs on the same
-token-id prompts (random ids from the vocabulary, special tokens left out, fixed seeds), greedy,
-ignore_eos. Workloads:
+llmjax/bench/, which imports no JAX; loaded once, then driven over a pipe), all timed by the same
+code through their offline `generate` APIs on the same token-id prompts (random ids from the
+vocabulary, special tokens left out, fixed seeds), greedy, ignore_eos. Workloads:
 
   throughput  N x (P + M): N requests at once; new tokens per second over the whole run.
   decode      B x (p + m) at batch B: decode tok/s = B (m - 1) / (t(p + m) - t(p + 1)), the time
@@ -274,8 +274,10 @@ def engine_kwargs(spec: EngineSpec, opts: Options) -> dict:
     return shared | spec.kwargs
 
 
-def launch(spec: EngineSpec, opts: Options, kwargs: dict | None = None) -> EngineProcess:
-    env = dict(os.environ)
+def launch(
+    spec: EngineSpec, opts: Options, kwargs: dict | None = None, env_extra: dict | None = None
+) -> EngineProcess:
+    env = dict(os.environ) | (env_extra or {})
     if spec.engine == "vllm":
         if not opts.vllm_python:
             raise ValueError(f"{spec.name}: vLLM configurations need --vllm_python")
@@ -429,16 +431,31 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cache_settings(spec: EngineSpec, cache: str) -> tuple[dict, dict]:
+    """(engine kwargs, environment) that point an engine's compilation caches at `cache`:
+    llmjax's JAX cache (`compilation_cache_dir`); vLLM's own cache root (its torch.compile
+    artifacts) and TorchInductor's."""
+    if spec.engine == "vllm":
+        return {}, {
+            "VLLM_CACHE_ROOT": cache,
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+        }
+    return {"compilation_cache_dir": cache}, {}
+
+
 def cold_start(spec: EngineSpec, opts: Options, workload: Workload, ids: np.ndarray) -> dict:
-    """`workload` (its first phase) in a fresh process, first with an empty JAX compilation
-    cache, then again in another fresh process with the cache the first one filled. Times count
-    from the process launch: to the engine being ready, the first token, and the last."""
+    """`workload` (its first phase) in a fresh process, first with empty compilation caches,
+    then again in another fresh process with the caches the first one filled. Times count from
+    the process launch: to the engine being ready (for vLLM that includes the compiling and
+    warm-up it does at start), the first token (llmjax's; vLLM's offline API does not report
+    it), and the last."""
     _, n, length, new = workload.phases[0]
     prompts = make_prompts(n, length, ids, (opts.seed, "cold"))
-    out = {"engine": spec.name, "workload": workload.name}
-    with tempfile.TemporaryDirectory(prefix="llmjax-cold-cache-") as cache:
+    out = {"engine": spec.name, "engine_kind": spec.engine, "workload": workload.name}
+    with tempfile.TemporaryDirectory(prefix=f"{spec.engine}-cold-cache-") as cache:
         for label in ("empty_cache", "warm_cache"):
-            proc = launch(spec, opts, engine_kwargs(spec, opts) | {"compilation_cache_dir": cache})
+            kwargs, env = cache_settings(spec, cache)
+            proc = launch(spec, opts, engine_kwargs(spec, opts) | kwargs, env)
             try:
                 res = proc.run(prompts, new)
             finally:
@@ -470,9 +487,25 @@ def best_seconds(result: dict, engine: str, workload: str) -> float | None:
     return None
 
 
+def compare_cold_starts(colds: list[dict]) -> list[dict]:
+    """Each llmjax cold start against each vLLM one (same workload): the ratios of their
+    launch-to-end times and of their workload times (vLLM's / llmjax's: > 1 means llmjax is
+    faster), with empty caches."""
+    out = []
+    for a in (c for c in colds if c["engine_kind"] == "llmjax"):
+        for b in (c for c in colds if c["engine_kind"] == "vllm"):
+            ea, eb = a["empty_cache"], b["empty_cache"]
+            out.append({
+                "engine": a["engine"], "reference": b["engine"],
+                "launch_to_end_speedup": eb["total_s"] / ea["total_s"],
+                "workload_speedup": eb["workload_s"] / ea["workload_s"],
+            })  # fmt: skip
+    return out
+
+
 def format_cold_start(cold: dict) -> str:
     lines = [f"cold start of {cold['engine']}, {cold['workload']} (seconds from process launch):"]
-    lines.append(f"{'JAX cache':<12} {'ready':>7} {'TTFT':>7} {'end':>7} {'workload':>9}")
+    lines.append(f"{'caches':<12} {'ready':>7} {'TTFT':>7} {'end':>7} {'workload':>9}")
     for label in ("empty_cache", "warm_cache"):
         c = cold[label]
         ttft = f"{c['ttft_s']:7.2f}" if c["ttft_s"] is not None else f"{'-':>7}"
