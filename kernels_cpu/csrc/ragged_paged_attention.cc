@@ -1,11 +1,30 @@
 // Ragged paged attention for CPUs: the contract of
-// kernels_pallas/ragged_paged_attention/reference.py (the specification), one query row at a time.
+// kernels_pallas/ragged_paged_attention/reference.py (the specification).
 //
-// Work items are query rows: a row's N query heads score every visible key of its sequence (each
-// key position's [K, H] row read once, straight from its page, the next ones prefetched) in one
-// pass that also finds the maxima, take the exponentials in one vectorized pass, and sum the
-// value rows in a third; accumulation in float32. Rows are shared over XLA's intra-op thread
-// pool. Nothing is gathered or transposed.
+// AVX-512 path (H % 16 == 0 and H <= 1024). Work items are tiles: a sequence, a few consecutive
+// query rows of it, and a group of its kv heads. For each kv head k a tile holds M <= 16 query
+// vectors, its rows' query heads of k (the Q = N / K of k's group; decode: M = Q), so that each
+// key and value row is read once for all M of them. A group is all K heads where that still
+// leaves tiles enough for the threads (a key position's rows of every head are contiguous in
+// its page: one stream), else one head. A tile walks its keys once, 16 at a time, flash-attention
+// style (online softmax), the K and V rows two blocks on prefetched, and for each kv head:
+//   1. scores s[m, i] = (q_m * sm_scale) . key i of the 16 keys, either
+//      - transposed (M > 4): the keys' rows in 16 x 16 blocks (transpose16) into kt[h] = element
+//        h of the 16 keys, then s_m += q_m[h] * kt[h]: 16 scores per FMA, the H / 16 transposes
+//        shared by the M vectors; or
+//      - by rows (M <= 4, decode mostly): 16 lanes of partial sums per key, then the 16 keys'
+//        sums at once (sum_lanes16: 30 shuffles per vector, against 4 H for the transposes).
+//      The missing keys of a tail block read a zero row.
+//   2. the soft cap, then the mask: a query sees the keys <= its position, < kv_len, within its
+//      page table (P * G) and the sliding window; the others get weight exactly 0. Each vector
+//      keeps its running maximum (what it summed is rescaled when that grows), the weights are
+//      exp(s - maximum), and it sums them.
+//   3. values: 64, 32 or 16 lanes of H at a time, M of each in registers, every value row loaded
+//      once and multiplied into all M.
+// At the end each vector's sum of values is divided by its sum of weights. All of it in float32.
+// Other head dims, or no AVX-512: one query row at a time (attend_row), each key row dotted with
+// every query head, in three passes (scores, exponentials, values). Work items are shared over
+// XLA's intra-op thread pool; K/V are read in place from their pages.
 //
 // Arguments (shapes as in the reference):
 //   q [T, N, H], k_pages / v_pages [num_pages, G, K, H]  (float32 or bfloat16, all the same)
@@ -13,6 +32,9 @@
 //   attributes: sm_scale (f32), sliding_window (i64, 0 = none), soft_cap (f32, 0 = none)
 // Result: [T, N, H] in q's dtype; rows from cu_q_lens[num_seqs] on are 0.
 
+#include <array>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -21,24 +43,52 @@ namespace llmjax_cpu {
 
 namespace {
 
+// What every work item reads: the inputs, shapes and attributes of one call.
+template <typename E>
+struct Args {
+  const E* q;
+  const E* k_pages;
+  const E* v_pages;
+  const int32_t* pages;  // [S, P]
+  const int32_t* kv_lens;
+  E* out;
+  int64_t N, K, H, G, P;
+  float scale, soft_cap;
+  int64_t window;
+};
+
+// The keys a query at position pos sees: [lo, hi] (empty when hi < lo): causal, within the
+// sequence's keys and its page table, and the sliding window.
+struct Span {
+  int64_t lo, hi;
+};
+
+inline Span visible(int64_t pos, int64_t kv_len, int64_t capacity, int64_t window) {
+  return {window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0,
+          std::min<int64_t>({pos, kv_len - 1, capacity - 1})};
+}
+
+// ---- The portable path: one query row, all N heads. ----
+
 struct Row {
   int32_t t;    // query row
   int32_t seq;  // its sequence
   int32_t pos;  // its position in the sequence
 };
 
-// One query row over every kv head: each visible key's row [K, H] (all heads, contiguous in the
-// page) is read once for the scores and each value row once for the sum.
+// Each visible key's row [K, H] (all heads, contiguous in the page) is read once for the scores,
+// and each value row once for the sum.
 template <typename E>
-void attend(const E* q, const E* k_pages, const E* v_pages, const int32_t* pages, Row row,
-            int64_t N, int64_t K, int64_t H, int64_t G, int64_t P, float scale, int64_t window,
-            float soft_cap, int64_t kv_len, E* out, std::vector<float>& buf) {
-  const int64_t Q = N / K;
-  // the last visible key: causal, within the sequence's keys and its page table
-  int64_t end = std::min<int64_t>({static_cast<int64_t>(row.pos), kv_len - 1, P * G - 1});
-  int64_t start = window > 0 ? std::max<int64_t>(0, row.pos - window + 1) : 0;
-  int64_t C = end - start + 1;
-  if (C <= 0) return;  // no visible key: the row stays 0
+void attend_row(const Args<E>& a, Row row, std::vector<float>& buf) {
+  const int64_t N = a.N, K = a.K, H = a.H, G = a.G, Q = N / K;
+  const int32_t* pages = a.pages + static_cast<int64_t>(row.seq) * a.P;
+  const Span span = visible(row.pos, a.kv_lens[row.seq], a.P * G, a.window);
+  const int64_t start = span.lo, C = span.hi - span.lo + 1;
+  E* out = a.out + row.t * N * H;
+  if (C <= 0) {  // no visible key: the row is 0
+    std::memset(out, 0, N * H * sizeof(E));
+    return;
+  }
   // buf: the N query heads (float32) | N x C scores | N accumulators | N maxima, N 1/sums
   buf.resize(N * H + N * C + N * H + 2 * N);
   float* qf = buf.data();
@@ -46,18 +96,18 @@ void attend(const E* q, const E* k_pages, const E* v_pages, const int32_t* pages
   float* acc = scores + N * C;
   float* maxima = acc + N * H;
   float* inv_sum = maxima + N;
-  load_f32(q, qf, N * H);
+  load_f32(a.q + row.t * N * H, qf, N * H);
   std::fill(maxima, maxima + N, -INFINITY);
   const int64_t row_stride = K * H;  // one position's keys of every head
   auto key_row = [&](const E* base, int64_t key) {
     return base + (static_cast<int64_t>(pages[key / G]) * G + key % G) * row_stride;
   };
   for (int64_t c = 0; c < C; ++c) {
-    const E* kp = key_row(k_pages, start + c);
-    if (c + 2 < C) prefetch_row(key_row(k_pages, start + c + 2), row_stride);
+    const E* kp = key_row(a.k_pages, start + c);
+    if (c + 2 < C) prefetch_row(key_row(a.k_pages, start + c + 2), row_stride);
     for (int64_t n = 0; n < N; ++n) {
-      float s = dot(qf + n * H, kp + (n / Q) * H, H) * scale;
-      if (soft_cap > 0) s = soft_cap * std::tanh(s / soft_cap);
+      float s = dot(qf + n * H, kp + (n / Q) * H, H) * a.scale;
+      if (a.soft_cap > 0) s = a.soft_cap * std::tanh(s / a.soft_cap);
       scores[n * C + c] = s;
       maxima[n] = std::max(maxima[n], s);
     }
@@ -65,14 +115,337 @@ void attend(const E* q, const E* k_pages, const E* v_pages, const int32_t* pages
   for (int64_t n = 0; n < N; ++n) inv_sum[n] = 1.0f / exp_shifted_sum(scores + n * C, C, maxima[n]);
   std::fill(acc, acc + N * H, 0.0f);
   for (int64_t c = 0; c < C; ++c) {
-    const E* vp = key_row(v_pages, start + c);
-    if (c + 2 < C) prefetch_row(key_row(v_pages, start + c + 2), row_stride);
+    const E* vp = key_row(a.v_pages, start + c);
+    if (c + 2 < C) prefetch_row(key_row(a.v_pages, start + c + 2), row_stride);
     for (int64_t n = 0; n < N; ++n) axpy(scores[n * C + c], vp + (n / Q) * H, acc + n * H, H);
   }
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) acc[n * H + h] *= inv_sum[n];
   store_from_f32(acc, out, N * H);
 }
+
+// ---- The AVX-512 path: tiles of M query vectors for each of a group of kv heads. ----
+
+constexpr int kMaxM = 16;            // query vectors per kv head of a tile (M registers)
+constexpr int64_t kMaxKvHeads = 16;  // kv heads per tile
+constexpr int64_t kMaxH = 1024;      // the longest head the zero row covers
+
+struct Tile {
+  int32_t seq;          // the sequence
+  int32_t t;            // its first query row
+  int32_t pos;          // that row's position in the sequence
+  int16_t rows;         // consecutive query rows
+  int16_t k, kv_heads;  // kv heads k .. k + kv_heads - 1
+  int16_t q0, heads;    // query heads q0 .. q0 + heads - 1 of each one's group (of Q)
+  int M() const { return rows * heads; }  // vector m: row m / heads, head q0 + m % heads
+};
+
+// A thread's buffers, reused from tile to tile.
+struct Scratch {
+  std::vector<float> f;
+  std::vector<int64_t> rows;  // the tile's keys' row offsets in the pages (head 0)
+};
+
+#if LLMJAX_AVX512
+
+alignas(64) const float kZeros[kMaxH] = {};  // the row that missing keys of a block read
+
+template <typename E>
+inline __m512 load16(const E* p);
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load16<uint16_t>(const uint16_t* p) {
+  return load_bf16x16(p);
+}
+
+template <typename E>
+inline void store16(__m512 x, E* p);
+template <>
+inline void store16<float>(__m512 x, float* p) {
+  _mm512_storeu_ps(p, x);
+}
+template <>
+inline void store16<uint16_t>(__m512 x, uint16_t* p) {  // as f32_to_bf16: nearest even, NaN quiet
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
+// exp(x) for x <= 0 (-inf: ~0), the range reduction and polynomial of exp_shifted_sum.
+inline __m512 exp16(__m512 x) {
+  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, k);  // p * 2^k
+}
+
+// kt[h * 16 + i] = element h of keys[i] (H of them), as float32: H / 16 transposes.
+template <typename E>
+[[gnu::always_inline]] inline void transpose_keys(const E* const* keys, int64_t H, float* kt) {
+  for (int64_t j = 0; j < H; j += 16) {
+    __m512i r[16];
+    LLMJAX_UNROLL
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(load16(keys[i] + j));
+    transpose16(r);
+    LLMJAX_UNROLL
+    for (int i = 0; i < 16; ++i) _mm512_store_ps(kt + (j + i) * 16, _mm512_castsi512_ps(r[i]));
+  }
+}
+
+// s[m * 16 + i] = q_m . key i for the M query vectors qf [M, H] and the 16 transposed keys kt.
+// With few vectors each keeps two sums (even and odd h), for the FMAs' latency.
+template <int M>
+[[gnu::always_inline]] inline void scores_transposed(const float* qf, const float* kt, int64_t H,
+                                                     float* s) {
+  constexpr int S = M <= 4 ? 2 : 1;
+  __m512 acc[S][M];
+  LLMJAX_UNROLL
+  for (int j = 0; j < S; ++j)
+    LLMJAX_UNROLL
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  for (int64_t h = 0; h < H; h += S) {
+    LLMJAX_UNROLL
+    for (int j = 0; j < S; ++j) {
+      const __m512 key = _mm512_load_ps(kt + (h + j) * 16);
+      LLMJAX_UNROLL
+      for (int m = 0; m < M; ++m)
+        acc[j][m] = _mm512_fmadd_ps(_mm512_set1_ps(qf[m * H + h + j]), key, acc[j][m]);
+    }
+  }
+  LLMJAX_UNROLL
+  for (int m = 0; m < M; ++m)
+    _mm512_store_ps(s + m * 16, S == 2 ? _mm512_add_ps(acc[0][m], acc[1][m]) : acc[0][m]);
+}
+
+// Lane i = the sum of p[i]'s 16 lanes: a tree of in-lane and lane shuffles (30, and 15 adds).
+[[gnu::always_inline]] inline __m512 sum_lanes16(const __m512 p[16]) {
+  __m512 t[8], u[4];
+  LLMJAX_UNROLL
+  for (int i = 0; i < 8; ++i)  // 128-bit lane l: p[2i] and p[2i + 1]'s partial sums, interleaved
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                         _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  LLMJAX_UNROLL
+  for (int g = 0; g < 4; ++g) {  // 128-bit lane l: that lane's partial sums of p[4g .. 4g + 3]
+    const __m512d a = _mm512_castps_pd(t[2 * g]), b = _mm512_castps_pd(t[2 * g + 1]);
+    u[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // then the lanes' sums: lanes 0 + 1 and 2 + 3 of u[0], u[1] | of u[2], u[3]; then of those
+  const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                  _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+  const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                  _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xdd));
+}
+
+// As scores_transposed, from the keys' float32 rows keys[i] (H each): per vector 16 lanes of
+// partial sums for each key, then the 16 keys' sums at once.
+template <int M>
+[[gnu::always_inline]] inline void scores_by_rows(const float* qf, const float* const* keys,
+                                                  int64_t H, float* s) {
+  LLMJAX_UNROLL
+  for (int m = 0; m < M; ++m) {
+    __m512 p[16];
+    LLMJAX_UNROLL
+    for (int i = 0; i < 16; ++i) p[i] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < H; h += 16) {
+      const __m512 qv = _mm512_load_ps(qf + m * H + h);
+      LLMJAX_UNROLL
+      for (int i = 0; i < 16; ++i) p[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[i] + h), p[i]);
+    }
+    _mm512_store_ps(s + m * 16, sum_lanes16(p));
+  }
+}
+
+// o[m, h0 : h0 + 16 J] += sum_i w[m * 16 + i] * values[i][h0 : h0 + 16 J] over the block's n
+// value rows: M x J accumulators in registers, each row's 16 J lanes loaded once for the M.
+template <typename E, int M, int J>
+[[gnu::always_inline]] inline void add_values(const E* const* values, int n, const float* w,
+                                              int64_t h0, int64_t H, float* o) {
+  __m512 acc[M][J];
+  LLMJAX_UNROLL
+  for (int m = 0; m < M; ++m)
+    LLMJAX_UNROLL
+    for (int j = 0; j < J; ++j) acc[m][j] = _mm512_load_ps(o + m * H + h0 + 16 * j);
+  for (int i = 0; i < n; ++i) {
+    __m512 x[J];
+    LLMJAX_UNROLL
+    for (int j = 0; j < J; ++j) x[j] = load16(values[i] + h0 + 16 * j);
+    LLMJAX_UNROLL
+    for (int m = 0; m < M; ++m) {
+      const __m512 wm = _mm512_set1_ps(w[m * 16 + i]);
+      LLMJAX_UNROLL
+      for (int j = 0; j < J; ++j) acc[m][j] = _mm512_fmadd_ps(wm, x[j], acc[m][j]);
+    }
+  }
+  LLMJAX_UNROLL
+  for (int m = 0; m < M; ++m)
+    LLMJAX_UNROLL
+    for (int j = 0; j < J; ++j) _mm512_store_ps(o + m * H + h0 + 16 * j, acc[m][j]);
+}
+
+// One tile (see the header).
+template <typename E, int M>
+void attend_tile(const Args<E>& a, const Tile& tile, Scratch& scratch) {
+  const int64_t N = a.N, K = a.K, H = a.H, G = a.G, Q = N / K, nk = tile.kv_heads;
+  const int32_t* pages = a.pages + static_cast<int64_t>(tile.seq) * a.P;
+  // each vector's visible keys (a row's), and the tile's: [lo, lo + C)
+  Span span[M];
+  int64_t lo = INT64_MAX, hi = -1;
+  for (int m = 0; m < M; ++m) {
+    span[m] = visible(tile.pos + m / tile.heads, a.kv_lens[tile.seq], a.P * G, a.window);
+    if (span[m].hi >= span[m].lo) lo = std::min(lo, span[m].lo), hi = std::max(hi, span[m].hi);
+  }
+  // vector m of kv head k: query row t + m / heads, head k * Q + q0 + m % heads
+  auto offset = [&](int64_t k, int m) {
+    return ((tile.t + m / tile.heads) * N + k * Q + tile.q0 + m % tile.heads) * H;
+  };
+  if (hi < lo) {  // no vector sees a key: they are 0
+    for (int64_t k = tile.k; k < tile.k + nk; ++k)
+      for (int m = 0; m < M; ++m) std::memset(a.out + offset(k, m), 0, H * sizeof(E));
+    return;
+  }
+  const int64_t C = hi - lo + 1;
+
+  // scratch.f: q * sm_scale [nk, M, H] | accumulators [nk, M, H] | a key block [16, H] |
+  // the block's scores, then weights [M, 16] | per-lane sums of the weights [nk, M, 16]
+  scratch.f.resize(2 * nk * M * H + 16 * H + M * 16 + nk * M * 16 + 16);
+  float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.f.data()) + 63) & ~63);
+  float* o = qf + nk * M * H;
+  float* kt = o + nk * M * H;
+  float* w = kt + 16 * H;
+  float* sums = w + M * 16;
+  std::fill(o, o + nk * M * H, 0.0f);
+  std::fill(sums, sums + nk * M * 16, 0.0f);
+  float maxima[kMaxKvHeads][M];
+  for (int64_t kk = 0; kk < nk; ++kk) std::fill(maxima[kk], maxima[kk] + M, -INFINITY);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t kk = 0; kk < nk; ++kk)
+    for (int m = 0; m < M; ++m) {
+      const E* qm = a.q + offset(tile.k + kk, m);
+      for (int64_t h = 0; h < H; h += 16)
+        _mm512_store_ps(qf + (kk * M + m) * H + h, _mm512_mul_ps(load16(qm + h), scale));
+    }
+  scratch.rows.resize(C);
+  int64_t* rows = scratch.rows.data();  // key lo + c's row: pages + rows[c] + k * H
+  for (int64_t c = 0, key = lo; c < C;) {  // page by page
+    const int64_t page = pages[key / G], end = std::min(C, c + G - key % G);
+    for (int64_t r = (page * G + key % G) * K * H; c < end; ++c, ++key, r += K * H) rows[c] = r;
+  }
+
+  // scores by rows for few vectors (30 shuffles each; the transposes take 4 H for all M)
+  constexpr bool by_rows = M <= 4;
+  constexpr int J = M <= 6 ? 4 : M <= 12 ? 2 : 1;  // lanes of 16 per value pass: M J <= 24
+  const E* zeros = reinterpret_cast<const E*>(kZeros);
+  constexpr int64_t kAhead = 32;
+  for (int64_t b = 0; b < C; b += 16) {  // keys lo + b .. lo + b + n - 1
+    const int n = static_cast<int>(std::min<int64_t>(16, C - b));
+    // the K and V rows (the tile's heads) kAhead keys on, into L2: from DRAM this takes a
+    // quarter off a decode's time, from L3 or L2 it adds about a fifth (the instructions)
+    for (int64_t c = b + kAhead; c < std::min(C, b + kAhead + 16); ++c) {
+      const char* k_row = reinterpret_cast<const char*>(a.k_pages + rows[c] + tile.k * H);
+      const char* v_row = reinterpret_cast<const char*>(a.v_pages + rows[c] + tile.k * H);
+      for (int64_t l = 0; l < nk * H * static_cast<int64_t>(sizeof(E)); l += 64) {
+        __builtin_prefetch(k_row + l, 0, 2);
+        __builtin_prefetch(v_row + l, 0, 2);
+      }
+    }
+    for (int64_t kk = 0; kk < nk; ++kk) {
+      const int64_t head = (tile.k + kk) * H;
+      const E* keys[16];
+      const E* values[16];
+      for (int i = 0; i < 16; ++i) {
+        keys[i] = i < n ? a.k_pages + rows[b + i] + head : zeros;
+        values[i] = i < n ? a.v_pages + rows[b + i] + head : nullptr;
+      }
+      // 1. scores
+      if constexpr (by_rows) {
+        const float* keys32[16];
+        for (int i = 0; i < 16; ++i) {
+          if constexpr (std::is_same_v<E, float>) {
+            keys32[i] = keys[i];
+          } else {  // bfloat16 rows as float32, once for the M vectors
+            for (int64_t h = 0; h < H; h += 16)
+              _mm512_store_ps(kt + i * H + h, load16(keys[i] + h));
+            keys32[i] = kt + i * H;
+          }
+        }
+        scores_by_rows<M>(qf + kk * M * H, keys32, H, w);
+      } else {
+        transpose_keys(keys, H, kt);
+        scores_transposed<M>(qf + kk * M * H, kt, H, w);
+      }
+      // 2. the weights, the running maxima and sums
+      float* ok = o + kk * M * H;
+      for (int m = 0; m < M; ++m) {
+        float* wm = w + m * 16;
+        const int64_t first = std::max<int64_t>(span[m].lo - lo - b, 0);
+        const int64_t last = std::min<int64_t>(span[m].hi - lo - b + 1, n);
+        if (last <= first) {  // it sees none of these keys
+          _mm512_store_ps(wm, _mm512_setzero_ps());
+          continue;
+        }
+        const __mmask16 mask = static_cast<__mmask16>(((1u << last) - 1) & ~((1u << first) - 1));
+        if (a.soft_cap > 0)
+          for (int i = 0; i < 16; ++i) wm[i] = a.soft_cap * std::tanh(wm[i] / a.soft_cap);
+        const __m512 x = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), _mm512_load_ps(wm));
+        const float block_max = _mm512_reduce_max_ps(x);
+        float& max = maxima[kk][m];
+        float* sum = sums + (kk * M + m) * 16;
+        if (block_max > max) {  // rescale what was summed to the new maximum
+          if (max > -INFINITY) {
+            const __m512 f = _mm512_set1_ps(std::exp(max - block_max));
+            for (int64_t h = 0; h < H; h += 16)
+              _mm512_store_ps(ok + m * H + h, _mm512_mul_ps(_mm512_load_ps(ok + m * H + h), f));
+            _mm512_store_ps(sum, _mm512_mul_ps(_mm512_load_ps(sum), f));
+          }
+          max = block_max;
+        }
+        const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(x, _mm512_set1_ps(max))));
+        _mm512_store_ps(wm, e);
+        _mm512_store_ps(sum, _mm512_add_ps(_mm512_load_ps(sum), e));
+      }
+      // 3. values
+      int64_t h0 = 0;
+      for (; h0 + 16 * J <= H; h0 += 16 * J) add_values<E, M, J>(values, n, w, h0, H, ok);
+      for (; h0 < H; h0 += 16) add_values<E, M, 1>(values, n, w, h0, H, ok);
+    }
+  }
+  for (int64_t kk = 0; kk < nk; ++kk)
+    for (int m = 0; m < M; ++m) {
+      const float sum = _mm512_reduce_add_ps(_mm512_load_ps(sums + (kk * M + m) * 16));
+      const __m512 inv = _mm512_set1_ps(sum > 0 ? 1.0f / sum : 0.0f);  // 0: it saw no key
+      const float* om = o + (kk * M + m) * H;
+      E* out = a.out + offset(tile.k + kk, m);
+      for (int64_t h = 0; h < H; h += 16)
+        store16(_mm512_mul_ps(_mm512_load_ps(om + h), inv), out + h);
+    }
+}
+
+// attend_tile<E, M> for M = 1 .. kMaxM, by M - 1.
+template <typename E, int... I>
+constexpr auto tile_kernels(std::integer_sequence<int, I...>) {
+  return std::array<void (*)(const Args<E>&, const Tile&, Scratch&), sizeof...(I)>{
+      &attend_tile<E, I + 1>...};
+}
+
+#endif  // LLMJAX_AVX512
 
 template <typename E>
 ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
@@ -86,27 +459,76 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
   const int64_t S = kv_lens.dimensions()[0];
   const int32_t* cu = cu_q_lens.typed_data();
   const int32_t* lens = kv_lens.typed_data();
-  const int32_t* pages = page_indices.typed_data();
   const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], S);
-  const E* qp = reinterpret_cast<const E*>(q.untyped_data());
-  const E* kp = reinterpret_cast<const E*>(k_pages.untyped_data());
-  const E* vp = reinterpret_cast<const E*>(v_pages.untyped_data());
-  E* op = reinterpret_cast<E*>(out->untyped_data());
-  std::memset(op, 0, num_tokens * N * H * sizeof(E));  // padding rows stay 0
+  const Args<E> args{reinterpret_cast<const E*>(q.untyped_data()),
+                     reinterpret_cast<const E*>(k_pages.untyped_data()),
+                     reinterpret_cast<const E*>(v_pages.untyped_data()),
+                     page_indices.typed_data(),
+                     lens,
+                     reinterpret_cast<E*>(out->untyped_data()),
+                     N, K, H, G, P, sm_scale, soft_cap, sliding_window};
 
-  std::vector<Row> rows;  // every valid query row: its sequence and position
-  rows.reserve(num_tokens);
+  // Every sequence's query rows (those before row num_tokens); the rest are padding, zeroed here
+  // (each work item writes all of its own rows).
+  std::vector<char> covered(num_tokens, 0);
+  std::vector<Row> rows;
   for (int64_t s = 0; s < n; ++s) {
-    int32_t q_len = cu[s + 1] - cu[s];
-    for (int32_t i = 0; i < q_len && cu[s] + i < num_tokens; ++i)
+    const int32_t q_len = cu[s + 1] - cu[s];
+    for (int32_t i = 0; i < q_len && cu[s] + i < num_tokens; ++i) {
       rows.push_back({cu[s] + i, static_cast<int32_t>(s), lens[s] - q_len + i});
+      covered[cu[s] + i] = 1;
+    }
   }
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (!covered[t]) std::memset(args.out + t * N * H, 0, N * H * sizeof(E));
+
+#if LLMJAX_AVX512
+  if (H % 16 == 0 && H <= kMaxH) {
+    const int64_t Q = N / K;
+    // Tiles: a sequence's rows in runs of kMaxM / Q (one row, and its Q heads in parts of at
+    // most kMaxM, where Q > kMaxM), each for all kv heads (at most kMaxKvHeads) where that still
+    // makes tiles enough to share, else for one; the costliest (most keys) first.
+    const int64_t tile_rows = std::max<int64_t>(1, kMaxM / Q);
+    const int64_t tile_heads = std::min<int64_t>(Q, kMaxM);
+    std::vector<std::pair<size_t, size_t>> runs;  // rows[first, last): consecutive, one sequence
+    for (size_t r = 0, e; r < rows.size(); r = e) {
+      for (e = r + 1; e < rows.size() && e - r < static_cast<size_t>(tile_rows) &&
+                      rows[e].seq == rows[r].seq && rows[e].t == rows[e - 1].t + 1;
+           ++e) {
+      }
+      runs.emplace_back(r, e);
+    }
+    const int64_t parts = (Q + tile_heads - 1) / tile_heads;
+    const bool group = static_cast<int64_t>(runs.size()) * parts >= 2 * (max_helpers(pool) + 1);
+    const int64_t kv_group = group ? std::min<int64_t>(K, kMaxKvHeads) : 1;
+    std::vector<std::pair<int64_t, Tile>> tiles;  // (keys of the last row, the tile)
+    for (auto [r, e] : runs) {
+      const Row& last = rows[e - 1];
+      const int64_t keys = std::min<int64_t>({last.pos + 1, lens[last.seq], P * G,
+                                              sliding_window > 0 ? sliding_window : INT64_MAX});
+      for (int64_t k = 0; k < K; k += kv_group)
+        for (int64_t q0 = 0; q0 < Q; q0 += tile_heads)
+          tiles.push_back({keys,
+                           {rows[r].seq, rows[r].t, rows[r].pos, static_cast<int16_t>(e - r),
+                            static_cast<int16_t>(k),
+                            static_cast<int16_t>(std::min(kv_group, K - k)),
+                            static_cast<int16_t>(q0),
+                            static_cast<int16_t>(std::min(tile_heads, Q - q0))}});
+    }
+    std::stable_sort(tiles.begin(), tiles.end(),
+                     [](const auto& x, const auto& y) { return x.first > y.first; });
+    static constexpr auto kernels = tile_kernels<E>(std::make_integer_sequence<int, kMaxM>{});
+    parallel_for(pool, static_cast<int64_t>(tiles.size()), 1, [&](int64_t i) {
+      thread_local Scratch scratch;
+      const Tile& tile = tiles[i].second;
+      kernels[tile.M() - 1](args, tile, scratch);
+    });
+    return ffi::Error::Success();
+  }
+#endif
   parallel_for(pool, static_cast<int64_t>(rows.size()), 1, [&](int64_t r) {
     thread_local std::vector<float> buf;
-    const Row row = rows[r];
-    const int64_t t = row.t;
-    attend<E>(qp + t * N * H, kp, vp, pages + static_cast<int64_t>(row.seq) * P, row, N, K, H, G,
-              P, sm_scale, sliding_window, soft_cap, lens[row.seq], op + t * N * H, buf);
+    attend_row<E>(args, rows[r], buf);
   });
   return ffi::Error::Success();
 }

@@ -2,8 +2,9 @@
 engine on the 'cpu' attention backend against 'reference', and the fallback without them.
 
 Tolerances as the other kernels' (tests/kernels/kernel_testing.py): float32 2e-5 absolute (only
-the summation order and the vectorized exponential, ~2e-7 relative, differ from the reference),
-bfloat16 2e-2 x max|ref| (both sides round the output to bf16)."""
+the summation order, the online softmax's rescaling and the vectorized exponential, ~2e-7
+relative, differ from the reference), bfloat16 2e-2 x max|ref| (both sides round the output to
+bf16)."""
 
 import os
 import subprocess
@@ -81,10 +82,63 @@ def test_padding_long_contexts_and_many_rows():
     check(make_case([96, 1, 33], [300, 700, 33], seed=5, dtype=jnp.bfloat16))
 
 
-def test_never_reads_past_kv_len():
+# The tiled AVX-512 path (H % 16 == 0): tiles of up to 16 query vectors per kv head (a chunk's
+# rows x Q, or a decode's Q; heads in parts where Q > 16), all kv heads per tile or one, scores by
+# rows (<= 4 vectors) or through transposes, tail blocks of fewer than 16 keys, blocks that cross
+# pages (page size 12); H = 40 takes the per-row path. Contexts are not multiples of 16 or of the
+# page size; the rows past the last sequence's and the sequences past num_seqs are padding.
+LONG_CHUNK = ([260, 1, 1, 23, 1], [273, 45, 150, 60, 1])  # a causal chunk from 13, beside decodes
+SHAPES = {  # num_kv_heads, num_queries_per_kv, head_dim
+    "smollm2_like": (3, 3, 64),
+    "q1": (8, 1, 64),
+    "q8": (2, 8, 64),
+    "q8_h128": (2, 8, 128),
+    "q32_in_parts": (1, 32, 64),
+    "h80": (2, 3, 80),  # 5 lanes of 16: value passes of 4 (or 2) and then 1
+    "h40_per_row": (2, 2, 40),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_long_chunk_beside_decodes(shape, dtype):
+    K, Q, H = SHAPES[shape]
+    kw = dict(num_kv_heads=K, num_queries_per_kv=Q, head_dim=H, dtype=jnp.dtype(dtype))
+    check(make_case(*LONG_CHUNK, num_tokens=300, max_num_seqs=7, seed=7, **kw))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", ["smollm2_like", "q1", "q8_h128", "h80", "h40_per_row"])
+def test_decode_batches(shape, dtype):
+    K, Q, H = SHAPES[shape]
+    kw = dict(num_kv_heads=K, num_queries_per_kv=Q, head_dim=H, dtype=jnp.dtype(dtype))
+    kv_lens = [1, 15, 16, 17, 100, 203, 250, 31]
+    check(make_case([1] * 8, kv_lens, num_tokens=16, max_num_seqs=11, seed=8, **kw))
+    check(make_case([1], [777], seed=9, **kw))  # one tile per kv head (too few to group them)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "sliding_window, soft_cap", [(37, None), (None, 5.0), (20, 3.0)], ids=["window", "cap", "both"]
+)
+def test_window_and_cap_on_a_long_chunk(sliding_window, soft_cap, dtype):
+    case = make_case(
+        *LONG_CHUNK,
+        page_size=12,
+        num_kv_heads=3,
+        num_queries_per_kv=3,
+        dtype=jnp.dtype(dtype),
+        num_tokens=296,
+        seed=10,
+    )
+    check(case, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("batch", ["mixed", "long_chunk"])
+def test_never_reads_past_kv_len(batch):
     """Keys at or past kv_len (the rest of the last page, unused pages) are NaN: none may reach
     the output."""
-    q_lens, kv_lens, page_size = RAGGED_CASES["mixed"]
+    q_lens, kv_lens, page_size = RAGGED_CASES["mixed"] if batch == "mixed" else (*LONG_CHUNK, 12)
     case = make_case(q_lens, kv_lens, page_size=page_size, seed=6)
     read = np.zeros(case.k_pages.shape[:2], bool)  # [num_pages, G]
     for s in range(int(case.num_seqs[0])):
