@@ -631,6 +631,7 @@ class _FakeRunner:
     """Stands in for `llmjax.engine.runner.ModelRunner` (the engine's only jax module)."""
 
     pipelined = False  # the pipeline path is covered by run_scenario's pipeline_depth
+    ragged_page_tables = False  # page-count buckets, as with the jnp reference
 
     def __init__(self, config: EngineConfig, params, num_pages: int, skew=None):
         self.model = FakePagedModel(num_pages, config.cache.page_size, config.model.vocab_size)
