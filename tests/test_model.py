@@ -90,28 +90,39 @@ def test_padding_does_not_touch_real_pages(model):
 
 
 def _compiled_step_hlo(
-    config, num_tokens, num_pages=64, layer_loop="auto", attention="auto", quantization="none"
+    config,
+    num_tokens,
+    num_pages=64,
+    layer_loop="auto",
+    attention="auto",
+    quantization="none",
+    dtype="float32",
 ):
     from llmjax.config import EngineConfig
     from llmjax.engine.batch import SamplingInput
     from llmjax.engine.runner import ModelRunner
     from llmjax.model.quant import quantize_params
 
-    params = init_params(config, jax.random.key(0))
+    params = init_params(config, jax.random.key(0), dtype)
     if quantization != "none":
         params = jax.tree.map(
             jnp.asarray, quantize_params(jax.tree.map(np.asarray, params), quantization)
         )
     engine_config = EngineConfig(
-        model=config, layer_loop=layer_loop, attention_backend=attention, compilation_cache_dir=""
+        model=config,
+        layer_loop=layer_loop,
+        attention_backend=attention,
+        compilation_cache_dir="",
+        dtype=dtype,
     )
     runner = ModelRunner(engine_config, params, num_pages)
     page_size = engine_config.cache.page_size
     if num_tokens == 1:  # one decode
         seqs = [([7], 9, [2])]
     else:  # a prefill chunk and a decode
-        seqs = [(_tokens(num_tokens - 1, 0), 0, [1, 5, 6, 8]), ([7], 9, [2])]
-    step = make_step(seqs, page_size, num_tokens=num_tokens, max_pages=4)
+        pages = [1, 5, 6, 8, 10, 11, 12, 13][: -(-(num_tokens - 1) // page_size)]
+        seqs = [(_tokens(num_tokens - 1, 0), 0, pages), ([7], 9, [2])]
+    step = make_step(seqs, page_size, num_tokens=num_tokens, max_pages=max(4, len(seqs[0][2])))
     n = len(seqs)
     sampling = SamplingInput(
         np.zeros(n, np.float32),
@@ -162,6 +173,26 @@ def test_quantized_step_copies_neither_kv_pages_nor_weights(quantization, layer_
         config, num_tokens, layer_loop=layer_loop, quantization=quantization
     )
     _assert_no_copies(config, runner, hlo, layer_loop)
+
+
+@pytest.mark.skipif(not _cpu_kernels(), reason="no C++ compiler here")
+@pytest.mark.parametrize("num_tokens", [8, 128])  # not 16: [16, 1, 16] is also a page
+def test_bf16_step_reads_scanned_weights_in_place(num_tokens):
+    """bf16 weights take the dense kernel at every step size, with the stacked layers and the
+    layer index (no slice of a layer's weights, no copy), also at prefill sizes, where float32
+    takes XLA's dot on a slice."""
+    config = configs.get_preset("tiny-gqa1")
+    runner, hlo = _compiled_step_hlo(
+        config, num_tokens, layer_loop="scan", quantization="dense", dtype="bfloat16"
+    )
+    _assert_no_copies(config, runner, hlo, "scan")
+    assert "llmjax_cpu_dense_matmul" in hlo
+    layer_shapes = {x.shape[1:] for x in jax.tree.leaves(runner.params["layers"]) if x.ndim > 2}
+    for line in hlo.splitlines():
+        m = re.search(r"= \w+\[([\d,]*)\]\S* (dynamic-slice|fusion)\(", line)
+        if m and "dynamic-slice" in line:
+            shape = tuple(int(d) for d in m.group(1).split(",") if d)
+            assert shape not in layer_shapes, f"a layer's weights sliced: {line.strip()}"
 
 
 def _assert_no_copies(
