@@ -137,29 +137,35 @@ inline void prefetch_row(const E* p, int64_t n) {
   for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(E)); b += 64) __builtin_prefetch(c + b);
 }
 
-// x[i] = exp(x[i] - shift) in place; returns their sum. Cephes-style range reduction and a
-// degree-6 polynomial (relative error ~2e-7 over the range softmax uses), vectorized on AVX-512.
+#if LLMJAX_AVX512
+// exp(x) for x <= 0 (-inf: ~0): Cephes-style range reduction and a degree-6 polynomial
+// (relative error ~2e-7 over the range softmax uses).
+inline __m512 exp16(__m512 x) {
+  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, k);  // p * 2^k
+}
+#endif
+
+// x[i] = exp(x[i] - shift) in place (exp16, vectorized on AVX-512); returns their sum.
 inline float exp_shifted_sum(float* x, int64_t n, float shift) {
   int64_t i = 0;
   float sum = 0.0f;
 #if LLMJAX_AVX512
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  const __m512 lo = _mm512_set1_ps(-87.3f), sh = _mm512_set1_ps(shift);
+  const __m512 sh = _mm512_set1_ps(shift);
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
-    __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh), lo);  // -inf -> ~0
-    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, v);
-    r = _mm512_fnmadd_ps(k, ln2_lo, r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512 e = _mm512_scalef_ps(p, k);  // p * 2^k
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh));
     _mm512_storeu_ps(x + i, e);
     acc = _mm512_add_ps(acc, e);
   }

@@ -178,23 +178,6 @@ inline void store16<uint16_t>(__m512 x, uint16_t* p) {  // as f32_to_bf16: neare
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
 
-// exp(x) for x <= 0 (-inf: ~0), the range reduction and polynomial of exp_shifted_sum.
-inline __m512 exp16(__m512 x) {
-  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, k);  // p * 2^k
-}
-
 // kt[h * 16 + i] = element h of keys[i] (H of them), as float32: H / 16 transposes.
 template <typename E>
 [[gnu::always_inline]] inline void transpose_keys(const E* const* keys, int64_t H, float* kt) {

@@ -25,16 +25,10 @@ def sample(
     return jax.lax.cond(all_greedy, lambda: greedy, random)
 
 
-def sample_random(
-    logits: jax.Array,  # [S, V] float32
-    temperature: jax.Array,  # [S] float32; 0 means greedy
-    top_k: jax.Array,  # [S] int32; 0 means no top-k
-    top_p: jax.Array,  # [S] float32; 1 means no top-p
-    seeds: jax.Array,  # [S] uint32
-    counters: jax.Array,  # [S] int32
-) -> jax.Array:
-    """`sample` for a batch known to have a sampling row: the same tokens, without the
-    all-greedy shortcut (the engine calls it as its own program after the step's forward)."""
+def sample_random(logits, temperature, top_k, top_p, seeds, counters) -> jax.Array:
+    """`sample` (the same arguments but `all_greedy`) for a batch known to have a sampling
+    row: the same tokens, without the all-greedy shortcut (the engine calls it as its own
+    program after the step's forward)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return _sample(logits, temperature, top_k, top_p, seeds, counters, greedy)
 
