@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from llmjax import SamplingParams
-from llmjax.model.sampler import sample
+from llmjax.model.sampler import greedy_ids, sample
 
 
 @pytest.mark.parametrize(
@@ -59,6 +59,26 @@ def test_greedy_is_argmax_with_or_without_the_sort():
     want = logits.argmax(-1)
     np.testing.assert_array_equal(_run(logits, 0.0, all_greedy=True), want)
     np.testing.assert_array_equal(_run(logits, 0.0, all_greedy=False), want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_greedy_ids_is_jnp_argmax_with_ties_infinities_and_nans(dtype):
+    import jax
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(12, 300)).astype(np.float32)
+    logits[0, [7, 40, 299]] = logits[0].max() + 1  # a tie: the first wins
+    logits[1, :] = -np.inf  # all -inf: position 0
+    logits[2, [5, 9]] = np.inf
+    logits[3, 11] = np.nan  # a NaN counts as the maximum
+    logits[4, [20, 3]] = np.nan
+    logits[5, 0] = logits[5].max() + 1
+    logits[6, -1] = logits[6].max() + 1
+    logits[7] = np.round(logits[7])  # many ties
+    x = jnp.asarray(logits, dtype)
+    got = jax.jit(greedy_ids)(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():

@@ -30,7 +30,7 @@ from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
 from llmjax.model.params import Params, stack_layers, unstack_layers
 from llmjax.model.quant import is_packed
-from llmjax.model.sampler import sample, sample_random
+from llmjax.model.sampler import greedy_ids, sample, sample_random
 from llmjax.model.step_input import StepInput
 from llmjax.parallel import pipeline
 from llmjax.parallel.distributed import check_lockstep, to_host
@@ -337,7 +337,7 @@ class ModelRunner:
         else:
             self.num_compiles += 1
         logits, kv_pages = forward(params, kv_pages, step, model_config, attention_fn)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, kv_pages
+        return greedy_ids(logits), logits, kv_pages
 
     @staticmethod
     def _sampling_arrays(sampling: SamplingInput) -> tuple:

@@ -20,16 +20,27 @@ def sample(
     all_greedy: jax.Array | bool,  # [] bool: no row samples, so skip the sort
 ) -> jax.Array:
     """Next token id per row -> [S] int32."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_ids(logits)
     random = lambda: _sample(logits, temperature, top_k, top_p, seeds, counters, greedy)
     return jax.lax.cond(all_greedy, lambda: greedy, random)
+
+
+def greedy_ids(logits: jax.Array) -> jax.Array:
+    """`jnp.argmax(logits, -1)` as int32 (the first maximum; the first NaN if a row has one), as
+    a max and then a min over the positions holding it: two plain reductions, where XLA:CPU runs
+    argmax's variadic (value, index) reduction ~1.7x slower (1.24 -> 0.74 ms at [16, 49152])."""
+    top = jnp.max(logits, axis=-1, keepdims=True)  # NaN if the row has one
+    hit = (logits == top) | jnp.isnan(logits)
+    V = logits.shape[-1]
+    positions = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(hit, positions, V), axis=-1)
 
 
 def sample_random(logits, temperature, top_k, top_p, seeds, counters) -> jax.Array:
     """`sample` (the same arguments but `all_greedy`) for a batch known to have a sampling
     row: the same tokens, without the all-greedy shortcut (the engine calls it as its own
     program after the step's forward)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_ids(logits)
     return _sample(logits, temperature, top_k, top_p, seeds, counters, greedy)
 
 
