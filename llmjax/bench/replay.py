@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from llmjax.bench.workloads import RequestSpec, with_token_ids
+from llmjax.engine.clock import WALL_CLOCK
 from llmjax.engine.request import RequestMetrics, RequestOutput
 from llmjax.progress import progress_bar
 from llmjax.sampling_params import SamplingParams
@@ -37,8 +38,10 @@ def replay(
     """Run `specs` through `engine` (an `LLMEngine` with no unfinished requests); returns one
     finished `RequestOutput` per spec, in the order of `specs`.
 
-    realtime: add request i at start + specs[i].arrival_time (time.perf_counter seconds, passed to
-        `add_request` as its arrival time); False adds all at once, arriving at the start.
+    realtime: add request i at start + specs[i].arrival_time (seconds on the engine's clock,
+        `engine.clock`: wall time, or a simulated device's virtual clock, which an idle engine
+        advances to the next arrival instead of sleeping; passed to `add_request` as its arrival
+        time); False adds all at once, arriving at the start.
     seed: for the random token ids of length-only specs (`with_token_ids`).
     clock: a shared clock for multi-process runs (every process must see the same arrivals at
         the same step: `llmjax.parallel.distributed.leader_clock` gives process 0's
@@ -64,7 +67,9 @@ def replay(
         if spec.parent is not None:
             children.setdefault(spec.parent, []).append(i)
     shared = clock is not None
-    clock = clock or time.perf_counter
+    engine_clock = getattr(engine, "clock", WALL_CLOCK)  # a duck-typed engine: wall time
+    clock = clock or engine_clock.now
+    advance_to = None if shared else getattr(engine_clock, "advance_to", None)
     start = clock()
     # Requests due to be added, as (due time, index, arrival stamp, prompt token ids): ties go in
     # list order. Independent ones from the start; a dependent one when its parent finishes.
@@ -115,6 +120,8 @@ def replay(
             for out in engine.step():
                 if out.finished and out.request_id in index_of:
                     finished(index_of[out.request_id], out)
+        elif due and advance_to is not None:
+            advance_to(due[0][0])  # a virtual clock: nothing runs until the next arrival
         elif due:
             time.sleep(max(0.0, due[0][0] - now))
     if bar is not None:

@@ -20,9 +20,10 @@ import numpy as np
 from llmjax.config import EngineConfig
 from llmjax.engine.batch import Buckets, pack, step_shape
 from llmjax.engine.block_manager import BlockManager, pages_needed
+from llmjax.engine.clock import WALL_CLOCK, Clock
 from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import make_prefix_cache
-from llmjax.engine.request import Request, RequestOutput, RequestStatus
+from llmjax.engine.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from llmjax.engine.stats import EngineStats
 from llmjax.progress import progress_bar
 from llmjax.sampling_params import SamplingParams
@@ -42,16 +43,27 @@ class InvalidRequest(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, params, num_pages: int, tokenizer=None, skew=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        params,
+        num_pages: int,
+        tokenizer=None,
+        skew=None,
+        clock: Clock = WALL_CLOCK,
+    ):
+        """`clock` stamps every request's metrics (arrival, scheduling, tokens, finish): wall
+        time, or a simulated device's `VirtualClock` (llmjax/engine/clock.py)."""
         from llmjax.engine.runner import ModelRunner  # the one jax-importing engine module
 
         self.config = config
+        self.clock = clock
         self.tokenizer = tokenizer
         page_size = config.cache.page_size
         self.block_manager = BlockManager(
             num_pages, page_size, make_prefix_cache(config.cache.prefix_cache, page_size)
         )
-        self.scheduler = make_scheduler(config, self.block_manager)
+        self.scheduler = make_scheduler(config, self.block_manager, clock)
         self.runner = ModelRunner(config, params, num_pages, skew=skew)
         self.evictor = None  # InfiniGen's host pool bound (llmjax/sparse/host_pool.py)
         self._pool_tables: dict[str, list[int]] = {}
@@ -119,8 +131,8 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Queue a request; returns its id. `arrival_time` (time.perf_counter() seconds, default
-        now) lets a trace replayer stamp the intended arrival."""
+        """Queue a request; returns its id. `arrival_time` (seconds on the engine's clock,
+        default now) lets a trace replayer stamp the intended arrival."""
         sampling_params = sampling_params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._live:  # page tables are keyed by id: two would share pages
@@ -135,9 +147,8 @@ class LLMEngine:
             eos_token_ids=frozenset(self.config.model.eos_token_ids),
             seed=seed,
             prompt=prompt,
+            metrics=RequestMetrics(self.clock.now() if arrival_time is None else arrival_time),
         )
-        if arrival_time is not None:
-            req.metrics.arrival_time = arrival_time
         if sampling_params.stop and self.tokenizer is not None:
             req.stop_matcher = StopStringMatcher(
                 self.tokenizer, sampling_params.stop, sampling_params.include_stop_str_in_output
@@ -146,7 +157,7 @@ class LLMEngine:
             self.validate_request(req.prompt_token_ids, sampling_params)
         except InvalidRequest as e:
             req.error = str(e)
-            req.finish("error", time.perf_counter(), RequestStatus.REJECTED)
+            req.finish("error", self.clock.now(), RequestStatus.REJECTED)
             self._rejected.append(req)
             logger.warning("rejected request %s: %s", request_id, e)
         else:
@@ -228,10 +239,10 @@ class LLMEngine:
                 batch, self.block_manager.page_tables, self.block_manager.page_size, self.buckets
             )
         sampled = [s.request for s in batch.seqs if s.samples]
-        t_run = time.perf_counter()
+        t_run, c_run = time.perf_counter(), self.clock.now()
         with trace("llmjax.run", tokens=batch.num_tokens, seqs=len(batch.seqs)):
             next_ids = self.runner.run(step_input, sampling)
-        t_update = time.perf_counter()
+        t_update, c_update = time.perf_counter(), self.clock.now()
         with trace("llmjax.update"):
             for req in self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist()):
                 self._live.discard(req.request_id)
@@ -241,7 +252,7 @@ class LLMEngine:
         outputs += [self._output(r) for r in sampled]
         if self.config.sparse_kv.enabled:
             self._sparse_step_done(batch, step_input)
-        self._record(batch, t_start, t_run, t_update)
+        self._record(batch, t_start, t_run, t_update, c_update - c_run)
         return outputs
 
     def _sparse_step_done(self, batch, step_input) -> None:
@@ -285,12 +296,16 @@ class LLMEngine:
             self.evictor.forget(rid)
             del self._pool_tables[rid]
 
-    def _record(self, batch, t_start: float, t_run: float, t_update: float) -> None:
+    def _record(
+        self, batch, t_start: float, t_run: float, t_update: float, device_s: float
+    ) -> None:
+        """Host seconds in wall time (the engine's own work, also when simulated); the device's
+        on the engine's clock (wall time, or a simulated device's modeled step)."""
         bm = self.block_manager
         self.stats.record_step(
             batch,
             host_s=(t_run - t_start) + (time.perf_counter() - t_update),
-            device_s=t_update - t_run,
+            device_s=device_s,
             num_used_pages=bm.num_used_pages,
             num_cached_pages=bm.prefix_cache.num_cached_pages,
             num_evictions=bm.prefix_cache.num_evictions,
@@ -315,10 +330,10 @@ class LLMEngine:
                     self.buckets,
                 )
             self.scheduler.in_flight.update(s.request.request_id for s in batch.seqs)
-        t_run = time.perf_counter()
+        t_run, c_run = time.perf_counter(), self.clock.now()
         with trace("llmjax.run", tokens=batch.num_tokens, seqs=len(batch.seqs)):
             exited, stage_tokens = self.runner.tick(step_input, sampling, batch if batch else None)
-        t_update = time.perf_counter()
+        t_update, c_update = time.perf_counter(), self.clock.now()
         self.stats.record_tick(stage_tokens)
         if exited is None:
             return []
@@ -328,7 +343,7 @@ class LLMEngine:
         with trace("llmjax.update"):
             for req in self.scheduler.update(done, next_ids[: len(done.seqs)].tolist()):
                 self._live.discard(req.request_id)
-        self._record(done, t_start, t_run, t_update)
+        self._record(done, t_start, t_run, t_update, c_update - c_run)
         return [self._output(r) for r in sampled]
 
     def _output(self, req: Request) -> RequestOutput:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from llmjax.config import EngineConfig
 from llmjax.engine.block_manager import BlockManager
+from llmjax.engine.clock import WALL_CLOCK, Clock
 from llmjax.engine.scheduler import ScheduledBatch, Scheduler
 
 
@@ -79,7 +80,9 @@ SCHEDULERS: dict[str, type[Scheduler]] = {
 }
 
 
-def make_scheduler(config: EngineConfig, block_manager: BlockManager) -> Scheduler:
+def make_scheduler(
+    config: EngineConfig, block_manager: BlockManager, clock: Clock = WALL_CLOCK
+) -> Scheduler:
     cls = SCHEDULERS[config.scheduler.policy]
     return cls(
         config.scheduler,
@@ -87,4 +90,5 @@ def make_scheduler(config: EngineConfig, block_manager: BlockManager) -> Schedul
         config.max_model_len,
         config.cache.watermark,
         num_micro_batches=config.parallel.pp,
+        clock=clock,
     )

@@ -23,7 +23,8 @@ class RequestStatus(enum.Enum):
 
 @dataclasses.dataclass
 class RequestMetrics:
-    """Timestamps (time.perf_counter seconds) from which TTFT, TBT, TPOT and latency follow."""
+    """Timestamps (seconds on the engine's clock, llmjax/engine/clock.py: time.perf_counter for
+    a real engine) from which TTFT, TBT, TPOT and latency follow."""
 
     arrival_time: float
     first_scheduled_time: float | None = None

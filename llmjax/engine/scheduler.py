@@ -25,11 +25,11 @@ guards (see `_admission_order`); running requests are never reordered.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import deque
 
 from llmjax.config import SchedulerConfig
 from llmjax.engine.block_manager import BlockManager
+from llmjax.engine.clock import WALL_CLOCK, Clock
 from llmjax.engine.request import Request, RequestStatus
 
 
@@ -88,8 +88,10 @@ class Scheduler:
         max_model_len: int,
         watermark: float = 0.01,
         num_micro_batches: int = 1,
+        clock: Clock = WALL_CLOCK,
     ):
         self.config = config
+        self.clock = clock  # stamps the requests' metrics (llmjax/engine/clock.py)
         self.num_micro_batches = num_micro_batches  # pp: micro-batches in flight at most
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -110,7 +112,7 @@ class Scheduler:
                 if req.request_id == request_id:
                     queue.remove(req)
                     self.block_manager.free(request_id, self._computed_token_ids(req))
-                    req.finish("abort", time.perf_counter(), RequestStatus.ABORTED)
+                    req.finish("abort", self.clock.now(), RequestStatus.ABORTED)
                     return req
         return None
 
@@ -193,7 +195,7 @@ class Scheduler:
             )
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = time.perf_counter()
+                req.metrics.first_scheduled_time = self.clock.now()
             self.running.append(req)
             batch.add(req, n)
 
@@ -302,7 +304,7 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch, next_token_ids: list[int]) -> list[Request]:
         """Advance every scheduled request by its tokens; returns the requests that finished."""
-        now = time.perf_counter()
+        now = self.clock.now()
         finished = []
         for seq, token_id in zip(batch.seqs, next_token_ids, strict=True):
             req = seq.request
