@@ -328,6 +328,7 @@ PREFIX_CACHES = ("none", "radix")  # implemented in llmjax/engine/radix_cache.py
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("jax", "sim")
 QUANTIZATIONS = ("none", "int8", "q8_0", "q4_0", "q4_1", "gguf")  # llmjax/model/quant.py
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "cpu")
 FLASH_PREFILL_MODES = ("auto", "on", "off")
@@ -531,6 +532,8 @@ class EngineConfig:
     2-CPU machine the background compile takes a CPU from the running steps and a guess can be
     wasted (16 x (128+128), empty cache: 8.6 s with it, 8.4 s without); turn it on where the
     host has CPUs to spare (a GPU/TPU host).
+    `device` (DEVICES): 'jax', the real device; 'sim', a simulated one (llmjax/sim/: the step's
+    duration from `sim`'s cost model on the engine's virtual clock, no JAX).
     """
 
     model: ModelConfig
@@ -549,11 +552,17 @@ class EngineConfig:
     seed: int = 0
     precompile: bool = False
     compile_ahead: bool = False
+    device: str = "jax"
+    sim: object | None = None
     compilation_cache_dir: str = os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llmjax", "jax"
     )
 
     def __post_init__(self):
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown {self.device=}; choose one of {DEVICES}")
+        if (self.device == "sim") != (self.sim is not None):
+            raise ValueError("device='sim' and a SimConfig (`sim`, llmjax/sim/) go together")
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported {self.dtype=}; choose one of {DTYPES}")
         if self.quantization not in QUANTIZATIONS:

@@ -20,7 +20,7 @@ import numpy as np
 from llmjax.config import EngineConfig
 from llmjax.engine.batch import Buckets, pack, step_shape
 from llmjax.engine.block_manager import BlockManager, pages_needed
-from llmjax.engine.clock import WALL_CLOCK, Clock
+from llmjax.engine.clock import WALL_CLOCK, Clock, VirtualClock
 from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import make_prefix_cache
 from llmjax.engine.request import Request, RequestMetrics, RequestOutput, RequestStatus
@@ -53,9 +53,10 @@ class LLMEngine:
         clock: Clock = WALL_CLOCK,
     ):
         """`clock` stamps every request's metrics (arrival, scheduling, tokens, finish): wall
-        time, or a simulated device's `VirtualClock` (llmjax/engine/clock.py)."""
-        from llmjax.engine.runner import ModelRunner  # the one jax-importing engine module
-
+        time, or a simulated device's `VirtualClock` (llmjax/engine/clock.py; with
+        `config.device == 'sim'` a fresh one at 0 unless given)."""
+        if config.device == "sim" and clock is WALL_CLOCK:
+            clock = VirtualClock()
         self.config = config
         self.clock = clock
         self.tokenizer = tokenizer
@@ -64,7 +65,14 @@ class LLMEngine:
             num_pages, page_size, make_prefix_cache(config.cache.prefix_cache, page_size)
         )
         self.scheduler = make_scheduler(config, self.block_manager, clock)
-        self.runner = ModelRunner(config, params, num_pages, skew=skew)
+        if config.device == "sim":
+            from llmjax.sim.runner import SimRunner
+
+            self.runner = SimRunner(config, num_pages, clock)
+        else:
+            from llmjax.engine.runner import ModelRunner  # the one jax-importing engine module
+
+            self.runner = ModelRunner(config, params, num_pages, skew=skew)
         self.evictor = None  # InfiniGen's host pool bound (llmjax/sparse/host_pool.py)
         self._pool_tables: dict[str, list[int]] = {}
         sparse = config.sparse_kv

@@ -1,0 +1,108 @@
+"""What a step costs: its features, read off the packed `StepInput`, and cost models over them.
+
+The features are the ones Vidur's and DistServe's latency models use (ALGORITHMS.md §12.1,
+§7.2): token-level work is linear in the step's tokens; prefill attention grows with the sum
+over prefill chunks of chunk_len x context_len; decode attention with the decode batch and the
+sum of its contexts; plus a per-step constant. A model predicts seconds from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+FEATURES = (
+    "constant",  # 1 per step
+    "tokens",  # new tokens in the step (prefill chunks + decodes): the token-level operators
+    "prefill_attention",  # sum over prefill chunks of chunk_len x kv_len (keys they attend)
+    "decodes",  # sequences with one new token (DistServe's batch-size term)
+    "decode_context",  # sum of the decodes' kv_len
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFeatures:
+    """One step's cost features (FEATURES), from its real (unpadded) sequences."""
+
+    tokens: int
+    prefill_attention: int
+    decodes: int
+    decode_context: int
+
+    @classmethod
+    def from_step(cls, step) -> StepFeatures:
+        n = int(np.asarray(step.num_seqs).reshape(-1)[0])
+        cu = np.asarray(step.cu_q_lens, np.int64)[: n + 1]
+        q = np.diff(cu)
+        kv = np.asarray(step.kv_lens, np.int64)[:n]
+        prefill = q > 1
+        return cls(
+            tokens=int(q.sum()),
+            prefill_attention=int((q[prefill] * kv[prefill]).sum()),
+            decodes=int((q == 1).sum()),
+            decode_context=int(kv[q == 1].sum()),
+        )
+
+    def vector(self) -> np.ndarray:
+        """[len(FEATURES)] float64, in FEATURES' order."""
+        return np.array(
+            [1.0, self.tokens, self.prefill_attention, self.decodes, self.decode_context],
+            np.float64,
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCostModel:
+    """seconds = coefficients . features (FEATURES' order), at least `min_seconds`."""
+
+    coefficients: tuple[float, ...]
+    min_seconds: float = 0.0
+
+    def __post_init__(self):
+        if len(self.coefficients) != len(FEATURES):
+            raise ValueError(
+                f"{len(self.coefficients)} coefficients for {len(FEATURES)} features {FEATURES}"
+            )
+        if not all(np.isfinite(self.coefficients)):
+            raise ValueError(f"coefficients must be finite: {self.coefficients}")
+
+    def step_seconds(self, features: StepFeatures) -> float:
+        return max(self.min_seconds, float(np.dot(self.coefficients, features.vector())))
+
+    @classmethod
+    def fit(cls, features: Sequence[StepFeatures], seconds: Sequence[float]) -> LinearCostModel:
+        """Least squares over measured steps (Vidur's and DistServe's fitted form). Features a
+        sample never varies (e.g. no prefill at all) get coefficient 0."""
+        if len(features) != len(seconds) or not len(features):
+            raise ValueError(f"{len(features)} feature rows for {len(seconds)} step times")
+        X = np.stack([f.vector() for f in features])
+        y = np.asarray(seconds, np.float64)
+        used = np.ptp(X, axis=0) > 0
+        used[0] = True  # the constant
+        coef = np.zeros(len(FEATURES))
+        coef[used] = np.linalg.lstsq(X[:, used], y, rcond=None)[0]
+        return cls(tuple(float(c) for c in coef))
+
+    def relative_error(self, features: Sequence[StepFeatures], seconds: Sequence[float]) -> float:
+        """Mean |predicted - measured| / measured over held-out steps."""
+        pred = np.array([self.step_seconds(f) for f in features])
+        y = np.asarray(seconds, np.float64)
+        return float(np.mean(np.abs(pred - y) / y))
+
+
+class RecordedCostModel:
+    """Replays recorded step durations in order (a real run's, to drive the simulated engine
+    through the same timeline); raises when they run out."""
+
+    def __init__(self, seconds: Sequence[float]):
+        self._seconds = list(seconds)
+        self._next = 0
+
+    def step_seconds(self, features: StepFeatures) -> float:
+        del features
+        if self._next >= len(self._seconds):
+            raise RuntimeError(f"only {len(self._seconds)} recorded step times")
+        self._next += 1
+        return self._seconds[self._next - 1]
