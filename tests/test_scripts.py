@@ -103,3 +103,27 @@ def test_eval_precision_reports_each_precision(tmp_path):
         assert 0 <= r["greedy_agreement"] <= 1
     # Packed weights take less memory: int8 about 1/4 of f32, Q4_1 less still.
     assert rows["q4_1"]["weight_mb"] < rows["int8"]["weight_mb"] < rows["f32"]["weight_mb"] / 3
+
+
+def test_profile_step_fits_the_simulators_cost_model(tmp_path):
+    """scripts/profile_step.py on the tiny model: every recorded step's features and seconds,
+    a fit with its held-out error, and a profile LinearCostModel.from_profile reads back."""
+    from llmjax.sim import LinearCostModel, StepFeatures
+
+    out = tmp_path / "profile.json"
+    stdout = _run(
+        "profile_step.py", "--model=tiny", "--load_format=dummy", "--batch_sizes=1,3",
+        "--prompt_lens=8,40", "--max_tokens=6", "--max_model_len=128", f"--out={out}",
+    ).stdout  # fmt: skip
+    profile = json.loads(out.read_text())
+    steps = profile["steps"]
+    assert len(steps) >= 20 and "held-out mean relative error" in stdout
+    assert any(s["held_out"] for s in steps) and not all(s["held_out"] for s in steps)
+    assert all(s["seconds"] > 0 for s in steps)
+    assert {s["features"]["decodes"] for s in steps} >= {1, 3}  # decode batches of each size
+    assert any(s["features"]["prefill_attention"] > 0 for s in steps)
+    model = LinearCostModel.from_profile(str(out))
+    assert len(model.coefficients) == len(profile["features"])
+    mean = np.mean([s["seconds"] for s in steps])
+    for s in steps[:5]:
+        assert 0 < model.step_seconds(StepFeatures(**s["features"])) < 20 * mean

@@ -85,6 +85,20 @@ class LinearCostModel:
         coef[used] = np.linalg.lstsq(X[:, used], y, rcond=None)[0]
         return cls(tuple(float(c) for c in coef))
 
+    @classmethod
+    def from_profile(cls, path: str) -> LinearCostModel:
+        """The model `scripts/profile_step.py` fitted (its JSON), refitted on all its steps."""
+        import json
+
+        with open(path) as f:
+            profile = json.load(f)
+        if tuple(profile.get("features", ())) != FEATURES:
+            raise ValueError(f"{path}: features {profile.get('features')} are not {FEATURES}")
+        steps = profile["steps"]
+        return cls.fit(
+            [StepFeatures(**s["features"]) for s in steps], [s["seconds"] for s in steps]
+        )
+
     def relative_error(self, features: Sequence[StepFeatures], seconds: Sequence[float]) -> float:
         """Mean |predicted - measured| / measured over held-out steps."""
         pred = np.array([self.step_seconds(f) for f in features])

@@ -1,0 +1,131 @@
+r"""Profile the real engine's steps on this machine and fit the simulator's cost model to them.
+
+Runs workloads through the engine (every combination of --batch_sizes requests x --prompt_lens
+prompt tokens, each generating --max_tokens), records each step's features
+(`llmjax.sim.StepFeatures`: tokens, prefill attention, decodes, decode context) and its device
+seconds (the engine's clock around `ModelRunner.run`; steps that compiled are left out), fits
+`llmjax.sim.LinearCostModel` by least squares on all but every --holdout_every-th step and
+reports the relative error on those held-out steps. Prints a table, writes the profile as JSON
+(--out), which `LinearCostModel.from_profile` reads.
+
+    python scripts/profile_step.py                                  # SmolLM2, ~2 min on 2 CPUs
+    python scripts/profile_step.py --batch_sizes 1,8,32 --prompt_lens 32,256,1024 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import numpy as np
+from absl import app, flags
+
+flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf file or HF directory.")
+flags.DEFINE_string("load_format", "auto", "'auto' or 'dummy' (random weights, for tests).")
+flags.DEFINE_string("dtype", "float32", "Weights and KV dtype.")
+flags.DEFINE_string("quantization", "none", "Weight quantization (LLM(quantization=...)).")
+flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Requests per workload.")
+flags.DEFINE_list("prompt_lens", ["32", "256"], "Prompt tokens per request.")
+flags.DEFINE_integer("max_tokens", 16, "New tokens per request.")
+flags.DEFINE_integer("max_num_batched_tokens", 256, "The engine's token budget per step.")
+flags.DEFINE_integer("max_model_len", 2048, "The engine's max_model_len.")
+flags.DEFINE_integer("holdout_every", 4, "Every n-th recorded step is held out of the fit.")
+flags.DEFINE_integer("seed", 0, "Prompt seed.")
+flags.DEFINE_string("out", "out/step_profile.json", "Where to write the profile JSON.")
+
+FLAGS = flags.FLAGS
+
+
+def record_steps(llm, batch_sizes, prompt_lens, max_tokens, seed) -> list[dict]:
+    """Every non-compiling step of the workloads: {"features": {...}, "seconds": s, ...}."""
+    from llmjax import SamplingParams
+    from llmjax.sim import StepFeatures
+
+    engine = llm.engine
+    runner = engine.runner
+    rows = []
+    run = runner.run
+
+    def timed(step, sampling):
+        compiles, t = runner.num_compiles, engine.clock.now()
+        out = run(step, sampling)
+        seconds = engine.clock.now() - t
+        if runner.num_compiles == compiles:
+            features = StepFeatures.from_step(step)
+            rows.append({"features": features.__dict__, "seconds": seconds})
+        return out
+
+    runner.run = timed
+    rng = np.random.default_rng(seed)
+    vocab = llm.config.model.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    try:
+        for batch, length in itertools.product(batch_sizes, prompt_lens):
+            for _ in range(2):  # the first pass compiles its shapes (those steps are dropped)
+                prompts = rng.integers(min(100, vocab - 1), vocab, (batch, length)).tolist()
+                llm.generate(prompts, params)
+                llm.reset_prefix_cache()
+    finally:
+        runner.run = run
+    return rows
+
+
+def main(argv):
+    del argv
+    from llmjax import LLM
+    from llmjax.sim import LinearCostModel, StepFeatures
+    from llmjax.sim.cost import FEATURES
+
+    batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    prompt_lens = [int(p) for p in FLAGS.prompt_lens]
+    llm = LLM(
+        FLAGS.model,
+        load_format=FLAGS.load_format,
+        dtype=FLAGS.dtype,
+        quantization=FLAGS.quantization,
+        max_model_len=FLAGS.max_model_len,
+        max_num_seqs=max(batch_sizes),
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+    )
+    rows = record_steps(llm, batch_sizes, prompt_lens, FLAGS.max_tokens, FLAGS.seed)
+    if len(rows) < 2 * len(FEATURES):
+        raise app.UsageError(f"only {len(rows)} steps recorded: add workloads")
+    feats = [StepFeatures(**r["features"]) for r in rows]
+    secs = [r["seconds"] for r in rows]
+    held = [i % FLAGS.holdout_every == FLAGS.holdout_every - 1 for i in range(len(rows))]
+    train = [i for i, h in enumerate(held) if not h]
+    test = [i for i, h in enumerate(held) if h]
+    model = LinearCostModel.fit([feats[i] for i in train], [secs[i] for i in train])
+    error = model.relative_error([feats[i] for i in test], [secs[i] for i in test])
+    for r, f, h in zip(rows, feats, held, strict=True):
+        r["predicted_seconds"] = model.step_seconds(f)
+        r["held_out"] = h
+    print(f"{len(rows)} steps ({len(test)} held out); fitted seconds per feature:")
+    for name, c in zip(FEATURES, model.coefficients, strict=True):
+        print(f"  {name:<18} {c:.3e}")
+    print(f"held-out mean relative error: {100 * error:.1f} %")
+    print(f"{'tokens':>7} {'decodes':>7} {'measured ms':>12} {'predicted ms':>12}  (held out)")
+    for i in test[:12]:
+        f, predicted = feats[i], rows[i]["predicted_seconds"]
+        print(f"{f.tokens:7d} {f.decodes:7d} {1e3 * secs[i]:12.2f} {1e3 * predicted:12.2f}")
+    import jax
+
+    result = {
+        "model": FLAGS.model,
+        "dtype": FLAGS.dtype,
+        "quantization": FLAGS.quantization,
+        "device": jax.devices()[0].device_kind,
+        "features": list(FEATURES),
+        "coefficients": list(model.coefficients),
+        "held_out_relative_error": error,
+        "steps": rows,
+    }
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {FLAGS.out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
