@@ -57,6 +57,12 @@ class SimRunner:
             raise ValueError("device='sim' needs EngineConfig.sim (a SimConfig)")
         if not isinstance(clock, VirtualClock):
             raise ValueError(f"a simulated device advances a VirtualClock, not {clock!r}")
+        if config.parallel.num_devices > 1 or config.sparse_kv.enabled:
+            raise ValueError(
+                "the simulated device models one device without sparse_kv for now "
+                f"(tp={config.parallel.tp}, pp={config.parallel.pp}, "
+                f"sparse_kv={config.sparse_kv.mode!r})"
+            )
         self.config = config
         self.clock = clock
         self.cost_model = config.sim.cost_model
