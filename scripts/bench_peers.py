@@ -13,9 +13,11 @@ the key/values go unchanged to `llmjax.LLM(model=--model, ...)` / `vllm.LLM(mode
 VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU set, and, as vLLM's CPU guide asks,
 tcmalloc and Intel's OpenMP preloaded where found (`--vllm_preload`). The HF directory is written
 from --model (llmjax.checkpoint.hf.save_hf) when it does not exist. Workloads, their rates and
-the bounds are described in llmjax/bench/peers.py. `--cold` also starts an llmjax configuration
-in fresh processes with an empty, then a filled, JAX compilation cache (time to first token and
-to the end of the throughput workload, from the process launch).
+the bounds are described in llmjax/bench/peers.py. `--cold` also starts the --cold_engines
+(default: the first llmjax and the first vLLM configuration) in fresh processes with empty,
+then filled, compilation caches (llmjax's JAX cache; vLLM's VLLM_CACHE_ROOT and TorchInductor's):
+time to ready, to the first token (llmjax) and to the end of the throughput workload, from the
+process launch, and llmjax's launch-to-end and workload speedups over vLLM.
 """
 
 from __future__ import annotations
