@@ -386,7 +386,7 @@ class ModelRunner:
         step_arg, sampling_args = self._inputs(step, sampling)
         next_ids, logits, self.kv_pages = step_fn(self.params, self.kv_pages, step_arg)
         if not sampling.all_greedy:
-            next_ids = self._sample(logits, *sampling_args[:-1])
+            next_ids = self._sample(logits, *sampling_args[:-1])  # all but all_greedy
         next_ids = to_host(next_ids)
         self.num_steps += 1
         if self.config.parallel.check_lockstep:

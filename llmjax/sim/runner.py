@@ -53,8 +53,7 @@ class SimRunner:
     ragged_page_tables = True  # the modeled kernels read only kv_lens of each page table
 
     def __init__(self, config: EngineConfig, num_pages: int, clock: VirtualClock):
-        if config.sim is None:
-            raise ValueError("device='sim' needs EngineConfig.sim (a SimConfig)")
+        del num_pages  # ModelRunner's signature; the engine's block manager models the pages
         if not isinstance(clock, VirtualClock):
             raise ValueError(f"a simulated device advances a VirtualClock, not {clock!r}")
         if config.parallel.num_devices > 1 or config.sparse_kv.enabled:
@@ -65,16 +64,13 @@ class SimRunner:
             )
         self.config = config
         self.clock = clock
-        self.cost_model = config.sim.cost_model
-        self.num_pages = num_pages
+        self.cost_model = config.sim.cost_model  # EngineConfig checked that device='sim' has one
         self.num_compiles = 0  # nothing compiles
         self.num_steps = 0
         self.last_features: StepFeatures | None = None
         self.last_seconds = 0.0
-        vocab = config.model.vocab_size
-        eos = set(config.model.eos_token_ids)
-        # token id for each residue: a permutation-free map that skips the EOS ids
-        self._ids = np.array([i for i in range(vocab) if i not in eos] or [0], np.int64)
+        # the ids a step may emit: the vocabulary without the EOS ids (a hash picks one)
+        self._ids = np.setdiff1d(np.arange(config.model.vocab_size), config.model.eos_token_ids)
 
     def run(self, step, sampling) -> np.ndarray:
         """Advance the clock by the step's modeled seconds; the next id of every row [S]."""
