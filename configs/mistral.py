@@ -18,3 +18,8 @@ MISTRAL_7B = ModelConfig(
     bos_token_id=1,
     eos_token_ids=(2,),
 )
+
+# Mistral-7B-Instruct-v0.2 (Sarathi-Serve's Mistral-7B): no sliding window, rope_theta 1e6.
+MISTRAL_7B_INSTRUCT_V02 = MISTRAL_7B.replace(
+    name="mistral-7b-instruct-v0.2", sliding_window=None, rope_theta=1000000.0
+)

@@ -19,6 +19,10 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Shapes the simulated device (llmjax/sim/) models but the JAX model does not implement: OPT (two
+# MLP matrices, ReLU, learned positions) and Falcon (two MLP matrices, GELU, attention and MLP in
+# parallel). A preset of these runs only with EngineConfig.device='sim'.
+SIM_ONLY_ARCHITECTURES = ("opt", "falcon")
 
 
 def _check_positive(obj: Any, *names: str) -> None:
@@ -149,9 +153,10 @@ class ModelConfig:
                 f"{len(factors)} rope freq_factors for {self.head_dim=} "
                 f"(want head_dim / 2 = {self.head_dim // 2})"
             )
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in SUPPORTED_ARCHITECTURES + SIM_ONLY_ARCHITECTURES:
             raise ValueError(
                 f"unknown architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
+                f" (and, simulated only, {SIM_ONLY_ARCHITECTURES})"
             )
         if isinstance(self.eos_token_ids, list):
             object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
@@ -563,6 +568,11 @@ class EngineConfig:
             raise ValueError(f"unknown {self.device=}; choose one of {DEVICES}")
         if (self.device == "sim") != (self.sim is not None):
             raise ValueError("device='sim' and a SimConfig (`sim`, llmjax/sim/) go together")
+        if self.device == "jax" and self.model.architecture in SIM_ONLY_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.model.architecture!r} ({self.model.name or 'this model'}) "
+                "is a shape for the simulated device only: use device='sim'"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported {self.dtype=}; choose one of {DTYPES}")
         if self.quantization not in QUANTIZATIONS:

@@ -106,6 +106,36 @@ def default_num_pages(config: EngineConfig, params_bytes: int) -> int:
     return num_pages
 
 
+# LLM.__init__'s engine options (what `with_options` may change), in order.
+ENGINE_OPTIONS = (
+    "max_model_len",
+    "page_size",
+    "num_pages",
+    "scheduler_policy",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "prefix_cache",
+    "admission_order",
+    "balance_micro_batches",
+    "attention_backend",
+    "flash_prefill",
+    "pallas_kernel",
+    "kernel_options",
+    "layer_loop",
+    "check_lockstep",
+    "sparse_kv",
+    "calibration_tokens",
+    "seed",
+    "precompile",
+    "compilation_cache_dir",
+    "overrides",
+)
+
+
+def _option_values(arguments: dict) -> dict:
+    return {name: arguments[name] for name in ENGINE_OPTIONS}
+
+
 class LLM:
     """Load a model and its tokenizer, and serve requests with continuous batching.
 
@@ -143,7 +173,7 @@ class LLM:
         self,
         model: str = DEFAULT_MODEL,
         *,
-        dtype: str = "float32",
+        dtype: str | None = None,
         quantization: str = "none",
         tokenizer: str | None = None,
         load_format: str = "auto",
@@ -171,11 +201,22 @@ class LLM:
         precompile: bool = False,
         compilation_cache_dir: str | None = None,
         overrides: dict | None = None,
+        device: str = "jax",
+        sim=None,
     ):
 
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"{load_format=} must be 'auto' or 'dummy'")
         t0 = time.perf_counter()
+        if device == "sim":
+            self._init_sim(model, dtype or "bfloat16", quantization, tokenizer, tp, pp, sim)
+            self._build_engine(dict(_option_values(locals())), t0)
+            return
+        if device != "jax":
+            raise ValueError(f"unknown {device=}; choose 'jax' or 'sim'")
+        if sim is not None:
+            raise ValueError("sim= (a SimConfig) goes with device='sim'")
+        dtype = dtype or "float32"
         sharded = tp * pp > 1  # then weights load one at a time, each device getting its shard
         parallel = ParallelConfig(tp=tp, pp=pp, pad_heads=pad_heads, check_lockstep=check_lockstep)
         if quantization not in QUANTIZATIONS:
@@ -199,32 +240,8 @@ class LLM:
         self._fixed = dict(
             model=model, dtype=dtype, quantization=quantization, tp=tp, pp=pp, pad_heads=pad_heads
         )
-        self._build_engine(
-            dict(
-                max_model_len=max_model_len,
-                page_size=page_size,
-                num_pages=num_pages,
-                scheduler_policy=scheduler_policy,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                prefix_cache=prefix_cache,
-                admission_order=admission_order,
-                balance_micro_batches=balance_micro_batches,
-                attention_backend=attention_backend,
-                flash_prefill=flash_prefill,
-                pallas_kernel=pallas_kernel,
-                kernel_options=kernel_options,
-                layer_loop=layer_loop,
-                check_lockstep=check_lockstep,
-                sparse_kv=sparse_kv,
-                calibration_tokens=calibration_tokens,
-                seed=seed,
-                precompile=precompile,
-                compilation_cache_dir=compilation_cache_dir,
-                overrides=overrides,
-            ),
-            t0,
-        )
+        self._fixed["device"], self._fixed["sim"] = "jax", None
+        self._build_engine(dict(_option_values(locals())), t0)
 
     # Arguments that fix how the weights were loaded and placed: `with_options` cannot change them.
     WEIGHT_OPTIONS = (
@@ -236,6 +253,8 @@ class LLM:
         "tp",
         "pp",
         "pad_heads",
+        "device",
+        "sim",
     )
 
     def with_options(self, **options) -> LLM:
@@ -268,6 +287,44 @@ class LLM:
         other._build_engine({**self._options, **options}, time.perf_counter())
         return other
 
+    def _init_sim(self, model, dtype, quantization, tokenizer, tp, pp, sim) -> None:
+        """device='sim': the model's shape only (a preset, an HF directory's config.json or a
+        GGUF file's metadata), no weights and no JAX; the tokenizer from `tokenizer` or the
+        model's own file (a preset's: pass tokenizer=)."""
+        import configs
+        from llmjax.sim.runner import SimConfig
+
+        if quantization != "none":
+            raise ValueError(f"the simulated device models no quantization ({quantization=})")
+        if model in configs.PRESETS:
+            model_config, source = configs.get_preset(model), tokenizer
+        elif os.path.isdir(model):
+            model_config, source = ModelConfig.from_hf_config(model), tokenizer or model
+        elif model.endswith(".gguf") and os.path.isfile(model):
+            model_config, source = ModelConfig.from_gguf(model), tokenizer or model
+        else:
+            raise ValueError(
+                f"model {model!r} is not a preset ({sorted(configs.PRESETS)}), an HF directory "
+                "or a .gguf file"
+            )
+        tok = None
+        if source is not None:
+            if source.endswith(".gguf"):
+                tok = Tokenizer.from_gguf(source)
+            elif os.path.exists(os.path.join(source, "tokenizer.json")):
+                tok = Tokenizer.from_hf_dir(source)
+        self._model_config, self._weights, self.tokenizer = model_config, None, tok
+        self._fixed = dict(
+            model=model,
+            dtype=dtype,
+            quantization="none",
+            tp=tp,
+            pp=pp,
+            pad_heads=False,
+            device="sim",
+            sim=sim if sim is not None else SimConfig(),
+        )
+
     @property
     def params(self):
         """The loaded weights (a pytree of arrays in the LLM's dtype; with tp * pp > 1, what was
@@ -277,11 +334,6 @@ class LLM:
         return self._weights
 
     def _build_engine(self, options: dict, t0: float) -> None:
-        import jax.numpy as jnp
-
-        from llmjax.model.params import num_params
-        from llmjax.model.quant import weight_bytes
-
         o, fixed, model_config = dict(options), self._fixed, self._model_config
         if o["overrides"]:
             # An override of a field that an option sets is that option, so the defaults that
@@ -335,10 +387,31 @@ class LLM:
             else SparseKVConfig(mode=sparse_kv),
             seed=o["seed"],
             precompile=o["precompile"],
+            device=fixed["device"],
+            sim=fixed["sim"],
             **extra,
         )
         if o["overrides"]:  # any other field, by dotted path (the scripts' --override)
             config = apply_overrides(config, o["overrides"])
+        if config.device == "sim":
+            self.config = config
+            self.engine = LLMEngine(config, None, config.cache.num_pages, self.tokenizer)
+            logger.info(
+                "simulated %s on %s (tp=%d, pp=%d, %s) with %d KV pages in %.3f s",
+                fixed["model"],
+                config.sim.hardware.name,
+                config.parallel.tp,
+                config.parallel.pp,
+                fixed["dtype"],
+                self.engine.block_manager.num_usable_pages,
+                time.perf_counter() - t0,
+            )
+            return
+        import jax.numpy as jnp
+
+        from llmjax.model.params import num_params
+        from llmjax.model.quant import weight_bytes
+
         itemsize = jnp.dtype(fixed["dtype"]).itemsize
         params_bytes = num_params(model_config) * itemsize
         if config.parallel.num_devices == 1:

@@ -162,10 +162,12 @@ def test_sim_runner_tokens_clock_and_config_checks():
     while again.has_unfinished_requests():
         outs2 = again.step()
     assert outs2[0].token_ids == out.token_ids  # deterministic per prompt
-    from llmjax.config import ParallelConfig
+    from llmjax.config import SparseKVConfig
 
-    with pytest.raises(ValueError, match="one device"):
-        SimRunner(dataclasses.replace(config, parallel=ParallelConfig(pp=2)), 64, VirtualClock())
+    with pytest.raises(ValueError, match="sparse_kv"):
+        SimRunner(
+            dataclasses.replace(config, sparse_kv=SparseKVConfig(mode="offload")), 64, VirtualClock()
+        )
     with pytest.raises(ValueError, match="VirtualClock"):
         from llmjax.engine.clock import WALL_CLOCK
 

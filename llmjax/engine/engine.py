@@ -47,16 +47,24 @@ class LLMEngine:
         self,
         config: EngineConfig,
         params,
-        num_pages: int,
+        num_pages: int | None,
         tokenizer=None,
         skew=None,
         clock: Clock = WALL_CLOCK,
     ):
         """`clock` stamps every request's metrics (arrival, scheduling, tokens, finish): wall
         time, or a simulated device's `VirtualClock` (llmjax/engine/clock.py; with
-        `config.device == 'sim'` a fresh one at 0 unless given)."""
+        `config.device == 'sim'` a fresh one at 0 unless given). `num_pages` None (simulated
+        device only): `config.cache.num_pages`, else what the simulated hardware's memory holds
+        (`llmjax.sim.runner.sim_num_pages`)."""
         if config.device == "sim" and clock is WALL_CLOCK:
             clock = VirtualClock()
+        if num_pages is None:
+            if config.device != "sim":
+                raise ValueError("num_pages is required (None only with device='sim')")
+            from llmjax.sim.runner import sim_num_pages
+
+            num_pages = config.cache.num_pages or sim_num_pages(config)
         self.config = config
         self.clock = clock
         self.tokenizer = tokenizer

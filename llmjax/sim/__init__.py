@@ -2,15 +2,30 @@
 clock, with the step's duration from a cost model instead of a device (issue 20; ALGORITHMS.md
 §12 Vidur, §7.2 DistServe's latency model).
 
-    config = EngineConfig(model=..., device="sim", sim=SimConfig(cost_model=LinearCostModel(...)))
-    engine = LLMEngine(config, params=None, num_pages=...)   # no JAX; starts in milliseconds
+    llm = LLM("mistral-7b-instruct-v0.2", device="sim", sim=SimConfig(hardware="a100-80gb"))
+    config = EngineConfig(model=..., device="sim", sim=SimConfig(cost_model="roofline", ...))
+    engine = LLMEngine(config, params=None, num_pages=None)   # no JAX; starts in milliseconds
 
 `cost.py`: the step's features (`StepFeatures.from_step`, from the same `StepInput` the real
-runner gets) and the cost models; `runner.py`: `SimRunner`, the drop-in for `ModelRunner`.
-Nothing here imports jax.
+runner gets) and the fitted cost models; `hardware.py`: named accelerators with sourced peaks and
+efficiencies; `roofline.py`: the analytic cost model, with tp and pp; `runner.py`: `SimRunner`,
+the drop-in for `ModelRunner`, and `SimConfig`. Nothing here imports jax.
 """
 
 from llmjax.sim.cost import LinearCostModel, RecordedCostModel, StepFeatures
-from llmjax.sim.runner import SimConfig, SimRunner
+from llmjax.sim.hardware import HARDWARE, Hardware, get_hardware
+from llmjax.sim.roofline import RooflineCostModel
+from llmjax.sim.runner import SimConfig, SimRunner, sim_num_pages
 
-__all__ = ["LinearCostModel", "RecordedCostModel", "SimConfig", "SimRunner", "StepFeatures"]
+__all__ = [
+    "HARDWARE",
+    "Hardware",
+    "LinearCostModel",
+    "RecordedCostModel",
+    "RooflineCostModel",
+    "SimConfig",
+    "SimRunner",
+    "StepFeatures",
+    "get_hardware",
+    "sim_num_pages",
+]

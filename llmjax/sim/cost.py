@@ -24,12 +24,19 @@ FEATURES = (
 
 @dataclasses.dataclass(frozen=True)
 class StepFeatures:
-    """One step's cost features (FEATURES), from its real (unpadded) sequences."""
+    """One step's cost features (FEATURES), from its real (unpadded) sequences, and three more
+    that the analytic model (llmjax/sim/roofline.py) reads: `prefill_pairs`, the causal
+    (query, key) pairs of the prefill chunks (sum of chunk_len x kv_len - chunk_len x
+    (chunk_len - 1) / 2); `prefill_context`, the keys the chunks read (sum of their kv_len);
+    `seqs`, the sequences (rows through the LM head)."""
 
     tokens: int
     prefill_attention: int
     decodes: int
     decode_context: int
+    prefill_pairs: int = 0
+    prefill_context: int = 0
+    seqs: int = 0
 
     @classmethod
     def from_step(cls, step) -> StepFeatures:
@@ -38,11 +45,15 @@ class StepFeatures:
         q = np.diff(cu)
         kv = np.asarray(step.kv_lens, np.int64)[:n]
         prefill = q > 1
+        qp, kvp = q[prefill], kv[prefill]
         return cls(
             tokens=int(q.sum()),
-            prefill_attention=int((q[prefill] * kv[prefill]).sum()),
+            prefill_attention=int((qp * kvp).sum()),
             decodes=int((q == 1).sum()),
             decode_context=int(kv[q == 1].sum()),
+            prefill_pairs=int((qp * kvp - qp * (qp - 1) // 2).sum()),
+            prefill_context=int(kvp.sum()),
+            seqs=n,
         )
 
     def vector(self) -> np.ndarray:

@@ -1,15 +1,22 @@
 """`SimRunner`: the engine's device replaced by a cost model on a virtual clock.
 
-It takes the same `run(step, sampling)` calls as `llmjax.engine.runner.ModelRunner`, with the
-same packed `StepInput`, advances the engine's `VirtualClock` by the modeled duration of the
-step and returns a next token per sequence row. The tokens are a deterministic function of the
-sequence's last token and its position (never an EOS id), so a replayed prompt gets the same
-continuation and prefix caching over generated text behaves as on hardware. KV memory is the
-engine's real page layout: size `num_pages` with `kv_page_bytes` from a memory budget.
+It takes the same calls as `llmjax.engine.runner.ModelRunner` (`run(step, sampling)` on one
+device; `tick(step, sampling, tag)` with pp > 1), with the same packed `StepInput`, advances the
+engine's `VirtualClock` by the modeled duration and returns a next token per sequence row. The
+tokens are a deterministic function of the sequence's last token and its position (never an EOS
+id), so a replayed prompt gets the same continuation and prefix caching over generated text
+behaves as on hardware; a request ends at its `max_tokens` (a workload's output length).
+
+With pp > 1 the pipeline runs as llmjax's does on hardware (llmjax/parallel/pipeline.py): one
+tick moves every micro-batch in flight one stage on, all stages at once, so a tick lasts as long
+as its slowest stage (plus the host's overhead); the time other stages wait is the bubble
+(`pipeline_bubble_fraction`). KV memory is the engine's real page layout: `sim_num_pages` sizes
+the cache from the hardware's memory, as `LLM` does on a device.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 
@@ -17,9 +24,16 @@ import numpy as np
 
 from llmjax.config import EngineConfig, ModelConfig
 from llmjax.engine.clock import VirtualClock
-from llmjax.sim.cost import StepFeatures
+from llmjax.sim.cost import LinearCostModel, StepFeatures
+from llmjax.sim.hardware import Hardware, get_hardware
+from llmjax.sim.roofline import (
+    DTYPE_BYTES,
+    RooflineCostModel,
+    kv_page_bytes_per_device,
+    weight_bytes_per_device,
+)
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+COST_MODELS = ("roofline", "fitted")
 
 
 def kv_page_bytes(model: ModelConfig, page_size: int, dtype: str) -> int:
@@ -36,41 +50,104 @@ def kv_page_bytes(model: ModelConfig, page_size: int, dtype: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
-    """`EngineConfig.sim` when `EngineConfig.device == 'sim'`: the cost model (an object with
-    `step_seconds(StepFeatures) -> float`, e.g. `llmjax.sim.cost.LinearCostModel`)."""
+    """`EngineConfig.sim` when `EngineConfig.device == 'sim'`.
 
-    cost_model: object
+    cost_model: 'roofline' (llmjax/sim/roofline.py: the model's shape on `hardware`, with the
+        engine's tp and pp), 'fitted' (`LinearCostModel.from_profile(profile)`: a profile of the
+        real engine from scripts/profile_step.py, on the machine and parallelism it ran with), or
+        any object with `step_seconds(StepFeatures) -> float` (and, optionally,
+        `stage_seconds(features) -> [seconds per stage]` for pp > 1).
+    hardware: a `Hardware` or a name of llmjax.sim.hardware.HARDWARE, or a profile JSON with a
+        measured roofline (this CPU); for 'roofline' and for sizing the KV cache.
+    profile: the profile JSON of 'fitted'.
+    memory_utilization: the fraction of each device's memory for weights and KV pages
+        (vLLM's gpu_memory_utilization; Sarathi-Serve runs with 0.8 on its evaluation).
+    """
+
+    cost_model: object = "roofline"
+    hardware: object = "a100-80gb"
+    profile: str | None = None
+    memory_utilization: float = 0.9
 
     def __post_init__(self):
-        if not callable(getattr(self.cost_model, "step_seconds", None)):
+        if isinstance(self.cost_model, str):
+            if self.cost_model not in COST_MODELS:
+                raise ValueError(
+                    f"unknown cost_model {self.cost_model!r}; choose one of {COST_MODELS} or "
+                    "pass an object with step_seconds(features)"
+                )
+            if self.cost_model == "fitted" and not self.profile:
+                raise ValueError(
+                    "cost_model='fitted' needs profile= (a JSON of scripts/profile_step.py)"
+                )
+        elif not callable(getattr(self.cost_model, "step_seconds", None)):
             raise ValueError(f"cost_model {self.cost_model!r} has no step_seconds(features)")
+        object.__setattr__(self, "hardware", get_hardware(self.hardware))
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"{self.memory_utilization=} must be in (0, 1]")
+
+
+def make_cost_model(config: EngineConfig):
+    """The cost model object that `config.sim` names, for `config`'s model and parallelism."""
+    sim = config.sim
+    if sim.cost_model == "roofline":
+        return RooflineCostModel(
+            config.model, sim.hardware, config.dtype, config.parallel.tp, config.parallel.pp
+        )
+    if sim.cost_model == "fitted":
+        return LinearCostModel.from_profile(sim.profile)
+    return sim.cost_model
+
+
+def sim_num_pages(config: EngineConfig, hardware: Hardware | None = None) -> int:
+    """KV pages that fit beside the weights in `memory_utilization` of each device's memory
+    (every device holds its stage's layers and its tp share of heads of every page)."""
+    sim, p = config.sim, config.parallel
+    hw = get_hardware(hardware or sim.hardware)
+    free = hw.memory_bytes * sim.memory_utilization - weight_bytes_per_device(
+        config.model, config.dtype, p.tp, p.pp
+    )
+    page = kv_page_bytes_per_device(config.model, config.cache.page_size, config.dtype, p.tp, p.pp)
+    pages = int(free // page)
+    if pages < 2:
+        raise ValueError(
+            f"{config.model.name or 'the model'} in {config.dtype} at tp={p.tp} pp={p.pp} leaves "
+            f"{max(free, 0) / 2**30:.1f} GiB of {hw.name}'s {hw.memory_bytes / 2**30:.0f} GiB "
+            "for KV pages: use more devices (tp, pp) or another hardware"
+        )
+    return pages
 
 
 class SimRunner:
-    """Drop-in for ModelRunner (one device, no pipeline): see the module doc."""
+    """Drop-in for ModelRunner: see the module doc."""
 
-    pipelined = False
     ragged_page_tables = True  # the modeled kernels read only kv_lens of each page table
 
     def __init__(self, config: EngineConfig, num_pages: int, clock: VirtualClock):
         del num_pages  # ModelRunner's signature; the engine's block manager models the pages
         if not isinstance(clock, VirtualClock):
             raise ValueError(f"a simulated device advances a VirtualClock, not {clock!r}")
-        if config.parallel.num_devices > 1 or config.sparse_kv.enabled:
+        if config.sparse_kv.enabled:
             raise ValueError(
-                "the simulated device models one device without sparse_kv for now "
-                f"(tp={config.parallel.tp}, pp={config.parallel.pp}, "
-                f"sparse_kv={config.sparse_kv.mode!r})"
+                f"the simulated device does not model sparse_kv={config.sparse_kv.mode!r} yet"
             )
         self.config = config
         self.clock = clock
-        self.cost_model = config.sim.cost_model  # EngineConfig checked that device='sim' has one
+        self.cost_model = make_cost_model(config)
+        self.pp = config.parallel.pp
+        self.pipelined = self.pp > 1
         self.num_compiles = 0  # nothing compiles
         self.num_steps = 0
         self.last_features: StepFeatures | None = None
         self.last_seconds = 0.0
+        # pp > 1: the micro-batches in flight, stage 0 first: (tag, step, stage seconds)
+        self._slots: collections.deque = collections.deque()
+        self.pipeline_busy_s = 0.0  # sum over ticks of every stage's busy time
+        self.pipeline_ticks_s = 0.0  # sum over ticks of the tick's duration (host overhead out)
         # the ids a step may emit: the vocabulary without the EOS ids (a hash picks one)
         self._ids = np.setdiff1d(np.arange(config.model.vocab_size), config.model.eos_token_ids)
+
+    # -- one device ------------------------------------------------------------------------------
 
     def run(self, step, sampling) -> np.ndarray:
         """Advance the clock by the step's modeled seconds; the next id of every row [S]."""
@@ -79,6 +156,9 @@ class SimRunner:
         self.last_seconds = float(self.cost_model.step_seconds(self.last_features))
         self.clock.advance(self.last_seconds)
         self.num_steps += 1
+        return self._next_ids(step)
+
+    def _next_ids(self, step) -> np.ndarray:
         logits_rows = np.asarray(step.logits_indices, np.int64)
         last = np.asarray(step.token_ids, np.int64)[logits_rows]
         pos = np.asarray(step.positions, np.int64)[logits_rows]
@@ -87,6 +167,56 @@ class SimRunner:
         h = (h * 0x2C1B3C6D) & 0xFFFFFFFF
         h ^= h >> 12
         return self._ids[h % len(self._ids)].astype(np.int32)
+
+    # -- a pipeline ------------------------------------------------------------------------------
+
+    def _stage_seconds(self, features: StepFeatures) -> list[float]:
+        stages = getattr(self.cost_model, "stage_seconds", None)
+        if stages is not None:
+            return [float(s) for s in stages(features)]
+        return [float(self.cost_model.step_seconds(features)) / self.pp] * self.pp
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    def tick(self, step, sampling, tag=None):
+        """pp > 1: one pipeline tick, as ModelRunner.tick: the micro-batch (`step`; None for none)
+        enters stage 0, every other one moves a stage on; returns (exited, tokens), exited =
+        (tag, next ids) of the micro-batch leaving the last stage or None, tokens = each stage's
+        token count this tick. The clock advances by the slowest stage + the host overhead."""
+        del sampling
+        entry = None
+        if step is not None:
+            features = StepFeatures.from_step(step)
+            entry = (tag, step, self._stage_seconds(features))
+            self.last_features = features
+        self._slots.appendleft(entry)
+        while len(self._slots) < self.pp:
+            self._slots.append(None)
+        busy = [0.0 if s is None else s[2][i] for i, s in enumerate(self._slots)]
+        tick = max(busy)
+        overhead = float(getattr(self.cost_model, "tick_overhead_s", 0.0))
+        self.last_seconds = tick + overhead
+        self.clock.advance(self.last_seconds)
+        self.pipeline_busy_s += sum(busy)
+        self.pipeline_ticks_s += tick
+        self.num_steps += 1
+        tokens = [0 if s is None else int(np.asarray(s[1].cu_q_lens)[-1]) for s in self._slots]
+        exiting = self._slots.pop()
+        if exiting is None:
+            return None, tokens
+        return (exiting[0], self._next_ids(exiting[1])), tokens
+
+    @property
+    def pipeline_bubble_fraction(self) -> float:
+        """pp > 1: the fraction of stage-time that stages waited, over all ticks so far:
+        1 - sum(busy stage seconds) / (pp x sum(tick seconds)); empty stages count as waiting."""
+        if not self.pipeline_ticks_s:
+            return 0.0
+        return 1.0 - self.pipeline_busy_s / (self.pp * self.pipeline_ticks_s)
+
+    # -- what ModelRunner also offers -----------------------------------------------------------
 
     def precompile(self, shapes, progress=None) -> None:
         for _ in shapes:
