@@ -2,14 +2,19 @@ r"""Profile the real engine's steps on this machine and fit the simulator's cost
 
 Runs workloads through the engine (every combination of --batch_sizes requests x --prompt_lens
 prompt tokens, each generating --max_tokens), records each step's features
-(`llmjax.sim.StepFeatures`: tokens, prefill attention, decodes, decode context) and its device
-seconds (the engine's clock around `ModelRunner.run`; steps that compiled are left out), fits
+(`llmjax.sim.StepFeatures`: tokens, prefill attention, decodes, decode context) and its seconds
+(--fit_to: 'step', the whole `LLMEngine.step` in wall time, host work included, which is what
+the engine's clock moves by from one step to the next and so what a simulated engine must
+advance; or 'device', `ModelRunner.run` alone; steps that compiled are left out), fits
 `llmjax.sim.LinearCostModel` by least squares on all but every --holdout_every-th step and
-reports the relative error on those held-out steps. Prints a table, writes the profile as JSON
-(--out), which `LinearCostModel.from_profile` reads.
+reports the relative error on those held-out steps. --roofline also measures this machine's
+read bandwidth and matmul rate (llmjax/roofline.py), so that `SimConfig(hardware=<the JSON>)`
+models this CPU analytically. Prints a table, writes the profile as JSON (--out), which
+`LinearCostModel.from_profile` and `llmjax.sim.hardware.cpu_from_profile` read.
 
     python scripts/profile_step.py                                  # SmolLM2, ~2 min on 2 CPUs
     python scripts/profile_step.py --batch_sizes 1,8,32 --prompt_lens 32,256,1024 --dtype bfloat16
+    python scripts/profile_step.py --roofline --out out/cpu_profile.json
 """
 
 from __future__ import annotations
@@ -33,19 +38,35 @@ flags.DEFINE_integer("max_model_len", 2048, "The engine's max_model_len.")
 flags.DEFINE_integer("holdout_every", 4, "Every n-th recorded step is held out of the fit.")
 flags.DEFINE_integer("seed", 0, "Prompt seed.")
 flags.DEFINE_string("out", "out/step_profile.json", "Where to write the profile JSON.")
+flags.DEFINE_enum(
+    "fit_to",
+    "step",
+    ["step", "device"],
+    "What a step's seconds are: 'step', the whole engine step (host + device, wall time); "
+    "'device', the runner's run alone.",
+)
+flags.DEFINE_bool(
+    "roofline", False, "Also measure this machine's read bandwidth and matmul FLOP/s."
+)
 
 FLAGS = flags.FLAGS
 
 
-def record_steps(llm, batch_sizes, prompt_lens, max_tokens, seed) -> list[dict]:
-    """Every non-compiling step of the workloads: {"features": {...}, "seconds": s, ...}."""
+def record_steps(
+    llm, batch_sizes, prompt_lens, max_tokens, seed, fit_to: str = "step"
+) -> list[dict]:
+    """Every non-compiling step of the workloads: {"features": {...}, "seconds": s (the whole
+    step's or, fit_to='device', the run's), "device_seconds": s}."""
+    import time
+
     from llmjax import SamplingParams
     from llmjax.sim import StepFeatures
 
     engine = llm.engine
     runner = engine.runner
     rows = []
-    run = runner.run
+    run, step_fn = runner.run, engine.step
+    current: list[dict] = []  # the row the step in progress recorded (none if it compiled)
 
     def timed(step, sampling):
         compiles, t = runner.num_compiles, engine.clock.now()
@@ -53,10 +74,21 @@ def record_steps(llm, batch_sizes, prompt_lens, max_tokens, seed) -> list[dict]:
         seconds = engine.clock.now() - t
         if runner.num_compiles == compiles:
             features = StepFeatures.from_step(step)
-            rows.append({"features": features.__dict__, "seconds": seconds})
+            current.append({"features": features.__dict__, "device_seconds": seconds})
         return out
 
-    runner.run = timed
+    def timed_step():
+        current.clear()
+        t = time.perf_counter()
+        outs = step_fn()
+        wall = time.perf_counter() - t
+        for row in current:
+            row["step_seconds"] = wall
+            row["seconds"] = wall if fit_to == "step" else row["device_seconds"]
+            rows.append(row)
+        return outs
+
+    runner.run, engine.step = timed, timed_step
     rng = np.random.default_rng(seed)
     vocab = llm.config.model.vocab_size
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -67,8 +99,21 @@ def record_steps(llm, batch_sizes, prompt_lens, max_tokens, seed) -> list[dict]:
                 llm.generate(prompts, params)
                 llm.reset_prefix_cache()
     finally:
-        runner.run = run
+        runner.run, engine.step = run, step_fn
     return rows
+
+
+def measure_roofline(dtype: str, step_overhead_s: float) -> dict:
+    """This machine's read bandwidth (a 256 MiB float32 sum) and matmul rate (1024^3 in
+    `dtype`), best of a few runs, with the fitted per-step constant as the host overhead."""
+    from llmjax.roofline import measure_matmul_flops, measure_read_bandwidth
+
+    return {
+        "read_bytes_per_s": measure_read_bandwidth(256 << 20),
+        "matmul_flops": measure_matmul_flops(1024, dtype),
+        "matmul_dtype": dtype,
+        "step_overhead_s": max(0.0, float(step_overhead_s)),
+    }
 
 
 def main(argv):
@@ -88,7 +133,7 @@ def main(argv):
         max_num_seqs=max(batch_sizes),
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
     )
-    rows = record_steps(llm, batch_sizes, prompt_lens, FLAGS.max_tokens, FLAGS.seed)
+    rows = record_steps(llm, batch_sizes, prompt_lens, FLAGS.max_tokens, FLAGS.seed, FLAGS.fit_to)
     if len(rows) < 2 * len(FEATURES):
         raise app.UsageError(f"only {len(rows)} steps recorded: add workloads")
     feats = [StepFeatures(**r["features"]) for r in rows]
@@ -116,11 +161,19 @@ def main(argv):
         "dtype": FLAGS.dtype,
         "quantization": FLAGS.quantization,
         "device": jax.devices()[0].device_kind,
+        "fit_to": FLAGS.fit_to,
         "features": list(FEATURES),
         "coefficients": list(model.coefficients),
         "held_out_relative_error": error,
         "steps": rows,
     }
+    if FLAGS.roofline:
+        result["roofline"] = measure_roofline(FLAGS.dtype, model.coefficients[0])
+        r = result["roofline"]
+        print(
+            f"roofline: read {r['read_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
+            f"{r['matmul_flops'] / 1e9:.1f} GFLOP/s ({FLAGS.dtype})"
+        )
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as f:
         json.dump(result, f, indent=1)

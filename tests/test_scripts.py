@@ -114,12 +114,19 @@ def test_profile_step_fits_the_simulators_cost_model(tmp_path):
     stdout = _run(
         "profile_step.py", "--model=tiny", "--load_format=dummy", "--batch_sizes=1,3",
         "--prompt_lens=8,40", "--max_tokens=6", "--max_model_len=128", f"--out={out}",
+        "--roofline",
     ).stdout  # fmt: skip
     profile = json.loads(out.read_text())
     steps = profile["steps"]
     assert len(steps) >= 20 and "held-out mean relative error" in stdout
     assert any(s["held_out"] for s in steps) and not all(s["held_out"] for s in steps)
     assert all(s["seconds"] > 0 for s in steps)
+    # the whole step (the default --fit_to) includes the run
+    assert all(s["seconds"] == s["step_seconds"] >= s["device_seconds"] for s in steps)
+    from llmjax.sim.hardware import cpu_from_profile
+
+    cpu = cpu_from_profile(str(out))  # the measured roofline makes this CPU a Hardware
+    assert cpu.memory_bandwidth > 1e8 and cpu.peak_flops > 1e8
     assert {s["features"]["decodes"] for s in steps} >= {1, 3}  # decode batches of each size
     assert any(s["features"]["prefill_attention"] > 0 for s in steps)
     model = LinearCostModel.from_profile(str(out))
