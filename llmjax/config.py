@@ -664,6 +664,8 @@ FIXED_BY_WEIGHTS = (
     "parallel.tp",
     "parallel.pp",
     "parallel.pad_heads",
+    "device",
+    "sim",
 )
 
 

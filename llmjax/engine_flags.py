@@ -5,7 +5,9 @@ Short flags for what researchers set most: `--model`, `--load_format`, `--tokeni
 `--max_num_batched_tokens`, `--precompile`, the step's kernels (`--attention_backend`,
 `--flash_prefill`, `--pallas_kernel`, `--kernel_options`, `--layer_loop`), parallelism (`--tp`,
 `--pp`, `--pad_heads`, `--balance_micro_batches`, `--check_lockstep`) and a multi-process launch
-(`--coordinator_address`, `--num_processes`, `--process_id`).
+(`--coordinator_address`, `--num_processes`, `--process_id`), and a simulated device
+(`--device sim` with `--hardware`, `--cost_model`, `--cost_profile`, `--memory_utilization`;
+llmjax/sim/).
 
 Every other `EngineConfig` field is an ml_collections config flag (DESIGN principle 4), set by
 dotted path and applied after the short flags:
@@ -130,7 +132,45 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     )
     _define_kernel_flags(f)
     _define_parallel_flags(f)
+    _define_sim_flags(f)
     _define_config_flag(flag_values)
+
+
+def _define_sim_flags(f: dict) -> None:
+    flags.DEFINE_enum(
+        "device",
+        "jax",
+        ["jax", "sim"],
+        "'jax': the real device; 'sim': a simulated one (llmjax/sim/: the engine's own scheduler "
+        "on a virtual clock, each step's time from --cost_model; no weights, no JAX). With sim, "
+        "use --dtype bfloat16 for an accelerator.",
+        **f,
+    )
+    flags.DEFINE_string(
+        "hardware",
+        "a100-80gb",
+        "--device sim: the simulated accelerator (a100-80gb, a100-80gb-pcie, a40, h100-sxm, h200, "
+        "tpu-v5e, tpu-v5p; llmjax.sim.hardware.HARDWARE) or a profile JSON of "
+        "scripts/profile_step.py --roofline (this CPU).",
+        **f,
+    )
+    flags.DEFINE_enum(
+        "cost_model",
+        "roofline",
+        ["roofline", "fitted"],
+        "--device sim: 'roofline' (analytic, from --hardware and the model's shape) or 'fitted' "
+        "(the linear model fitted to --cost_profile).",
+        **f,
+    )
+    flags.DEFINE_string(
+        "cost_profile", None, "--cost_model fitted: a JSON of scripts/profile_step.py.", **f
+    )
+    flags.DEFINE_float(
+        "memory_utilization",
+        0.9,
+        "--device sim: fraction of each device's memory for weights and KV pages.",
+        **f,
+    )
 
 
 def _define_kernel_flags(f: dict) -> None:
@@ -340,6 +380,8 @@ def check_overrides(overrides: dict[str, object]) -> None:
                 "quantization": "--quantization",
                 "parallel.pp": "--pp",
                 "parallel.tp": "--tp",
+                "device": "--device",
+                "sim": "--device sim and --hardware / --cost_model",
             }
             use = short.get(path, "--pad_heads" if path.endswith("pad_heads") else "--model")
             raise ValueError(
@@ -388,6 +430,17 @@ def llm_kwargs(values: flags.FlagValues) -> dict:
         balance_micro_batches=values.balance_micro_batches,
         check_lockstep=values.check_lockstep,
     )
+    if values.device == "sim":
+        from llmjax.sim import SimConfig
+
+        kwargs["device"] = "sim"
+        kwargs["sim"] = SimConfig(
+            cost_model=values.cost_model,
+            hardware=values.hardware,
+            profile=values.cost_profile,
+            memory_utilization=values.memory_utilization,
+        )
+        del kwargs["load_format"]  # a simulated device loads no weights
     overrides = config_overrides(values)
     if overrides:
         kwargs["overrides"] = overrides

@@ -104,7 +104,18 @@ flags.DEFINE_integer("first_prompt_len", 256, "multi_turn_chat: median first-tur
 flags.DEFINE_integer("user_turn_len", 64, "multi_turn_chat: median new user tokens per turn.")
 flags.DEFINE_float("think_time", 1.0, "multi_turn_chat: mean seconds between turns.")
 flags.DEFINE_string(
-    "trace", None, "JSONL trace (arrival_time, prompt or prompt_len, output_len per line)."
+    "trace",
+    None,
+    "JSONL trace: llmjax's (arrival_time, prompt or prompt_len, output_len per line) or "
+    "Mooncake's (timestamp, input_length, output_length, hash_ids; ../shared/data/mooncake/).",
+)
+flags.DEFINE_integer(
+    "mooncake_block_tokens", 512, "Mooncake traces: tokens per hash block (512: as recorded)."
+)
+flags.DEFINE_float("mooncake_output_scale", 1.0, "Mooncake traces: output length scale.")
+flags.DEFINE_float("trace_time_scale", 1.0, "Mooncake traces: arrival times scale (0.5: 2x rate).")
+flags.DEFINE_integer(
+    "trace_requests", None, "Mooncake traces: only the first this many requests (default: all)."
 )
 flags.DEFINE_integer("num_requests", 64, "Requests in a synthetic workload.")
 flags.DEFINE_string(
@@ -187,6 +198,18 @@ flags.DEFINE_list(
     "offload (host pool, every layer fetches everything), infinigen (host pool, speculated "
     "fetches).",
 )
+flags.DEFINE_integer(
+    "num_instances",
+    1,
+    "Engine instances behind a router (--device sim for now: llmjax.sim.SimCluster, one "
+    "simulated timeline); each variant gets this many fresh engines.",
+)
+flags.DEFINE_enum(
+    "router",
+    "round_robin",
+    ["round_robin", "least_outstanding"],
+    "With --num_instances > 1: which instance each request goes to (llmjax.sim.ROUTERS).",
+)
 flags.DEFINE_string("json_out", "out/benchmark.json", "Where to write the results ('' = nowhere).")
 flags.DEFINE_string(
     "profile_dir",
@@ -214,7 +237,10 @@ def _log(msg: str) -> None:
 
 
 def _clock():
-    """Real-time replay's clock: process 0's, shared, in a multi-process run (lockstep)."""
+    """Real-time replay's clock: process 0's, shared, in a multi-process run (lockstep); None
+    for one process and for a simulated device (its own virtual clock)."""
+    if FLAGS.device == "sim":
+        return None
     import jax
 
     from llmjax.parallel.distributed import leader_clock
@@ -261,7 +287,7 @@ def engine_info(llm) -> dict:
         "page_size": config.cache.page_size,
         "num_pages": llm.engine.block_manager.num_pages,
         "dtype": config.dtype,
-        "attention_backend": llm.engine.runner.attention_backend,
+        "attention_backend": getattr(llm.engine.runner, "attention_backend", "simulated"),
         "flash_prefill": FLAGS.flash_prefill,
         "pallas_kernel": FLAGS.pallas_kernel,
         "kernel_options": config.kernel_options,
@@ -291,14 +317,36 @@ def _qps(text: str) -> float:
     return value
 
 
-def load_trace() -> list:
-    """The --trace file, checked before any engine is built (errors name the line)."""
+def load_trace() -> list | None:
+    """The --trace file, checked before any engine is built (errors name the line); None for a
+    Mooncake trace, whose token ids need the model's vocabulary (`mooncake_specs`)."""
     from llmjax.bench import workloads
+    from llmjax.bench.mooncake import is_mooncake_trace
 
     if not FLAGS.trace:
         raise app.UsageError("--workload=trace needs --trace=path.jsonl")
     try:
+        if is_mooncake_trace(FLAGS.trace):
+            return None
         return workloads.load_trace(FLAGS.trace)
+    except (OSError, ValueError) as e:
+        raise app.UsageError(f"bad --trace: {e}") from e
+
+
+def mooncake_specs(vocab_size: int, max_model_len: int) -> list:
+    from llmjax.bench.mooncake import load_mooncake_trace
+
+    try:
+        return load_mooncake_trace(
+            FLAGS.trace,
+            vocab_size=vocab_size,
+            block_tokens=FLAGS.mooncake_block_tokens,
+            output_scale=FLAGS.mooncake_output_scale,
+            time_scale=FLAGS.trace_time_scale,
+            max_model_len=max_model_len,
+            num_requests=FLAGS.trace_requests,
+            seed=FLAGS.seed,
+        )
     except (OSError, ValueError) as e:
         raise app.UsageError(f"bad --trace: {e}") from e
 
@@ -316,6 +364,8 @@ def build_specs(
     from llmjax.bench import workloads
 
     if FLAGS.workload == "trace":
+        if trace is None:  # Mooncake's
+            trace = mooncake_specs(vocab_size, max_model_len)
         return workloads.with_poisson_arrivals(trace, qps, FLAGS.seed) if retime_trace else trace
     kwargs = dict(qps=qps, max_model_len=max_model_len, seed=FLAGS.seed, scale=FLAGS.scale)
     if FLAGS.workload in PREFIX_WORKLOADS:
@@ -475,11 +525,27 @@ def run_variant(variant: Variant, state: dict) -> dict:
     )
     engine = llm.engine
     info = engine_info(llm)
+    if FLAGS.num_instances > 1:  # more of the same engine, behind the router
+        from llmjax.sim import SimCluster
+
+        others = [
+            build_llm(
+                variant.policy,
+                prefix_cache=variant.prefix_cache,
+                admission_order=variant.admission_order,
+                sparse_mode=variant.sparse_kv,
+            ).engine
+            for _ in range(FLAGS.num_instances - 1)
+        ]
+        engine = SimCluster([engine, *others], FLAGS.router)
+        info |= {"num_instances": FLAGS.num_instances, "router": FLAGS.router}
     _log(f"{name}: engine ready in {time.perf_counter() - t0:.1f} s: {info}")
     if "specs" not in state:
         state["max_model_len"] = llm.config.max_model_len
         state["vocab_size"] = llm.model_config.vocab_size
         qps = _qps(FLAGS.qps)
+        if FLAGS.workload == "trace" and state.get("trace") is None:  # Mooncake's, loaded once
+            state["trace"] = mooncake_specs(state["vocab_size"], state["max_model_len"])
         state["specs"] = build_specs(
             qps,
             llm.config.max_model_len,
@@ -529,8 +595,8 @@ def run_variant(variant: Variant, state: dict) -> dict:
     result = {
         "engine": info,
         "summary": summarize(outputs, **slos),
-        "engine_stats": engine.stats.as_dict(),
-        "step_times": step_times(engine.stats),
+        "engine_stats": _stats(engine).as_dict(),
+        "step_times": step_times(_stats(engine)),
         "num_compiles_during_run": engine.num_compiles - compiles,
         "output_token_ids": [list(o.token_ids) for o in outputs],
     }
@@ -567,6 +633,12 @@ def run_variant(variant: Variant, state: dict) -> dict:
     return result
 
 
+def _stats(engine):
+    """The engine's counters; a cluster's summed over its instances."""
+    total = getattr(engine, "total_stats", None)
+    return total if total is not None else engine.stats
+
+
 def _qps_given() -> bool:
     return FLAGS.workload != "trace" or FLAGS["qps"].present
 
@@ -577,7 +649,9 @@ def choose_tbt_slo(llm) -> tuple[float, dict | None]:
         return FLAGS.tbt_slo, None
     n = min(FLAGS.slo_reference_batch, llm.config.scheduler.max_num_seqs)
     ref = measure_decode_step(llm, n, num_steps=8)
-    step_s = (ref["host_ms_per_step"] + ref["device_ms_per_step"]) / 1e3
+    # a simulated step's modeled time holds its host overhead; this process's is not the device's
+    host = 0.0 if FLAGS.device == "sim" else ref["host_ms_per_step"]
+    step_s = (host + ref["device_ms_per_step"]) / 1e3
     return FLAGS.tbt_slo_factor * step_s, ref
 
 
@@ -622,6 +696,11 @@ def report(results: dict, state: dict) -> str:
                     ("pipeline bubble", "pipeline_bubble_fraction", "{:.1%}"),
                     ("pipeline idle stages", "pipeline_idle_fraction", "{:.1%}"),
                 ]
+                + (
+                    [("pipeline bubble (time)", "pipeline_time_bubble_fraction", "{:.1%}")]
+                    if FLAGS.device == "sim"
+                    else []
+                )
             ]
             if FLAGS.pp > 1
             else []
@@ -816,13 +895,27 @@ def _jsonable(obj):
     return obj
 
 
-def main(argv):
-    del argv
-    engine_flags.initialize(FLAGS)  # jax.distributed, for a multi-process run
+def device_kind() -> str:
+    if FLAGS.device == "sim":
+        return f"simulated {FLAGS.hardware} ({FLAGS.cost_model})"
     import jax
 
+    return jax.devices()[0].device_kind
+
+
+def main(argv):
+    del argv
+    if FLAGS.device != "sim":
+        engine_flags.initialize(FLAGS)  # jax.distributed, for a multi-process run
     runs = variants()
     _qps(FLAGS.qps)
+    if FLAGS.num_instances < 1:
+        raise app.UsageError(f"--num_instances={FLAGS.num_instances} must be >= 1")
+    if FLAGS.num_instances > 1 and FLAGS.device != "sim":
+        raise app.UsageError(
+            "--num_instances > 1 runs simulated instances (--device sim) for now; real ones "
+            "come with the cluster package (issue 21)"
+        )
     state: dict = {}
     if FLAGS.workload == "trace":
         state["trace"] = load_trace()
@@ -841,7 +934,7 @@ def main(argv):
     if FLAGS.json_out:
         os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
         doc = {
-            "device": jax.devices()[0].device_kind,
+            "device": device_kind(),
             "flags": {
                 f.name: f.value
                 for module in (_MODULE, engine_flags.__name__)

@@ -272,6 +272,9 @@ def test_tp_and_pp_change_the_simulated_time_as_the_model_says():
         times[tp, pp] = engine.clock.now()
         if pp > 1:
             assert 0 < engine.runner.pipeline_bubble_fraction < 1
+            # the engine's counters see the same modeled ticks
+            stats = engine.stats.pipeline_time_bubble_fraction
+            assert stats == pytest.approx(engine.runner.pipeline_bubble_fraction)
     assert times[4, 1] < times[2, 1]
 
 

@@ -350,7 +350,7 @@ class LLMEngine:
         with trace("llmjax.run", tokens=batch.num_tokens, seqs=len(batch.seqs)):
             exited, stage_tokens = self.runner.tick(step_input, sampling, batch if batch else None)
         t_update, c_update = time.perf_counter(), self.clock.now()
-        self.stats.record_tick(stage_tokens)
+        self.stats.record_tick(stage_tokens, getattr(self.runner, "last_stage_seconds", None))
         if exited is None:
             return []
         done, next_ids = exited

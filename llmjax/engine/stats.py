@@ -6,7 +6,10 @@ its largest micro-batch, so a stage holding a smaller micro-batch (or none) idle
 difference. `pipeline_bubble_fraction` = 1 - (tokens the stages computed) / (pp x the largest
 micro-batch's tokens, summed over ticks): the share of stage time spent waiting, counted in
 tokens (a shape-level measure that holds on fake devices; token count stands in for time).
-`pipeline_idle_fraction` counts whole empty stage-ticks (pipeline fill and drain)."""
+`pipeline_idle_fraction` counts whole empty stage-ticks (pipeline fill and drain). On a
+simulated device (llmjax/sim/), whose runner knows each stage's modeled seconds,
+`pipeline_time_bubble_fraction` is the same share in time: 1 - (busy stage seconds) / (pp x the
+ticks' seconds)."""
 
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ class EngineStats:
     pipeline_capacity_tokens: int = 0  # sum over ticks of pp x the tick's largest micro-batch
     num_idle_stage_ticks: int = 0  # (tick, stage) pairs with no micro-batch
     num_stage_ticks: int = 0  # (tick, stage) pairs
+    pipeline_busy_s: float = 0.0  # simulated device: sum over ticks and stages of busy seconds
+    pipeline_tick_s: float = 0.0  # simulated device: sum over ticks of pp x the tick's seconds
     # sparse_kv (llmjax/sparse/): KV bytes fetched host -> device. `h2d_bytes` counts the rows
     # each step needs (full fetches: every cached token of every layer; InfiniGen: the selected
     # rows of speculated layers); `h2d_buffer_bytes` what the static-shape buffers copy.
@@ -71,8 +76,12 @@ class EngineStats:
         self.host_time_s += host_s
         self.device_time_s += device_s
 
-    def record_tick(self, stage_tokens: list[int]) -> None:
-        """One pipeline tick: each stage's micro-batch size in tokens (0: empty)."""
+    def record_tick(self, stage_tokens: list[int], stage_seconds: list[float] | None = None):
+        """One pipeline tick: each stage's micro-batch size in tokens (0: empty) and, where the
+        runner models them, its busy seconds."""
+        if stage_seconds is not None:
+            self.pipeline_busy_s += sum(stage_seconds)
+            self.pipeline_tick_s += len(stage_seconds) * max(stage_seconds)
         self.num_pipeline_ticks += 1
         self.pipeline_stage_tokens += sum(stage_tokens)
         self.pipeline_capacity_tokens += len(stage_tokens) * max(stage_tokens)
@@ -101,6 +110,21 @@ class EngineStats:
         return 1.0 - self.pipeline_stage_tokens / cap if cap else 0.0
 
     @property
+    def pipeline_time_bubble_fraction(self) -> float | None:
+        """Simulated device: the bubble share in modeled time (None when not modeled)."""
+        return 1.0 - self.pipeline_busy_s / self.pipeline_tick_s if self.pipeline_tick_s else None
+
+    @classmethod
+    def merge(cls, stats: list[EngineStats]) -> EngineStats:
+        """Several engines' counters as one (every field summed: a cluster's totals)."""
+        if not stats:
+            raise ValueError("no stats to merge")
+        total = cls(num_pages=0)
+        for f in dataclasses.fields(cls):
+            setattr(total, f.name, sum(getattr(s, f.name) for s in stats))
+        return total
+
+    @property
     def pipeline_idle_fraction(self) -> float:
         return self.num_idle_stage_ticks / self.num_stage_ticks if self.num_stage_ticks else 0.0
 
@@ -127,6 +151,7 @@ class EngineStats:
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "pipeline_bubble_fraction": self.pipeline_bubble_fraction,
             "pipeline_idle_fraction": self.pipeline_idle_fraction,
+            "pipeline_time_bubble_fraction": self.pipeline_time_bubble_fraction,
             "h2d_bytes_per_decode_token": self.h2d_bytes_per_decode_token,
         }
         return d

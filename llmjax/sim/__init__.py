@@ -9,9 +9,12 @@ clock, with the step's duration from a cost model instead of a device (issue 20;
 `cost.py`: the step's features (`StepFeatures.from_step`, from the same `StepInput` the real
 runner gets) and the fitted cost models; `hardware.py`: named accelerators with sourced peaks and
 efficiencies; `roofline.py`: the analytic cost model, with tp and pp; `runner.py`: `SimRunner`,
-the drop-in for `ModelRunner`, and `SimConfig`. Nothing here imports jax.
+the drop-in for `ModelRunner`, and `SimConfig`; `cluster.py`: `SimCluster`, many simulated
+instances on one timeline behind a router (`round_robin`, `least_outstanding`), which
+`llmjax.bench.replay` drives as one engine. Nothing here imports jax.
 """
 
+from llmjax.sim.cluster import ROUTERS, SimCluster, make_router
 from llmjax.sim.cost import LinearCostModel, RecordedCostModel, StepFeatures
 from llmjax.sim.hardware import HARDWARE, Hardware, get_hardware
 from llmjax.sim.roofline import RooflineCostModel
@@ -22,10 +25,13 @@ __all__ = [
     "Hardware",
     "LinearCostModel",
     "RecordedCostModel",
+    "ROUTERS",
     "RooflineCostModel",
+    "SimCluster",
     "SimConfig",
     "SimRunner",
     "StepFeatures",
     "get_hardware",
+    "make_router",
     "sim_num_pages",
 ]

@@ -334,6 +334,18 @@ class SimCluster:
         for e in self.instances:
             e.reset_stats()
 
+    @property
+    def total_stats(self):
+        """Every instance's counters summed (`EngineStats.merge`)."""
+        from llmjax.engine.stats import EngineStats
+
+        return EngineStats.merge(self.stats)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty every instance's prefix cache (`LLMEngine.reset_prefix_cache`); True if all
+        are empty now."""
+        return all([e.reset_prefix_cache() for e in self.instances])
+
     # ---- inspection ------------------------------------------------------------------------
 
     def instance_of(self, request_id: str) -> int | None:

@@ -144,6 +144,7 @@ class SimRunner:
         self._slots: collections.deque = collections.deque()
         self.pipeline_busy_s = 0.0  # sum over ticks of every stage's busy time
         self.pipeline_ticks_s = 0.0  # sum over ticks of the tick's duration (host overhead out)
+        self.last_stage_seconds: list[float] | None = None  # the last tick's, per stage
         # the ids a step may emit: the vocabulary without the EOS ids (a hash picks one)
         self._ids = np.setdiff1d(np.arange(config.model.vocab_size), config.model.eos_token_ids)
 
@@ -201,6 +202,7 @@ class SimRunner:
         self.clock.advance(self.last_seconds)
         self.pipeline_busy_s += sum(busy)
         self.pipeline_ticks_s += tick
+        self.last_stage_seconds = busy
         self.num_steps += 1
         tokens = [0 if s is None else int(np.asarray(s[1].cu_q_lens)[-1]) for s in self._slots]
         exiting = self._slots.pop()
