@@ -204,12 +204,17 @@ class RadixCache(PrefixCache):
         ps = self.page_size
         node, pos = self.root, 0
         while pos < len(key) and (child := node.children.get(key[pos : pos + ps])) is not None:
-            k = 1  # the first page matches (it is the child's key)
-            while k < len(child.pages) and (
-                child.token_ids[k * ps : (k + 1) * ps] == key[pos + k * ps : pos + (k + 1) * ps]
-            ):
-                k += 1
-            partial = k < len(child.pages)  # (the caller may split `child` while we wait)
+            n = len(child.pages)
+            edge = child.token_ids
+            if key[pos : pos + len(edge)] == edge:  # the whole edge (one C-level comparison)
+                k = n
+            else:
+                k = 1  # the first page matches (it is the child's key)
+                while (
+                    k < n and edge[k * ps : (k + 1) * ps] == key[pos + k * ps : pos + (k + 1) * ps]
+                ):
+                    k += 1
+            partial = k < n  # (the caller may split `child` while we wait)
             yield child, pos, k
             if partial:
                 return

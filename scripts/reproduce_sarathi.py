@@ -1,0 +1,188 @@
+r"""Sarathi-Serve's capacity results at scale, on the simulated device: Sarathi-Serve vs vLLM's
+prefill-first policy, capacity under a P99 TBT SLO with P50 scheduling delay <= 2 s, for the
+paper's three deployments (ALGORITHMS.md §3.4), and the pipeline bubbles of chunked prefill.
+
+    python scripts/reproduce_sarathi.py                     # all of it, 2 jobs at once
+    python scripts/reproduce_sarathi.py --models mistral-7b --datasets sharegpt --slos strict
+
+Each (model, dataset, SLO) runs `scripts/simulate.py --capacity_search` in a subprocess with both
+policies: Sarathi-Serve at the paper's token budget (512 under the strict SLO, 2048 under the
+relaxed one) and prefill_first (vLLM: whole prompts, decodes paused; budget = max_model_len),
+max_num_seqs 128, memory utilization 0.8, Poisson arrivals of --num_requests requests with the
+published length statistics (llmjax.bench.workloads SHAREGPT / ARXIV). The table puts our
+capacity ratio beside the paper's headline for the deployment (abstract: 2.6x Mistral-7B on one
+A100, up to 3.7x Yi-34B on two, up to 5.6x Falcon-180B at TP4 x PP2 over two nodes); the
+pipeline row compares the modeled bubble (share of stage time waiting) of the two policies on
+Falcon-180B at the same rate (SARATHI, arXiv 2308.16369: 6.29x fewer bubbles on GPT-3 with PP).
+All figures are simulated (roofline cost model, llmjax/sim/roofline.py); --json_out keeps every
+trial.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl import app, flags
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+
+# name: (model preset, hardware, tp, pp, max_model_len, (strict, relaxed) P99 TBT SLO s, paper)
+DEPLOYMENTS = {
+    "mistral-7b": ("mistral-7b-instruct-v0.2", "a100-80gb-pcie", 1, 1, 8192, (0.1, 0.5), 2.6),
+    "yi-34b": ("yi-34b", "a100-80gb-pcie", 2, 1, 8192, (0.2, 1.0), 3.7),
+    "falcon-180b": ("falcon-180b", "a100-80gb-pcie", 4, 2, 4096, (1.0, 5.0), 5.6),
+}
+BUDGETS = {"strict": 512, "relaxed": 2048}  # Sarathi-Serve's chunk_size per SLO (§3.3)
+PAPER_BUBBLE_REDUCTION = 6.29  # SARATHI: GPT-3 with PP on 64 A100s
+
+flags.DEFINE_list("models", list(DEPLOYMENTS), f"Deployments: {list(DEPLOYMENTS)}.")
+flags.DEFINE_list("datasets", ["sharegpt", "arxiv"], "Length statistics (sharegpt, arxiv).")
+flags.DEFINE_list("slos", ["strict", "relaxed"], "Which TBT SLOs (strict, relaxed).")
+flags.DEFINE_integer("num_requests", 512, "Requests per capacity trial (the paper: 2048).")
+flags.DEFINE_integer("capacity_max_iters", 12, "Trials per capacity search.")
+flags.DEFINE_float("bubble_qps", 0.3, "Falcon-180B's arrival rate for the bubble comparison.")
+flags.DEFINE_integer("jobs", 2, "Simulations run at once (one core each).")
+flags.DEFINE_integer("seed", 0, "Workload seed.")
+flags.DEFINE_string("json_out", "out/reproduce_sarathi.json", "Where to write the results.")
+FLAGS = flags.FLAGS
+
+
+def simulate(args: list[str]) -> dict:
+    """Run scripts/simulate.py with `args`; its JSON."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "sim.json")
+        cmd = [sys.executable, os.path.join(SCRIPTS, "simulate.py"), *args, f"--json_out={out}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def deployment_args(name: str) -> list[str]:
+    model, hardware, tp, pp, max_len, _, _ = DEPLOYMENTS[name]
+    return [
+        f"--model={model}",
+        f"--hardware={hardware}",
+        f"--tp={tp}",
+        f"--pp={pp}",
+        f"--max_model_len={max_len}",
+        "--max_num_seqs=128",
+        "--memory_utilization=0.8",
+        f"--seed={FLAGS.seed}",
+    ]
+
+
+def capacity_job(name: str, dataset: str, slo: str) -> dict:
+    strict, relaxed = DEPLOYMENTS[name][5]
+    tbt_slo = strict if slo == "strict" else relaxed
+    doc = simulate(
+        [
+            *deployment_args(name),
+            "--policies=sarathi,prefill_first",
+            f"--workload={dataset}",
+            f"--num_requests={FLAGS.num_requests}",
+            f"--max_num_batched_tokens={BUDGETS[slo]}",
+            "--capacity_search",
+            f"--capacity_max_iters={FLAGS.capacity_max_iters}",
+            "--capacity_start_qps=0.5",
+            f"--tbt_slo={tbt_slo}",
+            "--qps=0.5",
+        ]
+    )
+    caps = {p: v["capacity"]["capacity_qps"] for p, v in doc["variants"].items()}
+    return {
+        "deployment": name,
+        "dataset": dataset,
+        "slo": slo,
+        "tbt_slo": tbt_slo,
+        "capacity_qps": caps,
+        "ratio": caps["sarathi"] / caps["prefill_first"] if caps["prefill_first"] else None,
+        "paper": DEPLOYMENTS[name][6],
+        "simulation": doc.get("simulation"),
+        "trials": {p: v["capacity"]["trials"] for p, v in doc["variants"].items()},
+    }
+
+
+def bubble_job() -> dict:
+    doc = simulate(
+        [
+            *deployment_args("falcon-180b"),
+            "--policies=sarathi,prefill_first",
+            "--workload=sharegpt",
+            f"--num_requests={FLAGS.num_requests}",
+            "--max_num_batched_tokens=512",
+            f"--qps={FLAGS.bubble_qps}",
+            "--tbt_slo=1.0",
+        ]
+    )
+    bubble = {
+        p: v["engine_stats"]["pipeline_time_bubble_fraction"] for p, v in doc["variants"].items()
+    }
+    return {"qps": FLAGS.bubble_qps, "bubble": bubble}
+
+
+def report(rows: list[dict], bubble: dict | None) -> str:
+    from llmjax.bench.metrics import format_table
+
+    table = [
+        [
+            r["deployment"],
+            r["dataset"],
+            f"{r['slo']} ({r['tbt_slo']:g} s)",
+            f"{r['capacity_qps']['sarathi']:.3f}",
+            f"{r['capacity_qps']['prefill_first']:.3f}",
+            f"{r['ratio']:.2f}x" if r["ratio"] else "-",
+            f"{r['paper']}x",
+        ]
+        for r in rows
+    ]
+    header = ["deployment", "dataset", "P99 TBT SLO", "sarathi qps", "vllm qps", "ours", "paper"]
+    lines = [
+        "Sarathi-Serve vs prefill-first capacity (simulated, roofline on A100-80GB; "
+        f"{FLAGS.num_requests} requests per trial)",
+        format_table(header, table),
+    ]
+    if bubble:
+        b = bubble["bubble"]
+        ratio = b["prefill_first"] / b["sarathi"] if b["sarathi"] else float("inf")
+        lines += [
+            "",
+            f"Falcon-180B TP4 x PP2 pipeline bubble at {bubble['qps']} qps: sarathi "
+            f"{b['sarathi']:.1%}, prefill_first {b['prefill_first']:.1%} ({ratio:.2f}x fewer; "
+            f"SARATHI paper on GPT-3: {PAPER_BUBBLE_REDUCTION}x)",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    bad = [m for m in FLAGS.models if m not in DEPLOYMENTS]
+    bad += [d for d in FLAGS.datasets if d not in ("sharegpt", "arxiv")]
+    bad += [s for s in FLAGS.slos if s not in BUDGETS]
+    if bad:
+        raise app.UsageError(f"unknown {bad}")
+    jobs = [(m, d, s) for m in FLAGS.models for d in FLAGS.datasets for s in FLAGS.slos]
+    with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:
+        bubble_future = pool.submit(bubble_job) if "falcon-180b" in FLAGS.models else None
+        futures = [pool.submit(capacity_job, *j) for j in jobs]
+        rows = []
+        for j, f in zip(jobs, futures, strict=True):
+            rows.append(f.result())
+            print(f"done {j}: {rows[-1]['capacity_qps']}", file=sys.stderr, flush=True)
+        bubble = bubble_future.result() if bubble_future else None
+    print(report(rows, bubble), flush=True)
+    if FLAGS.json_out:
+        os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"capacity": rows, "pipeline_bubble": bubble}, f, indent=1)
+        print(f"wrote {FLAGS.json_out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
