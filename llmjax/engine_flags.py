@@ -165,6 +165,13 @@ def _define_sim_flags(f: dict) -> None:
     flags.DEFINE_string(
         "cost_profile", None, "--cost_model fitted: a JSON of scripts/profile_step.py.", **f
     )
+    flags.DEFINE_bool(
+        "sim_padded",
+        False,
+        "--device sim --cost_model roofline: charge each step's padded bucket shape (as llmjax's "
+        "jitted steps run) instead of its real tokens (as an unpadded GPU engine runs).",
+        **f,
+    )
     flags.DEFINE_float(
         "memory_utilization",
         0.9,
@@ -439,6 +446,7 @@ def llm_kwargs(values: flags.FlagValues) -> dict:
             hardware=values.hardware,
             profile=values.cost_profile,
             memory_utilization=values.memory_utilization,
+            padded=values.sim_padded,
         )
         del kwargs["load_format"]  # a simulated device loads no weights
     overrides = config_overrides(values)

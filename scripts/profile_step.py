@@ -34,6 +34,12 @@ flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Requests per workload.")
 flags.DEFINE_list("prompt_lens", ["32", "256"], "Prompt tokens per request.")
 flags.DEFINE_integer("max_tokens", 16, "New tokens per request.")
 flags.DEFINE_integer("max_num_batched_tokens", 256, "The engine's token budget per step.")
+flags.DEFINE_integer(
+    "max_num_seqs",
+    None,
+    "The engine's max_num_seqs (default: the largest batch size). Steps run S = min(T, "
+    "max_num_seqs) sequence rows, so profile with the serving engine's value.",
+)
 flags.DEFINE_integer("max_model_len", 2048, "The engine's max_model_len.")
 flags.DEFINE_integer("holdout_every", 4, "Every n-th recorded step is held out of the fit.")
 flags.DEFINE_integer("seed", 0, "Prompt seed.")
@@ -130,7 +136,7 @@ def main(argv):
         dtype=FLAGS.dtype,
         quantization=FLAGS.quantization,
         max_model_len=FLAGS.max_model_len,
-        max_num_seqs=max(batch_sizes),
+        max_num_seqs=FLAGS.max_num_seqs or max(batch_sizes),
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
     )
     rows = record_steps(llm, batch_sizes, prompt_lens, FLAGS.max_tokens, FLAGS.seed, FLAGS.fit_to)

@@ -89,25 +89,29 @@ def test_simulated_engine_makes_the_real_engines_decisions_step_by_step():
 
 
 def _random_steps(rng, n):
+    """Steps packed as `pack` pads them: T tokens up to a power of two, S >= the sequences."""
     from llmjax.model.step_input import StepInput
 
     steps = []
     for _ in range(n):
-        S = int(rng.integers(1, 9))
-        q = rng.integers(1, 3, S) * rng.choice([1, 1, 17], S)  # decodes and prefill chunks
-        kv = q + rng.integers(0, 300, S)
+        num = int(rng.integers(1, 9))
+        q = rng.integers(1, 3, num) * rng.choice([1, 1, 17], num)  # decodes and prefill chunks
+        kv = q + rng.integers(0, 300, num)
         cu = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
-        T = int(cu[-1])
+        T = 1 << int(cu[-1] - 1).bit_length()
+        S = num + int(rng.integers(0, 4))
+        cu = np.concatenate([cu, np.full(S - num, cu[-1])]).astype(np.int32)
+        kv = np.concatenate([kv, np.zeros(S - num)]).astype(np.int32)
         steps.append(
             StepInput(
                 np.zeros(T, np.int32),
                 np.zeros(T, np.int32),
                 np.zeros(T, np.int32),
                 cu,
-                kv.astype(np.int32),
+                kv,
                 np.zeros((S, 1), np.int32),
-                np.array([S], np.int32),
-                cu[1:] - 1,
+                np.array([num], np.int32),
+                np.maximum(cu[1:] - 1, 0),
             )
         )
     return steps
@@ -115,21 +119,25 @@ def _random_steps(rng, n):
 
 def test_features_and_a_least_squares_fit_recover_a_linear_cost():
     rng = np.random.default_rng(0)
-    steps = _random_steps(rng, 200)
+    steps = _random_steps(rng, 600)
     f = StepFeatures.from_step(steps[0])
-    q = np.diff(steps[0].cu_q_lens)
-    kv = steps[0].kv_lens
+    num = int(steps[0].num_seqs[0])
+    q = np.diff(steps[0].cu_q_lens)[:num]
+    kv = steps[0].kv_lens[:num]
     assert f.tokens == q.sum() and f.decodes == (q == 1).sum()
     assert f.prefill_attention == (q * kv)[q > 1].sum() and f.decode_context == kv[q == 1].sum()
-    true = LinearCostModel((2e-3, 1e-5, 2e-8, 4e-5, 1e-7))
+    assert (f.padded_tokens, f.padded_seqs) == (len(steps[0].token_ids), len(steps[0].kv_lens))
+    true = LinearCostModel((2e-3, 1e-5, 2e-8, 4e-5, 1e-7, 3e-6, 5e-5))
     feats = [StepFeatures.from_step(s) for s in steps]
     noisy = [true.step_seconds(x) * (1 + 0.01 * rng.standard_normal()) for x in feats]
-    fitted = LinearCostModel.fit(feats[:150], noisy[:150])
-    held_out = [true.step_seconds(x) for x in feats[150:]]
-    assert fitted.relative_error(feats[150:], held_out) < 0.02
+    fitted = LinearCostModel.fit(feats[:500], noisy[:500])
+    held_out = [true.step_seconds(x) for x in feats[500:]]
+    assert fitted.relative_error(feats[500:], held_out) < 0.02
     np.testing.assert_allclose(fitted.coefficients, true.coefficients, rtol=0.1)
     with pytest.raises(ValueError, match="features"):
-        LinearCostModel((1.0, 2.0))
+        LinearCostModel((1.0,) * (len(FEATURES) + 1))
+    # fewer coefficients are the first features' (the padded-shape terms 0)
+    assert LinearCostModel((1.0, 2.0)).coefficients == (1.0, 2.0) + (0.0,) * (len(FEATURES) - 2)
     with pytest.raises(ValueError, match="feature rows"):
         LinearCostModel.fit(feats[:3], [1.0])
     assert len(FEATURES) == len(true.coefficients)
@@ -166,7 +174,9 @@ def test_sim_runner_tokens_clock_and_config_checks():
 
     with pytest.raises(ValueError, match="sparse_kv"):
         SimRunner(
-            dataclasses.replace(config, sparse_kv=SparseKVConfig(mode="offload")), 64, VirtualClock()
+            dataclasses.replace(config, sparse_kv=SparseKVConfig(mode="offload")),
+            64,
+            VirtualClock(),
         )
     with pytest.raises(ValueError, match="VirtualClock"):
         from llmjax.engine.clock import WALL_CLOCK

@@ -296,3 +296,30 @@ def test_llm_with_a_simulated_device_starts_without_jax():
         [sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True, text=True
     )
     assert float(out.stdout) < 5
+
+
+def test_padded_roofline_charges_the_bucket_not_the_tokens():
+    model = configs.PRESETS["llama2-7b"]
+    f = dataclasses.replace(_prefill(65, 65), padded_tokens=128, padded_seqs=64)
+    exact = RooflineCostModel(model, "h100-sxm").layer_seconds(f)
+    padded = RooflineCostModel(model, "h100-sxm", padded=True).layer_seconds(f)
+    full = RooflineCostModel(model, "h100-sxm").layer_seconds(_prefill(128, 128))
+    assert padded["mlp_up"] == pytest.approx(full["mlp_up"]) and padded["mlp_up"] > exact["mlp_up"]
+    assert padded["prefill_attention"] == exact["prefill_attention"]  # kernels skip padding
+    engine_cfg = EngineConfig(
+        model=model, dtype="bfloat16", device="sim", sim=SimConfig(hardware="h100-sxm", padded=True)
+    )
+    from llmjax.sim.runner import make_cost_model
+
+    assert make_cost_model(engine_cfg).padded
+
+
+def test_stats_of_instances_merge_by_summing():
+    from llmjax.engine.stats import EngineStats
+
+    a, b = EngineStats(num_pages=10, num_steps=3), EngineStats(num_pages=5, num_steps=4)
+    a.host_time_s, b.host_time_s = 0.5, 0.25
+    total = EngineStats.merge([a, b])
+    assert (total.num_pages, total.num_steps, total.host_time_s) == (15, 7, 0.75)
+    with pytest.raises(ValueError):
+        EngineStats.merge([])

@@ -22,10 +22,10 @@ from llmjax.sim.runner import SimConfig, SimRunner, sim_num_pages
 
 __all__ = [
     "HARDWARE",
+    "ROUTERS",
     "Hardware",
     "LinearCostModel",
     "RecordedCostModel",
-    "ROUTERS",
     "RooflineCostModel",
     "SimCluster",
     "SimConfig",

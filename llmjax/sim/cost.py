@@ -3,7 +3,12 @@
 The features are the ones Vidur's and DistServe's latency models use (ALGORITHMS.md §12.1,
 §7.2): token-level work is linear in the step's tokens; prefill attention grows with the sum
 over prefill chunks of chunk_len x context_len; decode attention with the decode batch and the
-sum of its contexts; plus a per-step constant. A model predicts seconds from them.
+sum of its contexts; plus a per-step constant. Two more are llmjax's own: a jitted step runs at
+its padded bucket shape (`llmjax/engine/batch.py`: T tokens rounded up to a power of two, S =
+min(T, max_num_seqs) sequence rows, each through the LM head), so what it costs on a real device
+follows `padded_tokens` and `padded_seqs` as much as the real tokens (measured on this CPU: a
+122-token prefill in a T=128, S=64 bucket takes 155 ms, a fit without them predicts 119). A
+model predicts seconds from them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ FEATURES = (
     "prefill_attention",  # sum over prefill chunks of chunk_len x kv_len (keys they attend)
     "decodes",  # sequences with one new token (DistServe's batch-size term)
     "decode_context",  # sum of the decodes' kv_len
+    "padded_tokens",  # T, the step's token bucket
+    "padded_seqs",  # S, its sequence rows (each through the LM head)
 )
 
 
@@ -28,7 +35,8 @@ class StepFeatures:
     that the analytic model (llmjax/sim/roofline.py) reads: `prefill_pairs`, the causal
     (query, key) pairs of the prefill chunks (sum of chunk_len x kv_len - chunk_len x
     (chunk_len - 1) / 2); `prefill_context`, the keys the chunks read (sum of their kv_len);
-    `seqs`, the sequences (rows through the LM head)."""
+    `seqs`, the sequences; `padded_tokens` and `padded_seqs`, the bucket (T, S) the step ran at
+    (the last two are FEATURES too)."""
 
     tokens: int
     prefill_attention: int
@@ -37,6 +45,8 @@ class StepFeatures:
     prefill_pairs: int = 0
     prefill_context: int = 0
     seqs: int = 0
+    padded_tokens: int = 0
+    padded_seqs: int = 0
 
     @classmethod
     def from_step(cls, step) -> StepFeatures:
@@ -54,28 +64,34 @@ class StepFeatures:
             prefill_pairs=int((qp * kvp - qp * (qp - 1) // 2).sum()),
             prefill_context=int(kvp.sum()),
             seqs=n,
+            padded_tokens=len(step.token_ids),
+            padded_seqs=len(step.kv_lens),
         )
 
     def vector(self) -> np.ndarray:
         """[len(FEATURES)] float64, in FEATURES' order."""
         return np.array(
-            [1.0, self.tokens, self.prefill_attention, self.decodes, self.decode_context],
+            [1.0, self.tokens, self.prefill_attention, self.decodes, self.decode_context,
+             self.padded_tokens, self.padded_seqs],
             np.float64,
         )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class LinearCostModel:
-    """seconds = coefficients . features (FEATURES' order), at least `min_seconds`."""
+    """seconds = coefficients . features (FEATURES' order), at least `min_seconds`. Fewer
+    coefficients than features are the first ones (the rest 0: e.g. a model of unpadded work)."""
 
     coefficients: tuple[float, ...]
     min_seconds: float = 0.0
 
     def __post_init__(self):
-        if len(self.coefficients) != len(FEATURES):
+        if not 1 <= len(self.coefficients) <= len(FEATURES):
             raise ValueError(
                 f"{len(self.coefficients)} coefficients for {len(FEATURES)} features {FEATURES}"
             )
+        padded = tuple(self.coefficients) + (0.0,) * (len(FEATURES) - len(self.coefficients))
+        object.__setattr__(self, "coefficients", tuple(float(c) for c in padded))
         if not all(np.isfinite(self.coefficients)):
             raise ValueError(f"coefficients must be finite: {self.coefficients}")
 
@@ -92,8 +108,9 @@ class LinearCostModel:
         y = np.asarray(seconds, np.float64)
         used = np.ptp(X, axis=0) > 0
         used[0] = True  # the constant
+        scale = np.abs(X[:, used]).max(axis=0)  # columns of one magnitude, for the solver
         coef = np.zeros(len(FEATURES))
-        coef[used] = np.linalg.lstsq(X[:, used], y, rcond=None)[0]
+        coef[used] = np.linalg.lstsq(X[:, used] / scale, y, rcond=None)[0] / scale
         return cls(tuple(float(c) for c in coef))
 
     @classmethod
@@ -103,7 +120,8 @@ class LinearCostModel:
 
         with open(path) as f:
             profile = json.load(f)
-        if tuple(profile.get("features", ())) != FEATURES:
+        names = tuple(profile.get("features", ()))
+        if not names or names != FEATURES[: len(names)]:
             raise ValueError(f"{path}: features {profile.get('features')} are not {FEATURES}")
         steps = profile["steps"]
         return cls.fit(

@@ -19,7 +19,11 @@ fewer than tp are repeated, as the engine does), each operator takes
   and MLP run in parallel and are summed before one reduce, as vLLM does), each a ring:
   latency + 2 (tp - 1) / tp x bytes / (link bandwidth x efficiency).
 
-A step also runs the LM head over its sequences' last rows (on the last stage) and, with pp > 1,
+`padded=True` charges the projections, the element-wise work and the LM head at the step's
+padded bucket shape (T tokens, S rows: llmjax's jitted steps run at their bucket; attention
+kernels skip the padding), as llmjax itself runs; False (the default) at the real token count,
+as an unpadded GPU engine (vLLM, Sarathi-Serve) runs. A step also runs the LM head over its
+sequences' last rows (on the last stage) and, with pp > 1,
 sends the activations between stages (over the node's links while the tp x pp devices fit in one
 node, else the network). `stage_seconds` gives each stage's time for one micro-batch;
 `step_seconds` their sum plus the per-step host overhead.
@@ -97,6 +101,7 @@ class RooflineCostModel:
     dtype: str = "bfloat16"
     tp: int = 1
     pp: int = 1
+    padded: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "hardware", get_hardware(self.hardware))
@@ -135,9 +140,9 @@ class RooflineCostModel:
     def layer_seconds(self, f: StepFeatures) -> dict[str, float]:
         """One decoder layer's time on one device, by operator."""
         m, hw, tp, b = self.model, self.hardware, self.tp, DTYPE_BYTES[self.dtype]
-        T = f.tokens
-        if T == 0:
+        if f.tokens == 0:
             return {}
+        T = max(f.tokens, f.padded_tokens) if self.padded else f.tokens
         h, hd, ffn = m.hidden_size, m.head_dim, m.intermediate_size / tp
         heads, kvd = m.num_heads / tp, kv_heads_per_device(m, tp)
         t = {
@@ -146,7 +151,7 @@ class RooflineCostModel:
             "mlp_up": self._matmul(T, h, (mlp_matrices(m) - 1) * ffn),
             "mlp_down": self._matmul(T, ffn, h),
         }
-        prefill_tokens = T - f.decodes
+        prefill_tokens = f.tokens - f.decodes
         t["prefill_attention"] = self._op(
             4 * f.prefill_pairs * hd * heads,
             b * (2 * prefill_tokens * heads * hd + 2 * f.prefill_context * kvd * hd),
@@ -176,6 +181,8 @@ class RooflineCostModel:
         layer = sum(self.layer_seconds(f).values())
         base, extra = divmod(m.num_layers, self.pp)
         rows = f.seqs or f.decodes or 1
+        if self.padded:
+            rows = max(rows, f.padded_seqs)
         lm_head = self._matmul(rows, m.hidden_size, m.vocab_size / self.tp)
         lm_head += self._allreduce(b * rows * m.vocab_size / self.tp)  # gather of the logits
         across_nodes = self.tp * self.pp > hw.devices_per_node

@@ -62,12 +62,15 @@ class SimConfig:
     profile: the profile JSON of 'fitted'.
     memory_utilization: the fraction of each device's memory for weights and KV pages
         (vLLM's gpu_memory_utilization; Sarathi-Serve runs with 0.8 on its evaluation).
+    padded: 'roofline' charges the step's padded bucket shape, as llmjax's jitted steps run
+        (False: the real tokens, as an unpadded GPU engine runs; see llmjax/sim/roofline.py).
     """
 
     cost_model: object = "roofline"
     hardware: object = "a100-80gb"
     profile: str | None = None
     memory_utilization: float = 0.9
+    padded: bool = False
 
     def __post_init__(self):
         if isinstance(self.cost_model, str):
@@ -91,9 +94,8 @@ def make_cost_model(config: EngineConfig):
     """The cost model object that `config.sim` names, for `config`'s model and parallelism."""
     sim = config.sim
     if sim.cost_model == "roofline":
-        return RooflineCostModel(
-            config.model, sim.hardware, config.dtype, config.parallel.tp, config.parallel.pp
-        )
+        p = config.parallel
+        return RooflineCostModel(config.model, sim.hardware, config.dtype, p.tp, p.pp, sim.padded)
     if sim.cost_model == "fitted":
         return LinearCostModel.from_profile(sim.profile)
     return sim.cost_model
