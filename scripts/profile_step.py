@@ -111,7 +111,8 @@ def record_steps(
 
 def measure_roofline(dtype: str, step_overhead_s: float) -> dict:
     """This machine's read bandwidth (a 256 MiB float32 sum) and matmul rate (1024^3 in
-    `dtype`), best of a few runs, with the fitted per-step constant as the host overhead."""
+    `dtype`), best of a few runs, with the engine's measured host seconds per step (the median
+    of step minus run) as the host overhead."""
     from llmjax.roofline import measure_matmul_flops, measure_read_bandwidth
 
     return {
@@ -174,7 +175,8 @@ def main(argv):
         "steps": rows,
     }
     if FLAGS.roofline:
-        result["roofline"] = measure_roofline(FLAGS.dtype, model.coefficients[0])
+        host = float(np.median([r["step_seconds"] - r["device_seconds"] for r in rows]))
+        result["roofline"] = measure_roofline(FLAGS.dtype, host)
         r = result["roofline"]
         print(
             f"roofline: read {r['read_bytes_per_s'] / 1e9:.1f} GB/s, matmul "

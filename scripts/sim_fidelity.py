@@ -87,8 +87,8 @@ def main(argv):
             f"--model={FLAGS.model}",
             f"--dtype={FLAGS.dtype}",
             "--batch_sizes=1,4,16,32",
-            "--prompt_lens=16,64,256",
-            "--max_num_batched_tokens=512",
+            "--prompt_lens=16,64,256,1024",
+            "--max_num_batched_tokens=2048",  # prefill_first's whole-prompt steps are large
             f"--max_num_seqs={FLAGS.max_num_seqs}",
             "--roofline",
         )

@@ -27,7 +27,7 @@ efficiencies are defaults to be replaced by one's own measurements (`dataclasses
 
 `cpu_from_profile(path)` makes the host CPU a `Hardware` from the rooflines that
 `scripts/profile_step.py --roofline` measured (efficiencies 1: the measured rates are achieved
-ones).
+ones) and the engine's measured host time per step as the overhead.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def get_hardware(name_or_hardware) -> Hardware:
 def cpu_from_profile(path: str) -> Hardware:
     """The CPU that `scripts/profile_step.py --roofline` ran on, from the read bandwidth and
     matmul rate it measured ("roofline" in its JSON); efficiencies 1 (measured rates are
-    achieved ones) and the measured per-step constant as the host overhead."""
+    achieved ones) and the engine's measured host seconds per step as the overhead."""
     try:
         with open(path) as f:
             profile = json.load(f)
