@@ -144,9 +144,9 @@ def test_simulate_script_runs_benchmarks_tables_on_a_simulated_cluster(tmp_path)
     if not os.path.exists(trace):
         trace = str(tmp_path / "trace.jsonl")  # a few lines in Mooncake's format
         rows = [
-            {"timestamp": 300 * i, "input_length": 700 + 50 * i, "output_length": 20 + i,
-             "hash_ids": [0, 10 + i]}
-            for i in range(12)
+            {"timestamp": 300 * i, "input_length": 600 + 10 * i, "output_length": 20 + i,
+             "hash_ids": [0, 10 + i % 5]}
+            for i in range(24)
         ]  # fmt: skip
         with open(trace, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
