@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmark  # scripts/benchmark.py: the flags, workloads, replay and report
 
 FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(benchmark)  # --help lists benchmark.py's and the engine's flags
 for name, value in {
     "device": "sim",
     "model": "mistral-7b-instruct-v0.2",
