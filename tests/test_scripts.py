@@ -157,7 +157,8 @@ def test_simulate_script_runs_benchmarks_tables_on_a_simulated_cluster(tmp_path)
         f"--json_out={out}",
     ).stdout  # fmt: skip
     assert "TTFT P99 ms" in stdout and "simulation:" in stdout and "steps/s" in stdout
-    help_text = _run("simulate.py", "--help").stdout  # benchmark.py's and the engine's flags
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "simulate.py"), "--help"]
+    help_text = subprocess.run(cmd, capture_output=True, text=True, env=ENV).stdout
     assert "--num_instances" in help_text and "--hardware" in help_text and "--qps" in help_text
     doc = json.loads(out.read_text())
     assert doc["device"].startswith("simulated a100-80gb")
