@@ -49,6 +49,7 @@ from typing import NamedTuple
 from absl import app, flags
 
 from llmjax import engine_flags
+from llmjax.cluster.router import ROUTERS
 
 engine_flags.define_flags()  # --model, --dtype, --tp, ..., --config.*: as every script
 flags.adopt_module_key_flags(engine_flags)  # listed by --help, not only --helpfull
@@ -207,8 +208,10 @@ flags.DEFINE_integer(
 flags.DEFINE_enum(
     "router",
     "round_robin",
-    ["round_robin", "least_outstanding"],
-    "With --num_instances > 1: which instance each request goes to (llmjax.sim.ROUTERS).",
+    list(ROUTERS),
+    "With --num_instances > 1: which instance each request goes to (llmjax.cluster.ROUTERS): "
+    "round_robin, least_outstanding, power_of_two (the less loaded of two at random), "
+    "cache_aware (sglang-router's: longest prefix match unless the load is imbalanced).",
 )
 flags.DEFINE_string("json_out", "out/benchmark.json", "Where to write the results ('' = nowhere).")
 flags.DEFINE_string(

@@ -49,21 +49,35 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
 
+from llmjax.cluster.router import (  # re-exported: the router interface moved there
+    ROUTERS,
+    CacheAware,
+    InstanceLoad,
+    LeastOutstanding,
+    PowerOfTwo,
+    RoundRobin,
+    Router,
+    RouteRequest,
+    make_router,
+)
 from llmjax.engine.request import RequestOutput
 from llmjax.sampling_params import SamplingParams
 
-
-@dataclasses.dataclass(frozen=True)
-class RouteRequest:
-    """A request being routed: its cluster-wide id, prompt, arrival time (seconds on the
-    simulated timeline) and sampling params."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    arrival_time: float
-    sampling_params: SamplingParams
+__all__ = [  # with the router interface of llmjax.cluster.router, re-exported
+    "ROUTERS",
+    "CacheAware",
+    "ClusterClock",
+    "InstanceLoad",
+    "InstanceView",
+    "LeastOutstanding",
+    "PowerOfTwo",
+    "RoundRobin",
+    "RouteRequest",
+    "Router",
+    "SimCluster",
+    "make_router",
+]
 
 
 class InstanceView:
@@ -127,51 +141,6 @@ class InstanceView:
             f"InstanceView(index={self.index}, now={self.now}, "
             f"outstanding={self.num_outstanding}, free_at={self.free_at})"
         )
-
-
-class Router(Protocol):
-    """Picks the instance of each arriving request: the index into `instances` (all of them,
-    in index order, as of `now`, the routing time)."""
-
-    name: str
-
-    def route(
-        self, request: RouteRequest, instances: Sequence[InstanceView], now: float
-    ) -> int: ...
-
-
-class RoundRobin:
-    """Instance 0, 1, ..., n - 1, 0, ... in arrival order."""
-
-    name = "round_robin"
-
-    def __init__(self):
-        self._next = 0
-
-    def route(self, request, instances, now) -> int:
-        i = self._next % len(instances)
-        self._next += 1
-        return i
-
-
-class LeastOutstanding:
-    """Vidur's 'lor': the instance with the fewest outstanding requests, ties to the lowest
-    index."""
-
-    name = "least_outstanding"
-
-    def route(self, request, instances, now) -> int:
-        return min(instances, key=lambda v: (v.num_outstanding, v.index)).index
-
-
-ROUTERS = {r.name: r for r in (RoundRobin, LeastOutstanding)}
-
-
-def make_router(name: str, **kwargs) -> Router:
-    """A router of ROUTERS by name, built with `kwargs`."""
-    if name not in ROUTERS:
-        raise ValueError(f"unknown router {name!r}; choose one of {sorted(ROUTERS)}")
-    return ROUTERS[name](**kwargs)
 
 
 @dataclasses.dataclass
