@@ -10,8 +10,9 @@ clock, with the step's duration from a cost model instead of a device (issue 20;
 runner gets) and the fitted cost models; `hardware.py`: named accelerators with sourced peaks and
 efficiencies; `roofline.py`: the analytic cost model, with tp and pp; `runner.py`: `SimRunner`,
 the drop-in for `ModelRunner`, and `SimConfig`; `cluster.py`: `SimCluster`, many simulated
-instances on one timeline behind a router (`round_robin`, `least_outstanding`), which
-`llmjax.bench.replay` drives as one engine. Nothing here imports jax.
+instances on one timeline behind a router (llmjax/cluster/router.py: `round_robin`,
+`least_outstanding`, `power_of_two`, `cache_aware`), which `llmjax.bench.replay` drives as one
+engine. Nothing here imports jax.
 """
 
 from llmjax.sim.cluster import ROUTERS, SimCluster, make_router
