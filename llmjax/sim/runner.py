@@ -10,8 +10,9 @@ behaves as on hardware; a request ends at its `max_tokens` (a workload's output 
 With pp > 1 the pipeline runs as llmjax's does on hardware (llmjax/parallel/pipeline.py): one
 tick moves every micro-batch in flight one stage on, all stages at once, so a tick lasts as long
 as its slowest stage (plus the host's overhead); the time other stages wait is the bubble
-(`pipeline_bubble_fraction`). KV memory is the engine's real page layout: `sim_num_pages` sizes
-the cache from the hardware's memory, as `LLM` does on a device.
+(each tick's `last_stage_seconds` go to `EngineStats.pipeline_time_bubble_fraction`). KV
+memory is the engine's real page layout: `sim_num_pages` sizes the cache from the hardware's
+memory, as `LLM` does on a device.
 """
 
 from __future__ import annotations
@@ -144,8 +145,6 @@ class SimRunner:
         self.last_seconds = 0.0
         # pp > 1: the micro-batches in flight, stage 0 first: (tag, step, stage seconds)
         self._slots: collections.deque = collections.deque()
-        self.pipeline_busy_s = 0.0  # sum over ticks of every stage's busy time
-        self.pipeline_ticks_s = 0.0  # sum over ticks of the tick's duration (host overhead out)
         self.last_stage_seconds: list[float] | None = None  # the last tick's, per stage
         # the ids a step may emit: the vocabulary without the EOS ids (a hash picks one)
         self._ids = np.setdiff1d(np.arange(config.model.vocab_size), config.model.eos_token_ids)
@@ -202,8 +201,6 @@ class SimRunner:
         overhead = float(getattr(self.cost_model, "tick_overhead_s", 0.0))
         self.last_seconds = tick + overhead
         self.clock.advance(self.last_seconds)
-        self.pipeline_busy_s += sum(busy)
-        self.pipeline_ticks_s += tick
         self.last_stage_seconds = busy
         self.num_steps += 1
         tokens = [0 if s is None else int(np.asarray(s[1].cu_q_lens)[-1]) for s in self._slots]
@@ -211,14 +208,6 @@ class SimRunner:
         if exiting is None:
             return None, tokens
         return (exiting[0], self._next_ids(exiting[1])), tokens
-
-    @property
-    def pipeline_bubble_fraction(self) -> float:
-        """pp > 1: the fraction of stage-time that stages waited, over all ticks so far:
-        1 - sum(busy stage seconds) / (pp x sum(tick seconds)); empty stages count as waiting."""
-        if not self.pipeline_ticks_s:
-            return 0.0
-        return 1.0 - self.pipeline_busy_s / (self.pp * self.pipeline_ticks_s)
 
     # -- what ModelRunner also offers -----------------------------------------------------------
 
