@@ -167,6 +167,13 @@ class LLM:
     public-domain text, llmjax/sparse/). `overrides`: any other EngineConfig field by dotted path,
     applied last (`{"scheduler.lpm_max_queue_len": 64, "cache.watermark": 0.02}`; see
     `llmjax.config.apply_overrides`).
+
+    `device='sim'` runs the engine on a simulated device (llmjax/sim/, docs/simulator.md): only
+    the model's shape is read (a preset, an HF config.json or GGUF metadata; no weights, no
+    JAX), `sim` (a `llmjax.sim.SimConfig`: hardware, cost model, memory utilization) prices
+    each step on the engine's virtual clock, and `num_pages` defaults to what the hardware's
+    memory holds beside the weights. `dtype` defaults to float32 on a real device and bfloat16
+    on a simulated one.
     """
 
     def __init__(
