@@ -3,6 +3,7 @@ r"""Serving benchmark: replay a workload against each scheduling policy and comp
     python scripts/benchmark.py                              # SmolLM2: sarathi vs prefill_first
     python scripts/benchmark.py --workload long_prompt_interference --num_requests 16 --qps 2
     python scripts/benchmark.py --capacity_search --tbt_slo 0.2 --plot_dir out/plots  # capacity
+    python scripts/benchmark.py --goodput_search --slo_ttft 0.5 --slo_tpot 0.1   # DistServe goodput
     python scripts/benchmark.py --batch_sizes 1,8,32,64           # + throughput at batch N
     python scripts/benchmark.py --host_overhead_requests 256      # + host vs device time per step
     python scripts/benchmark.py --model tiny --load_format dummy --num_requests 8   # smoke test
@@ -168,6 +169,17 @@ flags.DEFINE_float(
     "capacity_start_qps", 1.0, "Capacity search starts on [0, 2x this] and expands upward."
 )
 flags.DEFINE_integer("capacity_max_iters", 20, "Max capacity-search trials per policy.")
+flags.DEFINE_bool(
+    "goodput_search",
+    False,
+    "Bisect each policy's goodput (DistServe): the highest rate per device at which "
+    "--goodput_target of requests meet both --slo_ttft and --slo_tpot (llmjax/bench/goodput.py).",
+)
+flags.DEFINE_float("goodput_target", 0.9, "Goodput: the SLO attainment to reach (DistServe: 90 %).")
+flags.DEFINE_float(
+    "goodput_max_rate", 5.0, "Goodput: the bisection's upper bound, requests/s per device."
+)
+flags.DEFINE_float("goodput_esp", 0.25, "Goodput: stop when the bracket is narrower (per device).")
 flags.DEFINE_list(
     "batch_sizes",
     [],
@@ -603,7 +615,7 @@ def run_variant(variant: Variant, state: dict) -> dict:
         "num_compiles_during_run": engine.num_compiles - compiles,
         "output_token_ids": [list(o.token_ids) for o in outputs],
     }
-    if FLAGS.capacity_search:
+    if FLAGS.capacity_search or FLAGS.goodput_search:
 
         def run_at_qps(qps: float):
             trial = build_specs(
@@ -620,6 +632,7 @@ def run_variant(variant: Variant, state: dict) -> dict:
             )
             return summarize(outputs, **slos)
 
+    if FLAGS.capacity_search:
         cap: CapacityResult = capacity_search(
             run_at_qps,
             tbt_slo,
@@ -629,6 +642,19 @@ def run_variant(variant: Variant, state: dict) -> dict:
             log=lambda m: _log(f"{name}: {m}"),
         )
         result["capacity"] = cap
+    if FLAGS.goodput_search:
+        from llmjax.bench import goodput_search
+
+        result["goodput"] = goodput_search(
+            run_at_qps,
+            slos["slo_ttft"],
+            slos["slo_tpot"],
+            num_devices=FLAGS.tp * FLAGS.pp * FLAGS.num_instances,
+            target=FLAGS.goodput_target,
+            max_per_device_rate=FLAGS.goodput_max_rate,
+            esp=FLAGS.goodput_esp,
+            log=lambda m: _log(f"{name}: {m}"),
+        )
     if FLAGS.batch_sizes:
         result["throughput_at_batch"] = throughput_at_batch(
             llm, [int(b) for b in FLAGS.batch_sizes]
@@ -736,6 +762,26 @@ def report(results: dict, state: dict) -> str:
         header = ["policy", "capacity qps", "trials", "P99 TBT ms @cap", "P50 sched ms @cap"]
         lines += ["", f"capacity (P99 TBT <= {1e3 * state['tbt_slo']:.1f} ms, P50 sched <= 2 s)"]
         lines.append(format_table(header, rows))
+    if FLAGS.goodput_search:
+        rows = [
+            [
+                p,
+                f"{g.goodput_per_device:.3f}",
+                f"{g.goodput:.3f}",
+                g.num_devices,
+                len(g.trials),
+            ]
+            for p in names
+            if (g := results[p]["goodput"])
+        ]
+        g0 = results[names[0]]["goodput"]
+        header = ["policy", "goodput qps/device", "goodput qps", "devices", "trials"]
+        lines += [
+            "",
+            f"goodput (>= {g0.target:.0%} of requests with TTFT <= {1e3 * g0.slo_ttft:.0f} ms and "
+            f"TPOT <= {1e3 * g0.slo_tpot:.0f} ms; DistServe)",
+            format_table(header, rows),
+        ]
     if FLAGS.batch_sizes:
         header = ["batch"] + [f"{p} {k}" for p in names for k in ("out tok/s", "decode tok/s")]
         rows = []

@@ -154,7 +154,7 @@ def test_simulate_script_runs_benchmarks_tables_on_a_simulated_cluster(tmp_path)
         "simulate.py", "--workload=trace", f"--trace={trace}", "--trace_requests=24",
         "--mooncake_block_tokens=64", "--num_instances=3", "--router=least_outstanding",
         "--policies=sarathi,prefill_first", "--max_model_len=4096", "--tbt_slo=0.2",
-        f"--json_out={out}",
+        "--goodput_search", "--slo_ttft=5", "--goodput_esp=2", f"--json_out={out}",
     ).stdout  # fmt: skip
     assert "TTFT P99 ms" in stdout and "simulation:" in stdout and "steps/s" in stdout
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "simulate.py"), "--help"]
@@ -163,8 +163,10 @@ def test_simulate_script_runs_benchmarks_tables_on_a_simulated_cluster(tmp_path)
     doc = json.loads(out.read_text())
     assert doc["device"].startswith("simulated a100-80gb")
     assert doc["simulation"]["engine_steps"] > 0
+    assert "goodput (>= 90% of requests" in stdout
     for v in doc["variants"].values():
         assert v["summary"]["num_finished"] == 24 and v["engine"]["num_instances"] == 3
+        assert v["goodput"]["num_devices"] == 3 and v["goodput"]["trials"]
     # the same requests get the same greedy tokens under both policies (batch invariance)
     a, b = (v["output_token_ids"] for v in doc["variants"].values())
     assert a == b

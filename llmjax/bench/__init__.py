@@ -1,6 +1,6 @@
 """The benchmark harness: workloads, real-time replay against an `LLMEngine`, serving metrics and
-Sarathi-Serve's capacity search. Plain Python and numpy (no jax), so it is testable on its own;
-`scripts/benchmark.py` is the command line over it.
+Sarathi-Serve's capacity search and DistServe's goodput search. Plain Python and numpy (no jax),
+so it is testable on its own; `scripts/benchmark.py` is the command line over it.
 
     specs = workloads.sharegpt(64, qps=2.0, vocab_size=llm.model_config.vocab_size)
     outputs = replay(llm.engine, specs)
@@ -14,6 +14,7 @@ decode-only step on a live engine (Sarathi-Serve's TBT SLO is a multiple of it).
 """
 
 from llmjax.bench.capacity import CapacityResult, capacity_search
+from llmjax.bench.goodput import GoodputResult, goodput_search
 from llmjax.bench.metrics import (
     Percentiles,
     Summary,
@@ -27,11 +28,13 @@ from llmjax.bench.workloads import RequestSpec, load_trace, make_workload, save_
 
 __all__ = [
     "CapacityResult",
+    "GoodputResult",
     "Percentiles",
     "RequestSpec",
     "Summary",
     "capacity_search",
     "format_side_by_side",
+    "goodput_search",
     "load_trace",
     "make_workload",
     "measure_decode_step",
