@@ -16,7 +16,7 @@ from llmjax.engine.engine import LLMEngine
 from llmjax.sampling_params import SamplingParams
 from llmjax.sim import LinearCostModel, RecordedCostModel, SimConfig, SimRunner, StepFeatures
 from llmjax.sim.cost import FEATURES
-from llmjax.sim.runner import kv_page_bytes
+from llmjax.sim.roofline import kv_page_bytes_per_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -189,7 +189,7 @@ def test_kv_page_bytes_is_the_real_layout():
     from llmjax.model.kv_cache import kv_cache_bytes
 
     for dtype in ("float32", "bfloat16"):
-        assert kv_page_bytes(TINY, 16, dtype) == kv_cache_bytes(TINY, 1, 16, dtype)
+        assert kv_page_bytes_per_device(TINY, 16, dtype, 1, 1) == kv_cache_bytes(TINY, 1, 16, dtype)
 
 
 def test_a_simulated_engine_imports_no_jax():

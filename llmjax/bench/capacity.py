@@ -25,15 +25,16 @@ class CapacityResult:
         return {
             "capacity_qps": self.capacity_qps,
             "tbt_slo": self.tbt_slo,
-            "trials": [
-                {
-                    "qps": q,
-                    "passed": ok,
-                    "summary": s.as_dict() if hasattr(s, "as_dict") else s,
-                }
-                for q, s, ok in self.trials
-            ],
+            "trials": trials_as_dicts(self.trials),
         }
+
+
+def trials_as_dicts(trials) -> list[dict]:
+    """A search's (qps, summary, passed) trials as JSON-ready dicts."""
+    return [
+        {"qps": q, "passed": ok, "summary": s.as_dict() if hasattr(s, "as_dict") else s}
+        for q, s, ok in trials
+    ]
 
 
 def capacity_search(

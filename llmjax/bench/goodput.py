@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from llmjax.bench.capacity import trials_as_dicts
+
 
 @dataclasses.dataclass
 class GoodputResult:
@@ -37,14 +39,7 @@ class GoodputResult:
             "target": self.target,
             "slo_ttft": self.slo_ttft,
             "slo_tpot": self.slo_tpot,
-            "trials": [
-                {
-                    "qps": q,
-                    "passed": ok,
-                    "summary": s.as_dict() if hasattr(s, "as_dict") else s,
-                }
-                for q, s, ok in self.trials
-            ],
+            "trials": trials_as_dicts(self.trials),
         }
 
 

@@ -23,30 +23,17 @@ import dataclasses
 
 import numpy as np
 
-from llmjax.config import EngineConfig, ModelConfig
+from llmjax.config import EngineConfig
 from llmjax.engine.clock import VirtualClock
 from llmjax.sim.cost import LinearCostModel, StepFeatures
 from llmjax.sim.hardware import Hardware, get_hardware
 from llmjax.sim.roofline import (
-    DTYPE_BYTES,
     RooflineCostModel,
     kv_page_bytes_per_device,
     weight_bytes_per_device,
 )
 
 COST_MODELS = ("roofline", "fitted")
-
-
-def kv_page_bytes(model: ModelConfig, page_size: int, dtype: str) -> int:
-    """Bytes of one KV page over every layer (K and V), as llmjax.model.kv_cache lays them out."""
-    return (
-        2
-        * model.num_layers
-        * page_size
-        * model.num_kv_heads
-        * model.head_dim
-        * (DTYPE_BYTES[dtype])
-    )
 
 
 @dataclasses.dataclass(frozen=True)
