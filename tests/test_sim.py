@@ -206,3 +206,13 @@ def test_a_simulated_engine_imports_no_jax():
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_fit_never_predicts_less_than_the_fastest_measured_step():
+    rng = np.random.default_rng(1)
+    feats = [StepFeatures.from_step(s) for s in _random_steps(rng, 40)]
+    seconds = [0.01 + 1e-4 * f.tokens for f in feats]
+    fitted = LinearCostModel.fit(feats, seconds)
+    assert fitted.min_seconds == min(seconds)
+    empty = StepFeatures(tokens=0, prefill_attention=0, decodes=0, decode_context=0)
+    assert fitted.step_seconds(empty) >= min(seconds)

@@ -101,7 +101,9 @@ class LinearCostModel:
     @classmethod
     def fit(cls, features: Sequence[StepFeatures], seconds: Sequence[float]) -> LinearCostModel:
         """Least squares over measured steps (Vidur's and DistServe's fitted form). Features a
-        sample never varies (e.g. no prefill at all) get coefficient 0."""
+        sample never varies (e.g. no prefill at all) get coefficient 0. Predictions are floored
+        at the fastest measured step: with few, noisy steps the fit can otherwise extrapolate a
+        step to zero or negative time."""
         if len(features) != len(seconds) or not len(features):
             raise ValueError(f"{len(features)} feature rows for {len(seconds)} step times")
         X = np.stack([f.vector() for f in features])
@@ -111,7 +113,7 @@ class LinearCostModel:
         scale = np.abs(X[:, used]).max(axis=0)  # columns of one magnitude, for the solver
         coef = np.zeros(len(FEATURES))
         coef[used] = np.linalg.lstsq(X[:, used] / scale, y, rcond=None)[0] / scale
-        return cls(tuple(float(c) for c in coef))
+        return cls(tuple(float(c) for c in coef), min_seconds=float(y.min()))
 
     @classmethod
     def from_profile(cls, path: str) -> LinearCostModel:
