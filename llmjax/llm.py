@@ -129,6 +129,8 @@ ENGINE_OPTIONS = (
     "precompile",
     "compilation_cache_dir",
     "overrides",
+    "role",
+    "devices",
 )
 
 
@@ -167,6 +169,10 @@ class LLM:
     public-domain text, llmjax/sparse/). `overrides`: any other EngineConfig field by dotted path,
     applied last (`{"scheduler.lpm_max_queue_len": 64, "cache.watermark": 0.02}`; see
     `llmjax.config.apply_overrides`).
+
+    `role` ('colocated', 'prefill', 'decode') and `devices` (the engine runs on the first tp * pp
+    of them; default all): an instance of a disaggregated cluster on its own sub-mesh
+    (llmjax/cluster/: `llmjax.cluster.launch` builds those; see `LLMEngine`).
 
     `device='sim'` runs the engine on a simulated device (llmjax/sim/, docs/simulator.md): only
     the model's shape is read (a preset, an HF config.json or GGUF metadata; no weights, no
@@ -210,6 +216,8 @@ class LLM:
         overrides: dict | None = None,
         device: str = "jax",
         sim=None,
+        role: str = "colocated",
+        devices=None,
     ):
 
         if load_format not in ("auto", "dummy"):
@@ -402,7 +410,9 @@ class LLM:
             config = apply_overrides(config, o["overrides"])
         if config.device == "sim":
             self.config = config
-            self.engine = LLMEngine(config, None, config.cache.num_pages, self.tokenizer)
+            self.engine = LLMEngine(
+                config, None, config.cache.num_pages, self.tokenizer, role=o["role"]
+            )
             logger.info(
                 "simulated %s on %s (tp=%d, pp=%d, %s) with %d KV pages in %.3f s",
                 fixed["model"],
@@ -430,7 +440,15 @@ class LLM:
         skew = None
         if config.sparse_kv.mode == "infinigen":
             skew = _infinigen_skew(config, self._weights, self.tokenizer, o["calibration_tokens"])
-        self.engine = LLMEngine(config, self._weights, num_pages, self.tokenizer, skew=skew)
+        self.engine = LLMEngine(
+            config,
+            self._weights,
+            num_pages,
+            self.tokenizer,
+            skew=skew,
+            role=o["role"],
+            devices=o["devices"],
+        )
         if config.parallel.num_devices == 1 and not config.sparse_kv.enabled:
             # The runner converted the layers' layout if this engine loops the other way
             # (with_options): keep one copy of the weights, in the layout now used.

@@ -7,10 +7,21 @@
 
 A request that can never run (empty, too long for `max_model_len` or for the whole KV cache, token
 ids outside the vocabulary) is rejected: its output says why, and the other requests go on.
+
+Roles (`role`, for disaggregated serving, llmjax/cluster/): a 'colocated' engine runs requests
+from prompt to finish. A 'prefill' engine runs prompts (chunked under the token budget as its
+policy says) and samples the first token; then it *parks* the request: out of the batch, its KV
+pages still held (counted as used) until a decode instance takes it (`export_request`, then
+`release_request`) or it is aborted. A 'decode' engine receives such requests in two phases:
+`reserve_import` allocates the pages that the KV transfer writes, `commit_import` puts the
+request in the running batch as if it had computed its prompt here (`cancel_import` gives the
+pages back and recomputes it, or fails it with a reason). `can_accept` is DistServe's pull
+condition. A request that finishes at its first token (EOS, max_tokens=1) never parks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -23,13 +34,21 @@ from llmjax.engine.block_manager import BlockManager, pages_needed
 from llmjax.engine.clock import WALL_CLOCK, Clock, VirtualClock
 from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import make_prefix_cache
-from llmjax.engine.request import Request, RequestMetrics, RequestOutput, RequestStatus
+from llmjax.engine.request import (
+    MigratedRequest,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RequestStatus,
+)
 from llmjax.engine.stats import EngineStats
 from llmjax.progress import progress_bar
 from llmjax.sampling_params import SamplingParams
 from llmjax.tokenizer.detokenizer import StopStringMatcher
 
 logger = logging.getLogger(__name__)
+
+ROLES = ("colocated", "prefill", "decode")
 
 
 class InvalidRequest(ValueError):
@@ -51,12 +70,27 @@ class LLMEngine:
         tokenizer=None,
         skew=None,
         clock: Clock = WALL_CLOCK,
+        role: str = "colocated",
+        devices=None,
     ):
-        """`clock` stamps every request's metrics (arrival, scheduling, tokens, finish): wall
-        time, or a simulated device's `VirtualClock` (llmjax/engine/clock.py; with
+        """`role`: 'colocated', 'prefill' or 'decode' (the module doc). `devices`: the devices
+        this engine's weights and KV pages live on (its first tp * pp; default all of them), so
+        that several engines share a process on disjoint sub-meshes. `clock` stamps every
+        request's metrics (arrival, scheduling, tokens, finish): wall time, or a simulated
+        device's `VirtualClock` (llmjax/engine/clock.py; with
         `config.device == 'sim'` a fresh one at 0 unless given). `num_pages` None (simulated
         device only): `config.cache.num_pages`, else what the simulated hardware's memory holds
         (`llmjax.sim.runner.sim_num_pages`)."""
+        if role not in ROLES:
+            raise ValueError(f"unknown {role=}; choose one of {ROLES}")
+        self.role = role
+        if role != "colocated" and config.device != "sim":
+            if config.parallel.pp > 1 or config.sparse_kv.enabled:
+                raise ValueError(
+                    f"role={role!r} moves KV pages between instances, which needs pp == 1 and "
+                    f"sparse_kv='none' on a real device (got pp={config.parallel.pp}, "
+                    f"sparse_kv={config.sparse_kv.mode!r}); the simulator models any layout"
+                )
         if config.device == "sim" and clock is WALL_CLOCK:
             clock = VirtualClock()
         if num_pages is None:
@@ -80,7 +114,7 @@ class LLMEngine:
         else:
             from llmjax.engine.runner import ModelRunner  # the one jax-importing engine module
 
-            self.runner = ModelRunner(config, params, num_pages, skew=skew)
+            self.runner = ModelRunner(config, params, num_pages, skew=skew, devices=devices)
         self.evictor = None  # InfiniGen's host pool bound (llmjax/sparse/host_pool.py)
         self._pool_tables: dict[str, list[int]] = {}
         sparse = config.sparse_kv
@@ -98,7 +132,12 @@ class LLMEngine:
         self._num_step_calls = 0
         self._seed_rng = np.random.default_rng(config.seed)
         self._rejected: list[Request] = []
-        self._live: set[str] = set()  # ids of waiting and running requests
+        self._live: set[str] = set()  # ids of waiting, running, parked and receiving requests
+        # role 'prefill': first token sampled, KV pages kept until a decode instance takes them
+        # (insertion order: DistServe's queue of finished prefills)
+        self.parked: dict[str, Request] = {}
+        # role 'decode': pages reserved for a KV transfer in flight -> (request, KV tokens)
+        self._receiving: dict[str, tuple[Request, int]] = {}
         self.stats = self._new_stats()
         if config.precompile:
             self.precompile()
@@ -133,6 +172,10 @@ class LLMEngine:
         bar = progress_bar(len(shapes), "Precompiling step shapes", unit="shape")
         self.runner.precompile(shapes, progress=bar.update)
         bar.close()
+        if self.role != "colocated" and hasattr(self.runner, "precompile_transfer"):
+            self.runner.precompile_transfer(
+                pages_needed(self.config.max_model_len, self.block_manager.page_size)
+            )
         seconds = time.perf_counter() - t
         logger.info("precompiled %d step shapes in %.1f s", len(self.buckets.shapes()), seconds)
         return seconds
@@ -218,8 +261,18 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a waiting or running request and free its pages; False if it is not live."""
+        """Stop a waiting, running, parked or receiving request and free its pages; False if it
+        is not live."""
         self._live.discard(request_id)
+        req = self.parked.pop(request_id, None)
+        if req is not None:  # its prompt's KV stays in the prefix cache
+            self.block_manager.free(request_id, self.scheduler._computed_token_ids(req))
+        elif request_id in self._receiving:  # the pages were never (fully) written
+            req, _ = self._receiving.pop(request_id)
+            self.block_manager.free(request_id)
+        if req is not None:
+            req.finish("abort", self.clock.now(), RequestStatus.ABORTED)
+            return True
         return self.scheduler.abort(request_id) is not None
 
     def abort_all(self) -> list[str]:
@@ -262,6 +315,8 @@ class LLMEngine:
         with trace("llmjax.update"):
             for req in self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist()):
                 self._live.discard(req.request_id)
+            if self.role == "prefill":
+                self._park(sampled)
         if self.config.compile_ahead and not self.config.precompile:
             likely = self.buckets.likely_next(step_shape(step_input), len(self.scheduler.running))
             self.runner.compile_ahead(likely)
@@ -359,8 +414,129 @@ class LLMEngine:
         with trace("llmjax.update"):
             for req in self.scheduler.update(done, next_ids[: len(done.seqs)].tolist()):
                 self._live.discard(req.request_id)
+            if self.role == "prefill":
+                self._park(sampled)
         self._record(done, t_start, t_run, t_update, c_update - c_run)
         return [self._output(r) for r in sampled]
+
+    # ---- disaggregation (the module doc) ------------------------------------------------------
+
+    def _park(self, sampled: list[Request]) -> None:
+        for req in sampled:
+            if not req.status.is_done and req.request_id not in self.parked:
+                self.scheduler.running.remove(req)
+                self.parked[req.request_id] = req
+
+    def export_request(self, request_id: str) -> tuple[MigratedRequest, list[int]]:
+        """A parked request (role 'prefill') as it leaves: its state and the pages that hold
+        its computed tokens' KV, in order. It stays parked (pages held) until
+        `release_request`."""
+        req = self.parked.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not parked here (role={self.role!r})")
+        n = req.num_computed_tokens
+        pages = self.block_manager.page_tables[request_id][
+            : pages_needed(n, self.block_manager.page_size)
+        ]
+        return _migrated(req, n), list(pages)
+
+    def release_request(self, request_id: str) -> None:
+        """The parked request's KV has moved on: free its pages here (its prompt's full pages
+        stay in the prefix cache)."""
+        req = self.parked.pop(request_id)
+        self._live.discard(request_id)
+        self.block_manager.free(request_id, self.scheduler._computed_token_ids(req))
+
+    def waiting_pages(self) -> int:
+        """KV pages the waiting queue's requests will need (all their tokens)."""
+        ps = self.block_manager.page_size
+        return sum(pages_needed(r.num_tokens, ps) for r in self.scheduler.waiting)
+
+    def can_accept(self, m: MigratedRequest, waiting_page_fraction: float = 0.05) -> bool:
+        """DistServe's pull condition for a decode instance: its waiting queue uses less than
+        `waiting_page_fraction` of its pages, a sequence slot is free, and `m`'s pages (all its
+        tokens so far) fit beside the admission watermark."""
+        bm, sched = self.block_manager, self.scheduler
+        if len(sched.running) + len(self._receiving) >= self.config.scheduler.max_num_seqs:
+            return False
+        if self.waiting_pages() >= waiting_page_fraction * bm.num_usable_pages:
+            return False
+        keep_free = sched.watermark_pages if sched.running else 0
+        return bm.can_allocate(m.request_id, m.num_tokens, keep_free)
+
+    def reserve_import(self, m: MigratedRequest) -> list[int]:
+        """Take pages for `m` (all its tokens so far); returns the first `m.num_kv_pages` of
+        them, in order, for the KV transfer to write. The request is not scheduled until
+        `commit_import`."""
+        if m.request_id in self._live:
+            raise ValueError(f"request_id={m.request_id!r} is already live here")
+        req = self._request_from(m)
+        self.block_manager.allocate(m.request_id, m.num_tokens)
+        self._receiving[m.request_id] = (req, m.num_kv_tokens)
+        self._live.add(m.request_id)
+        return list(
+            self.block_manager.page_tables[m.request_id][
+                : m.num_kv_pages(self.block_manager.page_size)
+            ]
+        )
+
+    def commit_import(self, request_id: str) -> None:
+        """The KV transfer into the reserved pages is done: the request joins the running batch
+        with its KV tokens computed (its next step is a decode)."""
+        req, num_kv_tokens = self._receiving.pop(request_id)
+        req.num_computed_tokens = num_kv_tokens
+        req.status = RequestStatus.RUNNING
+        self.scheduler.running.append(req)
+        if self.block_manager.caching:
+            self.scheduler._cache_computed(req)
+
+    def cancel_import(self, request_id: str, error: str | None = None) -> None:
+        """The KV transfer failed: free the reserved pages and recompute the request here from
+        its tokens (like a preempted one), or with `error`, fail it with that reason (its
+        output comes with the next step)."""
+        req, _ = self._receiving.pop(request_id)
+        self.block_manager.free(request_id)
+        if error is None:
+            self.scheduler.add(req)
+        else:
+            self._fail(req, error)
+
+    def recompute_request(self, m: MigratedRequest) -> None:
+        """Take over `m` without its KV (its source died, or its transfer failed before any
+        page was reserved): it waits here and recomputes prompt + output so far."""
+        if m.request_id in self._live:
+            raise ValueError(f"request_id={m.request_id!r} is already live here")
+        self.scheduler.add(self._request_from(m))
+        self._live.add(m.request_id)
+
+    def _fail(self, req: Request, error: str) -> None:
+        req.error = error
+        req.finish("error", self.clock.now(), RequestStatus.REJECTED)
+        self._live.discard(req.request_id)
+        self._rejected.append(req)
+        logger.warning("request %s failed: %s", req.request_id, error)
+
+    def _request_from(self, m: MigratedRequest) -> Request:
+        params = m.sampling_params
+        req = Request(
+            request_id=m.request_id,
+            prompt_token_ids=list(m.prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=frozenset(self.config.model.eos_token_ids),
+            seed=m.seed,
+            prompt=m.prompt,
+            output_token_ids=list(m.output_token_ids),
+            num_cached_tokens=m.num_cached_tokens,
+            num_preemptions=m.num_preemptions,
+            metrics=_copy_metrics(m.metrics),
+        )
+        if params.stop and self.tokenizer is not None:
+            req.stop_matcher = StopStringMatcher(
+                self.tokenizer, params.stop, params.include_stop_str_in_output
+            )
+            for t in req.output_token_ids:
+                req.stop_matcher.add(t)
+        return req
 
     def _output(self, req: Request) -> RequestOutput:
         done = req.status.is_done
@@ -386,3 +562,22 @@ class LLMEngine:
     @property
     def num_compiles(self) -> int:
         return self.runner.num_compiles
+
+
+def _copy_metrics(m: RequestMetrics) -> RequestMetrics:
+    return dataclasses.replace(m, token_times=list(m.token_times))
+
+
+def _migrated(req: Request, num_kv_tokens: int) -> MigratedRequest:
+    return MigratedRequest(
+        request_id=req.request_id,
+        prompt_token_ids=list(req.prompt_token_ids),
+        output_token_ids=list(req.output_token_ids),
+        sampling_params=req.sampling_params,
+        seed=req.seed,
+        num_kv_tokens=num_kv_tokens,
+        metrics=_copy_metrics(req.metrics),
+        prompt=req.prompt,
+        num_cached_tokens=req.num_cached_tokens,
+        num_preemptions=req.num_preemptions,
+    )

@@ -167,3 +167,29 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     stop_reason: str | int | None = None
+
+
+@dataclasses.dataclass
+class MigratedRequest:
+    """A request between instances (DistServe's unit of migration): everything a decode
+    instance needs besides the KV pages of its first `num_kv_tokens` tokens. Plain data (it
+    pickles, for Ray's control plane); `metrics` keeps the timestamps stamped so far on the
+    source's clock."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # the first token (and any after it)
+    sampling_params: SamplingParams
+    seed: int
+    num_kv_tokens: int  # tokens whose KV the moved pages hold (the prompt after prefill)
+    metrics: RequestMetrics
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def num_kv_pages(self, page_size: int) -> int:
+        return -(-self.num_kv_tokens // page_size)

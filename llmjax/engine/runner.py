@@ -31,7 +31,7 @@ from llmjax.model.llama import forward
 from llmjax.model.params import Params, stack_layers, unstack_layers
 from llmjax.model.quant import is_packed
 from llmjax.model.sampler import greedy_ids, sample, sample_random
-from llmjax.model.step_input import StepInput
+from llmjax.model.step_input import RESERVED_PAGE, StepInput
 from llmjax.parallel import pipeline
 from llmjax.parallel.distributed import check_lockstep, to_host
 from llmjax.parallel.heads import tp_head_layout
@@ -62,7 +62,11 @@ class ModelRunner:
     tensor-parallel head layout and placed shard by shard. `model_config` is the model the
     devices run (heads repeated or padded for tp; the same as `config.model` otherwise)."""
 
-    def __init__(self, config: EngineConfig, params: Params, num_pages: int, skew=None):
+    def __init__(
+        self, config: EngineConfig, params: Params, num_pages: int, skew=None, devices=None
+    ):
+        """`devices`: the devices to run on (the first tp * pp of them; default all of the
+        processes' devices, and on one device JAX's default one)."""
         enable_compilation_cache(config.compilation_cache_dir)
         self.config = config
         self._ahead: dict[tuple[int, int, int], concurrent.futures.Future] = {}
@@ -71,7 +75,12 @@ class ModelRunner:
         self.num_compiled_ahead = 0
         self.dtype = jnp.dtype(config.dtype)
         parallel = config.parallel
-        self.mesh = make_mesh(parallel) if parallel.num_devices > 1 else None
+        self.mesh = make_mesh(parallel, devices) if parallel.num_devices > 1 else None
+        # one device: the given one (None: JAX's default)
+        self.device = next(iter(devices)) if devices is not None and self.mesh is None else None
+        self.num_pages = num_pages
+        self.num_transfer_compiles = 0
+        self._transfer_fns = None
         page_size = config.cache.page_size
         self.num_compiles = 0
         self.num_steps = 0
@@ -98,6 +107,8 @@ class ModelRunner:
         # sparse path sizes its fetch buffers by P, so they keep P buckets.
         self.ragged_page_tables = self.attention_backend == "cpu" and not self.sparse.enabled
         if self.sparse.enabled:
+            if self.device is not None and self.device != jax.devices()[0]:
+                raise ValueError("sparse_kv runs on JAX's default device; devices= cannot move it")
             self._init_sparse(params, num_pages, skew)
             return
         if self.pipelined:
@@ -107,9 +118,12 @@ class ModelRunner:
         if self.mesh is None:
             self.model_config = config.model
             self.params = stack_layers(params) if scan else unstack_layers(params)
-            self.kv_pages = allocate_kv_pages(
-                config.model, num_pages, page_size, self.dtype, stacked=scan
-            )
+            if self.device is not None:
+                self.params = jax.device_put(self.params, self.device)
+            with jax.default_device(self.device):
+                self.kv_pages = allocate_kv_pages(
+                    config.model, num_pages, page_size, self.dtype, stacked=scan
+                )
             out_shardings = None
         else:
             layout = tp_head_layout(config.model, parallel.tp, parallel.pad_heads)
@@ -393,6 +407,101 @@ class ModelRunner:
             check_lockstep(next_ids, self.num_steps)
         return next_ids
 
+    # ---- KV page transfer (disaggregated serving, llmjax/cluster/transfer.py) -----------------
+
+    @property
+    def kv_transfer_sharding(self):
+        """The sharding of `export_pages`' array [L, 2, n, page_size, K', H]: K' (the device
+        layout's kv heads) split as the KV pages split them; the rest replicated."""
+        if self.pipelined or self.sparse.enabled:
+            raise ValueError("KV page transfer needs pp == 1 and sparse_kv='none'")
+        if self.mesh is None:
+            leaf = jax.tree.leaves(self.kv_pages)[0]
+            return jax.sharding.SingleDeviceSharding(next(iter(leaf.devices())))
+        spec = jax.tree.leaves(self.kv_pages)[0].sharding.spec
+        kv_axis = spec[2] if len(spec) > 2 else None
+        return NamedSharding(self.mesh, PartitionSpec(None, None, None, None, kv_axis, None))
+
+    def transfer_shape(self, num_pages: int) -> tuple[int, ...]:
+        """The shape `export_pages` returns for `num_pages` pages (bucketed)."""
+        m = self.model_config
+        G = self.config.cache.page_size
+        return (m.num_layers, 2, transfer_bucket(num_pages), G, m.num_kv_heads, m.head_dim)
+
+    def _transfer(self):
+        if self._transfer_fns is not None:
+            return self._transfer_fns
+        out = self.kv_transfer_sharding
+        kv_out = jax.tree.map(lambda x: x.sharding, self.kv_pages)
+        stacked = not isinstance(self.kv_pages, list)
+        L, N = self.model_config.num_layers, self.num_pages
+
+        def rows(idx):  # stacked layout: layer l's page p is row l * N + p
+            return (jnp.arange(L, dtype=jnp.int32)[:, None] * N + idx[None, :]).reshape(-1)
+
+        def gather(kv_pages, idx):
+            self.num_transfer_compiles += 1  # runs only while tracing
+            if stacked:
+                k, v = kv_pages
+                r = rows(idx)
+                out_shape = (L, len(idx), *k.shape[1:])
+                return jnp.stack([k[r].reshape(out_shape), v[r].reshape(out_shape)], axis=1)
+            return jnp.stack([jnp.stack([k[idx], v[idx]]) for k, v in kv_pages])
+
+        def scatter(kv_pages, idx, data):
+            self.num_transfer_compiles += 1
+            data = data.astype(self.dtype)
+            if stacked:
+                k, v = kv_pages
+                r = rows(idx)
+                flat = (L * len(idx), *k.shape[1:])
+                return k.at[r].set(data[:, 0].reshape(flat)), v.at[r].set(data[:, 1].reshape(flat))
+            return [
+                (k.at[idx].set(data[i, 0]), v.at[idx].set(data[i, 1]))
+                for i, (k, v) in enumerate(kv_pages)
+            ]
+
+        self._transfer_fns = (
+            jax.jit(gather, out_shardings=out),
+            jax.jit(scatter, donate_argnames=("kv_pages",), out_shardings=kv_out),
+        )
+        return self._transfer_fns
+
+    @staticmethod
+    def _page_index(pages, bucket: int) -> np.ndarray:
+        idx = np.full(bucket, RESERVED_PAGE, np.int32)  # padding reads / writes the reserved page
+        idx[: len(pages)] = pages
+        return idx
+
+    def export_pages(self, pages) -> jax.Array:
+        """The KV of `pages` (in order; all layers, K and V) gathered into one array
+        [L, 2, bucket, page_size, K', H] with `kv_transfer_sharding`, padded to a power-of-two
+        page bucket with the reserved page (one compile per bucket)."""
+        idx = self._page_index(pages, transfer_bucket(len(pages)))
+        return self._transfer()[0](self.kv_pages, idx)
+
+    def import_pages(self, pages, data: jax.Array) -> None:
+        """Write `data` (as `export_pages` returns it, placed with this runner's
+        `kv_transfer_sharding`) into `pages`, in place (the pages are donated); the padded
+        rows go to the reserved page."""
+        if data.shape != self.transfer_shape(len(pages)):
+            raise ValueError(
+                f"KV data of shape {data.shape} does not fit {len(pages)} pages of this "
+                f"instance ({self.transfer_shape(len(pages))})"
+            )
+        idx = self._page_index(pages, data.shape[2])
+        self.kv_pages = self._transfer()[1](self.kv_pages, idx, data)
+
+    def precompile_transfer(self, max_pages: int) -> None:
+        """Compile the gather and the scatter for every page bucket up to `max_pages` (each
+        runs once on the reserved page only)."""
+        b = 1
+        while True:
+            self.import_pages([], self._transfer()[0](self.kv_pages, self._page_index([], b)))
+            if b >= max_pages:
+                break
+            b *= 2
+
     def compile_ahead(self, shapes) -> None:
         """Compile the step for these (T, S, P) shapes in the background (those not yet run or
         queued), so that a step meeting one finds it ready instead of compiling it on the spot;
@@ -465,6 +574,11 @@ class ModelRunner:
             h = jax.device_put(jnp.zeros((pp, old, self._h.shape[2]), self._h.dtype), carry)
             for new in token_buckets:
                 pipeline.resize_carry(h, new).block_until_ready()
+
+
+def transfer_bucket(num_pages: int) -> int:
+    """Pages per KV transfer, padded: the next power of two (at least 1)."""
+    return 1 << max(0, int(num_pages) - 1).bit_length()
 
 
 def _greedy_sampling(S: int) -> SamplingInput:

@@ -1,0 +1,493 @@
+"""Many engine instances behind one router, colocated or disaggregated (DistServe; issue 21).
+
+    cluster = launch("smollm2-135m", [InstanceSpec("prefill", tp=4), InstanceSpec("decode", tp=4)])
+    outputs = cluster.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=16))
+    replay(cluster, specs)    # llmjax.bench.replay: a Cluster duck-types as one engine
+
+A `Cluster` holds instances (`LocalInstance`s in this process, or the Ray launcher's actor
+handles with the same calls) and does three things each `step()`:
+
+1. **Route** (at `add_request`): an arriving request goes to a 'colocated' or 'prefill' instance
+   chosen by `router` (a name of `llmjax.cluster.router.ROUTERS`) over those instances' loads.
+2. **Step** every instance that has work (in this process one after the other; Ray's actors in
+   parallel) and pass their outputs on: a prefill instance's output carries the first token
+   (TTFT), the decode instance's the rest.
+3. **Migrate** (DistServe's pull-based protocol, ALGORITHMS.md §7): prefill instances park each
+   request after its first token with its KV pages held. The oldest parked request (across
+   prefill instances) moves when a decode instance can take it: its waiting queue uses less than
+   `waiting_page_fraction` (5 %) of its pages and the request's pages fit (`LLMEngine.
+   can_accept`); among those that can, `decode_router` picks one. Until then the KV stays where
+   it is, counted as used there, and no later request overtakes it (FIFO). The move: the prefill
+   side gathers and offers the pages (`transport`, llmjax/cluster/transfer.py), the decode side
+   reserves pages and pulls; when the array arrives it is scattered into those pages, the
+   request joins the decode batch, and the prefill side frees its pages (its prompt stays in
+   that side's prefix cache).
+
+Failures lose no request. A transfer that fails or passes `transfer_timeout_s` makes the decode
+side recompute the request from its tokens (`on_transfer_failure='recompute'`), or fail it with
+the reason ('fail'). An instance that dies (`kill(i)`, or a Ray actor that is gone) has its
+requests recomputed elsewhere: those without a token yet on an entry instance, the others on a
+decode (or colocated) instance, from the prompt and the tokens generated so far; with no instance
+of the kind left they fail with a reason. Every request ends finished, aborted or failed.
+
+Seeds: the cluster draws each request's seed (when its SamplingParams has none) from its own
+generator, so a request samples the same tokens whichever instances serve it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from llmjax.cluster.router import Router, RouteRequest, make_router
+from llmjax.engine.clock import WALL_CLOCK
+from llmjax.engine.request import MigratedRequest, RequestMetrics, RequestOutput
+from llmjax.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ENTRY_ROLES = ("colocated", "prefill")
+TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclasses.dataclass
+class TransferStats:
+    """KV transfers between instances: count, bytes moved (bucket padding included), seconds
+    from the pull's start to the pages' scatter (sum and per transfer), failures (transfers that
+    failed or timed out), requests recomputed after a failure or an instance death, requests
+    failed."""
+
+    num_transfers: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    transfer_seconds: list[float] = dataclasses.field(default_factory=list)
+    num_failures: int = 0
+    num_recomputed: int = 0
+    num_failed_requests: int = 0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        times = d.pop("transfer_seconds")
+        d["mean_transfer_s"] = float(np.mean(times)) if times else 0.0
+        d["p99_transfer_s"] = float(np.percentile(times, 99)) if times else 0.0
+        d["bandwidth_gb_s"] = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return d
+
+
+@dataclasses.dataclass
+class _Record:
+    """The cluster's copy of one request: enough to recompute it anywhere."""
+
+    route: RouteRequest
+    prompt: str | None
+    seed: int
+    instance: int  # where it runs now (the decode side while it is being moved)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    metrics: RequestMetrics | None = None
+    source: int | None = None  # while moving: the prefill instance that still holds it
+
+
+class _View:
+    """An instance as a router sees it (`InstanceLoad`): its index among the candidates, the
+    requests the cluster has there, and its load report from its last step."""
+
+    def __init__(self, index: int, cluster: Cluster, i: int):
+        self.index = index
+        self._cluster, self._i = cluster, i
+        self._load = cluster._loads[i]
+
+    @property
+    def num_outstanding(self) -> int:
+        return self._cluster._outstanding[self._i]
+
+    @property
+    def num_waiting(self) -> int:
+        return self._load.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self._load.num_running + self._load.num_receiving
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._load.num_free_pages
+
+    @property
+    def num_available_pages(self) -> int:
+        return self._load.num_available_pages
+
+    def cached_prefix_tokens(self, prompt_token_ids) -> int:
+        return self._cluster.instances[self._i].cached_prefix_tokens(prompt_token_ids)
+
+
+class Cluster:
+    """Instances behind a router, with DistServe's migration between prefill and decode ones
+    (the module doc). `instances`: `LocalInstance`s or Ray actor handles (`launch`)."""
+
+    def __init__(
+        self,
+        instances: Sequence,
+        router: Router | str = "round_robin",
+        *,
+        decode_router: Router | str = "least_outstanding",
+        waiting_page_fraction: float = 0.05,
+        on_transfer_failure: str = "recompute",
+        transfer_timeout_s: float = 30.0,
+        seed: int = 0,
+        clock=WALL_CLOCK,
+    ):
+        self.instances = list(instances)
+        if not self.instances:
+            raise ValueError("a Cluster needs at least one instance")
+        roles = [inst.role for inst in self.instances]
+        if not any(r in ENTRY_ROLES for r in roles):
+            raise ValueError(f"no instance takes arrivals (roles {roles}): add a prefill one")
+        if "prefill" in roles and "decode" not in roles:
+            raise ValueError(f"prefill instances need at least one decode instance ({roles})")
+        if "decode" in roles and "prefill" not in roles:
+            raise ValueError(f"decode instances need at least one prefill instance ({roles})")
+        if on_transfer_failure not in TRANSFER_FAILURE_POLICIES:
+            raise ValueError(f"{on_transfer_failure=} must be one of {TRANSFER_FAILURE_POLICIES}")
+        if not 0 < waiting_page_fraction <= 1:
+            raise ValueError(f"{waiting_page_fraction=} must be in (0, 1]")
+        first = self.instances[0].config
+        for i, inst in enumerate(self.instances):
+            m = inst.config.model
+            if (m.vocab_size, tuple(m.eos_token_ids)) != (
+                first.model.vocab_size,
+                tuple(first.model.eos_token_ids),
+            ):
+                raise ValueError(f"instance {i} serves another vocabulary than instance 0")
+        self.roles = roles
+        self.router = make_router(router) if isinstance(router, str) else router
+        self.decode_router = (
+            make_router(decode_router) if isinstance(decode_router, str) else decode_router
+        )
+        self.waiting_page_fraction = waiting_page_fraction
+        self.on_transfer_failure = on_transfer_failure
+        self.transfer_timeout_s = transfer_timeout_s
+        self.config = first
+        self.tokenizer = self.instances[0].tokenizer
+        self.clock = clock
+        self.alive = [True] * len(self.instances)
+        self._loads = [inst.load() for inst in self.instances]
+        self._outstanding = [0] * len(self.instances)
+        self._records: dict[str, _Record] = {}
+        self._errors: list[RequestOutput] = []  # failed by the cluster, out with the next step
+        self._ids = itertools.count()
+        self._seed_rng = np.random.default_rng(seed)
+        self.transfer_stats = TransferStats()
+        self._t_start = time.perf_counter()
+
+    # ---- the engine interface --------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Route a request to an entry instance now; returns its id."""
+        if request_id is None:
+            request_id = next(r for r in map(str, self._ids) if r not in self._records)
+        elif request_id in self._records:
+            raise ValueError(f"{request_id=} is already waiting or running")
+        params = sampling_params or SamplingParams()
+        seed = params.seed
+        if seed is None:
+            seed = int(self._seed_rng.integers(0, 2**32))
+            params = dataclasses.replace(params, seed=seed)
+        arrival = self.clock.now() if arrival_time is None else float(arrival_time)
+        route = RouteRequest(request_id, tuple(int(t) for t in prompt_token_ids), arrival, params)
+        entry = self._alive_with(ENTRY_ROLES)
+        if not entry:
+            raise RuntimeError("no live instance takes arrivals (all prefill instances died)")
+        i = self._choose(self.router, route, entry)
+        self.instances[i].add_request(
+            list(route.prompt_token_ids), params, request_id, prompt, arrival
+        )
+        self._records[request_id] = _Record(route, prompt, seed, i)
+        self._outstanding[i] += 1
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Step every live instance with work, then move KV (the module doc); returns every
+        output (first tokens from prefill instances, the rest from decode instances)."""
+        outputs, self._errors = self._errors, []
+        for i, inst in enumerate(self.instances):
+            if not self.alive[i]:
+                continue
+            if not (self._loads[i].has_unfinished or self._outstanding[i]):
+                continue
+            try:
+                outs, self._loads[i] = inst.step()
+            except Exception as e:  # a dead instance (e.g. a Ray actor gone)
+                logger.error("instance %d failed in step: %r", i, e)
+                self.kill(i, reason=f"instance {i} failed: {e!r}")
+                continue
+            outputs += self._track(outs)
+        if "decode" in self.roles:
+            outputs += self._migrate()
+        return outputs + self._take_errors()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._records) or bool(self._errors)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request wherever it is (queued, prefilling, parked, moving, decoding)."""
+        rec = self._records.pop(request_id, None)
+        if rec is None:
+            return False
+        self._outstanding[rec.instance] -= 1
+        for i in {rec.instance, rec.source} - {None}:
+            if self.alive[i]:
+                self.instances[i].abort_request(request_id)
+        return True
+
+    def abort_all(self) -> list[str]:
+        return [rid for rid in list(self._records) if self.abort_request(rid)]
+
+    @property
+    def stats(self) -> list:
+        """Each instance's `EngineStats`, in index order (dead ones included, as they were)."""
+        return [inst.stats for inst in self.instances]
+
+    @property
+    def total_stats(self):
+        from llmjax.engine.stats import EngineStats
+
+        return EngineStats.merge(self.stats)
+
+    def reset_stats(self) -> None:
+        for i, inst in enumerate(self.instances):
+            if self.alive[i]:
+                inst.reset_stats()
+        self.transfer_stats = TransferStats()
+        self._t_start = time.perf_counter()
+
+    def reset_prefix_cache(self) -> bool:
+        return all(
+            [inst.reset_prefix_cache() for i, inst in enumerate(self.instances) if self.alive[i]]
+        )
+
+    @property
+    def num_compiles(self) -> int:
+        return sum(inst.num_compiles for i, inst in enumerate(self.instances) if self.alive[i])
+
+    def utilization(self) -> list[float]:
+        """Per instance: the fraction of wall time since the stats started that it spent in
+        device steps (`EngineStats.device_time_s`)."""
+        elapsed = max(time.perf_counter() - self._t_start, 1e-9)
+        return [s.device_time_s / elapsed for s in self.stats]
+
+    def instance_of(self, request_id: str) -> int:
+        """Where the request runs now (KeyError once it ended)."""
+        return self._records[request_id].instance
+
+    def describe(self) -> list[dict]:
+        return [
+            dict(index=i, alive=self.alive[i], **inst.describe())
+            for i, inst in enumerate(self.instances)
+        ]
+
+    # ---- convenience -----------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence, sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Run prompts (strings, with a tokenizer, or token id lists) to completion; their
+        outputs in order."""
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("string prompts need a tokenizer; pass token ids")
+                ids.append(self.add_request(self.tokenizer.encode(p), sampling_params, prompt=p))
+            else:
+                ids.append(self.add_request(p, sampling_params))
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    # ---- failures --------------------------------------------------------------------------
+
+    def kill(self, i: int, reason: str | None = None) -> None:
+        """Instance `i` is gone (a test's failure injection, or an actor that died): stop
+        using it and recompute its requests elsewhere (the module doc)."""
+        if not self.alive[i]:
+            return
+        self.alive[i] = False
+        reason = reason or f"instance {i} died"
+        with contextlib.suppress(Exception):  # already gone
+            self.instances[i].shutdown()
+        for rid, rec in list(self._records.items()):
+            if rec.source == i:  # moving away from i: the pull fails and the decode side copes
+                rec.source = None
+                continue
+            if rec.instance != i:
+                continue
+            self._outstanding[i] -= 1
+            self._recover(rid, rec, reason)
+
+    def _recover(self, rid: str, rec: _Record, reason: str) -> None:
+        if rec.source is not None and self.alive[rec.source]:
+            self.instances[rec.source].release(rid)  # its pull died with the decode side
+            rec.source = None
+        roles = ("decode", "colocated") if rec.tokens else ENTRY_ROLES
+        live = self._alive_with(roles)
+        if not live:
+            self._fail(rid, f"{reason}, and no live {' or '.join(roles)} instance is left")
+            return
+        j = self._choose(self.decode_router if rec.tokens else self.router, rec.route, live)
+        metrics = rec.metrics or RequestMetrics(rec.route.arrival_time)
+        m = MigratedRequest(
+            request_id=rid,
+            prompt_token_ids=list(rec.route.prompt_token_ids),
+            output_token_ids=list(rec.tokens),
+            sampling_params=rec.route.sampling_params,
+            seed=rec.seed,
+            num_kv_tokens=0,
+            metrics=metrics,
+            prompt=rec.prompt,
+        )
+        self.instances[j].recompute_request(m)
+        self._loads[j] = self.instances[j].load()
+        rec.instance = j
+        self._outstanding[j] += 1
+        self.transfer_stats.num_recomputed += 1
+        logger.warning("request %s: %s; recomputing it on instance %d", rid, reason, j)
+
+    def _fail(self, rid: str, error: str) -> None:
+        rec = self._records.pop(rid)
+        metrics = rec.metrics or RequestMetrics(rec.route.arrival_time)
+        metrics.finished_time = self.clock.now()
+        self._errors.append(
+            RequestOutput(
+                request_id=rid,
+                prompt=rec.prompt,
+                prompt_token_ids=list(rec.route.prompt_token_ids),
+                token_ids=list(rec.tokens),
+                text="",
+                finished=True,
+                finish_reason="error",
+                metrics=metrics,
+                error=error,
+            )
+        )
+        self.transfer_stats.num_failed_requests += 1
+
+    def _take_errors(self) -> list[RequestOutput]:
+        out, self._errors = self._errors, []
+        return out
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _alive_with(self, roles) -> list[int]:
+        return [i for i, r in enumerate(self.roles) if r in roles and self.alive[i]]
+
+    def _choose(self, router, route: RouteRequest, candidates: list[int]) -> int:
+        views = [_View(k, self, i) for k, i in enumerate(candidates)]
+        k = router.route(route, views, route.arrival_time)
+        if isinstance(k, bool) or not hasattr(k, "__index__") or not 0 <= k < len(views):
+            raise ValueError(
+                f"router {getattr(router, 'name', router)!r} returned {k!r}; need an index in "
+                f"[0, {len(views)})"
+            )
+        return candidates[int(k)]
+
+    def _track(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        kept = []
+        for out in outs:
+            rec = self._records.get(out.request_id)
+            if rec is None:  # aborted here meanwhile
+                continue
+            rec.tokens = list(out.token_ids)
+            rec.metrics = out.metrics
+            if out.finished:
+                del self._records[out.request_id]
+                self._outstanding[rec.instance] -= 1
+            kept.append(out)
+        return kept
+
+    def _migrate(self) -> list[RequestOutput]:
+        self._poll()
+        self._start_transfers()
+        self._poll()  # the local transport moves at once: decode can start next step
+        return []
+
+    def _poll(self) -> None:
+        for j in self._alive_with(("decode",)):
+            try:
+                results = self.instances[j].poll_imports()
+            except Exception as e:
+                self.kill(j, reason=f"instance {j} failed: {e!r}")
+                continue
+            for res in results:
+                rec = self._records.get(res.request_id)
+                if rec is not None and rec.source is not None:
+                    if self.alive[rec.source]:
+                        self.instances[rec.source].release(res.request_id)
+                    rec.source = None
+                st = self.transfer_stats
+                if res.status == "done":
+                    st.num_transfers += 1
+                    st.bytes += res.nbytes
+                    st.seconds += res.seconds
+                    st.transfer_seconds.append(res.seconds)
+                else:
+                    st.num_failures += 1
+                    if res.status == "recomputed":
+                        st.num_recomputed += 1
+                    else:
+                        st.num_failed_requests += 1
+            self._loads[j] = self.instances[j].load()
+
+    def _start_transfers(self) -> None:
+        """Move the oldest parked requests while a decode instance can take them (FIFO across
+        the prefill instances, by first-token time)."""
+        queues = {}
+        for i in self._alive_with(("prefill",)):
+            if self._loads[i].num_parked:
+                queues[i] = list(self.instances[i].parked())
+        decode = self._alive_with(("decode",))
+        while decode:
+            heads = [(q[0].metrics.first_token_time or 0.0, i) for i, q in queues.items() if q]
+            if not heads:
+                return
+            _, i = min(heads)
+            m = queues[i][0]
+            rec = self._records.get(m.request_id)
+            if rec is None:  # aborted
+                queues[i].pop(0)
+                continue
+            accepting = [
+                j for j in decode if self.instances[j].can_accept(m, self.waiting_page_fraction)
+            ]
+            if not accepting:
+                return  # FIFO: nothing overtakes the head
+            j = self._choose(self.decode_router, rec.route, accepting)
+            queues[i].pop(0)
+            try:
+                m, offer = self.instances[i].offer(m.request_id)
+            except Exception as e:
+                self.kill(i, reason=f"instance {i} failed to offer KV: {e!r}")
+                queues.pop(i, None)
+                continue
+            self.instances[j].begin_import(
+                m, offer, self.transfer_timeout_s, self.on_transfer_failure
+            )
+            self._outstanding[i] -= 1
+            self._outstanding[j] += 1
+            rec.instance, rec.source = j, i
+            self._loads[j] = self.instances[j].load()

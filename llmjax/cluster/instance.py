@@ -1,0 +1,251 @@
+"""One engine instance with a role, and the calls a `Cluster` makes on it (issue 21, item 1).
+
+An instance is an `LLMEngine` (llmjax/engine/engine.py) with a role ('colocated', 'prefill',
+'decode') on its own devices. `LocalInstance` holds one in this process (the local launcher's
+sub-meshes, llmjax/cluster/launch.py); the Ray launcher's actor holds a `LocalInstance` in its
+own process and forwards these same calls, so the `Cluster` drives both alike. Every call's
+arguments and results are plain data (they pickle), apart from `engine` itself.
+
+The migration calls (DistServe's pull-based protocol; the Cluster runs it):
+
+    parked()                     prefill side: requests whose first token is out, KV still held,
+                                 oldest first
+    offer(request_id)            prefill side: (MigratedRequest, Offer): the KV gathered and
+                                 offered through the transport; still parked
+    can_accept(m, fraction)      decode side: DistServe's condition (`LLMEngine.can_accept`)
+    begin_import(m, offer, ...)  decode side: reserve pages, start pulling
+    poll_imports()               decode side: finish arrived pulls (scatter into the reserved
+                                 pages, join the batch), fail the ones past their deadline
+                                 (recompute here, or fail with the reason)
+    release(request_id, offer)   prefill side: free the pages (prefix cache keeps the prompt)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from llmjax.cluster.transfer import KVTransport, Offer, TransferError
+from llmjax.engine.request import MigratedRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """An instance's load after its last step (what routers read; `InstanceLoad`)."""
+
+    num_waiting: int
+    num_running: int
+    num_parked: int
+    num_receiving: int
+    num_free_pages: int
+    num_available_pages: int
+    num_usable_pages: int
+    has_unfinished: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportResult:
+    """A finished pull on a decode instance: 'done' (the request now decodes here),
+    'recomputed' (the transfer failed; the request recomputes its prompt here) or 'failed'
+    (the transfer failed and the policy fails it; its error output follows)."""
+
+    request_id: str
+    status: str
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Import:
+    message: MigratedRequest
+    offer: Offer
+    pages: list[int]
+    handle: object
+    deadline: float
+    on_failure: str
+    start: float
+    timeout_s: float
+
+
+class LocalInstance:
+    """An engine instance in this process (the module doc). `transport` moves KV pages in
+    and out of it."""
+
+    def __init__(self, engine, transport: KVTransport | None = None, name: str = ""):
+        self.engine = engine
+        self.transport = transport
+        self.name = name
+        self._imports: dict[str, _Import] = {}
+        self._offers: dict[str, Offer] = {}  # prefill side: offered and not released
+
+    # ---- what it is ------------------------------------------------------------------------
+
+    @property
+    def role(self) -> str:
+        return self.engine.role
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def describe(self) -> dict:
+        """Role, parallelism and devices, for logs and the benchmark's table."""
+        runner = self.engine.runner
+        mesh = getattr(runner, "mesh", None)
+        if mesh is not None:
+            devices = [str(d) for d in mesh.devices.flat]
+        else:
+            device = getattr(runner, "device", None)
+            devices = [str(device)] if device is not None else ["default"]
+        p = self.config.parallel
+        return dict(name=self.name, role=self.role, tp=p.tp, pp=p.pp, devices=devices)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids, sampling_params, request_id, prompt, arrival_time):
+        return self.engine.add_request(
+            prompt_token_ids, sampling_params, request_id, prompt, arrival_time
+        )
+
+    def recompute_request(self, m: MigratedRequest) -> None:
+        self.engine.recompute_request(m)
+
+    def step(self) -> tuple[list[RequestOutput], LoadReport]:
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        return outputs, self.load()
+
+    def abort_request(self, request_id: str) -> bool:
+        self._imports.pop(request_id, None)
+        offer = self._offers.pop(request_id, None)
+        if offer is not None and self.transport is not None:
+            self.transport.release(offer)
+        return self.engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def load(self) -> LoadReport:
+        e = self.engine
+        bm, sched = e.block_manager, e.scheduler
+        return LoadReport(
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_parked=len(e.parked),
+            num_receiving=len(self._imports),
+            num_free_pages=bm.num_free_pages,
+            num_available_pages=bm.num_available_pages,
+            num_usable_pages=bm.num_usable_pages,
+            has_unfinished=e.has_unfinished_requests(),
+        )
+
+    def cached_prefix_tokens(self, prompt_token_ids) -> int:
+        ids = list(prompt_token_ids)[:-1]
+        return self.engine.block_manager.peek_prefix(ids).num_tokens
+
+    # ---- migration (the module doc) --------------------------------------------------------
+
+    def parked(self) -> list[MigratedRequest]:
+        """Parked requests not yet offered, oldest first."""
+        return [
+            self.engine.export_request(rid)[0]
+            for rid in self.engine.parked
+            if rid not in self._offers
+        ]
+
+    def offer(self, request_id: str) -> tuple[MigratedRequest, Offer]:
+        m, pages = self.engine.export_request(request_id)
+        offer = self.transport.offer(self.engine.runner, request_id, pages)
+        self._offers[request_id] = offer
+        return m, offer
+
+    def release(self, request_id: str) -> None:
+        """The request left (moved, or its decode side gave up): free its pages here."""
+        offer = self._offers.pop(request_id, None)
+        if offer is not None:
+            self.transport.release(offer)
+        if request_id in self.engine.parked:
+            self.engine.release_request(request_id)
+
+    def can_accept(self, m: MigratedRequest, waiting_page_fraction: float) -> bool:
+        return self.engine.can_accept(m, waiting_page_fraction)
+
+    def begin_import(
+        self, m: MigratedRequest, offer: Offer, timeout_s: float, on_failure: str
+    ) -> None:
+        pages = self.engine.reserve_import(m)
+        start = time.perf_counter()
+        deadline = time.time() + timeout_s
+        try:
+            handle = self.transport.pull(offer, self.engine.runner, deadline)
+        except TransferError as e:
+            handle = e
+        self._imports[m.request_id] = _Import(
+            m, offer, pages, handle, deadline, on_failure, start, timeout_s
+        )
+
+    def poll_imports(self) -> list[ImportResult]:
+        results = []
+        for rid, imp in list(self._imports.items()):
+            try:
+                data = self.transport.poll(imp.handle)
+                if data is None and time.time() > imp.deadline:
+                    raise TransferError(
+                        f"KV transfer of request {rid!r} passed its deadline "
+                        f"({imp.timeout_s:g} s) before the KV arrived"
+                    )
+            except TransferError as e:
+                del self._imports[rid]
+                results.append(self._failed(rid, imp, str(e)))
+                continue
+            if data is None:
+                continue
+            del self._imports[rid]
+            try:
+                self.engine.runner.import_pages(imp.pages, data)
+            except Exception as e:  # a malformed array: the request must not decode garbage
+                results.append(self._failed(rid, imp, f"KV import failed: {e!r}"))
+                continue
+            self.engine.commit_import(rid)
+            results.append(
+                ImportResult(rid, "done", imp.offer.nbytes, time.perf_counter() - imp.start, None)
+            )
+        return results
+
+    def _failed(self, rid: str, imp: _Import, error: str) -> ImportResult:
+        logger.warning("KV transfer of request %s failed: %s", rid, error)
+        if imp.on_failure == "fail":
+            self.engine.cancel_import(rid, error=f"KV transfer failed: {error}")
+            return ImportResult(rid, "failed", 0, time.perf_counter() - imp.start, error)
+        self.engine.cancel_import(rid)
+        return ImportResult(rid, "recomputed", 0, time.perf_counter() - imp.start, error)
+
+    # ---- counters --------------------------------------------------------------------------
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    def reset_stats(self) -> None:
+        self.engine.reset_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    @property
+    def num_compiles(self) -> int:
+        return self.engine.num_compiles
+
+    def shutdown(self) -> None:
+        """Drop this instance's offers (its KV arrays): pulls of them fail from now on."""
+        for offer in self._offers.values():
+            self.transport.release(offer)
+        self._offers.clear()
+        self._imports.clear()
