@@ -633,7 +633,7 @@ class _FakeRunner:
     pipelined = False  # the pipeline path is covered by run_scenario's pipeline_depth
     ragged_page_tables = False  # page-count buckets, as with the jnp reference
 
-    def __init__(self, config: EngineConfig, params, num_pages: int, skew=None):
+    def __init__(self, config: EngineConfig, params, num_pages: int, skew=None, devices=None):
         self.model = FakePagedModel(num_pages, config.cache.page_size, config.model.vocab_size)
         self.num_compiles = 0
 

@@ -1,11 +1,20 @@
-"""A router / global scheduler over engine instances (issue 21).
+"""Many engine instances: routers, prefill/decode disaggregation with KV page transfer
+(DistServe), launchers (issue 21; docs/cluster.md).
 
 `router.py`: `RouteRequest`, the `InstanceLoad` and `Router` protocols, and the routers by name
 (`ROUTERS`, `make_router`): `round_robin`, `least_outstanding`, `power_of_two`, `cache_aware`
-(sglang-router's). `llmjax.sim.SimCluster` runs them over simulated engines. Nothing here
-imports jax.
+(sglang-router's). `cluster.py`: `Cluster`, instances behind a router with DistServe's
+pull-based migration (duck-types as one engine for `llmjax.bench.replay`). `instance.py`:
+`LocalInstance`, one engine with a role and the calls a Cluster makes on it. `transfer.py`: KV
+transports (`local`; `transfer_server` in transfer_server.py). `launch.py`: `launch` and
+`InstanceSpec` (the `local` launcher on sub-meshes; `ray` in ray_launcher.py).
+`llmjax.sim.SimCluster` runs the same routers over simulated engines. Importing this package
+imports no jax.
 """
 
+from llmjax.cluster.cluster import Cluster, TransferStats
+from llmjax.cluster.instance import LocalInstance
+from llmjax.cluster.launch import LAUNCHERS, InstanceSpec, launch
 from llmjax.cluster.router import (
     ROUTERS,
     CacheAware,
@@ -18,16 +27,27 @@ from llmjax.cluster.router import (
     RouteRequest,
     make_router,
 )
+from llmjax.cluster.transfer import TRANSPORTS, LocalTransport, Offer, TransferError
 
 __all__ = [
+    "LAUNCHERS",
     "ROUTERS",
+    "TRANSPORTS",
     "CacheAware",
+    "Cluster",
     "InstanceLoad",
+    "InstanceSpec",
     "LeastOutstanding",
+    "LocalInstance",
+    "LocalTransport",
+    "Offer",
     "PowerOfTwo",
     "PrefixTrie",
     "RoundRobin",
     "RouteRequest",
     "Router",
+    "TransferError",
+    "TransferStats",
+    "launch",
     "make_router",
 ]

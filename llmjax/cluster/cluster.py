@@ -222,13 +222,30 @@ class Cluster:
         """Step every live instance with work, then move KV (the module doc); returns every
         output (first tokens from prefill instances, the rest from decode instances)."""
         outputs, self._errors = self._errors, []
-        for i, inst in enumerate(self.instances):
-            if not self.alive[i]:
-                continue
-            if not (self._loads[i].has_unfinished or self._outstanding[i]):
-                continue
+        busy = [
+            i
+            for i in range(len(self.instances))
+            if self.alive[i] and (self._loads[i].has_unfinished or self._outstanding[i])
+        ]
+        # Remote instances (Ray actors) start their steps together: `step_begin()` returns a
+        # future that `step_end(future)` waits for; a LocalInstance just steps.
+        started = {}
+        for i in busy:
+            begin = getattr(self.instances[i], "step_begin", None)
+            if begin is not None:
+                try:
+                    started[i] = begin()
+                except Exception as e:
+                    started[i] = e
+        for i in busy:
+            inst = self.instances[i]
             try:
-                outs, self._loads[i] = inst.step()
+                if i in started:
+                    if isinstance(started[i], Exception):
+                        raise started[i]
+                    outs, self._loads[i] = inst.step_end(started[i])
+                else:
+                    outs, self._loads[i] = inst.step()
             except Exception as e:  # a dead instance (e.g. a Ray actor gone)
                 logger.error("instance %d failed in step: %r", i, e)
                 self.kill(i, reason=f"instance {i} failed: {e!r}")

@@ -75,8 +75,12 @@ class LocalInstance:
     """An engine instance in this process (the module doc). `transport` moves KV pages in
     and out of it."""
 
-    def __init__(self, engine, transport: KVTransport | None = None, name: str = ""):
+    def __init__(
+        self, engine, transport: KVTransport | None = None, name: str = "", time_fn=time.time
+    ):
+        """`time_fn`: the clock of transfer deadlines (seconds; tests pass a fake one)."""
         self.engine = engine
+        self.time_fn = time_fn
         self.transport = transport
         self.name = name
         self._imports: dict[str, _Import] = {}
@@ -182,7 +186,7 @@ class LocalInstance:
     ) -> None:
         pages = self.engine.reserve_import(m)
         start = time.perf_counter()
-        deadline = time.time() + timeout_s
+        deadline = self.time_fn() + timeout_s
         try:
             handle = self.transport.pull(offer, self.engine.runner, deadline)
         except TransferError as e:
@@ -196,7 +200,7 @@ class LocalInstance:
         for rid, imp in list(self._imports.items()):
             try:
                 data = self.transport.poll(imp.handle)
-                if data is None and time.time() > imp.deadline:
+                if data is None and self.time_fn() > imp.deadline:
                     raise TransferError(
                         f"KV transfer of request {rid!r} passed its deadline "
                         f"({imp.timeout_s:g} s) before the KV arrived"

@@ -30,6 +30,7 @@ import dataclasses
 from llmjax.cluster.cluster import Cluster
 from llmjax.cluster.instance import LocalInstance
 from llmjax.cluster.transfer import make_transport
+from llmjax.engine.clock import WALL_CLOCK
 
 LAUNCHERS = ("local", "ray")
 
@@ -99,10 +100,12 @@ def launch(
         raise ValueError(
             "simulated instances run in a SimCluster (llmjax.sim.cluster); launch starts real ones"
         )
+    clock = WALL_CLOCK
     if launcher == "ray":
-        from llmjax.cluster.ray_launcher import launch_ray
+        from llmjax.cluster.ray_launcher import UnixClock, launch_ray
 
         handles = launch_ray(model, instances, transport, llm_options, **(ray_options or {}))
+        clock = UnixClock()  # the actors' engines stamp metrics with it: one clock for all
     else:
         handles = _launch_local(model, instances, transport, devices, llm_options)
     return Cluster(
@@ -113,6 +116,7 @@ def launch(
         on_transfer_failure=on_transfer_failure,
         transfer_timeout_s=transfer_timeout_s,
         seed=llm_options.get("seed", 0),
+        clock=clock,
     )
 
 

@@ -84,13 +84,13 @@ class LLMEngine:
         if role not in ROLES:
             raise ValueError(f"unknown {role=}; choose one of {ROLES}")
         self.role = role
-        if role != "colocated" and config.device != "sim":
-            if config.parallel.pp > 1 or config.sparse_kv.enabled:
-                raise ValueError(
-                    f"role={role!r} moves KV pages between instances, which needs pp == 1 and "
-                    f"sparse_kv='none' on a real device (got pp={config.parallel.pp}, "
-                    f"sparse_kv={config.sparse_kv.mode!r}); the simulator models any layout"
-                )
+        real = config.device != "sim"
+        if role != "colocated" and real and (config.parallel.pp > 1 or config.sparse_kv.enabled):
+            raise ValueError(
+                f"role={role!r} moves KV pages between instances, which needs pp == 1 and "
+                f"sparse_kv='none' on a real device (got pp={config.parallel.pp}, "
+                f"sparse_kv={config.sparse_kv.mode!r}); the simulator models any layout"
+            )
         if config.device == "sim" and clock is WALL_CLOCK:
             clock = VirtualClock()
         if num_pages is None:

@@ -484,10 +484,17 @@ class ModelRunner:
         """Write `data` (as `export_pages` returns it, placed with this runner's
         `kv_transfer_sharding`) into `pages`, in place (the pages are donated); the padded
         rows go to the reserved page."""
-        if data.shape != self.transfer_shape(len(pages)):
+        want = self.transfer_shape(len(pages))
+        bucket = data.shape[2] if data.ndim == 6 else 0
+        if (
+            data.ndim != 6
+            or data.shape[:2] + data.shape[3:] != want[:2] + want[3:]
+            or bucket < len(pages)
+            or bucket != transfer_bucket(bucket)
+        ):
             raise ValueError(
                 f"KV data of shape {data.shape} does not fit {len(pages)} pages of this "
-                f"instance ({self.transfer_shape(len(pages))})"
+                f"instance (want {want})"
             )
         idx = self._page_index(pages, data.shape[2])
         self.kv_pages = self._transfer()[1](self.kv_pages, idx, data)
