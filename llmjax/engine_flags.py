@@ -7,7 +7,9 @@ Short flags for what researchers set most: `--model`, `--load_format`, `--tokeni
 `--pp`, `--pad_heads`, `--balance_micro_batches`, `--check_lockstep`) and a multi-process launch
 (`--coordinator_address`, `--num_processes`, `--process_id`), and a simulated device
 (`--device sim` with `--hardware`, `--cost_model`, `--cost_profile`, `--memory_utilization`;
-llmjax/sim/).
+llmjax/sim/). Scripts that run many instances also call `define_cluster_flags()`
+(`--num_instances`, `--instances`, `--router`, `--launcher`, `--kv_transport`,
+`--waiting_page_fraction`; llmjax/cluster/).
 
 Every other `EngineConfig` field is an ml_collections config flag (DESIGN principle 4), set by
 dotted path and applied after the short flags:
@@ -409,6 +411,74 @@ def check_overrides(overrides: dict[str, object]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# Many instances (llmjax/cluster/): the scripts that serve or benchmark a cluster.
+
+CLUSTER_FLAGS = (
+    "num_instances",
+    "instances",
+    "router",
+    "launcher",
+    "kv_transport",
+    "waiting_page_fraction",
+)
+
+
+def define_cluster_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """--num_instances, --instances, --router, --launcher, --kv_transport and
+    --waiting_page_fraction (llmjax/cluster/; `instance_specs` and `launch_kwargs` read them)."""
+    from llmjax.cluster.router import ROUTERS
+
+    if "instances" in flag_values:
+        return
+    flags.DEFINE_integer(
+        "num_instances",
+        1,
+        "Colocated engine instances behind a router; each variant gets this many fresh engines "
+        "(--device sim: llmjax.sim.SimCluster, one simulated timeline; a real device: the local "
+        "launcher, llmjax.cluster.launch, instance k on the k-th tp * pp devices).",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_string(
+        "instances",
+        "",
+        "Instances with roles, instead of --num_instances, e.g. 'prefill:tp=2,decode:tp=2' or "
+        "'2xprefill,decode' (llmjax.cluster.InstanceSpec.parse): DistServe's disaggregation, the "
+        "KV moved from prefill to decode instances by --kv_transport.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_enum(
+        "launcher",
+        "local",
+        ["local", "ray"],
+        "Real instances: in this process, or Ray actors.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_enum(
+        "kv_transport",
+        "local",
+        ["local", "transfer_server"],
+        "How KV pages move between instances (llmjax/cluster/transfer.py).",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_float(
+        "waiting_page_fraction",
+        0.05,
+        "DistServe's pull condition: a decode instance takes a request while its waiting queue "
+        "uses less than this fraction of its KV pages.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_enum(
+        "router",
+        "round_robin",
+        list(ROUTERS),
+        "With --num_instances > 1: which instance each request goes to (llmjax.cluster.ROUTERS): "
+        "round_robin, least_outstanding, power_of_two (the less loaded of two at random), "
+        "cache_aware (sglang-router's: longest prefix match unless the load is imbalanced).",
+        flag_values=flag_values,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
 # From flags to an engine.
 
 
@@ -471,6 +541,32 @@ def initialize(values: flags.FlagValues) -> None:
     from llmjax.parallel.distributed import initialize as init
 
     init(values.coordinator_address, values.num_processes, values.process_id)
+
+
+def instance_specs(values: flags.FlagValues):
+    """--instances, or --num_instances colocated instances of --tp x --pp: a list of
+    `llmjax.cluster.InstanceSpec`, or None for one engine. ValueError names a bad spec."""
+    from llmjax.cluster.launch import InstanceSpec
+
+    if values.instances:
+        if values["num_instances"].present:
+            raise ValueError("give --instances or --num_instances, not both")
+        return InstanceSpec.parse(values.instances)
+    if values.num_instances < 1:
+        raise ValueError(f"--num_instances={values.num_instances} must be >= 1")
+    if values.num_instances > 1:
+        return [InstanceSpec("colocated", tp=values.tp, pp=values.pp)] * values.num_instances
+    return None
+
+
+def launch_kwargs(values: flags.FlagValues) -> dict:
+    """`llmjax.cluster.launch` arguments from the cluster flags (but the model and specs)."""
+    return dict(
+        launcher=values.launcher,
+        router=values.router,
+        transport=values.kv_transport,
+        waiting_page_fraction=values.waiting_page_fraction,
+    )
 
 
 def is_leader(values: flags.FlagValues) -> bool:

@@ -50,9 +50,9 @@ from typing import NamedTuple
 from absl import app, flags
 
 from llmjax import engine_flags
-from llmjax.cluster.router import ROUTERS
 
 engine_flags.define_flags()  # --model, --dtype, --tp, ..., --config.*: as every script
+engine_flags.define_cluster_flags()  # --num_instances, --instances, --router, ...
 flags.adopt_module_key_flags(engine_flags)  # listed by --help, not only --helpfull
 flags.FLAGS.set_default("max_num_seqs", 64)
 flags.DEFINE_list(
@@ -211,20 +211,6 @@ flags.DEFINE_list(
     "offload (host pool, every layer fetches everything), infinigen (host pool, speculated "
     "fetches).",
 )
-flags.DEFINE_integer(
-    "num_instances",
-    1,
-    "Engine instances behind a router (--device sim for now: llmjax.sim.SimCluster, one "
-    "simulated timeline); each variant gets this many fresh engines.",
-)
-flags.DEFINE_enum(
-    "router",
-    "round_robin",
-    list(ROUTERS),
-    "With --num_instances > 1: which instance each request goes to (llmjax.cluster.ROUTERS): "
-    "round_robin, least_outstanding, power_of_two (the less loaded of two at random), "
-    "cache_aware (sglang-router's: longest prefix match unless the load is imbalanced).",
-)
 flags.DEFINE_string("json_out", "out/benchmark.json", "Where to write the results ('' = nowhere).")
 flags.DEFINE_string(
     "profile_dir",
@@ -279,6 +265,11 @@ def build_llm(policy: str, **options):
     come from --config.sparse_kv.*)."""
     from llmjax import LLM
 
+    return LLM(FLAGS.model, **llm_kwargs(policy, **options))
+
+
+def llm_kwargs(policy: str, **options) -> dict:
+    """build_llm's LLM arguments (but the model)."""
     kwargs = engine_flags.llm_kwargs(FLAGS) | dict(seed=FLAGS.seed, scheduler_policy=policy)
     budget = options.pop("max_num_batched_tokens", FLAGS.max_num_batched_tokens)
     if budget is not None and _is_whole_prompt(policy):
@@ -287,7 +278,36 @@ def build_llm(policy: str, **options):
     kwargs["max_num_batched_tokens"] = budget  # None: the LLM's default for the policy
     kwargs.update(options)
     kwargs["sparse_kv"] = kwargs.pop("sparse_mode", "none")
-    return LLM(FLAGS.model, **kwargs)
+    return kwargs
+
+
+def instance_specs():
+    """--instances, or --num_instances colocated ones: InstanceSpecs (None for one engine)."""
+    try:
+        return engine_flags.instance_specs(FLAGS)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
+
+
+def build_cluster(variant: Variant):
+    """Real instances (--instances / --num_instances) behind --router: (cluster, the LLM of
+    its first decode or colocated instance, for the engine info and the TBT SLO)."""
+    from llmjax.cluster import launch
+
+    kwargs = llm_kwargs(
+        variant.policy,
+        prefix_cache=variant.prefix_cache,
+        admission_order=variant.admission_order,
+        sparse_mode=variant.sparse_kv,
+    )
+    for fixed in ("tp", "pp"):  # per instance
+        kwargs.pop(fixed, None)
+    cluster = launch(FLAGS.model, instance_specs(), **engine_flags.launch_kwargs(FLAGS), **kwargs)
+    measured = next(i for i, r in enumerate(cluster.roles) if r in ("decode", "colocated"))
+    llm = getattr(cluster.instances[measured], "llm", None)
+    if llm is None:
+        raise app.UsageError("--launcher ray: pass --tbt_slo (no in-process engine to measure)")
+    return cluster, llm
 
 
 def engine_info(llm) -> dict:
@@ -532,15 +552,21 @@ def run_variant(variant: Variant, state: dict) -> dict:
 
     name = variant.name
     t0 = time.perf_counter()
-    llm = build_llm(
-        variant.policy,
-        prefix_cache=variant.prefix_cache,
-        admission_order=variant.admission_order,
-        sparse_mode=variant.sparse_kv,
-    )
-    engine = llm.engine
-    info = engine_info(llm)
-    if FLAGS.num_instances > 1:  # more of the same engine, behind the router
+    cluster = None
+    if instance_specs() and FLAGS.device != "sim":
+        cluster, llm = build_cluster(variant)
+        engine = cluster
+        info = engine_info(llm) | {"instances": cluster.describe(), "router": FLAGS.router}
+    else:
+        llm = build_llm(
+            variant.policy,
+            prefix_cache=variant.prefix_cache,
+            admission_order=variant.admission_order,
+            sparse_mode=variant.sparse_kv,
+        )
+        engine = llm.engine
+        info = engine_info(llm)
+    if FLAGS.num_instances > 1 and cluster is None:  # more of the same engine, behind the router
         from llmjax.sim import SimCluster
 
         others = [
@@ -615,6 +641,10 @@ def run_variant(variant: Variant, state: dict) -> dict:
         "num_compiles_during_run": engine.num_compiles - compiles,
         "output_token_ids": [list(o.token_ids) for o in outputs],
     }
+    if cluster is not None:
+        result["transfer_stats"] = cluster.transfer_stats.as_dict()
+        result["instance_utilization"] = cluster.utilization()
+        result["instance_stats"] = [s.as_dict() for s in cluster.stats]
     if FLAGS.capacity_search or FLAGS.goodput_search:
 
         def run_at_qps(qps: float):
@@ -688,6 +718,24 @@ def choose_tbt_slo(llm) -> tuple[float, dict | None]:
 # Report.
 
 
+def cluster_rows(results: dict) -> list:
+    """KV transfers and per-instance utilization of a real cluster (--instances)."""
+    if not any("transfer_stats" in r for r in results.values()):
+        return []
+    t = {p: r.get("transfer_stats", {}) for p, r in results.items()}
+    u = {p: r.get("instance_utilization", []) for p, r in results.items()}
+    return [
+        ("KV transfers", {p: v.get("num_transfers", "-") for p, v in t.items()}),
+        ("KV MB moved", {p: f"{v.get('bytes', 0) / 1e6:.2f}" for p, v in t.items()}),
+        (
+            "KV transfer ms (mean)",
+            {p: f"{1e3 * v.get('mean_transfer_s', 0):.2f}" for p, v in t.items()},
+        ),
+        ("KV transfer failures", {p: v.get("num_failures", "-") for p, v in t.items()}),
+        ("instance utilization", {p: " ".join(f"{x:.0%}" for x in v) for p, v in u.items()}),
+    ]
+
+
 def report(results: dict, state: dict) -> str:
     from llmjax.bench.metrics import format_side_by_side, format_table
 
@@ -739,6 +787,7 @@ def report(results: dict, state: dict) -> str:
             {p: r["engine"]["max_num_batched_tokens"] for p, r in results.items()},
         ),
         *sparse_rows(results),
+        *cluster_rows(results),
     ]
     specs = state["specs"]
     # Prompt lengths as run (a dependent request's prompt includes its parent's conversation).
@@ -960,10 +1009,11 @@ def main(argv):
     _qps(FLAGS.qps)
     if FLAGS.num_instances < 1:
         raise app.UsageError(f"--num_instances={FLAGS.num_instances} must be >= 1")
-    if FLAGS.num_instances > 1 and FLAGS.device != "sim":
+    instance_specs()  # a bad --instances fails here
+    if FLAGS.instances and FLAGS.device == "sim":
         raise app.UsageError(
-            "--num_instances > 1 runs simulated instances (--device sim) for now; real ones "
-            "come with the cluster package (issue 21)"
+            "--instances with roles runs real instances; on --device sim use "
+            "scripts/placement.py (simulated disaggregation) or --num_instances"
         )
     state: dict = {}
     if FLAGS.workload == "trace":

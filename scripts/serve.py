@@ -4,6 +4,8 @@ r"""Serve a model over an OpenAI-compatible HTTP API (llmjax/serve/; needs the `
     python scripts/serve.py --port 8001 --api_key secret --max_num_queued 256
     python scripts/serve.py --metrics_prefix vllm            # vLLM's dashboards read /metrics
     python scripts/serve.py --config.scheduler.policy=prefill_first --precompile
+    python scripts/serve.py --num_instances 2 --router least_outstanding   # 2 engines, 1 router
+    python scripts/serve.py --instances prefill:tp=2,decode:tp=2     # DistServe-style (4 devices)
 
 Then, from another shell:
 
@@ -14,6 +16,9 @@ Then, from another shell:
 The engine is loaded and warmed up (--warmup: one short request compiles the prefill and decode
 steps it needs; --precompile compiles every step shape) before the server accepts connections;
 its address is logged. The engine flags are every script's (llmjax/engine_flags.py).
+`--num_instances` / `--instances` serve several engine instances behind one router
+(llmjax/cluster/: the local launcher puts instance k on the next tp * pp devices; `--launcher ray`
+on Ray actors); the endpoints and /metrics are the same, the metrics summed over instances.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from absl import app, flags, logging
 from llmjax import engine_flags
 
 engine_flags.define_flags()
+engine_flags.define_cluster_flags()
 flags.adopt_module_key_flags(engine_flags)  # listed by --help, not only --helpfull
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
@@ -64,14 +70,22 @@ def main(argv):
     from llmjax.serve import serve
 
     t = time.perf_counter()
-    llm = LLM(FLAGS.model, **engine_flags.llm_kwargs(FLAGS))
+    try:
+        specs = engine_flags.instance_specs(FLAGS)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
+    if specs is None:
+        llm = LLM(FLAGS.model, **engine_flags.llm_kwargs(FLAGS))
+    else:
+        llm = _cluster(specs)
+    bos = (llm.config.model if specs is not None else llm.model_config).bos_token_id or 1
     print(f"[serve] loaded {FLAGS.model} in {time.perf_counter() - t:.1f} s", flush=True)
     if FLAGS.warmup:
         t = time.perf_counter()
-        prompt = [llm.model_config.bos_token_id or 1] * 8
+        prompt = [bos] * 8
         llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
         llm.reset_prefix_cache()
-        llm.engine.reset_stats()
+        (llm if specs is not None else llm.engine).reset_stats()
         print(f"[serve] warmed up in {time.perf_counter() - t:.1f} s", flush=True)
     print(f"[serve] starting the server on http://{FLAGS.host}:{FLAGS.port}", flush=True)
     serve(
@@ -84,6 +98,22 @@ def main(argv):
         max_num_queued=FLAGS.max_num_queued,
         metrics_prefix=FLAGS.metrics_prefix,
     )
+
+
+def _cluster(specs):
+    from llmjax.cluster import launch
+
+    kwargs = engine_flags.llm_kwargs(FLAGS)
+    for fixed in ("tp", "pp"):  # per instance
+        kwargs.pop(fixed)
+    cluster = launch(FLAGS.model, specs, **engine_flags.launch_kwargs(FLAGS), **kwargs)
+    for d in cluster.describe():
+        print(
+            f"[serve] instance {d['index']}: {d['role']} tp={d['tp']} pp={d['pp']} "
+            f"on {d['devices']}",
+            flush=True,
+        )
+    return cluster
 
 
 if __name__ == "__main__":

@@ -119,6 +119,10 @@ class LocalInstance:
             prompt_token_ids, sampling_params, request_id, prompt, arrival_time
         )
 
+    def validate_request(self, prompt_token_ids, sampling_params) -> None:
+        """Raise `InvalidRequest` if this instance could never run the request."""
+        self.engine.validate_request(list(prompt_token_ids), sampling_params)
+
     def recompute_request(self, m: MigratedRequest) -> None:
         self.engine.recompute_request(m)
 

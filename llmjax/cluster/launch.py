@@ -108,7 +108,7 @@ def launch(
         clock = UnixClock()  # the actors' engines stamp metrics with it: one clock for all
     else:
         handles = _launch_local(model, instances, transport, devices, llm_options)
-    return Cluster(
+    cluster = Cluster(
         handles,
         router,
         decode_router=decode_router,
@@ -118,6 +118,8 @@ def launch(
         seed=llm_options.get("seed", 0),
         clock=clock,
     )
+    cluster.model_name = model
+    return cluster
 
 
 def split_devices(devices, instances: list[InstanceSpec]) -> list[list]:
@@ -165,5 +167,7 @@ def _launch_local(model, instances, transport_name, devices, llm_options) -> lis
         else:
             shared = {n: v for n, v in options.items() if n not in LLM.WEIGHT_OPTIONS}
             llm = base.with_options(**shared)
-        out.append(LocalInstance(llm.engine, transport, name=f"{spec.role}-{k}"))
+        inst = LocalInstance(llm.engine, transport, name=f"{spec.role}-{k}")
+        inst.llm = llm  # its LLM (tokenizer, options), for scripts that measure one instance
+        out.append(inst)
     return out

@@ -34,10 +34,11 @@ def make_app(
     max_num_queued: int | None = None,
     metrics_prefix: str = "llmjax:",
 ):
-    """(FastAPI app, AsyncEngine, ServingMetrics) serving `llm`'s engine. The app's lifespan
-    starts the engine thread; from then on nothing else may drive `llm.engine`."""
+    """(FastAPI app, AsyncEngine, ServingMetrics) serving `llm`'s engine, or a
+    `llmjax.cluster.Cluster`'s instances behind its router. The app's lifespan starts the engine
+    thread; from then on nothing else may drive `llm.engine` (or the cluster)."""
     name = served_model_name or llm.model_name
-    engine = llm.engine
+    engine = llm.serving_view() if hasattr(llm, "serving_view") else llm.engine
     metrics = ServingMetrics(
         name, engine.config, engine.block_manager.num_pages, metrics_prefix, stats=engine.stats
     )
