@@ -3,14 +3,14 @@ own with its own (fake CPU) devices, on a local Ray cluster; the tiny model.
 
 Greedy outputs do not depend on where a request ran: two colocated actors behind round_robin,
 and a prefill actor feeding a decode actor through the transfer_server KV transport, give one
-in-process engine's outputs. An actor killed mid-generation has its requests recomputed on the
-other, and every request finishes. Skipped when Ray (the `cluster` extra) is not installed or
-cannot start here.
+in-process engine's outputs, and so does a tp=2 instance spanning two actors (one
+jax.distributed group, as across hosts). An actor killed mid-generation has its requests
+recomputed on the other, and every request finishes; a hung one raises after the call timeout.
+Skipped when Ray (the `cluster` extra) is not installed or cannot start here.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
@@ -20,12 +20,17 @@ import pytest
 from llmjax import LLM
 from llmjax.cluster import InstanceSpec, launch
 from llmjax.cluster.instance import LocalInstance
+from llmjax.engine.engine import InvalidRequest
 from llmjax.sampling_params import SamplingParams
 from tests.parallel_cases import ENGINE_OPTS, prompts
 
 ray = pytest.importorskip("ray", reason="the Ray launcher needs the `cluster` extra (ray)")
 
 from llmjax.cluster.ray_launcher import RayInstance, UnixClock  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:os.fork\\(\\) was called:RuntimeWarning"  # Ray's subprocesses (fork + exec)
+)
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 NUM_PROMPTS = 6
@@ -65,27 +70,19 @@ def _ray_options():
     if cache_dir:
         env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    return dict(platform="cpu", env_vars=env, xla_flags=" ".join(flags), call_timeout_s=120)
+    # a quarter CPU per actor (Ray's logical CPUs): the module's instances fit in num_cpus=2
+    return dict(
+        platform="cpu",
+        num_cpus=0.25,
+        env_vars=env,
+        xla_flags=" ".join(flags),
+        call_timeout_s=120,
+    )
 
 
 def _shutdown(cluster):
     for inst in cluster.instances:
         inst.shutdown()
-
-
-@pytest.fixture(scope="module")
-def colocated(ray_session):
-    """Two colocated actors behind round_robin (the death test, last, kills one)."""
-    cluster = launch(
-        "tiny",
-        InstanceSpec.parse("2xcolocated"),
-        launcher="ray",
-        router="round_robin",
-        ray_options=_ray_options(),
-        **ENGINE_OPTS,
-    )
-    yield cluster
-    _shutdown(cluster)
 
 
 def test_the_handle_has_every_call_of_a_local_instance():
@@ -105,14 +102,18 @@ def test_local_transport_between_actors_is_refused():
         )
 
 
-def test_colocated_actors_give_one_engines_outputs(colocated, reference):
-    cluster = colocated
+def _colocated_outputs(cluster, reference):
     assert isinstance(cluster.clock, UnixClock)
     assert all(isinstance(inst, RayInstance) for inst in cluster.instances)
-    pids = [inst.pids()[0] for inst in cluster.instances]
+    info = [inst.process_info()[0] for inst in cluster.instances]
+    pids = [i["pid"] for i in info]
     assert len(set(pids)) == 2 and os.getpid() not in pids
-    # each actor sees its own single fake device (XLA_FLAGS from the runtime_env)
-    assert [len(d["devices"]) for d in cluster.describe()] == [1, 1]
+    # each actor has one fake device (XLA_FLAGS from its runtime_env; this process has 8)
+    assert [i["num_devices"] for i in info] == [1, 1]
+    # what an actor raises comes back as it was (InvalidRequest does not pickle as such)
+    with pytest.raises(InvalidRequest, match="vocab") as e:
+        cluster.instances[0].validate_request([10**6], GREEDY)
+    assert e.value.param == "prompt"
     t0 = time.time()
     outs = cluster.generate(prompts(NUM_PROMPTS), GREEDY)
     assert _tokens(outs) == reference
@@ -122,10 +123,88 @@ def test_colocated_actors_give_one_engines_outputs(colocated, reference):
     assert all(s.num_decode_tokens > 0 for s in cluster.stats)  # round_robin used both
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("llmjax.cluster.transfer_server") is None,
-    reason="llmjax/cluster/transfer_server.py (the cross-process KV transport) is not there yet",
-)
+def _death(cluster, reference):
+    ids = [cluster.add_request(p, GREEDY) for p in prompts(NUM_PROMPTS)]
+    on_victim = [rid for rid in ids if cluster.instance_of(rid) == 1]
+    assert on_victim
+    done = {}
+    for _ in range(3):  # mid-generation: some tokens out, none finished
+        for o in cluster.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert not done
+    ray.kill(cluster.instances[1].actors[0])
+    t0 = time.perf_counter()
+    while cluster.has_unfinished_requests():
+        for o in cluster.step():
+            if o.finished:
+                done[o.request_id] = o
+        assert time.perf_counter() - t0 < 60
+    assert cluster.alive == [True, False]
+    # a dead instance still describes itself and reports its last stats
+    assert [d["alive"] for d in cluster.describe()] == [True, False]
+    assert cluster.stats[1].num_decode_tokens > 0
+    assert cluster.transfer_stats.num_recomputed == len(on_victim)
+    outs = [done[rid] for rid in ids]
+    assert all(o.finish_reason == "length" and o.error is None for o in outs)
+    assert _tokens(outs) == reference
+
+
+def _hanging_actor_raises_after_the_call_timeout():
+    from llmjax.cluster.ray_launcher import _Group
+
+    class _Stuck:  # local: Ray pickles it by value (the workers cannot import this module)
+        """An actor whose every call hangs (an instance stuck in a step)."""
+
+        def call(self, method, args=(), kwargs=None):
+            time.sleep(60)
+
+    actor = ray.remote(_Stuck).options(num_cpus=0).remote()
+    info = dict(role="colocated", config=None, tokenizer=None, describe={}, stats=None)
+    inst = RayInstance([actor], info, "stuck", _Group([]), call_timeout_s=1.0)
+    t0 = time.perf_counter()
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        inst.step_end(inst.step_begin())
+    assert time.perf_counter() - t0 < 10
+    inst.shutdown()  # kills it (its calls time out too)
+    with pytest.raises(RuntimeError, match="shut down"):
+        inst.load()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.call.remote("load"), timeout=30)
+
+
+def test_colocated_actors_give_one_engines_outputs_and_survive_failures(ray_session, reference):
+    """Two colocated actors behind round_robin give one engine's outputs; then one is killed
+    mid-generation (ray.kill): the cluster recomputes its requests on the other and every request
+    finishes. An actor that hangs makes its handle raise after `call_timeout_s`."""
+    cluster = launch(
+        "tiny",
+        InstanceSpec.parse("2xcolocated"),
+        launcher="ray",
+        router="round_robin",
+        ray_options=_ray_options(),
+        **ENGINE_OPTS,
+    )
+    try:
+        _colocated_outputs(cluster, reference)
+        _death(cluster, reference)
+    finally:
+        _shutdown(cluster)
+    _hanging_actor_raises_after_the_call_timeout()
+    # an actor that fails to start: its error as it was, and nothing left behind
+    with pytest.raises(TypeError, match="no_such_option"):
+        launch(
+            "tiny",
+            [InstanceSpec()],
+            launcher="ray",
+            ray_options=_ray_options(),
+            no_such_option=1,
+            **ENGINE_OPTS,
+        )
+    groups = ray.util.placement_group_table().values()
+    assert {g["state"] for g in groups} == {"REMOVED"}
+
+
 def test_prefill_and_decode_actors_move_kv_through_the_transfer_server(ray_session, reference):
     cluster = launch(
         "tiny",
@@ -145,25 +224,23 @@ def test_prefill_and_decode_actors_move_kv_through_the_transfer_server(ray_sessi
         _shutdown(cluster)
 
 
-def test_a_killed_actor_has_its_requests_recomputed_on_the_other(colocated, reference):
-    cluster = colocated
-    ids = [cluster.add_request(p, GREEDY) for p in prompts(NUM_PROMPTS)]
-    on_victim = [rid for rid in ids if cluster.instance_of(rid) == 1]
-    assert on_victim
-    done = {}
-    for _ in range(3):  # mid-generation: some tokens out, none finished
-        for o in cluster.step():
-            if o.finished:
-                done[o.request_id] = o
-    ray.kill(cluster.instances[1].actors[0])
-    t0 = time.perf_counter()
-    while cluster.has_unfinished_requests():
-        for o in cluster.step():
-            if o.finished:
-                done[o.request_id] = o
-        assert time.perf_counter() - t0 < 60
-    assert cluster.alive == [True, False]
-    assert cluster.transfer_stats.num_recomputed >= len([r for r in on_victim if r not in done])
-    outs = [done[rid] for rid in ids]
-    assert all(o.finish_reason == "length" and o.error is None for o in outs)
-    assert _tokens(outs) == reference
+def test_an_instance_spanning_two_processes_runs_in_lockstep(ray_session):
+    """hosts=2: a tp=2 instance over two actors (one device each) in one jax.distributed group
+    (gloo), every engine call sent to both; on one node here (PACK instead of STRICT_SPREAD)."""
+    reference = _tokens(LLM("tiny", tp=2, **ENGINE_OPTS).generate(prompts(NUM_PROMPTS), GREEDY))
+    cluster = launch(
+        "tiny",
+        [InstanceSpec("colocated", tp=2, options=dict(check_lockstep=True))],
+        launcher="ray",
+        ray_options=dict(_ray_options(), hosts=2, host_strategy="PACK"),
+        **ENGINE_OPTS,
+    )
+    try:
+        (inst,) = cluster.instances
+        info = inst.process_info()
+        assert [(i["process_index"], i["process_count"]) for i in info] == [(0, 2), (1, 2)]
+        assert [(len(i["local_devices"]), i["num_devices"]) for i in info] == [(1, 2), (1, 2)]
+        outs = cluster.generate(prompts(NUM_PROMPTS), GREEDY)
+        assert _tokens(outs) == reference
+    finally:
+        _shutdown(cluster)

@@ -123,7 +123,10 @@ class _View:
         return self._load.num_available_pages
 
     def cached_prefix_tokens(self, prompt_token_ids) -> int:
-        return self._cluster.instances[self._i].cached_prefix_tokens(prompt_token_ids)
+        try:
+            return self._cluster.instances[self._i].cached_prefix_tokens(prompt_token_ids)
+        except Exception:  # a dead instance holds nothing (its next step call retires it)
+            return 0
 
 
 class Cluster:
@@ -208,13 +211,21 @@ class Cluster:
             params = dataclasses.replace(params, seed=seed)
         arrival = self.clock.now() if arrival_time is None else float(arrival_time)
         route = RouteRequest(request_id, tuple(int(t) for t in prompt_token_ids), arrival, params)
-        entry = self._alive_with(ENTRY_ROLES)
-        if not entry:
-            raise RuntimeError("no live instance takes arrivals (all prefill instances died)")
-        i = self._choose(self.router, route, entry)
-        self.instances[i].add_request(
-            list(route.prompt_token_ids), params, request_id, prompt, arrival
-        )
+        while True:
+            entry = self._alive_with(ENTRY_ROLES)
+            if not entry:
+                raise RuntimeError("no live instance takes arrivals (all prefill instances died)")
+            i = self._choose(self.router, route, entry)
+            try:
+                self.instances[i].add_request(
+                    list(route.prompt_token_ids), params, request_id, prompt, arrival
+                )
+            except ValueError:
+                raise
+            except Exception as e:  # a dead instance: route again
+                self.kill(i, reason=f"instance {i} failed: {e!r}")
+                continue
+            break
         self._records[request_id] = _Record(route, prompt, seed, i)
         self._outstanding[i] += 1
         return request_id
@@ -267,8 +278,25 @@ class Cluster:
         self._outstanding[rec.instance] -= 1
         for i in {rec.instance, rec.source} - {None}:
             if self.alive[i]:
-                self.instances[i].abort_request(request_id)
+                try:
+                    self.instances[i].abort_request(request_id)
+                except Exception as e:
+                    self.kill(i, reason=f"instance {i} failed: {e!r}")
         return True
+
+    def shutdown(self) -> None:
+        """Stop every instance (a Ray actor ends; a local one drops its offers)."""
+        for i, inst in enumerate(self.instances):
+            if self.alive[i]:
+                self.alive[i] = False
+                with contextlib.suppress(Exception):
+                    inst.shutdown()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def abort_all(self) -> list[str]:
         return [rid for rid in list(self._records) if self.abort_request(rid)]
@@ -367,11 +395,23 @@ class Cluster:
             self.instances[rec.source].release(rid)  # its pull died with the decode side
             rec.source = None
         roles = ("decode", "colocated") if rec.tokens else ENTRY_ROLES
-        live = self._alive_with(roles)
-        if not live:
-            self._fail(rid, f"{reason}, and no live {' or '.join(roles)} instance is left")
-            return
-        j = self._choose(self.decode_router if rec.tokens else self.router, rec.route, live)
+        while True:
+            live = self._alive_with(roles)
+            if not live:
+                self._fail(rid, f"{reason}, and no live {' or '.join(roles)} instance is left")
+                return
+            j = self._choose(self.decode_router if rec.tokens else self.router, rec.route, live)
+            try:
+                self._resubmit(rid, rec, j)
+                break
+            except Exception as e:  # that one is gone too
+                self.kill(j, reason=f"instance {j} failed: {e!r}")
+        rec.instance = j
+        self._outstanding[j] += 1
+        self.transfer_stats.num_recomputed += 1
+        logger.warning("request %s: %s; recomputing it on instance %d", rid, reason, j)
+
+    def _resubmit(self, rid: str, rec: _Record, j: int) -> None:
         metrics = rec.metrics or RequestMetrics(rec.route.arrival_time)
         m = MigratedRequest(
             request_id=rid,
@@ -385,10 +425,6 @@ class Cluster:
         )
         self.instances[j].recompute_request(m)
         self._loads[j] = self.instances[j].load()
-        rec.instance = j
-        self._outstanding[j] += 1
-        self.transfer_stats.num_recomputed += 1
-        logger.warning("request %s: %s; recomputing it on instance %d", rid, reason, j)
 
     def _fail(self, rid: str, error: str) -> None:
         rec = self._records.pop(rid)
@@ -481,9 +517,11 @@ class Cluster:
         queues = {}
         for i in self._alive_with(("prefill",)):
             if self._loads[i].num_parked:
-                queues[i] = list(self.instances[i].parked())
-        decode = self._alive_with(("decode",))
-        while decode:
+                try:
+                    queues[i] = list(self.instances[i].parked())
+                except Exception as e:
+                    self.kill(i, reason=f"instance {i} failed: {e!r}")
+        while decode := self._alive_with(("decode",)):
             heads = [(q[0].metrics.first_token_time or 0.0, i) for i, q in queues.items() if q]
             if not heads:
                 return
@@ -493,9 +531,13 @@ class Cluster:
             if rec is None:  # aborted
                 queues[i].pop(0)
                 continue
-            accepting = [
-                j for j in decode if self.instances[j].can_accept(m, self.waiting_page_fraction)
-            ]
+            accepting = []
+            for j in decode:
+                try:
+                    if self.instances[j].can_accept(m, self.waiting_page_fraction):
+                        accepting.append(j)
+                except Exception as e:
+                    self.kill(j, reason=f"instance {j} failed: {e!r}")
             if not accepting:
                 return  # FIFO: nothing overtakes the head
             j = self._choose(self.decode_router, rec.route, accepting)
@@ -506,13 +548,16 @@ class Cluster:
                 self.kill(i, reason=f"instance {i} failed to offer KV: {e!r}")
                 queues.pop(i, None)
                 continue
-            self.instances[j].begin_import(
-                m, offer, self.transfer_timeout_s, self.on_transfer_failure
-            )
             self._outstanding[i] -= 1
             self._outstanding[j] += 1
             rec.instance, rec.source = j, i
-            self._loads[j] = self.instances[j].load()
+            try:
+                self.instances[j].begin_import(
+                    m, offer, self.transfer_timeout_s, self.on_transfer_failure
+                )
+                self._loads[j] = self.instances[j].load()
+            except Exception as e:  # recovers the request from its source's KV-less state
+                self.kill(j, reason=f"instance {j} failed: {e!r}")
 
 
 class ServingView:

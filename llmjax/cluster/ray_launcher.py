@@ -27,11 +27,14 @@ What `launch_ray` does:
   KV pages themselves move through the transport, never through Ray's object store. A call on
   a dead actor raises (RayActorError) and one that hangs raises after `call_timeout_s`
   (GetTimeoutError); the Cluster then kills the instance (`shutdown()` kills the actor) and
-  recomputes its requests elsewhere.
+  recomputes its requests elsewhere. What an instance call raises in the actor is raised again
+  on the driver as the same class with the same attributes (`_Raised`: e.g. InvalidRequest and
+  its `param`, which Ray alone could not bring back).
 
-KV between actors: `transport="transfer_server"` (llmjax/cluster/transfer_server.py). The
-`local` transport moves arrays within one process only, so prefill/decode instances with it are
-refused.
+KV between actors: `transport="transfer_server"` (llmjax/cluster/transfer_server.py), each
+actor's server bound to its node's IP (`transport_options={"address": ...}` overrides), so
+prefill and decode instances may sit on different nodes. The `local` transport moves arrays
+within one process only, so prefill/decode instances with it are refused.
 
 **An instance that spans hosts** (`hosts=H`, one int for all or one per instance; its tp * pp
 devices split evenly over H hosts): H actors in a placement group of their own with
@@ -52,8 +55,13 @@ transport_options, call_timeout_s, start_timeout_s, placement_timeout_s (`launch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib
 import logging
+import pickle
 import time
+import traceback
+import uuid
 
 from llmjax.cluster.transfer import TRANSPORTS
 
@@ -80,7 +88,7 @@ MUTATING_CALLS = (
     "shutdown",
 )
 READ_CALLS = (
-    "describe",
+    "validate_request",
     "has_unfinished_requests",
     "load",
     "cached_prefix_tokens",
@@ -106,6 +114,49 @@ class UnixClock:
 # ---- the actor (runs in its own process) ------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _Raised:
+    """An exception raised in an actor, as plain data: its class (by module and name), args,
+    attributes and traceback. Ray would wrap it in a RayTaskError, or give up on one that does
+    not pickle (e.g. `InvalidRequest`, whose __init__ takes two arguments); the handle raises
+    the same class with the same attributes instead, as a LocalInstance would."""
+
+    module: str
+    qualname: str
+    args: tuple
+    attrs: dict
+    remote_traceback: str
+
+    @classmethod
+    def of(cls, e: BaseException) -> _Raised:
+        def plain(x) -> bool:
+            try:
+                pickle.dumps(x)
+                return True
+            except Exception:
+                return False
+
+        args = tuple(a if plain(a) else repr(a) for a in e.args)
+        attrs = {k: v for k, v in vars(e).items() if plain(v)}
+        text = "".join(traceback.format_exception(e))
+        return cls(type(e).__module__, type(e).__qualname__, args, attrs, text)
+
+    def exception(self) -> BaseException:
+        try:
+            kind = importlib.import_module(self.module)
+            for part in self.qualname.split("."):
+                kind = getattr(kind, part)
+            if not (isinstance(kind, type) and issubclass(kind, BaseException)):
+                raise TypeError(kind)
+            e = kind.__new__(kind)
+            BaseException.__init__(e, *self.args)
+            e.__dict__.update(self.attrs)
+        except Exception:
+            e = RuntimeError(f"{self.module}.{self.qualname}{self.args!r}")
+        e.add_note(f"raised in a Ray actor:\n{self.remote_traceback}")
+        return e
+
+
 class _InstanceActor:
     """One process of an instance: builds the LLM on `start` and forwards LocalInstance's calls
     (`call`). Wrapped with `ray.remote` by the launcher (this module imports without Ray)."""
@@ -127,7 +178,15 @@ class _InstanceActor:
     def start(self, model, spec, transport, transport_options, llm_options, name, distributed):
         """Join the jax.distributed group (`distributed`: (coordinator, num_processes,
         process_id) or None), build the LLM and its LocalInstance; returns what the handle
-        caches."""
+        caches (a `_Raised` if that fails)."""
+        try:
+            return self._start(
+                model, spec, transport, transport_options, llm_options, name, distributed
+            )
+        except Exception as e:
+            return _Raised.of(e)
+
+    def _start(self, model, spec, transport, transport_options, llm_options, name, distributed):
         if distributed is not None:
             from llmjax.parallel.distributed import initialize
 
@@ -141,24 +200,51 @@ class _InstanceActor:
         clock = UnixClock()
         llm.engine.clock = clock
         llm.engine.scheduler.clock = clock
-        kv = make_transport(transport, **transport_options) if role != "colocated" else None
+        kv = None
+        if role != "colocated":
+            if transport == "transfer_server" and "address" not in transport_options:
+                import ray  # this node's address, which the other nodes reach
+
+                transport_options = {
+                    **transport_options,
+                    "address": f"{ray.util.get_node_ip_address()}:0",
+                }
+            kv = make_transport(transport, **transport_options)
         self.instance = LocalInstance(llm.engine, kv, name=name)
         return dict(
             role=self.instance.role,
             config=self.instance.config,
             tokenizer=self.instance.tokenizer,
+            describe=self.instance.describe(),
+            stats=self.instance.stats,
         )
 
     def call(self, method: str, args: tuple = (), kwargs: dict | None = None):
-        if method not in MUTATING_CALLS and method not in READ_CALLS:
-            raise AttributeError(f"an instance has no call {method!r}")
-        attr = getattr(self.instance, method)
-        return attr(*args, **(kwargs or {})) if callable(attr) else attr
+        """LocalInstance's `method` (a property's value); what it raises comes back as a
+        `_Raised` for the handle to raise again as it was."""
+        try:
+            if method not in MUTATING_CALLS and method not in READ_CALLS:
+                raise AttributeError(f"an instance has no call {method!r}")
+            attr = getattr(self.instance, method)
+            return attr(*args, **(kwargs or {})) if callable(attr) else attr
+        except Exception as e:
+            return _Raised.of(e)
 
-    def pid(self) -> int:
+    def process_info(self) -> dict:
+        """This process: its pid, node, JAX's process index and devices (tests, debugging)."""
         import os
 
-        return os.getpid()
+        import jax
+        import ray
+
+        return dict(
+            pid=os.getpid(),
+            node=ray.util.get_node_ip_address(),
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            local_devices=[str(d) for d in jax.local_devices()],
+            num_devices=jax.device_count(),
+        )
 
 
 # ---- the driver's handle ------------------------------------------------------------------------
@@ -198,6 +284,8 @@ class RayInstance:
         self._role = info["role"]
         self._config = info["config"]
         self._tokenizer = info["tokenizer"]
+        self._describe = info["describe"]
+        self._stats = info["stats"]  # the last fetched: what a dead instance reports
         self._group = group
         group.users += 1
         self._closed = False
@@ -208,13 +296,19 @@ class RayInstance:
     # ---- plumbing ------------------------------------------------------------------------------
 
     def _refs(self, method: str, *args, **kwargs) -> list:
+        if self._closed:
+            raise RuntimeError(f"instance {self.name!r} is shut down (its actors are gone)")
         actors = self.actors if method in MUTATING_CALLS else self.actors[:1]
         return [a.call.remote(method, args, kwargs) for a in actors]
 
     def _get(self, refs: list, timeout: float | None = None):
         import ray
 
-        return ray.get(refs, timeout=self.call_timeout_s if timeout is None else timeout)[0]
+        results = ray.get(refs, timeout=self.call_timeout_s if timeout is None else timeout)
+        for r in results:
+            if isinstance(r, _Raised):
+                raise r.exception()
+        return results[0]
 
     def _call(self, method: str, *args, **kwargs):
         return self._get(self._refs(method, *args, **kwargs))
@@ -234,7 +328,8 @@ class RayInstance:
         return self._tokenizer
 
     def describe(self) -> dict:
-        return dict(self._call("describe"), launcher="ray", hosts=len(self.actors))
+        """LocalInstance's (from the start: it does not change), with the Ray actors' hosts."""
+        return dict(self._describe, launcher="ray", hosts=len(self.actors))
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -242,6 +337,10 @@ class RayInstance:
         return self._call(
             "add_request", list(prompt_token_ids), sampling_params, request_id, prompt, arrival_time
         )
+
+    def validate_request(self, prompt_token_ids, sampling_params) -> None:
+        """Raise `InvalidRequest` if this instance could never run the request."""
+        self._call("validate_request", list(prompt_token_ids), sampling_params)
 
     def recompute_request(self, m) -> None:
         self._call("recompute_request", m)
@@ -293,7 +392,10 @@ class RayInstance:
 
     @property
     def stats(self):
-        return self._call("stats")
+        """The engine's EngineStats; once shut down (or dead), the last fetched."""
+        if not self._closed:
+            self._stats = self._call("stats")
+        return self._stats
 
     def reset_stats(self) -> None:
         self._call("reset_stats")
@@ -305,22 +407,26 @@ class RayInstance:
     def num_compiles(self) -> int:
         return self._call("num_compiles")
 
-    def pids(self) -> list[int]:
-        """The actors' process ids (tests)."""
+    def process_info(self) -> list[dict]:
+        """Each actor's pid, node, JAX process index and devices (`_InstanceActor`)."""
         import ray
 
-        return ray.get([a.pid.remote() for a in self.actors], timeout=self.call_timeout_s)
+        refs = [a.process_info.remote() for a in self.actors]
+        return ray.get(refs, timeout=self.call_timeout_s)
 
     def shutdown(self) -> None:
         """Drop the instance's offers, then end its actors (a dead one already is) and, with the
         last handle, the placement groups. Idempotent."""
         if self._closed:
             return
-        self._closed = True
         import ray
 
+        timeout = min(self.call_timeout_s, 5.0)  # a hung actor is killed within 10 s
+        with contextlib.suppress(Exception):  # a live actor's last stats, then its shutdown
+            self._stats = self._get(self._refs("stats"), timeout=timeout)
         with contextlib.suppress(Exception):
-            self._get(self._refs("shutdown"), timeout=min(self.call_timeout_s, 10.0))
+            self._get(self._refs("shutdown"), timeout=timeout)
+        self._closed = True
         for a in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(a)
@@ -438,6 +544,7 @@ def launch_ray(
             b[_ACCELERATOR[platform]] = devices_per_host
         return b
 
+    tag = uuid.uuid4().hex[:8]  # placement group names are unique in a Ray cluster
     # One shared group for the single-host instances, one of its own per multi-host instance.
     single = [k for k, h in enumerate(host_counts) if h == 1]
     layout: dict[int, list[tuple[object, int]]] = {}  # instance -> [(group, bundle index)]
@@ -446,7 +553,7 @@ def launch_ray(
         pg = placement_group(
             [bundle(instances[k].num_devices) for k in single],
             strategy=strategy,
-            name="llmjax-instances",
+            name=f"llmjax-{tag}-instances",
         )
         groups.append(pg)
         for b, k in enumerate(single):
@@ -456,7 +563,7 @@ def launch_ray(
             pg = placement_group(
                 [bundle(instances[k].num_devices // h)] * h,
                 strategy=host_strategy,
-                name=f"llmjax-instance-{k}",
+                name=f"llmjax-{tag}-instance-{k}",
             )
             groups.append(pg)
             layout[k] = [(pg, b) for b in range(h)]
@@ -521,6 +628,9 @@ def launch_ray(
                     )
                 )
         infos = ray.get(starts, timeout=start_timeout_s)
+        for info in infos:
+            if isinstance(info, _Raised):
+                raise info.exception()
     except BaseException:
         for row in actors:
             for a in row:

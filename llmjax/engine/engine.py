@@ -60,6 +60,9 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickles (a Ray actor's error crosses processes)
+        return type(self), (str(self), self.param)
+
 
 class LLMEngine:
     def __init__(
