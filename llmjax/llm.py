@@ -75,10 +75,11 @@ OPTION_PATHS = {
 }
 
 
-def default_num_pages(config: EngineConfig, params_bytes: int) -> int:
+def default_num_pages(config: EngineConfig, params_bytes: int, devices=None) -> int:
     """Pages for max_num_seqs full-length requests, capped by the memory budget (per device:
-    tp * pp devices share the weights and the KV pages). In a multi-process run every process
-    takes the smallest process's answer, so their block managers stay in lockstep."""
+    tp * pp devices share the weights and the KV pages; the memory read is `devices[0]`'s, by
+    default the first local device). In a multi-process run every process takes the smallest
+    process's answer, so their block managers stay in lockstep."""
     import jax
 
     from llmjax.model.kv_cache import kv_cache_bytes
@@ -90,7 +91,8 @@ def default_num_pages(config: EngineConfig, params_bytes: int) -> int:
     layout = tp_head_layout(config.model, parallel.tp, parallel.pad_heads)
     per_page = kv_cache_bytes(layout.model_config(config.model), 1, page_size, config.dtype)
     per_page //= parallel.num_devices
-    stats = jax.local_devices()[0].memory_stats() or {}
+    device = next(iter(devices)) if devices else jax.local_devices()[0]
+    stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         used = stats.get("bytes_in_use", 0) + params_bytes // parallel.num_devices
         free = stats["bytes_limit"] - used
@@ -435,7 +437,7 @@ class LLM:
             params_bytes = weight_bytes(self._weights)  # quantized weights as stored
         num_pages = config.cache.num_pages
         if num_pages is None:
-            num_pages = default_num_pages(config, params_bytes)
+            num_pages = default_num_pages(config, params_bytes, o["devices"])
         self.config = config
         skew = None
         if config.sparse_kv.mode == "infinigen":
