@@ -1,8 +1,13 @@
-"""Many simulated instances on one virtual timeline, behind a router (issue 20, item 4).
+"""Many simulated instances on one virtual timeline, behind a router (issue 20, item 4), colocated
+or disaggregated (DistServe, issue 21: prefill and decode instances with KV migration).
 
     engines = [LLMEngine(config, params=None, num_pages=N) for _ in range(4)]  # device="sim"
     cluster = SimCluster(engines, "least_outstanding")
     outputs = replay(cluster, specs)        # llmjax.bench.replay, unchanged; then summarize(...)
+
+    # disaggregated: engines built with role='prefill' / 'decode'
+    cluster = SimCluster([prefill_engine, decode_engine, decode_engine2], "round_robin")
+    cluster.transfer_stats                  # KV moved: count, bytes, modeled seconds
 
 Each instance is a real simulated `LLMEngine` (its scheduler, block manager and radix cache)
 with its OWN `VirtualClock`, which reads the time the instance is free to start its next step
@@ -10,36 +15,80 @@ with its OWN `VirtualClock`, which reads the time the instance is free to start 
 duck-types as one engine for `replay`. The events, processed in time order, are:
 
   arrival at a   the router picks an instance for the request (`Router.route`, seeing every
-                 instance as of a, below); an idle instance's clock is first moved up to a.
+                 entry instance, 'colocated' or 'prefill', as of a, below); an idle instance's
+                 clock is first moved up to a.
+  transfer end   a KV migration started at p ends at e = p + its modeled time: the prefill
+    at e         instance frees the request's pages (`release_request`; they counted as used
+                 until e) and the decode instance commits it (`commit_import`) into its running
+                 batch, its clock first moved up to e if it is idle (so the commit takes effect
+                 at max(e, its clock): a decode instance mid-step at e takes it in the next step).
+  pull at p      DistServe's pull-based migration (ALGORITHMS.md §7.1). A prefill instance parks
+                 each request after its first token (KV pages held); parked requests queue FIFO
+                 across prefill instances by first-token time (ties: lower instance index, then
+                 parking order), and only the head may move (nothing overtakes it). A decode
+                 instance pulls only between its steps or while idle: at p = max(head's first
+                 token time, the decode instance's clock, the last event's time), if
+                 `can_accept(head, waiting_page_fraction)` holds on its state then (its
+                 waiting queue uses < 5 % of its pages and the pages fit). The pull is at the
+                 smallest such p; among the decode instances that can pull the head then,
+                 `decode_router` picks one. The pull reserves the pages there
+                 (`reserve_import`), and the transfer takes
+                   latency + max(KV bytes per sending device, per receiving device) / bandwidth
+                 (the request's KV pages in each side's layout, `kv_page_bytes_per_device`): the
+                 node's links (`Hardware.link_bandwidth`, `link_latency_s`) when both instances
+                 are in one node, else the network (`network_bandwidth`, `network_latency_s`);
+                 `transfer_bandwidth` / `transfer_latency_s` override both.
   step at t      the busy instance with the smallest clock t (ties: lowest index) runs one
                  engine step: it schedules at t, with exactly the requests that arrived <= t,
-                 and its clock moves on by the cost model's step time.
+                 and its clock moves on by the cost model's step time. A step that
+                 schedules nothing (a prefill instance whose pages all hold parked requests, a
+                 decode instance whose free pages are reserved for transfers) blocks the
+                 instance: it is not busy until a transfer end frees or commits pages there, a
+                 request is routed to it or one of its requests is aborted, and then resumes at
+                 that event's time.
 
-An arrival at the same time as a step goes first. `add_request` only queues a request until its
-arrival is the next event: routing at add time would be wrong when one replay iteration adds
-several arrivals (everything due by `clock.now()`) while instances are idle. Say instance 1 is
-idle at 0 while instance 0 runs a 10 s step; at now = 10 the replay adds arrivals at 1 and 3.
-Routed at once, both could land on instance 1, whose step at 1 would then schedule the request
-that only arrives at 3. In event order, instance 1 steps at 1 with the first alone, and the
-second is routed at 3 seeing that step in progress.
+At one time, arrivals go first, then transfer ends, then pulls, then steps: a step at t sees the
+arrivals, commits and freed pages of t, and a decode instance's pull at t counts the pages it
+reserves before its step at t. Every event is processed only once the caller has added every
+arrival up to its time (the cluster's clock, below), so a routing never sees a pull, commit or
+step that lies after it. A pull at p needs every request that parks by p to be known: a parked
+request's first-token time is the end of the prefill step that made it, which started (and was
+simulated) before p. A request that finishes at its first token (max_tokens 1) never parks.
+Instances sit on nodes (`node_of`; default: packed in index order, `tp * pp` devices each, into
+nodes of the hardware's `devices_per_node`). A request that no decode instance could hold to its
+last token (prompt + max_tokens over its whole cache) fails at its arrival with that reason.
+
+`add_request` only queues a request until its arrival is the next event: routing at add time would
+be wrong when one replay iteration adds several arrivals (everything due by `clock.now()`) while
+instances are idle. Say instance 1 is idle at 0 while instance 0 runs a 10 s step; at now = 10
+the replay adds arrivals at 1 and 3. Routed at once, both could land on instance 1, whose step at
+1 would then schedule the request that only arrives at 3. In event order, instance 1 steps at 1
+with the first alone, and the second is routed at 3 seeing that step in progress.
 
 The cluster's clock (`clock.now()`) is the time up to which the caller has been asked for
-arrivals: the next event's time (the smallest busy clock or queued arrival), but never less than
-a value already returned (a replay asked up to t adds every arrival <= t, so the cluster may then
-step any instance whose clock is <= t; `clock.advance_to(t)` says the same when all are idle).
-It never decreases. A `step()` that finds no event within that time moves the clock to the next
-event and returns [] (so a caller adding late arrivals can still add them first).
+arrivals: the next event's time (the smallest busy clock, queued arrival, transfer end or pull),
+but never less than a value already returned (a replay asked up to t adds every arrival <= t, so
+the cluster may then process any event at <= t; `clock.advance_to(t)` says the same when all are
+idle). It never decreases. A `step()` processes the arrivals, transfer ends and pulls due until
+the next engine step and runs that step (returning its outputs); finding no step within that
+time it moves the clock to the next event and returns [] (so a caller adding late arrivals can
+still add them first). A prefill instance's outputs carry each request's first token (its TTFT),
+the decode instance's the rest, with the request's metrics carried over (`MigratedRequest`), so
+every token time is an engine's and `summarize` reads them unchanged.
 
 What a router sees (`InstanceView`), as of the arrival time a: every instance's last step
 started at or before a but may end after it (its clock > a). That step's effects are not yet
 visible at a, and for the request counts the view undoes them: a request counts as outstanding
 on its instance from its routing until routings at times a >= its `metrics.finished_time` (not
 from when the cluster simulated the step that finishes it), so the requests that the step in
-progress will finish still count, as running. An abort (`abort_request`) takes effect at once.
-The page and prefix-cache views (`num_free_pages`, `num_available_pages`,
-`cached_prefix_tokens`) read the block manager as it is, i.e. with the in-progress step's frees
-and cache inserts already made: at most one step ahead (the engine has no hook to read its state
-between schedule and update).
+progress will finish still count, as running. On a prefill instance a request counts until it is
+pulled (as running until its first-token time, then as parked); on a decode instance from its
+pull (as running, also while its KV is in transfer) until its finish. An abort
+(`abort_request`) takes effect at once, in any state (queued, on a prefill instance, parked, in
+transfer: both sides free their pages, decoding). The page and prefix-cache views
+(`num_free_pages`, `num_available_pages`, `cached_prefix_tokens`) read the block manager as it
+is, i.e. with the in-progress step's frees and cache inserts already made: at most one step ahead
+(the engine has no hook to read its state between schedule and update).
 """
 
 from __future__ import annotations
@@ -47,9 +96,11 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from llmjax.cluster.cluster import TransferStats
 from llmjax.cluster.router import (  # re-exported: the router interface moved there
     ROUTERS,
     CacheAware,
@@ -61,8 +112,9 @@ from llmjax.cluster.router import (  # re-exported: the router interface moved t
     RouteRequest,
     make_router,
 )
-from llmjax.engine.request import RequestOutput
+from llmjax.engine.request import MigratedRequest, RequestMetrics, RequestOutput
 from llmjax.sampling_params import SamplingParams
+from llmjax.sim.roofline import kv_page_bytes_per_device
 
 __all__ = [  # with the router interface of llmjax.cluster.router, re-exported
     "ROUTERS",
@@ -76,16 +128,20 @@ __all__ = [  # with the router interface of llmjax.cluster.router, re-exported
     "RouteRequest",
     "Router",
     "SimCluster",
+    "TransferStats",
     "make_router",
 ]
 
+ENTRY_ROLES = ("colocated", "prefill")  # the roles that take arrivals
+
 
 class InstanceView:
-    """Instance `index` as a router sees it at time `now` (the rule in the module doc)."""
+    """Instance `index` as a router sees it at time `now` (the rule in the module doc). `index`
+    is its position in the list the router is given (the instance's own index by default)."""
 
-    def __init__(self, instance: _Instance, now: float):
+    def __init__(self, instance: _Instance, now: float, index: int | None = None):
         self._instance = instance
-        self.index = instance.index
+        self.index = instance.index if index is None else index
         self.now = now
 
     @property
@@ -93,15 +149,24 @@ class InstanceView:
         return self._instance.engine
 
     @property
+    def role(self) -> str:
+        return self._engine.role
+
+    @property
     def num_outstanding(self) -> int:
-        """Requests routed here and not finished by `now` (finished_time <= now); an aborted
-        one stops counting at once."""
+        """Requests routed (or pulled) here and not finished by `now` (finished_time <= now)
+        nor pulled away; an aborted one stops counting at once."""
         return len(self._instance.live) + self._finishing
 
     @property
     def _finishing(self) -> int:
         """Requests whose finish (by the step in progress at `now`) lies after `now`."""
         return sum(t > self.now for t in self._instance.finished_at)
+
+    def _parked(self) -> list[float]:
+        """First-token times of the requests parked here and not pulled yet."""
+        live = self._instance.live
+        return [r.metrics.first_token_time for rid, r in self._engine.parked.items() if rid in live]
 
     @property
     def num_waiting(self) -> int:
@@ -111,8 +176,17 @@ class InstanceView:
     @property
     def num_running(self) -> int:
         """Requests admitted here (holding KV pages) as of `now`, including those the step in
-        progress finishes after `now`."""
-        return len(self._engine.scheduler.running) + self._finishing
+        progress finishes (or parks) after `now` and, on a decode instance, those whose KV is
+        in transfer to it."""
+        late_parked = sum(t > self.now for t in self._parked())
+        receiving = len(getattr(self._engine, "_receiving", ()))
+        return len(self._engine.scheduler.running) + self._finishing + late_parked + receiving
+
+    @property
+    def num_parked(self) -> int:
+        """Prefill instance: requests past their first token by `now`, waiting for a decode
+        instance to pull them (their KV pages held here)."""
+        return sum(t <= self.now for t in self._parked())
 
     @property
     def free_at(self) -> float:
@@ -153,6 +227,19 @@ class _Instance:
     finished_at: deque[float] = dataclasses.field(default_factory=deque)
 
 
+@dataclasses.dataclass
+class _Transfer:
+    """A KV migration in flight: pulled at `start`, committed at `end`."""
+
+    request_id: str
+    source: int  # the prefill instance
+    dest: int  # the decode instance
+    start: float
+    end: float
+    nbytes: int
+    cancelled: bool = False  # aborted meanwhile
+
+
 class ClusterClock:
     """The cluster's simulated time (the module doc): `now()`, and `advance_to(t)`, which says
     that every arrival up to t has been added (the replay's call while all instances idle)."""
@@ -162,8 +249,8 @@ class ClusterClock:
 
     def now(self) -> float:
         c = self._cluster
-        t = c._next_event_time()
-        if t is not None:
+        t = c._next_event()[1]
+        if t != math.inf:
             c._time = max(c._time, t)
         return c._time
 
@@ -178,11 +265,45 @@ class ClusterClock:
         return f"ClusterClock(now={self._cluster._time})"
 
 
+def pack_nodes(engines: Sequence) -> list[int]:
+    """The default `node_of`: instances packed in index order into nodes of their hardware's
+    `devices_per_node`, `tp * pp` devices each (one that does not fit in what its node has
+    left starts the next node; one larger than a node spans nodes of its own)."""
+    nodes, node, used = [], 0, 0
+    for e in engines:
+        per = e.config.sim.hardware.devices_per_node
+        devices = e.config.parallel.tp * e.config.parallel.pp
+        if used and used + devices > per:
+            node, used = node + 1, 0
+        nodes.append(node)
+        used += devices
+        if used >= per:  # full (or spanning): the next instance starts past it
+            node, used = node + math.ceil(used / per), 0
+    return nodes
+
+
 class SimCluster:
     """Simulated engines on one timeline, behind `router` (a `Router` or a name of ROUTERS):
-    the engine interface `llmjax.bench.replay` drives (see the module doc for the events)."""
+    the engine interface `llmjax.bench.replay` drives (see the module doc for the events).
 
-    def __init__(self, engines: Sequence, router: Router | str = "round_robin"):
+    Engines of role 'prefill' need at least one of role 'decode' (and vice versa); arrivals go
+    to the 'colocated' and 'prefill' ones. `decode_router` picks among the decode instances that
+    can pull a request; `waiting_page_fraction` is DistServe's pull threshold (5 %).
+    `node_of(i)` (a sequence or a callable) says which node instance i is on (default
+    `pack_nodes`); `transfer_bandwidth` (bytes/s per device) and `transfer_latency_s` override
+    the hardware's link or network figures for every transfer."""
+
+    def __init__(
+        self,
+        engines: Sequence,
+        router: Router | str = "round_robin",
+        *,
+        decode_router: Router | str = "least_outstanding",
+        waiting_page_fraction: float = 0.05,
+        transfer_bandwidth: float | None = None,
+        transfer_latency_s: float | None = None,
+        node_of: Sequence[int] | Callable[[int], int] | None = None,
+    ):
         engines = list(engines)
         if not engines:
             raise ValueError("a SimCluster needs at least one engine")
@@ -200,19 +321,40 @@ class SimCluster:
                     f"engine 0's ({first.vocab_size}, {first.eos_token_ids}); a request must "
                     "be valid on every instance"
                 )
-            if e.has_unfinished_requests():
+            if e.has_unfinished_requests() or getattr(e, "parked", None):
                 raise ValueError(f"engine {i} has unfinished requests; give idle engines")
         distinct = {id(e) for e in engines}, {id(e.clock) for e in engines}
         if min(map(len, distinct)) < len(engines):
             raise ValueError("each instance needs its own engine and its own VirtualClock")
-        self.router = make_router(router) if isinstance(router, str) else router
-        if not callable(getattr(self.router, "route", None)):
-            raise ValueError(f"router {router!r} has no route(request, instances, now)")
+        self.roles = tuple(getattr(e, "role", "colocated") for e in engines)
+        if not any(r in ENTRY_ROLES for r in self.roles):
+            raise ValueError(f"no instance takes arrivals (roles {self.roles}): add a prefill one")
+        if ("prefill" in self.roles) != ("decode" in self.roles):
+            raise ValueError(
+                f"prefill instances need a decode instance and vice versa (roles {self.roles})"
+            )
+        if not 0 < waiting_page_fraction <= 1:
+            raise ValueError(f"{waiting_page_fraction=} must be in (0, 1]")
+        if transfer_bandwidth is not None and not transfer_bandwidth > 0:
+            raise ValueError(f"{transfer_bandwidth=} must be > 0 bytes/s (math.inf: instant)")
+        if transfer_latency_s is not None and not transfer_latency_s >= 0:
+            raise ValueError(f"{transfer_latency_s=} must be >= 0")
+        self.router = _router(router)
+        self.decode_router = _router(decode_router)
+        self.waiting_page_fraction = waiting_page_fraction
+        self.transfer_bandwidth = transfer_bandwidth
+        self.transfer_latency_s = transfer_latency_s
+        if node_of is None:
+            node_of = pack_nodes(engines)
+        self.nodes = [node_of(i) if callable(node_of) else node_of[i] for i in range(len(engines))]
         self.instances = tuple(engines)
         self._instances = [_Instance(i, e) for i, e in enumerate(engines)]
+        self._entry = [i for i, r in enumerate(self.roles) if r in ENTRY_ROLES]
+        self._decode = [i for i, r in enumerate(self.roles) if r == "decode"]
         self.config = engines[0].config
         self.tokenizer = engines[0].tokenizer
         self.clock = ClusterClock(self)
+        self.transfer_stats = TransferStats()
         self._time = min(e.clock.now() for e in engines)  # the horizon the clock has shown
         self._routed_at = self._time  # the last routing time
         # queued arrivals: (arrival, seq, RouteRequest, prompt text), routed in arrival order
@@ -220,7 +362,18 @@ class SimCluster:
         self._seq = itertools.count()
         self._ids = itertools.count()
         self._where: dict[str, int | None] = {}  # request id -> instance (None: not routed yet)
+        self._path: dict[str, list[int]] = {}  # request id -> the instances it ran on, in order
         self._open: set[str] = set()  # ids queued or live on an instance
+        # parked requests not pulled yet: (first-token time, instance, seq, id, MigratedRequest)
+        self._parked: list[tuple[float, int, int, str, MigratedRequest]] = []
+        self._parked_ids: set[str] = set()
+        self._transfers: list[tuple[float, int, _Transfer]] = []  # by end time
+        self._moving: dict[str, _Transfer] = {}
+        self._errors: list[RequestOutput] = []  # failed at routing, out with the next step
+        # instances whose last step scheduled nothing (pages all held by parked requests or
+        # reserved for transfers): not busy until an event there may let them run (the doc)
+        self._blocked: set[int] = set()
+        self._last_event = self._time  # the time of the last event processed
 
     # ---- the engine interface --------------------------------------------------------------
 
@@ -247,34 +400,48 @@ class SimCluster:
         )
         heapq.heappush(self._pending, (arrival, next(self._seq), req, prompt))
         self._where[request_id] = None
+        self._path[request_id] = []
         self._open.add(request_id)
         return request_id
 
     def step(self) -> list[RequestOutput]:
-        """Route the arrivals due before the next step, then run that step (the busy instance
-        with the smallest clock, if within `clock.now()`); returns its outputs. Else move the
-        clock to the next event and return []."""
-        while self._pending and self._pending[0][0] <= min(self._time, self._busy_clock()[0]):
-            _, _, req, prompt = heapq.heappop(self._pending)
-            self._route(req, prompt)
-        t, i = self._busy_clock()
-        if i is None or t > self._time:
-            self.clock.now()
-            return []
-        inst = self._instances[i]
-        outputs = inst.engine.step()
-        for out in outputs:
-            if out.finished and out.request_id in inst.live:
-                inst.live.discard(out.request_id)
-                self._open.discard(out.request_id)
-                inst.finished_at.append(out.metrics.finished_time)
-        return outputs
+        """Process the events due before the next step (arrivals, transfer ends, pulls), then
+        run that step (the busy instance with the smallest clock, if within `clock.now()`);
+        returns its outputs. Else move the clock to the next event and return [] (or the
+        requests that failed at routing)."""
+        outputs, self._errors = self._errors, []
+        while True:
+            kind, t, arg = self._next_event()
+            if kind is None:
+                if self.has_unfinished_requests() and not self._errors:
+                    raise RuntimeError(
+                        "SimCluster: parked requests that no decode instance can ever take"
+                    )
+                return outputs + self._take_errors()
+            if t > self._time:
+                self.clock.now()
+                return outputs + self._take_errors()
+            self._last_event = max(self._last_event, t)
+            if kind == "arrival":
+                _, _, req, prompt = heapq.heappop(self._pending)
+                self._route(req, prompt)
+            elif kind == "transfer":
+                heapq.heappop(self._transfers)
+                self._finish_transfer(arg)
+            elif kind == "pull":
+                self._start_transfer(t, *arg)
+            else:
+                return outputs + self._take_errors() + self._step_instance(arg)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or any(e.has_unfinished_requests() for e in self.instances)
+        return bool(self._pending or self._errors or self._parked_ids or self._moving) or any(
+            e.has_unfinished_requests() for e in self.instances
+        )
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort a queued (not yet routed) or live request; False if it is neither."""
+        """Abort a queued (not yet routed) or live request, wherever it is (on a prefill
+        instance, parked, in transfer: both sides free its pages, decoding); False if it is
+        neither."""
         if request_id not in self._open:
             return False
         i = self._where[request_id]
@@ -284,9 +451,16 @@ class SimCluster:
             self._open.discard(request_id)
             return True
         inst = self._instances[i]
+        move = self._moving.pop(request_id, None)
+        if move is not None:  # both sides hold pages: the source its KV, the dest the reserve
+            move.cancelled = True
+            self.instances[move.source].abort_request(request_id)
+            self._unblock(move.source, self._last_event)
         if not inst.engine.abort_request(request_id):
             return False  # e.g. rejected: its error output is still to come
+        self._unblock(i, self._last_event)
         inst.live.discard(request_id)
+        self._parked_ids.discard(request_id)
         self._open.discard(request_id)
         return True
 
@@ -302,6 +476,7 @@ class SimCluster:
     def reset_stats(self) -> None:
         for e in self.instances:
             e.reset_stats()
+        self.transfer_stats = TransferStats()
 
     @property
     def total_stats(self):
@@ -318,9 +493,30 @@ class SimCluster:
     # ---- inspection ------------------------------------------------------------------------
 
     def instance_of(self, request_id: str) -> int | None:
-        """The index of the instance `request_id` was routed to; None while it is queued for its
-        arrival's turn (KeyError for an id never added)."""
+        """The index of the instance `request_id` is on (its decode instance once pulled);
+        None while it is queued for its arrival's turn (KeyError for an id never added)."""
         return self._where[request_id]
+
+    def path_of(self, request_id: str) -> tuple[int, ...]:
+        """The instances `request_id` ran on, in order: (its colocated one,) or (prefill,
+        decode) once pulled; () before routing (KeyError for an id never added)."""
+        return tuple(self._path[request_id])
+
+    def state_of(self, request_id: str) -> str:
+        """Where `request_id` is: 'queued' (for its arrival's turn), 'running' (on a colocated
+        or prefill instance, waiting or computing), 'parked' (first token done, waiting to be
+        pulled), 'transfer' (its KV moving), 'decoding' (on a decode instance) or 'done'
+        (finished, failed or aborted; KeyError for an id never added)."""
+        i = self._where[request_id]
+        if request_id not in self._open:
+            return "done"
+        if i is None:
+            return "queued"
+        if request_id in self._moving:
+            return "transfer"
+        if request_id in self._parked_ids:
+            return "parked"
+        return "decoding" if self.roles[i] == "decode" else "running"
 
     def views(self, now: float | None = None) -> list[InstanceView]:
         """Every instance as a router sees it at `now` (default the last routing time; never
@@ -329,18 +525,151 @@ class SimCluster:
             InstanceView(inst, self._routed_at if now is None else now) for inst in self._instances
         ]
 
+    def transfer_seconds(self, source: int, dest: int, m: MigratedRequest) -> tuple[float, int]:
+        """The modeled time of moving `m`'s KV from instance `source` to `dest` (the module
+        doc) and the bytes the receiving devices get."""
+        per_device, total = [], 0
+        for k in (source, dest):
+            c = self.instances[k].config
+            tp, pp = c.parallel.tp, c.parallel.pp
+            page = kv_page_bytes_per_device(c.model, c.cache.page_size, c.dtype, tp, pp)
+            per_device.append(m.num_kv_pages(c.cache.page_size) * page)
+            total = per_device[-1] * tp * pp  # the receiving side's (dest is last)
+        hw = self.instances[dest].config.sim.hardware
+        local = self.nodes[source] == self.nodes[dest] and all(
+            self.instances[k].config.parallel.tp * self.instances[k].config.parallel.pp
+            <= hw.devices_per_node
+            for k in (source, dest)
+        )
+        bandwidth = self.transfer_bandwidth or (
+            hw.link_bandwidth if local else hw.network_bandwidth
+        )
+        latency = self.transfer_latency_s
+        if latency is None:
+            latency = hw.link_latency_s if local else hw.network_latency_s
+        return latency + max(per_device) / bandwidth, int(total)
+
     # ---- events ------------------------------------------------------------------------------
 
     def _busy_clock(self) -> tuple[float, int | None]:
         """(clock, index) of the busy instance to step next; (inf, None) when all are idle."""
         busy = [
-            (e.clock.now(), i) for i, e in enumerate(self.instances) if e.has_unfinished_requests()
+            (e.clock.now(), i)
+            for i, e in enumerate(self.instances)
+            if e.has_unfinished_requests() and i not in self._blocked
         ]
-        return min(busy, default=(float("inf"), None))
+        return min(busy, default=(math.inf, None))
 
-    def _next_event_time(self) -> float | None:
-        t = min(self._busy_clock()[0], self._pending[0][0] if self._pending else float("inf"))
-        return None if t == float("inf") else t
+    def _next_event(self) -> tuple[str | None, float, object]:
+        """(kind, time, what) of the next event: at one time an arrival, then a transfer end,
+        then a pull, then a step (the module doc); (None, inf, None) when there is none."""
+        events = []
+        if self._pending:
+            events.append((self._pending[0][0], 0, "arrival", None))
+        while self._transfers and self._transfers[0][2].cancelled:
+            heapq.heappop(self._transfers)
+        if self._transfers:
+            events.append((self._transfers[0][0], 1, "transfer", self._transfers[0][2]))
+        pull = self._next_pull()
+        if pull is not None:
+            events.append((pull[0], 2, "pull", pull[1:]))
+        t, i = self._busy_clock()
+        if i is not None:
+            events.append((t, 3, "step", i))
+        if not events:
+            return None, math.inf, None
+        t, _, kind, arg = min(events, key=lambda e: e[:2])
+        return kind, t, arg
+
+    def _head(self):
+        """The oldest parked request not pulled yet (dropping aborted ones), or None."""
+        while self._parked and self._parked[0][3] not in self._parked_ids:
+            heapq.heappop(self._parked)
+        return self._parked[0] if self._parked else None
+
+    def _next_pull(self) -> tuple[float, tuple, list[int]] | None:
+        """(time, head, decode instances that can pull it then) of the next pull, or None."""
+        head = self._head()
+        if head is None:
+            return None
+        ready, m = head[0], head[4]
+        at = {}
+        for j in self._decode:
+            e = self.instances[j]
+            if e.can_accept(m, self.waiting_page_fraction):  # (never before an event done)
+                at[j] = max(ready, e.clock.now(), self._last_event)
+        if not at:
+            return None
+        t = min(at.values())
+        return t, head, [j for j, tj in at.items() if tj == t]
+
+    def _start_transfer(self, t: float, head: tuple, candidates: list[int]) -> None:
+        heapq.heappop(self._parked)  # the head (`_next_event` just found it on top)
+        _, i, _, rid, m = head
+        self._parked_ids.discard(rid)
+        views = [InstanceView(self._instances[j], t, k) for k, j in enumerate(candidates)]
+        route = RouteRequest(
+            rid, tuple(m.prompt_token_ids), m.metrics.arrival_time, m.sampling_params
+        )
+        k = self.decode_router.route(route, views, t)
+        j = candidates[_check_choice(self.decode_router, k, len(candidates), rid)]
+        m, _ = self.instances[i].export_request(rid)
+        self.instances[j].reserve_import(m)
+        seconds, nbytes = self.transfer_seconds(i, j, m)
+        move = _Transfer(rid, i, j, t, t + seconds, nbytes)
+        heapq.heappush(self._transfers, (move.end, next(self._seq), move))
+        self._moving[rid] = move
+        self._instances[i].live.discard(rid)
+        self._instances[j].live.add(rid)
+        self._where[rid] = j
+        self._path[rid].append(j)
+
+    def _finish_transfer(self, move: _Transfer) -> None:
+        del self._moving[move.request_id]
+        self.instances[move.source].release_request(move.request_id)
+        self._unblock(move.source, move.end)
+        dest = self.instances[move.dest]
+        if not dest.has_unfinished_requests():
+            dest.clock.advance_to(move.end)  # an idle instance's clock may lag: it starts at e
+        self._unblock(move.dest, move.end)
+        dest.commit_import(move.request_id)
+        st = self.transfer_stats
+        st.num_transfers += 1
+        st.bytes += move.nbytes
+        st.seconds += move.end - move.start
+        st.transfer_seconds.append(move.end - move.start)
+
+    def _step_instance(self, i: int) -> list[RequestOutput]:
+        inst = self._instances[i]
+        engine = inst.engine
+        before = engine.clock.now(), engine.stats.num_steps, engine.stats.num_pipeline_ticks
+        outputs = engine.step()
+        after = engine.clock.now(), engine.stats.num_steps, engine.stats.num_pipeline_ticks
+        if after == before and engine.has_unfinished_requests():
+            self._blocked.add(i)  # it scheduled nothing: wait for pages (the module doc)
+        parked = engine.parked if engine.role == "prefill" else {}
+        for out in outputs:
+            rid = out.request_id
+            if out.finished and rid in inst.live:
+                inst.live.discard(rid)
+                self._open.discard(rid)
+                inst.finished_at.append(out.metrics.finished_time)
+            elif rid in parked and rid in inst.live and rid not in self._parked_ids:
+                m, _ = engine.export_request(rid)
+                entry = (m.metrics.first_token_time, i, next(self._seq), rid, m)
+                heapq.heappush(self._parked, entry)
+                self._parked_ids.add(rid)
+        return outputs
+
+    def _unblock(self, i: int, t: float) -> None:
+        """Instance i, blocked since its clock, may run again from time t."""
+        if i in self._blocked:
+            self._blocked.discard(i)
+            self.instances[i].clock.advance_to(t)
+
+    def _take_errors(self) -> list[RequestOutput]:
+        out, self._errors = self._errors, []
+        return out
 
     def _route(self, req: RouteRequest, prompt: str | None) -> None:
         # Arrivals are routed in time order; one added late (below the last routing time) is
@@ -349,17 +678,18 @@ class SimCluster:
         for inst in self._instances:  # finishes every later routing sees as done
             while inst.finished_at and inst.finished_at[0] <= now:
                 inst.finished_at.popleft()
-        choice = self.router.route(req, self.views(now), now)
-        n = len(self.instances)
-        if isinstance(choice, bool) or not hasattr(choice, "__index__") or not 0 <= choice < n:
-            raise ValueError(
-                f"router {getattr(self.router, 'name', self.router)!r} returned {choice!r} for "
-                f"request {req.request_id}; need an instance index in [0, {n})"
-            )
-        i = int(choice)
+        if self._decode and (error := self._undecodable(req)) is not None:
+            self._fail(req, prompt, error, now)
+            return
+        entry = [self._instances[i] for i in self._entry]
+        views = [InstanceView(inst, now, k) for k, inst in enumerate(entry)]
+        k = _check_choice(self.router, self.router.route(req, views, now), len(entry),
+                          req.request_id)  # fmt: skip
+        i = self._entry[k]
         engine = self.instances[i]
         if not engine.has_unfinished_requests():
             engine.clock.advance_to(now)  # an idle instance's clock may lag: it starts at now
+        self._unblock(i, now)
         engine.add_request(
             list(req.prompt_token_ids),
             req.sampling_params,
@@ -369,3 +699,49 @@ class SimCluster:
         )
         self._instances[i].live.add(req.request_id)
         self._where[req.request_id] = i
+        self._path[req.request_id].append(i)
+
+    def _undecodable(self, req: RouteRequest) -> str | None:
+        """Why no decode instance could ever hold `req` to its last token, or None."""
+        from llmjax.engine.engine import InvalidRequest
+
+        errors = []
+        for j in self._decode:
+            try:
+                self.instances[j].validate_request(list(req.prompt_token_ids), req.sampling_params)
+                return None
+            except InvalidRequest as e:
+                errors.append(f"decode instance {j}: {e}")
+        return "; ".join(errors)
+
+    def _fail(self, req: RouteRequest, prompt: str | None, error: str, now: float) -> None:
+        self._open.discard(req.request_id)
+        self._errors.append(
+            RequestOutput(
+                request_id=req.request_id,
+                prompt=prompt,
+                prompt_token_ids=list(req.prompt_token_ids),
+                token_ids=[],
+                text="",
+                finished=True,
+                finish_reason="error",
+                metrics=RequestMetrics(req.arrival_time, finished_time=now),
+                error=error,
+            )
+        )
+
+
+def _router(router: Router | str) -> Router:
+    r = make_router(router) if isinstance(router, str) else router
+    if not callable(getattr(r, "route", None)):
+        raise ValueError(f"router {router!r} has no route(request, instances, now)")
+    return r
+
+
+def _check_choice(router, choice, n: int, request_id: str) -> int:
+    if isinstance(choice, bool) or not hasattr(choice, "__index__") or not 0 <= choice < n:
+        raise ValueError(
+            f"router {getattr(router, 'name', router)!r} returned {choice!r} for "
+            f"request {request_id}; need an instance index in [0, {n})"
+        )
+    return int(choice)
