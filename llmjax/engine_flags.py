@@ -443,7 +443,8 @@ def define_cluster_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "",
         "Instances with roles, instead of --num_instances, e.g. 'prefill:tp=2,decode:tp=2' or "
         "'2xprefill,decode' (llmjax.cluster.InstanceSpec.parse): DistServe's disaggregation, the "
-        "KV moved from prefill to decode instances by --kv_transport.",
+        "KV moved from prefill to decode instances by --kv_transport (--device sim: a "
+        "SimCluster with roles, the transfer time modeled).",
         flag_values=flag_values,
     )
     flags.DEFINE_enum(

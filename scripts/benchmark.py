@@ -566,20 +566,47 @@ def run_variant(variant: Variant, state: dict) -> dict:
         )
         engine = llm.engine
         info = engine_info(llm)
-    if FLAGS.num_instances > 1 and cluster is None:  # more of the same engine, behind the router
+    if FLAGS.device == "sim" and instance_specs():  # simulated instances on one timeline
         from llmjax.sim import SimCluster
 
-        others = [
-            build_llm(
+        specs = instance_specs()
+        engines = [] if FLAGS.instances else [engine]  # --num_instances: the one built above
+        for spec in specs[len(engines) :]:
+            engines.append(
+                build_llm(
+                    variant.policy,
+                    prefix_cache=variant.prefix_cache,
+                    admission_order=variant.admission_order,
+                    sparse_mode=variant.sparse_kv,
+                    tp=spec.tp,
+                    pp=spec.pp,
+                    role=spec.role,
+                ).engine
+            )
+        if FLAGS.instances:  # the measured LLM: a decode (or colocated) one
+            measured = next(i for i, p in enumerate(specs) if p.role != "prefill")
+            llm = build_llm(
                 variant.policy,
                 prefix_cache=variant.prefix_cache,
                 admission_order=variant.admission_order,
                 sparse_mode=variant.sparse_kv,
-            ).engine
-            for _ in range(FLAGS.num_instances - 1)
-        ]
-        engine = SimCluster([engine, *others], FLAGS.router)
-        info |= {"num_instances": FLAGS.num_instances, "router": FLAGS.router}
+                tp=specs[measured].tp,
+                pp=specs[measured].pp,
+            )
+            info = engine_info(llm)
+        cluster = SimCluster(
+            engines,
+            FLAGS.router,
+            waiting_page_fraction=FLAGS.waiting_page_fraction,
+        )
+        engine = cluster
+        info |= {
+            "num_instances": len(specs),
+            "router": FLAGS.router,
+            "instances": [
+                {"index": i, "role": p.role, "tp": p.tp, "pp": p.pp} for i, p in enumerate(specs)
+            ],
+        }
     _log(f"{name}: engine ready in {time.perf_counter() - t0:.1f} s: {info}")
     if "specs" not in state:
         state["max_model_len"] = llm.config.max_model_len
@@ -641,9 +668,10 @@ def run_variant(variant: Variant, state: dict) -> dict:
         "num_compiles_during_run": engine.num_compiles - compiles,
         "output_token_ids": [list(o.token_ids) for o in outputs],
     }
-    if cluster is not None:
+    if cluster is not None and any(r != "colocated" for r in cluster.roles):
         result["transfer_stats"] = cluster.transfer_stats.as_dict()
-        result["instance_utilization"] = cluster.utilization()
+        if hasattr(cluster, "utilization"):  # real instances: device time / wall time
+            result["instance_utilization"] = cluster.utilization()
         result["instance_stats"] = [s.as_dict() for s in cluster.stats]
     if FLAGS.capacity_search or FLAGS.goodput_search:
 
@@ -732,8 +760,11 @@ def cluster_rows(results: dict) -> list:
             {p: f"{1e3 * v.get('mean_transfer_s', 0):.2f}" for p, v in t.items()},
         ),
         ("KV transfer failures", {p: v.get("num_failures", "-") for p, v in t.items()}),
-        ("instance utilization", {p: " ".join(f"{x:.0%}" for x in v) for p, v in u.items()}),
-    ]
+    ] + (
+        [("instance utilization", {p: " ".join(f"{x:.0%}" for x in v) for p, v in u.items()})]
+        if any(u.values())
+        else []
+    )
 
 
 def report(results: dict, state: dict) -> str:
@@ -1010,11 +1041,6 @@ def main(argv):
     if FLAGS.num_instances < 1:
         raise app.UsageError(f"--num_instances={FLAGS.num_instances} must be >= 1")
     instance_specs()  # a bad --instances fails here
-    if FLAGS.instances and FLAGS.device == "sim":
-        raise app.UsageError(
-            "--instances with roles runs real instances; on --device sim use "
-            "scripts/placement.py (simulated disaggregation) or --num_instances"
-        )
     state: dict = {}
     if FLAGS.workload == "trace":
         state["trace"] = load_trace()

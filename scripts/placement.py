@@ -108,6 +108,13 @@ def define_flags() -> None:
         "With --compare on opt-13b: also run the paper's AE placement (prefill TP2, decode TP1), "
         "replicated to --target_rate by its phase goodputs.",
     )
+    flags.DEFINE_list(
+        "compare_seeds",
+        [],
+        "With --compare: run the end-to-end comparison once per workload seed (lengths and "
+        "arrivals) and report the mean and the range (default: --seed only). The goodput of a "
+        "200-request trial moves with the seed; several seeds show by how much.",
+    )
     flags.DEFINE_bool("quick", False, "Tiny settings for a smoke run (40 requests, tp 1-2, pp 1).")
     flags.DEFINE_string("output_json", "out/placement.json", "Where to write the results.")
 
@@ -425,6 +432,26 @@ def compare(
     return out
 
 
+def merge_seeds(runs: list[dict], seeds: list[int]) -> dict:
+    """One comparison from one per seed: each deployment's goodput per device is the mean over
+    the seeds, with `per_seed`, `min`, `max` and `ratio_vs_vllm` per seed beside it; trials and
+    transfer stats are the first seed's."""
+    out = {}
+    for name in runs[0]:
+        gs = [r[name]["goodput_per_device"] for r in runs]
+        bases = [r["prefill_first"]["goodput_per_device"] for r in runs]
+        ratios = [g / b if b > 0 else None for g, b in zip(gs, bases, strict=True)]
+        out[name] = {
+            **runs[0][name],
+            "goodput_per_device": sum(gs) / len(gs),
+            "goodput_per_device_per_seed": gs,
+            "ratio_vs_vllm_per_seed": ratios,
+            "seeds": seeds,
+            "wall_s": sum(r[name]["wall_s"] for r in runs),
+        }
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Report.
 
@@ -490,16 +517,29 @@ def report(rows, choice, cmp, s: Setup, colocated_tp: int) -> str:
             elif name == "prefill_first":
                 label = f"colocated prefill_first (vLLM) TP{colocated_tp}"
             ratio = f"{g / base:.2f}x" if base > 0 else ("inf" if g > 0 else "-")
+            per_seed = r.get("goodput_per_device_per_seed", [g])
+            rate = _rate(g)
+            if len(per_seed) > 1:  # the mean, the range and the ratio's range over the seeds
+                rate += f" ({min(per_seed):.2f}-{max(per_seed):.2f})"
+                rs = [x for x in r["ratio_vs_vllm_per_seed"] if x is not None]
+                if rs:
+                    ratio += f" ({min(rs):.2f}-{max(rs):.2f})"
             paper = {"disaggregated": PAPER["headline_gain"], "prefill_first": "1x"}
             paper = paper.get(r["policy"], "")
             p90 = [t for t in r["trials"] if t["passed"]]
             p90 = max(p90, key=lambda t: t["qps"], default=None)
             lat = f"{p90['ttft_p90']:.3f} / {p90['tpot_p90']:.3f}" if p90 else "-"
-            table.append([label, r["num_devices"], _rate(g), ratio, paper, lat])
+            table.append([label, r["num_devices"], rate, ratio, paper, lat])
         lines += [
             "",
             f"End to end (simulated; goodput/GPU = the highest rate per GPU at which >= "
-            f"{s.attainment:.0%} of requests meet both SLOs)",
+            f"{s.attainment:.0%} of requests meet both SLOs"
+            + (
+                f"; mean (range) over workload seeds {cmp['prefill_first']['seeds']}, the ratio "
+                "of the means (range of the per-seed ratios))"
+                if len(cmp["prefill_first"].get("seeds", [])) > 1
+                else ")"
+            ),
             format_table(
                 [
                     "deployment",
@@ -581,7 +621,19 @@ def main(argv):
             except ValueError as e:  # not searched (--tps, --pps) or no goodput
                 log(f"paper placement skipped: {e}")
         budgets = FLAGS.sarathi_budgets
-        cmp = compare(s, choice, FLAGS.colocated_tp, budgets, paper_choice, log=log)
+        seeds = [int(x) for x in FLAGS.compare_seeds] or [s.seed]
+        runs = [
+            compare(
+                dataclasses.replace(s, seed=k),
+                choice,
+                FLAGS.colocated_tp,
+                budgets,
+                paper_choice,
+                log=lambda m, k=k: log(f"seed {k}: {m}"),
+            )
+            for k in seeds
+        ]
+        cmp = merge_seeds(runs, seeds)
     wall = time.perf_counter() - t0
     print(report(rows, choice, cmp, s, FLAGS.colocated_tp), flush=True)
     print(f"({wall:.0f} s of wall time)", flush=True)

@@ -409,3 +409,26 @@ def test_disaggregated_invariants(
     event(f"failed: {any(o.error for o in finished.values())}")
     for state in sorted(states):
         event(f"aborted while {state}")
+
+
+def test_simulate_script_runs_roles_on_one_timeline(tmp_path):
+    """scripts/benchmark.py --device sim --instances: a disaggregated SimCluster behind the
+    benchmark harness, with its KV transfers reported."""
+    import json
+
+    from tests.helpers import run_benchmark_script
+
+    out = tmp_path / "sim.json"
+    run_benchmark_script(
+        [
+            "--device=sim", "--model=llama2-13b", "--instances=2xprefill:tp=2,decode",
+            "--num_requests=24", "--qps=2", "--policies=sarathi", "--tbt_slo=0.1",
+            "--warmup=0", "--norehearse", f"--json_out={out}",
+        ]
+    )  # fmt: skip
+    v = json.loads(out.read_text())["variants"]["sarathi"]
+    assert v["summary"]["num_finished"] == 24
+    assert v["transfer_stats"]["num_transfers"] == 24 and v["transfer_stats"]["bytes"] > 0
+    assert [d["role"] for d in v["engine"]["instances"]] == ["prefill", "prefill", "decode"]
+    prefill, _, decode = v["instance_stats"]
+    assert prefill["num_decode_tokens"] == 0 and decode["num_prefill_tokens"] == 0
