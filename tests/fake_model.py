@@ -15,6 +15,7 @@ to page 0, logits rows, empty padded sequences.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Iterable, Sequence
 
@@ -112,3 +113,38 @@ class FakePagedModel:
             self.reads.append(tokens)
             next_ids[i] = next_token(tokens, self.vocab_size)
         return next_ids
+
+
+class FakeRunner:
+    """Stands in for `llmjax.engine.runner.ModelRunner` (the engine's only jax module): the fake
+    paged model, plus page export / import of its slots (disaggregation)."""
+
+    pipelined = False  # the pipeline path is covered by the scheduler tests' pipeline_depth
+    ragged_page_tables = False  # page-count buckets, as with the jnp reference
+
+    def __init__(self, config, params, num_pages: int, skew=None, devices=None):
+        self.page_size = config.cache.page_size
+        self.model = FakePagedModel(num_pages, self.page_size, config.model.vocab_size)
+        self.num_compiles = 0
+
+    def run(self, step, sampling) -> np.ndarray:
+        return self.model.run(step)
+
+    def export_pages(self, pages) -> np.ndarray:
+        return self.model.kv.reshape(-1, self.page_size)[np.asarray(pages, np.int64)].copy()
+
+    def import_pages(self, pages, data) -> None:
+        assert data.shape == (len(pages), self.page_size), data.shape
+        self.model.kv.reshape(-1, self.page_size)[np.asarray(pages, np.int64)] = data
+
+    def precompile(self, shapes, progress=None) -> None:
+        pass
+
+    def compile_ahead(self, shapes) -> None:
+        pass
+
+    @staticmethod
+    def annotate(name: str, **metadata):
+        return contextlib.nullcontext()
+
+    annotate_step = annotate

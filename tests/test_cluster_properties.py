@@ -20,12 +20,10 @@ No jax.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import types
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -37,44 +35,10 @@ from llmjax.cluster.transfer import LocalTransport, TransferError
 from llmjax.config import CacheConfig, EngineConfig, SchedulerConfig
 from llmjax.engine.engine import LLMEngine
 from llmjax.sampling_params import SamplingParams
-from tests.fake_model import FakePagedModel, reference_generation
+from tests.fake_model import FakeRunner, reference_generation
 
 VOCAB = 64
 MODEL = TINY.replace(vocab_size=VOCAB, eos_token_ids=(1,))
-
-
-class FakeKVRunner:
-    """`ModelRunner`'s stand-in: the fake paged model, plus page export / import of its slots."""
-
-    pipelined = False
-    ragged_page_tables = False
-
-    def __init__(self, config: EngineConfig, params, num_pages: int, skew=None, devices=None):
-        self.page_size = config.cache.page_size
-        self.model = FakePagedModel(num_pages, self.page_size, config.model.vocab_size)
-        self.num_compiles = 0
-
-    def run(self, step, sampling) -> np.ndarray:
-        return self.model.run(step)
-
-    def export_pages(self, pages) -> np.ndarray:
-        return self.model.kv.reshape(-1, self.page_size)[np.asarray(pages, np.int64)].copy()
-
-    def import_pages(self, pages, data) -> None:
-        assert data.shape == (len(pages), self.page_size), data.shape
-        self.model.kv.reshape(-1, self.page_size)[np.asarray(pages, np.int64)] = data
-
-    def precompile(self, shapes, progress=None) -> None:
-        pass
-
-    def compile_ahead(self, shapes) -> None:
-        pass
-
-    @staticmethod
-    def annotate(name: str, **metadata):
-        return contextlib.nullcontext()
-
-    annotate_step = annotate
 
 
 class FlakyTransport(LocalTransport):
@@ -192,7 +156,7 @@ def scenarios(draw):
 @pytest.fixture
 def fake_runner(monkeypatch):
     fake = types.ModuleType("llmjax.engine.runner")
-    fake.ModelRunner = FakeKVRunner
+    fake.ModelRunner = FakeRunner
     monkeypatch.setitem(sys.modules, "llmjax.engine.runner", fake)
 
 

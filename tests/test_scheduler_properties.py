@@ -24,7 +24,6 @@ for its gpu marker).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import subprocess
@@ -47,7 +46,7 @@ from llmjax.engine.radix_cache import RadixCache, make_prefix_cache
 from llmjax.engine.request import Request, RequestStatus
 from llmjax.model.step_input import RESERVED_PAGE
 from llmjax.sampling_params import SamplingParams
-from tests.fake_model import UNWRITTEN, FakePagedModel, reference_generation
+from tests.fake_model import UNWRITTEN, FakePagedModel, FakeRunner, reference_generation
 
 CHUNKED = ("sarathi", "splitfuse")
 
@@ -627,35 +626,9 @@ def test_small_cache_preempts_and_outputs_match(policy):
     assert all(r.status is RequestStatus.FINISHED for r in result.requests.values())
 
 
-class _FakeRunner:
-    """Stands in for `llmjax.engine.runner.ModelRunner` (the engine's only jax module)."""
-
-    pipelined = False  # the pipeline path is covered by run_scenario's pipeline_depth
-    ragged_page_tables = False  # page-count buckets, as with the jnp reference
-
-    def __init__(self, config: EngineConfig, params, num_pages: int, skew=None, devices=None):
-        self.model = FakePagedModel(num_pages, config.cache.page_size, config.model.vocab_size)
-        self.num_compiles = 0
-
-    def run(self, step, sampling) -> np.ndarray:
-        return self.model.run(step)
-
-    def precompile(self, shapes) -> None:
-        pass
-
-    def compile_ahead(self, shapes) -> None:
-        pass
-
-    @staticmethod
-    def annotate(name: str, **metadata):
-        return contextlib.nullcontext()
-
-    annotate_step = annotate
-
-
 def test_engine_with_a_fake_runner_rejects_bad_prompts_and_serves_the_others(monkeypatch):
     fake = types.ModuleType("llmjax.engine.runner")
-    fake.ModelRunner = _FakeRunner
+    fake.ModelRunner = FakeRunner
     monkeypatch.setitem(sys.modules, "llmjax.engine.runner", fake)
     # 7 usable pages of 4 tokens: the good requests preempt each other; one cannot fit at all.
     sc = _workload("sarathi", num_pages=8, max_model_len=40)

@@ -126,16 +126,10 @@ def split_devices(devices, instances: list[InstanceSpec]) -> list[list]:
     """Consecutive disjoint slices of `devices`, one per instance (tp * pp each)."""
     need = sum(s.num_devices for s in instances)
     if need > len(devices):
-        platform = devices[0].platform if devices else "?"
-        hint = (
-            " (on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)"
-            if platform == "cpu"
-            else ""
-        )
-        raise ValueError(
-            f"the instances need {need} devices ({[s.num_devices for s in instances]}); "
-            f"{len(devices)} {platform} device(s) are available{hint}"
-        )
+        from llmjax.parallel.mesh import too_few_devices
+
+        each = [s.num_devices for s in instances]
+        raise too_few_devices(f"the instances ({each} devices each) need", need, devices)
     out, offset = [], 0
     for s in instances:
         out.append(list(devices[offset : offset + s.num_devices]))

@@ -49,20 +49,26 @@ SHARDING_RULES: dict[str, str | None] = {
 KV_PAGES_AXES = (None, None, "kv_heads", "head_dim")
 
 
+def too_few_devices(what: str, n: int, devices) -> ValueError:
+    """The error for `what` needing `n` devices where only `devices` are (with the CPU hint)."""
+    platform = devices[0].platform if devices else "?"
+    hint = (
+        " (on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)"
+        if platform == "cpu"
+        else ""
+    )
+    return ValueError(
+        f"{what} {n} devices; {len(devices)} {platform} device(s) are available{hint}"
+    )
+
+
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
     """A (pp, tp) mesh over the first pp * tp of `devices` (default: all processes' devices)."""
     devices = list(jax.devices() if devices is None else devices)
     n = parallel.pp * parallel.tp
     if n > len(devices):
-        platform = devices[0].platform if devices else "?"
-        hint = (
-            " (on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)"
-            if platform == "cpu"
-            else ""
-        )
-        raise ValueError(
-            f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}) needs {n} devices; "
-            f"{len(devices)} {platform} device(s) are available{hint}"
+        raise too_few_devices(
+            f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}) needs", n, devices
         )
     return jax.make_mesh(
         (parallel.pp, parallel.tp),
