@@ -115,6 +115,18 @@ def define_flags() -> None:
         "arrivals) and report the mean and the range (default: --seed only). The goodput of a "
         "200-request trial moves with the seed; several seeds show by how much.",
     )
+    flags.DEFINE_list(
+        "curve_rates",
+        [],
+        "With --compare: also measure each deployment's SLO attainment at these per-GPU rates "
+        "(DistServe's attainment-vs-rate curves, Fig. 8/9 top rows).",
+    )
+    flags.DEFINE_list(
+        "slo_scales",
+        [],
+        "With --compare and --curve_rates: each deployment's attainment at the first curve "
+        "rate with both SLOs multiplied by these factors (DistServe's SLO-scale curves).",
+    )
     flags.DEFINE_bool("quick", False, "Tiny settings for a smoke run (40 requests, tp 1-2, pp 1).")
     flags.DEFINE_string("output_json", "out/placement.json", "Where to write the results.")
 
@@ -360,6 +372,7 @@ def run_deployment(s: Setup, kind: str, choice: dict, qps: float, colocated_tp: 
         engines = [make_engine(s, colocated_tp, 1, "colocated", kind, budget) for _ in range(n)]
     cluster = SimCluster(engines, "least_outstanding")
     outputs = replay(cluster, specs_at(s, qps), seed=s.seed)
+    cluster.outputs = outputs  # for the attainment curves at other SLO scales
     return summarize(outputs, slo_ttft=s.ttft_slo, slo_tpot=s.tpot_slo), cluster
 
 
@@ -374,7 +387,14 @@ def deployments(choice: dict, budgets, paper_choice: dict | None = None) -> list
 
 
 def compare(
-    s: Setup, choice: dict, colocated_tp: int, budgets, paper_choice=None, log=print
+    s: Setup,
+    choice: dict,
+    colocated_tp: int,
+    budgets,
+    paper_choice=None,
+    log=print,
+    curve_rates=(),
+    slo_scales=(),
 ) -> dict:
     """Each deployment's per-device goodput, end to end (the module doc); the colocated ones
     on as many devices as `choice`."""
@@ -429,7 +449,29 @@ def compare(
             "transfer_stats_at_goodput": transfers,
             "wall_s": time.perf_counter() - t,
         }
+        if curve_rates:
+            out[name]["curves"] = attainment_curves(
+                s, kind, placed, devices, colocated_tp, budget, curve_rates, slo_scales
+            )
     return out
+
+
+def attainment_curves(
+    s: Setup, kind, placed, devices: int, colocated_tp: int, budget, rates, scales
+) -> dict:
+    """SLO attainment of one deployment at each per-GPU rate, and at the first rate with both
+    SLOs scaled by each factor (the same outputs, summarized again)."""
+    from llmjax.bench import summarize
+
+    by_rate, by_scale = [], []
+    for k, rate in enumerate(rates):
+        summary, cluster = run_deployment(s, kind, placed, rate * devices, colocated_tp, budget)
+        by_rate.append({"per_device_rate": rate, "attainment": summary.slo_attainment})
+        if k == 0:
+            for f in scales:
+                x = summarize(cluster.outputs, slo_ttft=f * s.ttft_slo, slo_tpot=f * s.tpot_slo)
+                by_scale.append({"slo_scale": f, "attainment": x.slo_attainment})
+    return {"by_rate": by_rate, "by_slo_scale": by_scale}
 
 
 def merge_seeds(runs: list[dict], seeds: list[int]) -> dict:
@@ -454,6 +496,10 @@ def merge_seeds(runs: list[dict], seeds: list[int]) -> dict:
 
 # ------------------------------------------------------------------------------------------------
 # Report.
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def _rate(x: float, capped: bool = False) -> str:
@@ -554,6 +600,36 @@ def report(rows, choice, cmp, s: Setup, colocated_tp: int) -> str:
             "paper: ALGORITHMS.md records only DistServe's headline, up to 7.4x more requests "
             "over all its workloads and models; it quotes no OPT-13B chatbot figure.",
         ]
+        curves = {n: r["curves"] for n, r in cmp.items() if r.get("curves")}
+        if curves:
+            first = next(iter(curves.values()))
+            rates = [c["per_device_rate"] for c in first["by_rate"]]
+            lines += [
+                "",
+                "SLO attainment vs per-GPU rate (simulated, workload seed "
+                f"{cmp['prefill_first'].get('seeds', [s.seed])[0]})",
+                format_table(
+                    ["deployment", *[f"{r:g}/GPU" for r in rates]],
+                    [
+                        [n, *[_pct(c["attainment"]) for c in v["by_rate"]]]
+                        for n, v in curves.items()
+                    ],
+                ),
+            ]
+            scales = [c["slo_scale"] for c in first["by_slo_scale"]]
+            if scales:
+                lines += [
+                    "",
+                    f"SLO attainment vs SLO scale at {rates[0]:g} req/s per GPU "
+                    "(both SLOs x scale)",
+                    format_table(
+                        ["deployment", *[f"x{f:g}" for f in scales]],
+                        [
+                            [n, *[_pct(c["attainment"]) for c in v["by_slo_scale"]]]
+                            for n, v in curves.items()
+                        ],
+                    ),
+                ]
         st = cmp["disaggregated"].get("transfer_stats_at_goodput")
         if st and st["num_transfers"]:
             lines.append(
@@ -630,6 +706,8 @@ def main(argv):
                 budgets,
                 paper_choice,
                 log=lambda m, k=k: log(f"seed {k}: {m}"),
+                curve_rates=[float(x) for x in FLAGS.curve_rates],
+                slo_scales=[float(x) for x in FLAGS.slo_scales],
             )
             for k in seeds
         ]

@@ -123,7 +123,8 @@ def test_the_script_runs_end_to_end_and_writes_the_choice(tmp_path):
     cmd = [
         sys.executable, os.path.join(ROOT, "scripts", "placement.py"), "--quick", "--compare",
         "--num_requests=24", "--max_rate=2", "--esp=0.5", "--tps=1,2", "--pps=1",
-        "--sarathi_budgets=512", "--target_rate=2", f"--output_json={out}",
+        "--sarathi_budgets=512", "--target_rate=2", "--compare_seeds=0,1",
+        "--curve_rates=0.5,1", "--slo_scales=0.5,2", f"--output_json={out}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
     assert "choice (simulated)" in proc.stdout and "7.4x" in proc.stdout
@@ -152,6 +153,15 @@ def test_the_script_runs_end_to_end_and_writes_the_choice(tmp_path):
     assert cmp["disaggregated"]["num_devices"] == choice["num_devices"]
     assert all(v["trials"] for v in cmp.values())
     assert set(doc["ratios_vs_vllm"]) == set(cmp)
+    for v in cmp.values():  # two seeds: their mean, and each seed's
+        per_seed = v["goodput_per_device_per_seed"]
+        assert len(per_seed) == 2 and abs(v["goodput_per_device"] - sum(per_seed) / 2) < 1e-9
+        by_rate = [c["per_device_rate"] for c in v["curves"]["by_rate"]]
+        assert by_rate == [0.5, 1.0]
+        (loose,) = [c["attainment"] for c in v["curves"]["by_slo_scale"] if c["slo_scale"] == 2]
+        (tight,) = [c["attainment"] for c in v["curves"]["by_slo_scale"] if c["slo_scale"] == 0.5]
+        assert tight <= loose  # looser SLOs are met at least as often
+    assert "SLO attainment vs SLO scale" in proc.stdout
 
 
 def test_a_minimum_trial_length_adds_requests_at_high_rates(placement):
