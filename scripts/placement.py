@@ -513,7 +513,9 @@ def report(rows, choice, cmp, s: Setup, colocated_tp: int) -> str:
 
     lines = [
         f"DistServe placement search (simulated: roofline, {s.model.name} on {s.hardware.name}; "
-        f"{s.workload} x{s.scale:g}, {s.num_requests} requests/trial; TTFT <= {s.ttft_slo:g} s "
+        f"{s.workload} x{s.scale:g}, {s.num_requests} requests/trial"
+        + (f" (at least {s.min_trial_s:g} s of arrivals)" if s.min_trial_s > 0 else "")
+        + f"; TTFT <= {s.ttft_slo:g} s "
         f"(prefill), TPOT <= {s.tpot_slo:g} s (decode), {s.attainment:.0%} attainment)",
         format_table(
             ["phase", "tp", "pp", "devices", "KV pages", "goodput/device", "goodput/instance"],
