@@ -12,7 +12,8 @@ import pytest
 from llmjax.engine.clock import WALL_CLOCK, VirtualClock
 from llmjax.engine.engine import LLMEngine
 from llmjax.sampling_params import SamplingParams
-from tests.test_scheduler_properties import _FakeRunner, _workload
+from tests.fake_model import FakeRunner
+from tests.test_scheduler_properties import _workload
 
 STEP_S = 0.25  # every modeled step
 
@@ -32,7 +33,7 @@ def test_virtual_clock_moves_only_forward():
 
 
 def _engine(monkeypatch, clock):
-    class TimedRunner(_FakeRunner):
+    class TimedRunner(FakeRunner):
         """The fake model, each step taking STEP_S on the virtual clock."""
 
         def run(self, step, sampling):
