@@ -42,6 +42,7 @@ from llmjax.engine.request import (
     RequestStatus,
 )
 from llmjax.engine.stats import EngineStats
+from llmjax.kvstore.keys import KeySalt
 from llmjax.progress import progress_bar
 from llmjax.sampling_params import SamplingParams
 from llmjax.tokenizer.detokenizer import StopStringMatcher
@@ -106,8 +107,9 @@ class LLMEngine:
         self.clock = clock
         self.tokenizer = tokenizer
         page_size = config.cache.page_size
+        salt = KeySalt.for_engine(config).digest  # the radix tree keys its pages (kvstore/)
         self.block_manager = BlockManager(
-            num_pages, page_size, make_prefix_cache(config.cache.prefix_cache, page_size)
+            num_pages, page_size, make_prefix_cache(config.cache.prefix_cache, page_size, salt)
         )
         self.scheduler = make_scheduler(config, self.block_manager, clock)
         if config.device == "sim":

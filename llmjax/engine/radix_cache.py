@@ -27,6 +27,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
+from llmjax.kvstore.keys import ROOT_KEY, chain_keys
 from llmjax.model.step_input import RESERVED_PAGE
 
 
@@ -41,6 +42,8 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = dataclasses.field(default_factory=dict)
     lock_ref: int = 0  # locks on this node or any descendant; > 0 means never evicted
     last_access: int = 0  # logical clock of the last match/insert through this node
+    # with a salt: one key per page, chained from the parent's last key (llmjax/kvstore/keys.py)
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,11 +184,17 @@ class RadixCache(PrefixCache):
     nodes, so `evict(n)` may free a few pages more than `n`. Node handles stay valid across
     splits (a split creates the new node above the old one); an evicted node is detached, and
     locking it is an error.
+
+    `salt` (bytes, `llmjax.kvstore.KeySalt.digest`): every node also holds its pages' keys
+    (`page_keys`, chained from the parent's last key: `llmjax.kvstore.chain_keys`), computed
+    once, as the pages are inserted; `path_keys(node)` gives a matched prefix's keys. None: no
+    keys.
     """
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, salt: bytes | None = None):
         _check_page_size(page_size)
         self.page_size = page_size
+        self.salt = salt
         self._ids = itertools.count()
         self._clock = 0
         self.root = self._new_root()
@@ -241,9 +250,11 @@ class RadixCache(PrefixCache):
             next(self._ids),
             lock_ref=node.lock_ref,
             last_access=node.last_access,
+            page_keys=node.page_keys[:num_pages],
         )
         node.token_ids = node.token_ids[num_pages * ps :]
         node.pages = node.pages[num_pages:]
+        node.page_keys = node.page_keys[num_pages:]
         node.parent = upper
         upper.children[node.token_ids[:ps]] = node
         upper.parent.children[upper.token_ids[:ps]] = upper
@@ -282,10 +293,22 @@ class RadixCache(PrefixCache):
             raise ValueError(f"pages {sorted(owned)} are already owned by the cache")
         if new_pages:
             leaf = RadixNode(key[end:], new_pages, node, next(self._ids))
+            if self.salt is not None:
+                leaf.page_keys = chain_keys(leaf.token_ids, ps, self.salt, self._last_key(node))
             leaf.last_access = self._clock
             node.children[leaf.token_ids[:ps]] = leaf
             self._pages.update(new_pages)
         return not_adopted
+
+    def _last_key(self, node: RadixNode) -> bytes:
+        return node.page_keys[-1] if node is not self.root else ROOT_KEY
+
+    def path_keys(self, node: RadixNode | None) -> list[bytes]:
+        """The page keys from the root down to `node` (a `match` result's node), one per page
+        of the matched prefix; [] without a salt."""
+        if self.salt is None or node is None:
+            return []
+        return [k for n in reversed(self._path(node)) for k in n.page_keys]
 
     # ---- lock / unlock -------------------------------------------------------------------------
 
@@ -386,6 +409,10 @@ class RadixCache(PrefixCache):
         assert set(owned) == self._pages, "page set out of sync"
         assert RESERVED_PAGE not in self._pages, "the reserved page is cached"
         assert locked == self._num_locked_pages, f"{locked=} != {self._num_locked_pages=}"
+        if self.salt is not None:
+            for node in self.nodes():
+                want = chain_keys(node.token_ids, ps, self.salt, self._last_key(node.parent))
+                assert node.page_keys == want, "a page key does not chain from its parent"
 
 
 def _check_page_size(page_size: int) -> None:
@@ -408,7 +435,10 @@ def _check_insert_args(token_ids: Sequence[int], pages: Sequence[int], page_size
 PREFIX_CACHES: dict[str, type[PrefixCache]] = {"none": NoPrefixCache, "radix": RadixCache}
 
 
-def make_prefix_cache(name: str, page_size: int) -> PrefixCache:
+def make_prefix_cache(name: str, page_size: int, salt: bytes | None = None) -> PrefixCache:
+    """The prefix cache `name` ('none', 'radix'); `salt`: the radix tree keys its pages."""
     if name not in PREFIX_CACHES:
         raise ValueError(f"prefix cache {name=} is not one of {sorted(PREFIX_CACHES)}")
+    if name == "radix":
+        return RadixCache(page_size, salt)
     return PREFIX_CACHES[name](page_size)
