@@ -1,9 +1,12 @@
 """KV-centric serving (Mooncake, issue 22): hash-keyed KV pages, to be stored in tiers shared by
 instances. `keys.py`: each full page's key, chained from its tokens and its parent's key (a keyed
 blake2b digest, the same in every process), salted by what makes the bytes of a page: model,
-dtype, page size and KV layout. No jax.
+dtype, page size and KV layout. `host_tier.py`: T1, a preallocated host pool of blocks under
+those keys (two-phase puts, chains, leases, soft pins, leaf-first watermark eviction): the store
+interface the disk and Mooncake Store tiers will share. No jax.
 """
 
+from llmjax.kvstore.host_tier import HostTier
 from llmjax.kvstore.keys import ROOT_KEY, KeySalt, chain_keys, page_key, shard_key
 
-__all__ = ["ROOT_KEY", "KeySalt", "chain_keys", "page_key", "shard_key"]
+__all__ = ["ROOT_KEY", "HostTier", "KeySalt", "chain_keys", "page_key", "shard_key"]
