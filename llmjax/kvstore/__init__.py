@@ -3,10 +3,13 @@ instances. `keys.py`: each full page's key, chained from its tokens and its pare
 blake2b digest, the same in every process), salted by what makes the bytes of a page: model,
 dtype, page size and KV layout. `host_tier.py`: T1, a preallocated host pool of blocks under
 those keys (two-phase puts, chains, leases, soft pins, leaf-first watermark eviction): the store
-interface the disk and Mooncake Store tiers will share. No jax.
+interface the other tiers share. `disk_tier.py`: T2, the same rules over immutable block files
+(temporary name then rename, a checksum per block checked on load, a cold restart re-indexes the
+directory). No jax.
 """
 
+from llmjax.kvstore.disk_tier import DiskTier
 from llmjax.kvstore.host_tier import HostTier
 from llmjax.kvstore.keys import ROOT_KEY, KeySalt, chain_keys, page_key, shard_key
 
-__all__ = ["ROOT_KEY", "HostTier", "KeySalt", "chain_keys", "page_key", "shard_key"]
+__all__ = ["ROOT_KEY", "DiskTier", "HostTier", "KeySalt", "chain_keys", "page_key", "shard_key"]

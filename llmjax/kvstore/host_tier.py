@@ -90,7 +90,7 @@ class HostTier:
             self._drop(key)  # a writer that never committed
         if parent != ROOT_KEY and not self._readable(parent):
             return False
-        if self.num_used >= self.high_watermark * self.num_blocks or not self._free:
+        if self.num_used >= self.high_watermark * self.num_blocks or self._full():
             held = self._blocks.get(parent)  # the parent must survive the eviction
             if held is not None:
                 held.leases += 1
@@ -99,9 +99,10 @@ class HostTier:
             finally:
                 if held is not None:
                     held.leases -= 1
-        if not self._free:
+        slot = self._alloc(key)
+        if slot is None:
             return False
-        self._blocks[key] = _Block(self._free.pop(), parent, last_access=next(self._clock))
+        self._blocks[key] = _Block(slot, parent, last_access=next(self._clock))
         if parent != ROOT_KEY:
             self._blocks[parent].children.add(key)
         return True
@@ -113,7 +114,7 @@ class HostTier:
         data = np.asarray(data)
         if data.shape != self.block_shape:
             raise ValueError(f"block of shape {data.shape}; this tier holds {self.block_shape}")
-        self.pool[b.slot] = data
+        self._write_slot(b, data)
 
     def put_commit(self, key: bytes) -> None:
         b = self._blocks.get(key)
@@ -121,6 +122,7 @@ class HostTier:
             raise KeyError(f"put_commit: key {key.hex()} has no put in progress")
         if self._blocks.get(b.parent) is None and b.parent != ROOT_KEY:
             raise KeyError(f"put_commit: the parent of {key.hex()} is gone")
+        self._commit_slot(key, b)
         b.ready = True
 
     def put_abort(self, key: bytes) -> None:
@@ -150,7 +152,10 @@ class HostTier:
             return None
         b = self._blocks[key]
         b.last_access = next(self._clock)
-        return self.pool[b.slot].copy()
+        data = self._read_slot(key, b)
+        if data is None and not b.leases:  # corrupt (disk): gone, with what chains below it
+            self.remove(key)
+        return data
 
     def exists(self, keys: Sequence[bytes]) -> int:
         """How many of `keys` (a chain, first to last) are readable here, from the first."""
@@ -174,7 +179,7 @@ class HostTier:
         b = self._blocks[key]
         b.leases += 1
         try:
-            yield self.pool[b.slot]
+            yield self._read_slot(key, b)
         finally:
             b.leases -= 1
 
@@ -220,14 +225,15 @@ class HostTier:
         """Drop every block (an error while one is leased)."""
         if any(b.leases for b in self._blocks.values()):
             raise RuntimeError("reset while blocks are leased")
-        self._blocks.clear()
-        self._free = list(range(self.num_blocks - 1, -1, -1))
+        for k in list(self._blocks):
+            if k in self._blocks:
+                self._drop(k)
 
     # ---- accounting ------------------------------------------------------------------------
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return len(self._blocks)
 
     @property
     def nbytes(self) -> int:
@@ -238,10 +244,7 @@ class HostTier:
         return [k for k, b in self._blocks.items() if b.ready]
 
     def check_invariants(self) -> None:
-        slots = [b.slot for b in self._blocks.values()]
-        assert len(slots) == len(set(slots)), "a slot holds two blocks"
-        assert not set(slots) & set(self._free), "a used slot is free"
-        assert len(slots) + len(self._free) == self.num_blocks, "a slot leaked"
+        self._check_storage()
         for k, b in self._blocks.items():
             if b.parent != ROOT_KEY:
                 parent = self._blocks.get(b.parent)
@@ -272,4 +275,30 @@ class HostTier:
                 self._drop(c)
         if b.parent in self._blocks:
             self._blocks[b.parent].children.discard(key)
+        self._release_slot(key, b)
+
+    # ---- storage (a subclass keeps blocks elsewhere: DiskTier) -----------------------------
+
+    def _full(self) -> bool:
+        return not self._free
+
+    def _alloc(self, key: bytes):
+        return self._free.pop() if self._free else None
+
+    def _write_slot(self, b: _Block, data: np.ndarray) -> None:
+        self.pool[b.slot] = data
+
+    def _commit_slot(self, key: bytes, b: _Block) -> None:
+        pass
+
+    def _read_slot(self, key: bytes, b: _Block) -> np.ndarray | None:
+        return self.pool[b.slot].copy()
+
+    def _release_slot(self, key: bytes, b: _Block) -> None:
         self._free.append(b.slot)
+
+    def _check_storage(self) -> None:
+        slots = [b.slot for b in self._blocks.values()]
+        assert len(slots) == len(set(slots)), "a slot holds two blocks"
+        assert not set(slots) & set(self._free), "a used slot is free"
+        assert len(slots) + len(self._free) == self.num_blocks, "a slot leaked"
