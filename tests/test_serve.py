@@ -445,6 +445,22 @@ def test_health_turns_503_when_the_engine_thread_fails(llm):
         _error(_post(server, "/v1/completions", {"prompt": "x"}), 503, match="injected failure")
 
 
+def completion_token_ids(server, body) -> tuple[list[list[int]], list[list[int]]]:
+    """POST /v1/completions with token-id prompts, whole and streamed: each choice's token ids
+    (index order), both ways."""
+    got = _post(server, "/v1/completions", body).json()
+    ids = [c["token_ids"] for c in sorted(got["choices"], key=lambda c: c["index"])]
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT
+    ) as r:
+        events = _sse(list(r.iter_lines()))
+    streamed = [[] for _ in ids]
+    for e in events:
+        for c in e["choices"]:
+            streamed[c["index"]] += c["token_ids"]
+    return ids, streamed
+
+
 def test_a_model_without_tokenizer_serves_token_ids():
     bare = LLM("tiny", load_format="dummy", max_model_len=64, num_pages=32)
     assert bare.tokenizer is None
@@ -452,17 +468,8 @@ def test_a_model_without_tokenizer_serves_token_ids():
     want = bare.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
     with Server(bare) as server:
         body = {"prompt": prompts, "max_tokens": 5, "ignore_eos": True, "temperature": 0}
-        got = _post(server, "/v1/completions", body).json()
-        ids = [c["token_ids"] for c in sorted(got["choices"], key=lambda c: c["index"])]
+        ids, streamed = completion_token_ids(server, body)
         assert ids == [o.token_ids for o in want]
-        with httpx.stream(
-            "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT
-        ) as r:
-            events = _sse(list(r.iter_lines()))
-        streamed = [[], []]
-        for e in events:
-            for c in e["choices"]:
-                streamed[c["index"]] += c["token_ids"]
         assert streamed == ids
         _error(_post(server, "/v1/completions", {"prompt": "text"}), 400, "prompt", "tokenizer")
         chat = {"messages": [{"role": "user", "content": "hi"}]}

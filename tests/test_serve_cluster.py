@@ -3,12 +3,10 @@ instance on two fake CPU devices serve completions equal to one offline engine's
 not, and /metrics counts the cluster's tokens. A real uvicorn server on 127.0.0.1 at a free port;
 every call has a timeout."""
 
-import httpx
-
 from llmjax import LLM, SamplingParams
 from llmjax.cluster import InstanceSpec, launch
 from llmjax.serve import Server
-from tests.test_serve import TIMEOUT, _metrics, _post, _sse
+from tests.test_serve import _metrics, completion_token_ids
 
 OPTS = dict(load_format="dummy", max_model_len=64, num_pages=32, page_size=4)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [9, 10], list(range(20, 45))]
@@ -20,17 +18,8 @@ def test_a_disaggregated_cluster_serves_completions_equal_to_one_engine():
     with Server(cluster) as server:
         assert server.model_name == "tiny"
         body = {"prompt": PROMPTS, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
-        got = _post(server, "/v1/completions", body).json()
-        ids = [c["token_ids"] for c in sorted(got["choices"], key=lambda c: c["index"])]
+        ids, streamed = completion_token_ids(server, body)
         assert ids == [o.token_ids for o in want]
-        with httpx.stream(
-            "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT
-        ) as r:
-            events = _sse(list(r.iter_lines()))
-        streamed = [[], [], []]
-        for e in events:
-            for c in e["choices"]:
-                streamed[c["index"]] += c["token_ids"]
         assert streamed == ids
         metrics = _metrics(server)
         generated = [

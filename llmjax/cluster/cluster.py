@@ -264,7 +264,7 @@ class Cluster:
                 continue
             outputs += self._track(outs)
         if "decode" in self.roles:
-            outputs += self._migrate()
+            self._migrate()
         return outputs + self._take_errors()
 
     def has_unfinished_requests(self) -> bool:
@@ -478,11 +478,10 @@ class Cluster:
             kept.append(out)
         return kept
 
-    def _migrate(self) -> list[RequestOutput]:
+    def _migrate(self) -> None:
         self._poll()
         self._start_transfers()
         self._poll()  # the local transport moves at once: decode can start next step
-        return []
 
     def _poll(self) -> None:
         for j in self._alive_with(("decode",)):
