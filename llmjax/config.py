@@ -268,6 +268,64 @@ class CacheConfig:
             raise ValueError(f"{self.memory_fraction=} must be in (0, 1]")
 
 
+KV_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+KV_LOAD_POLICIES = ("cost", "always", "never")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVStoreConfig:
+    """The KV tiers below the device pages (Mooncake's KV-centric store, issue 22;
+    llmjax/kvstore/, llmjax/engine/kv_tiers.py). Off unless a tier is given.
+
+    T1 `host_blocks` blocks in host memory (0: none); T2 block files in `disk_dir` ('' none),
+    at most `disk_blocks`; T3 Mooncake Store at `mooncake_master` ('host:port' of its RPC
+    service; `mooncake_metadata` its HTTP metadata URL, default on that host at port 8080;
+    `mooncake_namespace` prefixes this engine's keys). A block is `block_size` tokens (a
+    multiple of the page size; the paper's 256, the traces' 512).
+
+    `write_policy` (SGLang HiCache's names) moves blocks down, T0 -> T1 and T1 -> T2:
+    'write_through' (every full block), 'write_through_selective' (a block reused
+    `write_through_threshold` times; the default) or 'write_back' (when the tier above evicts
+    it). `load_policy`, for a prompt whose prefix a lower tier holds: 'cost' (load it if the
+    modeled copy, latency + bytes / bandwidth per tier, beats recomputing those tokens at the
+    engine's measured prefill rate, `prefill_tokens_per_s` until it has measured one; the
+    default), 'always' or 'never' (recompute). `*_bandwidth` (bytes/s) and `*_latency` (s per
+    block) are the cost model's tiers (defaults: what scripts/bench_kvstore.py measured on a
+    2-core CPU host).
+    """
+
+    host_blocks: int = 0
+    disk_dir: str = ""
+    disk_blocks: int = 65536
+    mooncake_master: str = ""
+    mooncake_metadata: str = ""
+    mooncake_namespace: str = "llmjax"
+    block_size: int = 256
+    write_policy: str = "write_through_selective"
+    write_through_threshold: int = 2
+    load_policy: str = "cost"
+    prefill_tokens_per_s: float = 2000.0
+    host_bandwidth: float = 5e9
+    host_latency: float = 2e-5
+    disk_bandwidth: float = 1e9
+    disk_latency: float = 2e-4
+    mooncake_bandwidth: float = 5e8
+    mooncake_latency: float = 1e-3
+
+    def __post_init__(self):
+        _check_positive(self, "block_size", "write_through_threshold", "prefill_tokens_per_s")
+        if self.host_blocks < 0 or self.disk_blocks < 1:
+            raise ValueError(f"need {self.host_blocks=} >= 0 and {self.disk_blocks=} >= 1")
+        if self.write_policy not in KV_WRITE_POLICIES:
+            raise ValueError(f"unknown {self.write_policy=}; choose one of {KV_WRITE_POLICIES}")
+        if self.load_policy not in KV_LOAD_POLICIES:
+            raise ValueError(f"unknown {self.load_policy=}; choose one of {KV_LOAD_POLICIES}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_blocks or self.disk_dir or self.mooncake_master)
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """Who runs each step: the policy, and at most `max_num_seqs` requests and
@@ -525,7 +583,8 @@ class EngineConfig:
     each stage scans over its own layers.
     `compilation_cache_dir`
     enables JAX's persistent compilation cache ('' disables it). `sparse_kv` (SparseKVConfig): the
-    KV cache in host memory with full or InfiniGen-selected fetches ('none' by default).
+    KV cache in host memory with full or InfiniGen-selected fetches ('none' by default). `kv_store`
+    (KVStoreConfig): host, disk and Mooncake tiers below the device pages (off by default).
     `precompile` compiles every step shape at start (|token buckets| x |page buckets| variants;
     with pp > 1 the pipeline tick of each, and the carry's resizes) so that serving never
     compiles; off by default because on a CPU that takes minutes for a real model the first time
@@ -546,6 +605,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     sparse_kv: SparseKVConfig = SparseKVConfig()
+    kv_store: KVStoreConfig = KVStoreConfig()
     dtype: str = "float32"
     quantization: str = "none"
     max_model_len: int | None = None
@@ -638,6 +698,24 @@ class EngineConfig:
                 f"pp={self.parallel.pp} stages need at least as many layers, the model has "
                 f"{self.model.num_layers}"
             )
+        kv = self.kv_store
+        if kv.enabled:
+            if kv.block_size % self.cache.page_size:
+                raise ValueError(
+                    f"kv_store.block_size={kv.block_size} must be a multiple of the page size "
+                    f"{self.cache.page_size}"
+                )
+            why = []
+            if self.cache.prefix_cache != "radix":
+                why.append(f"prefix_cache='radix' (got {self.cache.prefix_cache!r})")
+            if self.parallel.pp > 1:
+                why.append(f"pp == 1 (got {self.parallel.pp})")
+            if self.sparse_kv.enabled:
+                why.append(f"sparse_kv='none' (got {self.sparse_kv.mode!r})")
+            if self.device != "jax":
+                why.append("a real device (the simulator does not model KV tiers)")
+            if why:
+                raise ValueError("the KV tiers (kv_store) need " + ", ".join(why))
 
     @property
     def scans_layers(self) -> bool:

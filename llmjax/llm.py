@@ -26,6 +26,7 @@ from llmjax.config import (
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
+    KVStoreConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -133,6 +134,7 @@ ENGINE_OPTIONS = (
     "overrides",
     "role",
     "devices",
+    "kv_store",
 )
 
 
@@ -175,6 +177,11 @@ class LLM:
     `role` ('colocated', 'prefill', 'decode') and `devices` (the engine runs on the first tp * pp
     of them; default all): an instance of a disaggregated cluster on its own sub-mesh
     (llmjax/cluster/: `llmjax.cluster.launch` builds those; see `LLMEngine`).
+
+    `kv_store`: KV tiers below the device pages (Mooncake's KV-centric store, issue 22): a
+    `llmjax.config.KVStoreConfig` (host memory, disk, Mooncake Store; write and load policies)
+    or a `llmjax.kvstore.TieredStore` shared with other engines of the same model; see
+    llmjax/engine/kv_tiers.py. Default: none.
 
     `device='sim'` runs the engine on a simulated device (llmjax/sim/, docs/simulator.md): only
     the model's shape is read (a preset, an HF config.json or GGUF metadata; no weights, no
@@ -220,6 +227,7 @@ class LLM:
         sim=None,
         role: str = "colocated",
         devices=None,
+        kv_store=None,
     ):
 
         if load_format not in ("auto", "dummy"):
@@ -378,6 +386,10 @@ class LLM:
         if o["compilation_cache_dir"] is not None:
             extra["compilation_cache_dir"] = o["compilation_cache_dir"]
         sparse_kv = o["sparse_kv"]
+        kv_store = o["kv_store"]
+        if isinstance(kv_store, KVStoreConfig):
+            extra["kv_store"] = kv_store
+            kv_store = None
         config = EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -450,6 +462,7 @@ class LLM:
             skew=skew,
             role=o["role"],
             devices=o["devices"],
+            kv_store=kv_store,
         )
         if config.parallel.num_devices == 1 and not config.sparse_kv.enabled:
             # The runner converted the layers' layout if this engine loops the other way

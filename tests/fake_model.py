@@ -137,6 +137,18 @@ class FakeRunner:
         assert data.shape == (len(pages), self.page_size), data.shape
         self.model.kv.reshape(-1, self.page_size)[np.asarray(pages, np.int64)] = data
 
+    # the KV tiers (llmjax/engine/kv_tiers.py): a page's slots as a [1, 1, n, page_size] block
+    kv_dtype = np.dtype(np.int64)
+
+    def transfer_shape(self, num_pages: int) -> tuple[int, ...]:
+        return (1, 1, num_pages, self.page_size)
+
+    def export_host_pages(self, pages) -> np.ndarray:
+        return self.export_pages(pages)[None, None]
+
+    def import_host_pages(self, pages, data) -> None:
+        self.import_pages(pages, np.asarray(data)[0, 0])
+
     def precompile(self, shapes, progress=None) -> None:
         pass
 

@@ -75,6 +75,7 @@ class BlockManager:
         self._free: deque[int] = deque(p for p in range(num_pages) if p != RESERVED_PAGE)
         self.page_tables: dict[str, list[int]] = {}
         self._heads: dict[str, _SharedHead] = {}
+        self.on_hit = None  # f(node): a request reused the cached prefix ending at node
 
     @property
     def num_free_pages(self) -> int:
@@ -146,9 +147,37 @@ class BlockManager:
         self.prefix_cache.lock(m.node)
         if head is not None:
             self.prefix_cache.unlock(head.node)
+        if self.on_hit is not None:
+            self.on_hit(m.node)
         offered = max(head.num_offered if head else 0, len(m.pages))
         self._heads[request_id] = _SharedHead(m.node, len(m.pages), offered)
         return m.num_tokens
+
+    def extend_cache(self, token_ids: Sequence[int], num_pages: int) -> list[int]:
+        """Give the prefix cache `num_pages` fresh pages for the full pages of `token_ids`
+        that follow its cached prefix of them (a prefix loaded from a lower KV tier,
+        llmjax/engine/kv_tiers.py: the caller writes their KV before any step reads them) and
+        return those pages. The cached prefix is held while pages are evicted to make room.
+        Raises RuntimeError if the pages cannot be had (check `num_available_pages` first)."""
+        cache = self.prefix_cache
+        m = cache.match(token_ids)
+        end = (len(m.pages) + num_pages) * self.page_size
+        if num_pages <= 0 or end > len(token_ids):
+            raise ValueError(f"extend_cache: {num_pages=} past {len(token_ids)} tokens")
+        if m.pages:
+            cache.lock(m.node)
+        try:
+            if num_pages > len(self._free):
+                self._free.extend(cache.evict(num_pages - len(self._free)))
+        finally:
+            if m.pages:
+                cache.unlock(m.node)
+        if num_pages > len(self._free):
+            raise RuntimeError(f"out of KV pages: a load needs {num_pages}, {len(self._free)} free")
+        new = [self._free.popleft() for _ in range(num_pages)]
+        not_adopted = cache.insert(token_ids[:end], m.pages + new)
+        assert not not_adopted, "the cache held pages past its own match"
+        return new
 
     # ---- allocate / free -----------------------------------------------------------------------
 

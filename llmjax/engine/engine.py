@@ -40,6 +40,7 @@ from llmjax.engine.request import (
     RequestMetrics,
     RequestOutput,
     RequestStatus,
+    cached_tokens_per_tier,
 )
 from llmjax.engine.stats import EngineStats
 from llmjax.kvstore.keys import KeySalt
@@ -76,6 +77,7 @@ class LLMEngine:
         clock: Clock = WALL_CLOCK,
         role: str = "colocated",
         devices=None,
+        kv_store=None,
     ):
         """`role`: 'colocated', 'prefill' or 'decode' (the module doc). `devices`: the devices
         this engine's weights and KV pages live on (its first tp * pp; default all of them), so
@@ -84,7 +86,9 @@ class LLMEngine:
         device's `VirtualClock` (llmjax/engine/clock.py; with
         `config.device == 'sim'` a fresh one at 0 unless given). `num_pages` None (simulated
         device only): `config.cache.num_pages`, else what the simulated hardware's memory holds
-        (`llmjax.sim.runner.sim_num_pages`)."""
+        (`llmjax.sim.runner.sim_num_pages`). `kv_store`: a `llmjax.kvstore.TieredStore` to
+        put under this engine's pages, shared with other engines of the same model and layout
+        (default: the one `config.kv_store` describes, if any; llmjax/engine/kv_tiers.py)."""
         if role not in ROLES:
             raise ValueError(f"unknown {role=}; choose one of {ROLES}")
         self.role = role
@@ -143,9 +147,35 @@ class LLMEngine:
         self.parked: dict[str, Request] = {}
         # role 'decode': pages reserved for a KV transfer in flight -> (request, KV tokens)
         self._receiving: dict[str, tuple[Request, int]] = {}
+        self.kv_tiers = None  # the KV tiers below the device pages (llmjax/engine/kv_tiers.py)
+        if kv_store is not None or config.kv_store.enabled:
+            self._attach_kv_store(kv_store)
         self.stats = self._new_stats()
         if config.precompile:
             self.precompile()
+
+    def _attach_kv_store(self, store) -> None:
+        from llmjax.engine.kv_tiers import KVTiers
+        from llmjax.kvstore.tiered import make_store
+
+        cfg = self.config
+        if not hasattr(self.runner, "import_host_pages") or self.runner.pipelined:
+            raise ValueError("the KV tiers need a real device with pp == 1 and dense KV")
+        block_pages = cfg.kv_store.block_size // cfg.cache.page_size
+        shape = list(self.runner.transfer_shape(block_pages))
+        shape[2] = block_pages
+        if store is None:
+            salt = self.block_manager.prefix_cache.salt
+            store = make_store(
+                cfg.kv_store, tuple(shape), self.runner.kv_dtype, block_pages, salt.hex()[:16]
+            )
+        elif store.tiers and tuple(store.tiers[0].block_shape) != tuple(shape):
+            raise ValueError(
+                f"kv_store holds blocks of shape {store.tiers[0].block_shape}; this engine's "
+                f"are {tuple(shape)} (another model, layout or block size)"
+            )
+        self.kv_tiers = KVTiers(store, self.block_manager, self.runner, cfg.kv_store)
+        self.scheduler.prefix_loader = self.kv_tiers.load
 
     def _new_stats(self) -> EngineStats:
         cache = self.block_manager.prefix_cache
@@ -163,6 +193,8 @@ class LLMEngine:
         """Drop every cached prefix, so the next requests start cold (between benchmark runs,
         say). Prefixes that running requests share stay until they finish; returns whether the
         cache is now empty."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.flush()  # blocks on their way down read the pages first
         ok = self.block_manager.reset_prefix_cache()
         self.stats.num_cached_pages = self.block_manager.prefix_cache.num_cached_pages
         if not ok:
@@ -306,6 +338,9 @@ class LLMEngine:
         trace = self.runner.annotate
         with trace("llmjax.schedule"):
             batch = self.scheduler.schedule()
+        tiers = self.kv_tiers
+        if tiers is not None:
+            tiers.dispatch()  # before the step reuses evicted pages or reads loaded ones
         if not batch:
             return outputs
         with trace("llmjax.pack"):
@@ -317,6 +352,11 @@ class LLMEngine:
         with trace("llmjax.run", tokens=batch.num_tokens, seqs=len(batch.seqs)):
             next_ids = self.runner.run(step_input, sampling)
         t_update, c_update = time.perf_counter(), self.clock.now()
+        if tiers is not None:
+            tiers.finish()  # store the blocks gathered before the step
+            prefill = batch.num_tokens - sum(s.is_decode for s in batch.seqs)
+            if prefill:
+                tiers.record_prefill(batch.num_tokens, c_update - c_run)
         with trace("llmjax.update"):
             for req in self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist()):
                 self._live.discard(req.request_id)
@@ -328,6 +368,10 @@ class LLMEngine:
         outputs += [self._output(r) for r in sampled]
         if self.config.sparse_kv.enabled:
             self._sparse_step_done(batch, step_input)
+        if tiers is not None:  # the blocks this step completed start their copy now
+            tiers.dispatch()
+            if not self.scheduler.has_unfinished():
+                tiers.finish()  # idle: nothing to overlap with
         self._record(batch, t_start, t_run, t_update, c_update - c_run)
         return outputs
 
@@ -477,6 +521,8 @@ class LLMEngine:
             raise ValueError(f"request_id={m.request_id!r} is already live here")
         req = self._request_from(m)
         self.block_manager.allocate(m.request_id, m.num_tokens)
+        if self.kv_tiers is not None:
+            self.kv_tiers.dispatch()  # write-backs of the evicted pages, before the import
         self._receiving[m.request_id] = (req, m.num_kv_tokens)
         self._live.add(m.request_id)
         return list(
@@ -532,6 +578,7 @@ class LLMEngine:
             prompt=m.prompt,
             output_token_ids=list(m.output_token_ids),
             num_cached_tokens=m.num_cached_tokens,
+            loaded_tokens=dict(m.loaded_tokens),
             num_preemptions=m.num_preemptions,
             metrics=_copy_metrics(m.metrics),
         )
@@ -562,6 +609,9 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
             error=req.error,
             stop_reason=req.stop_reason,
+            num_cached_tokens_per_tier=cached_tokens_per_tier(
+                req.num_cached_tokens, req.loaded_tokens
+            ),
         )
 
     @property
@@ -585,4 +635,5 @@ def _migrated(req: Request, num_kv_tokens: int) -> MigratedRequest:
         prompt=req.prompt,
         num_cached_tokens=req.num_cached_tokens,
         num_preemptions=req.num_preemptions,
+        loaded_tokens=dict(req.loaded_tokens),
     )

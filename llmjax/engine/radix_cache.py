@@ -44,6 +44,10 @@ class RadixNode:
     last_access: int = 0  # logical clock of the last match/insert through this node
     # with a salt: one key per page, chained from the parent's last key (llmjax/kvstore/keys.py)
     page_keys: list[bytes] = dataclasses.field(default_factory=list)
+    # the lower tiers (llmjax/kvstore/tiered.py) holding the block that ends at each page: bit i
+    # for tier i (0 for a page inside a block); kept by llmjax/engine/kv_tiers.py
+    page_tiers: list[int] = dataclasses.field(default_factory=list)
+    hits: int = 0  # matches that reused this node (write_through_selective's count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +205,11 @@ class RadixCache(PrefixCache):
         self._pages: set[int] = set()  # every page the tree owns
         self._num_locked_pages = 0
         self.num_evictions = 0
+        self._key_nodes: dict[bytes, RadixNode] = {}  # page key -> its node (with a salt)
+        # hooks for the tiers below (llmjax/engine/kv_tiers.py): on_insert(leaf) after a new
+        # leaf's pages are adopted; on_evict(node) just before an evicted node is detached
+        self.on_insert = None
+        self.on_evict = None
 
     def _new_root(self) -> RadixNode:
         return RadixNode((), [], None, next(self._ids))
@@ -251,10 +260,15 @@ class RadixCache(PrefixCache):
             lock_ref=node.lock_ref,
             last_access=node.last_access,
             page_keys=node.page_keys[:num_pages],
+            page_tiers=node.page_tiers[:num_pages],
+            hits=node.hits,
         )
         node.token_ids = node.token_ids[num_pages * ps :]
         node.pages = node.pages[num_pages:]
         node.page_keys = node.page_keys[num_pages:]
+        node.page_tiers = node.page_tiers[num_pages:]
+        for k in upper.page_keys:
+            self._key_nodes[k] = upper
         node.parent = upper
         upper.children[node.token_ids[:ps]] = node
         upper.parent.children[upper.token_ids[:ps]] = upper
@@ -295,13 +309,39 @@ class RadixCache(PrefixCache):
             leaf = RadixNode(key[end:], new_pages, node, next(self._ids))
             if self.salt is not None:
                 leaf.page_keys = chain_keys(leaf.token_ids, ps, self.salt, self._last_key(node))
+                for k in leaf.page_keys:
+                    self._key_nodes[k] = leaf
+            leaf.page_tiers = [0] * len(new_pages)
             leaf.last_access = self._clock
             node.children[leaf.token_ids[:ps]] = leaf
             self._pages.update(new_pages)
+            if self.on_insert is not None:
+                self.on_insert(leaf)
         return not_adopted
 
     def _last_key(self, node: RadixNode) -> bytes:
         return node.page_keys[-1] if node is not self.root else ROOT_KEY
+
+    def path_pages(self, node: RadixNode | None) -> list[int]:
+        """The pages from the root down to `node` (a `match` result's node)."""
+        if node is None:
+            return []
+        return [p for n in reversed(self._path(node)) for p in n.pages]
+
+    def node_of_key(self, key: bytes) -> RadixNode | None:
+        """The node holding the page whose key is `key`, if the tree has it (with a salt)."""
+        return self._key_nodes.get(key)
+
+    def set_tier(self, key: bytes, tier: int, present: bool) -> bool:
+        """Record on the node holding page `key` (a block's last page) whether lower tier
+        `tier` holds that block; False if the tree does not hold the page."""
+        node = self._key_nodes.get(key)
+        if node is None:
+            return False
+        i = node.page_keys.index(key)
+        bit = 1 << tier
+        node.page_tiers[i] = node.page_tiers[i] | bit if present else node.page_tiers[i] & ~bit
+        return True
 
     def path_keys(self, node: RadixNode | None) -> list[bytes]:
         """The page keys from the root down to `node` (a `match` result's node), one per page
@@ -361,9 +401,13 @@ class RadixCache(PrefixCache):
         heapq.heapify(heap)
         while heap and len(freed) < num_pages:
             _, _, node = heapq.heappop(heap)
+            if self.on_evict is not None:
+                self.on_evict(node)
             parent = node.parent
             del parent.children[node.token_ids[: self.page_size]]
             node.parent = None
+            for k in node.page_keys:
+                self._key_nodes.pop(k, None)
             freed.extend(node.pages)
             if parent is not self.root and not parent.children and not parent.lock_ref:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
@@ -379,6 +423,7 @@ class RadixCache(PrefixCache):
             n.parent = None
         self.root = self._new_root()
         self._pages.clear()
+        self._key_nodes.clear()
         return pages
 
     # ---- stats and invariants ------------------------------------------------------------------
@@ -413,6 +458,10 @@ class RadixCache(PrefixCache):
             for node in self.nodes():
                 want = chain_keys(node.token_ids, ps, self.salt, self._last_key(node.parent))
                 assert node.page_keys == want, "a page key does not chain from its parent"
+                assert all(self._key_nodes.get(k) is node for k in node.page_keys), "key index"
+            assert len(self._key_nodes) == len(self._pages), "the key index holds stale keys"
+        for node in self.nodes():
+            assert len(node.page_tiers) == len(node.pages), "one tier record per page"
 
 
 def _check_page_size(page_size: int) -> None:

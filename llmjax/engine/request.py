@@ -90,6 +90,8 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
+    # of those, the ones loaded from a lower KV tier (llmjax/engine/kv_tiers.py), per tier name
+    loaded_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     stop_reason: str | int | None = None  # the stop string or stop token id that finished it
     metrics: RequestMetrics = dataclasses.field(
         default_factory=lambda: RequestMetrics(arrival_time=time.perf_counter())
@@ -151,7 +153,10 @@ class RequestOutput:
     string unless include_stop_str_in_output). `finish_reason` is 'stop' (EOS, a stop token or a
     stop string), 'length' (max_tokens or max_model_len), 'abort', or 'error' with
     `error` saying why (e.g. a prompt too long for the model). `num_cached_tokens` is the prompt
-    tokens whose KV came from the prefix cache instead of being computed (its hit).
+    tokens whose KV came from the prefix cache instead of being computed (its hit);
+    `num_cached_tokens_per_tier` splits it by where the KV was found: 'device' (the radix
+    cache's pages) and each lower KV tier it was loaded from ('host', 'disk', 'mooncake';
+    llmjax/engine/kv_tiers.py).
     `stop_reason` (as vLLM's): the stop string or the stop token id that ended the request; None
     for EOS and every other reason.
     """
@@ -167,6 +172,13 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     stop_reason: str | int | None = None
+    num_cached_tokens_per_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def cached_tokens_per_tier(num_cached_tokens: int, loaded_tokens: dict[str, int]) -> dict:
+    """A request's cache hit by tier: the loaded tokens per lower tier, the rest 'device'."""
+    loaded = {k: v for k, v in loaded_tokens.items() if v}
+    return {"device": max(0, num_cached_tokens - sum(loaded.values())), **loaded}
 
 
 @dataclasses.dataclass
@@ -186,6 +198,7 @@ class MigratedRequest:
     prompt: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    loaded_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

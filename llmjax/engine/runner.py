@@ -422,6 +422,11 @@ class ModelRunner:
         kv_axis = spec[2] if len(spec) > 2 else None
         return NamedSharding(self.mesh, PartitionSpec(None, None, None, None, kv_axis, None))
 
+    @property
+    def kv_dtype(self) -> np.dtype:
+        """The dtype of the KV pages (what `export_pages` returns)."""
+        return np.dtype(jax.tree.leaves(self.kv_pages)[0].dtype)
+
     def transfer_shape(self, num_pages: int) -> tuple[int, ...]:
         """The shape `export_pages` returns for `num_pages` pages (bucketed)."""
         m = self.model_config
@@ -498,6 +503,23 @@ class ModelRunner:
             )
         idx = self._page_index(pages, data.shape[2])
         self.kv_pages = self._transfer()[1](self.kv_pages, idx, data)
+
+    def export_host_pages(self, pages) -> jax.Array:
+        """`export_pages` for a lower KV tier (llmjax/engine/kv_tiers.py): the caller copies
+        it to the host (`np.asarray`) after the step it overlaps."""
+        return self.export_pages(pages)
+
+    def import_host_pages(self, pages, data: np.ndarray) -> None:
+        """`import_pages` from host memory: `data` [L, 2, len(pages), page_size, K', H] (a
+        lower KV tier's blocks, llmjax/engine/kv_tiers.py), padded to the page bucket and
+        copied to the device with `kv_transfer_sharding` (asynchronously)."""
+        bucket = transfer_bucket(len(pages))
+        if data.shape[2] != len(pages):
+            raise ValueError(f"KV data for {data.shape[2]} pages, {len(pages)} pages given")
+        if bucket > len(pages):
+            pad = np.zeros((*data.shape[:2], bucket - len(pages), *data.shape[3:]), data.dtype)
+            data = np.concatenate([data, pad], axis=2)
+        self.import_pages(pages, jax.device_put(data, self.kv_transfer_sharding))
 
     def precompile_transfer(self, max_pages: int) -> None:
         """Compile the gather and the scatter for every page bucket up to `max_pages` (each

@@ -102,6 +102,9 @@ class Scheduler:
         # Requests in a micro-batch still in the pipeline (pp > 1): not scheduled again and not
         # preempted until their tokens come back (Sarathi-Serve's "paused" sequences).
         self.in_flight: set[str] = set()
+        # f(request, match_token_ids, PeekResult) -> pages loaded: the KV tiers below the
+        # device pages extend the cached prefix before an admission (llmjax/engine/kv_tiers.py)
+        self.prefix_loader = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -175,11 +178,18 @@ class Scheduler:
         for req in self._admission_order():
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            prefix = bm.peek_prefix(self._match_token_ids(req))
+            match_ids = self._match_token_ids(req)
+            prefix = bm.peek_prefix(match_ids)
+            keep_free = self.watermark_pages if self.running else 0  # alone, it must fit
+            if (
+                self.prefix_loader is not None
+                and bm.can_allocate(req.request_id, req.num_tokens, keep_free, prefix)
+                and self.prefix_loader(req, match_ids, prefix)
+            ):  # a lower KV tier's blocks now extend the cached prefix (engine/kv_tiers.py)
+                prefix = bm.peek_prefix(match_ids)
             uncached = req.num_tokens - prefix.num_tokens
             budget = self._budget(batch)
             n = min(uncached, budget) if chunked else uncached
-            keep_free = self.watermark_pages if self.running else 0  # alone, it must fit
             if (
                 n <= 0
                 or n > budget

@@ -76,6 +76,11 @@ class HostTier:
         self._blocks: dict[bytes, _Block] = {}
         self._clock = itertools.count(1)
         self.num_evictions = 0
+        # Hooks for the tier above (llmjax/kvstore/tiered.py): `on_evict(key, parent)` just
+        # before eviction drops a block (still readable: a write-back copies it down);
+        # `on_drop(key)` after any readable block leaves (evicted, removed, reset).
+        self.on_evict = None
+        self.on_drop = None
 
     # ---- puts ------------------------------------------------------------------------------
 
@@ -157,6 +162,17 @@ class HostTier:
             self.remove(key)
         return data
 
+    def peek(self, key: bytes) -> np.ndarray | None:
+        """`get` without touching recency (a copy down to the next tier)."""
+        if not self._readable(key):
+            return None
+        return self._read_slot(key, self._blocks[key])
+
+    def parent_of(self, key: bytes) -> bytes | None:
+        """The parent `key` was stored under (ROOT_KEY for a first block); None if absent."""
+        b = self._blocks.get(key)
+        return b.parent if b is not None else None
+
     def exists(self, keys: Sequence[bytes]) -> int:
         """How many of `keys` (a chain, first to last) are readable here, from the first."""
         n = 0
@@ -216,6 +232,13 @@ class HostTier:
             if not leaves:
                 break
             _, _, k = min(leaves)
+            if self.on_evict is not None:
+                b = self._blocks[k]
+                b.leases += 1  # the hook reads it; nothing may take it meanwhile
+                try:
+                    self.on_evict(k, b.parent)
+                finally:
+                    b.leases -= 1
             self._drop(k)
             freed += 1
         self.num_evictions += freed
@@ -276,6 +299,8 @@ class HostTier:
         if b.parent in self._blocks:
             self._blocks[b.parent].children.discard(key)
         self._release_slot(key, b)
+        if b.ready and self.on_drop is not None:
+            self.on_drop(key)
 
     # ---- storage (a subclass keeps blocks elsewhere: DiskTier) -----------------------------
 
