@@ -270,6 +270,7 @@ class CacheConfig:
 
 KV_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 KV_LOAD_POLICIES = ("cost", "always", "never")
+KV_HOST_MEMORIES = ("auto", "pinned_host", "numpy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +292,10 @@ class KVStoreConfig:
     engine's measured prefill rate, `prefill_tokens_per_s` until it has measured one; the
     default), 'always' or 'never' (recompute). `*_bandwidth` (bytes/s) and `*_latency` (s per
     block) are the cost model's tiers (defaults: what scripts/bench_kvstore.py measured on a
-    2-core CPU host).
+    2-core CPU host). `host_memory`: where a block's copy out of the device lands before it is
+    stored in T1's numpy pool: 'pinned_host' memory (one DMA; TPU, GPU and JAX's CPU backend
+    have it), 'numpy' (device memory, copied out to pageable memory), or 'auto' (pinned_host
+    where every device has it).
     """
 
     host_blocks: int = 0
@@ -311,6 +315,7 @@ class KVStoreConfig:
     disk_latency: float = 2e-4
     mooncake_bandwidth: float = 5e8
     mooncake_latency: float = 1e-3
+    host_memory: str = "auto"
 
     def __post_init__(self):
         _check_positive(self, "block_size", "write_through_threshold", "prefill_tokens_per_s")
@@ -320,6 +325,8 @@ class KVStoreConfig:
             raise ValueError(f"unknown {self.write_policy=}; choose one of {KV_WRITE_POLICIES}")
         if self.load_policy not in KV_LOAD_POLICIES:
             raise ValueError(f"unknown {self.load_policy=}; choose one of {KV_LOAD_POLICIES}")
+        if self.host_memory not in KV_HOST_MEMORIES:
+            raise ValueError(f"unknown {self.host_memory=}; choose one of {KV_HOST_MEMORIES}")
 
     @property
     def enabled(self) -> bool:

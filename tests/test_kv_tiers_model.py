@@ -189,3 +189,32 @@ def test_cold_restart_reloads_prefixes_from_disk(tmp_path):
     # the first of process 2 loads the prefix from disk; the rest find it on the device
     assert runs[1][1] == {"device": 0, "disk": 40}
     assert all(c == {"device": 40} for _, c in runs[2:])
+
+
+def test_host_gather_lands_in_pinned_host_memory_with_the_same_bytes():
+    llm = _base().with_options(kv_store=KVStoreConfig(host_blocks=8, block_size=8))
+    llm.generate(_prompts(1), GREEDY, use_tqdm=False)  # some real KV in the pages
+    runner = llm.engine.runner
+    pages = [3, 1, 2]
+    host = runner.export_host_pages(pages)
+    assert runner.host_memory_kind == "pinned_host"
+    assert host.sharding.memory_kind == "pinned_host"
+    plain = np.asarray(runner.export_pages(pages))
+    assert np.array_equal(np.asarray(host), plain) and np.abs(plain[:, :, :3]).sum() > 0
+    numpy_llm = _base().with_options(
+        kv_store=KVStoreConfig(host_blocks=8, block_size=8, host_memory="numpy")
+    )
+    assert numpy_llm.engine.runner.host_memory_kind is None
+
+
+def test_precompile_covers_the_tier_copies(tmp_path):
+    kv = KVStoreConfig(
+        host_blocks=64, block_size=8, write_policy="write_through", load_policy="always"
+    )
+    llm = _base().with_options(kv_store=kv, precompile=True)
+    runner = llm.engine.runner
+    before = (runner.num_compiles, runner.num_transfer_compiles)
+    outs = _serve_one_by_one(llm, _prompts(3))
+    assert [o.token_ids for o in outs] == _reference()[:3]
+    assert llm.engine.kv_tiers.stats.num_loads == 2
+    assert (runner.num_compiles, runner.num_transfer_compiles) == before, "serving compiled"

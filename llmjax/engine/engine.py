@@ -209,9 +209,12 @@ class LLMEngine:
         bar = progress_bar(len(shapes), "Precompiling step shapes", unit="shape")
         self.runner.precompile(shapes, progress=bar.update)
         bar.close()
-        if self.role != "colocated" and hasattr(self.runner, "precompile_transfer"):
+        if (self.role != "colocated" or self.kv_tiers is not None) and hasattr(
+            self.runner, "precompile_transfer"
+        ):  # page moves between instances, or to and from the KV tiers
             self.runner.precompile_transfer(
-                pages_needed(self.config.max_model_len, self.block_manager.page_size)
+                pages_needed(self.config.max_model_len, self.block_manager.page_size),
+                host=self.kv_tiers is not None,
             )
         seconds = time.perf_counter() - t
         logger.info("precompiled %d step shapes in %.1f s", len(self.buckets.shapes()), seconds)

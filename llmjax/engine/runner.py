@@ -81,6 +81,7 @@ class ModelRunner:
         self.num_pages = num_pages
         self.num_transfer_compiles = 0
         self._transfer_fns = None
+        self.host_memory = config.kv_store.host_memory  # see host_memory_kind
         page_size = config.cache.page_size
         self.num_compiles = 0
         self.num_steps = 0
@@ -466,11 +467,33 @@ class ModelRunner:
                 for i, (k, v) in enumerate(kv_pages)
             ]
 
+        host = out
+        if self.host_memory_kind is not None:
+            host = out.with_memory_kind(self.host_memory_kind)
         self._transfer_fns = (
             jax.jit(gather, out_shardings=out),
             jax.jit(scatter, donate_argnames=("kv_pages",), out_shardings=kv_out),
+            jax.jit(gather, out_shardings=host) if host is not out else None,
         )
         return self._transfer_fns
+
+    @property
+    def host_memory_kind(self) -> str | None:
+        """Where `export_host_pages` puts its gather: 'pinned_host' when every device of this
+        runner has that memory (TPU, GPU and the CPU backend do), so the copy out of device
+        memory is one DMA into page-locked host memory; None: device memory, copied to
+        pageable host memory by `np.asarray`."""
+        if self.host_memory == "numpy":
+            return None
+        leaf = jax.tree.leaves(self.kv_pages)[0]
+        kinds = [{m.kind for m in d.addressable_memories()} for d in leaf.devices()]
+        if all("pinned_host" in k for k in kinds):
+            return "pinned_host"
+        if self.host_memory == "pinned_host":
+            raise ValueError(
+                f"kv_store.host_memory='pinned_host' but the devices have only {sorted(kinds[0])}"
+            )
+        return None
 
     @staticmethod
     def _page_index(pages, bucket: int) -> np.ndarray:
@@ -505,9 +528,13 @@ class ModelRunner:
         self.kv_pages = self._transfer()[1](self.kv_pages, idx, data)
 
     def export_host_pages(self, pages) -> jax.Array:
-        """`export_pages` for a lower KV tier (llmjax/engine/kv_tiers.py): the caller copies
-        it to the host (`np.asarray`) after the step it overlaps."""
-        return self.export_pages(pages)
+        """`export_pages` for a lower KV tier (llmjax/engine/kv_tiers.py), gathered into
+        `host_memory_kind` memory; the caller copies it out (`np.asarray`) after the step it
+        overlaps."""
+        fns = self._transfer()
+        if fns[2] is None:
+            return self.export_pages(pages)
+        return fns[2](self.kv_pages, self._page_index(pages, transfer_bucket(len(pages))))
 
     def import_host_pages(self, pages, data: np.ndarray) -> None:
         """`import_pages` from host memory: `data` [L, 2, len(pages), page_size, K', H] (a
@@ -521,12 +548,15 @@ class ModelRunner:
             data = np.concatenate([data, pad], axis=2)
         self.import_pages(pages, jax.device_put(data, self.kv_transfer_sharding))
 
-    def precompile_transfer(self, max_pages: int) -> None:
+    def precompile_transfer(self, max_pages: int, host: bool = False) -> None:
         """Compile the gather and the scatter for every page bucket up to `max_pages` (each
-        runs once on the reserved page only)."""
+        runs once on the reserved page only); `host`: also `export_host_pages`' gather."""
         b = 1
         while True:
-            self.import_pages([], self._transfer()[0](self.kv_pages, self._page_index([], b)))
+            idx = self._page_index([], b)
+            if host and self._transfer()[2] is not None:
+                self._transfer()[2](self.kv_pages, idx)
+            self.import_pages([], self._transfer()[0](self.kv_pages, idx))
             if b >= max_pages:
                 break
             b *= 2
