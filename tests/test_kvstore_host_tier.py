@@ -66,9 +66,11 @@ ops = st.lists(
 )
 
 
-def run_operations(t, num_blocks: int, ops) -> None:
+def run_operations(t, num_blocks: int, ops, read=None) -> None:
     """Random operations on tier `t` (of `num_blocks` blocks), the invariants after each (the
-    disk tier's tests run it too)."""
+    disk and Mooncake tiers' tests run it too; `read(k)` reads a block as the invariant check
+    does, by default straight from the tier's storage)."""
+    read = read or (lambda k: t._read_slot(k, t._blocks[k]))
     chains = [chain_keys(list(range(100 * c, 100 * c + 12)), 2, SALT) for c in range(8)]
     for op, c, i in ops:
         keys = chains[c]
@@ -115,7 +117,7 @@ def run_operations(t, num_blocks: int, ops) -> None:
             assert not gone or n > len(unpinned_leaves), "a pin went before an unpinned leaf"
         t.check_invariants()
         for k in t.readable_keys():  # every readable key holds exactly its bytes
-            np.testing.assert_array_equal(t._read_slot(k, t._blocks[k]), _block(k))
+            np.testing.assert_array_equal(read(k), _block(k))
     event(f"evictions: {min(t.num_evictions, 3)}+")
     chained = sum(b.parent != ROOT_KEY for b in t._blocks.values())
     event(f"chained blocks held at the end: {chained > 0}")
