@@ -35,7 +35,6 @@ README's full-trace figures (0.366 conversation, 0.640 synthetic).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import statistics
@@ -103,84 +102,88 @@ def _llm(**kw):
 # ---- (a) micro ------------------------------------------------------------------------------
 
 
-def micro() -> dict:
+def _measure_block(llm, tokens: int, tmp: str, stack, rng, mooncake) -> dict:
+    """One row of the micro table: a block of `tokens` tokens through every tier."""
     import jax
 
     from llmjax import SamplingParams
     from llmjax.kvstore import DiskTier, HostTier
     from llmjax.kvstore.keys import ROOT_KEY
 
+    runner, ps = llm.engine.runner, FLAGS.page_size
+    bp = tokens // ps
+    pages = list(range(1, bp + 1))
+    shape = list(runner.transfer_shape(bp))
+    shape[2] = bp
+    np.asarray(runner.export_host_pages(pages))  # compile this bucket
+    data = np.asarray(runner.export_host_pages(pages))[:, :, :bp]
+    nbytes = data.nbytes
+    runner.import_host_pages(pages, data)
+    jax.block_until_ready(runner.kv_pages)
+    keys = iter(rng.bytes(16) for _ in range(10_000))
+    host = HostTier(FLAGS.repeats + 2, shape, runner.kv_dtype)
+    disk = DiskTier(os.path.join(tmp, str(tokens)), 10_000, shape, runner.kv_dtype)
+    r = {"tokens": tokens, "bytes": nbytes}
+    r["t0_to_host"] = _median_time(
+        lambda: np.asarray(runner.export_host_pages(pages)), FLAGS.repeats
+    )
+    k = next(keys)
+    r["t1_put"] = _median_time(lambda: (host.put(k, ROOT_KEY, data), host.remove(k)), FLAGS.repeats)
+    host.put(k, ROOT_KEY, data)
+    r["t1_get"] = _median_time(lambda: host.get(k), FLAGS.repeats)
+
+    def disk_put():
+        key = next(keys)
+        disk.put(key, ROOT_KEY, data)
+        return key
+
+    r["t2_put"] = _median_time(disk_put, FLAGS.repeats)
+    cold = [disk_put() for _ in range(FLAGS.repeats + 1)]  # (+1: the untimed first call)
+    for key in cold:  # out of the page cache: a cold read
+        fd = os.open(disk.path(key), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    it = iter(cold)
+    r["t2_get_cold"] = _median_time(lambda: disk.get(next(it)), FLAGS.repeats)
+    r["t2_get_warm"] = _median_time(lambda: disk.get(cold[0]), FLAGS.repeats)
+
+    def host_to_t0():
+        runner.import_host_pages(pages, data)
+        jax.block_until_ready(runner.kv_pages)
+
+    r["host_to_t0"] = _median_time(host_to_t0, FLAGS.repeats)
+    if mooncake is not None:
+        t3 = mooncake(stack, shape, runner.kv_dtype)
+        kk = next(keys)
+        r["t3_put"] = _median_time(
+            lambda: (t3.put(kk, ROOT_KEY, data), t3.remove(kk)), FLAGS.repeats
+        )
+        t3.put(kk, ROOT_KEY, data)
+        r["t3_get"] = _median_time(lambda: t3.get(kk), FLAGS.repeats)
+    prompt = rng.integers(2, llm.config.model.vocab_size, tokens + 1).tolist()
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def ttft():
+        (o,) = llm.generate([prompt], one, use_tqdm=False)
+        return o.metrics.first_token_time - o.metrics.arrival_time
+
+    ttft()  # compile these shapes
+    r["recompute"] = statistics.median(ttft() for _ in range(FLAGS.repeats))
+    return r
+
+
+def micro() -> dict:
     sizes = [int(x) for x in FLAGS.block_tokens]
     ps = FLAGS.page_size
     if any(s % ps for s in sizes):
         raise app.UsageError(f"--block_tokens must be multiples of --page_size {ps}")
     max_pages = max(sizes) // ps
     llm = _llm(num_pages=max_pages + 2, prefix_cache="none", max_num_seqs=1)
-    runner = llm.engine.runner
     rows, rng = [], np.random.default_rng(0)
     mooncake = _mooncake_tier if FLAGS.mooncake else None
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         for tokens in sizes:
-            bp = tokens // ps
-            pages = list(range(1, bp + 1))
-            shape = list(runner.transfer_shape(bp))
-            shape[2] = bp
-            np.asarray(runner.export_host_pages(pages))  # compile this bucket
-            data = np.asarray(runner.export_host_pages(pages))[:, :, :bp]
-            nbytes = data.nbytes
-            runner.import_host_pages(pages, data)
-            jax.block_until_ready(runner.kv_pages)
-            keys = iter(rng.bytes(16) for _ in range(10_000))
-            host = HostTier(FLAGS.repeats + 2, shape, runner.kv_dtype)
-            disk = DiskTier(os.path.join(tmp, str(tokens)), 10_000, shape, runner.kv_dtype)
-            r = {"tokens": tokens, "bytes": nbytes}
-            r["t0_to_host"] = _median_time(
-                lambda: np.asarray(runner.export_host_pages(pages)), FLAGS.repeats
-            )
-            k = next(keys)
-            r["t1_put"] = _median_time(
-                lambda: (host.put(k, ROOT_KEY, data), host.remove(k)), FLAGS.repeats
-            )
-            host.put(k, ROOT_KEY, data)
-            r["t1_get"] = _median_time(lambda: host.get(k), FLAGS.repeats)
-
-            def disk_put():
-                key = next(keys)
-                disk.put(key, ROOT_KEY, data)
-                return key
-
-            r["t2_put"] = _median_time(disk_put, FLAGS.repeats)
-            cold = [disk_put() for _ in range(FLAGS.repeats)]
-            for key in cold:  # out of the page cache: a cold read
-                fd = os.open(disk.path(key), os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
-            it = iter(cold)
-            r["t2_get_cold"] = _median_time(lambda: disk.get(next(it)), FLAGS.repeats)
-            r["t2_get_warm"] = _median_time(lambda: disk.get(cold[0]), FLAGS.repeats)
-
-            def host_to_t0():
-                runner.import_host_pages(pages, data)
-                jax.block_until_ready(runner.kv_pages)
-
-            r["host_to_t0"] = _median_time(host_to_t0, FLAGS.repeats)
-            if mooncake is not None:
-                t3 = mooncake(stack, shape, runner.kv_dtype)
-                kk = next(keys)
-                r["t3_put"] = _median_time(
-                    lambda: (t3.put(kk, ROOT_KEY, data), t3.remove(kk)), FLAGS.repeats
-                )
-                t3.put(kk, ROOT_KEY, data)
-                r["t3_get"] = _median_time(lambda: t3.get(kk), FLAGS.repeats)
-            prompt = rng.integers(2, llm.config.model.vocab_size, tokens + 1).tolist()
-            one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-            def ttft():
-                (o,) = llm.generate([prompt], one, use_tqdm=False)
-                return o.metrics.first_token_time - o.metrics.arrival_time
-
-            ttft()  # compile these shapes
-            r["recompute"] = statistics.median(ttft() for _ in range(FLAGS.repeats))
+            r = _measure_block(llm, tokens, tmp, stack, rng, mooncake)
             rows.append(r)
             print(f"measured {tokens}-token blocks", file=sys.stderr, flush=True)
     paths = {
@@ -226,7 +229,8 @@ def micro_table(res: dict) -> str:
             f"  recompute/load:{ratios}"
         )
     rates = ", ".join(f"{x:.0f}" for x in res["prefill_tokens_per_s"])
-    lines.append(f"  prefill tokens/s (16/256/512 tokens): {rates}")
+    sizes = "/".join(str(r["tokens"]) for r in res["rows"])
+    lines.append(f"  prefill tokens/s recomputing {sizes} tokens: {rates}")
     flags_ = " ".join(
         f"--config.kv_store.{t}_latency={f['latency']:.3g} "
         f"--config.kv_store.{t}_bandwidth={f['bandwidth']:.3g}"
@@ -261,9 +265,9 @@ def ideal_hit(specs, page_size: int) -> tuple[float, float]:
 
 
 def trace() -> dict:
-    from llmjax.bench.replay import replay, warm_up
     from llmjax.bench.metrics import summarize
     from llmjax.bench.mooncake import load_mooncake_trace
+    from llmjax.bench.replay import replay, warm_up
     from llmjax.config import KVStoreConfig
 
     bt, ps = FLAGS.mooncake_block_tokens, FLAGS.page_size
