@@ -206,7 +206,9 @@ def _mooncake_tier(stack, shape, dtype):
     from llmjax.kvstore.mooncake_tier import MooncakeTier
 
     master = stack.enter_context(start_master())
-    tier = MooncakeTier.connect(master.rpc_address, master.metadata_url, shape, dtype)
+    tier = MooncakeTier(
+        shape, dtype, master_address=master.master_address, metadata_url=master.metadata_url
+    )
     stack.callback(tier.close)
     return tier
 

@@ -14,6 +14,7 @@ IMPORT_NAMES = {
     "absl-py": "absl",
     "orbax-checkpoint": "orbax",
     "prometheus-client": "prometheus_client",
+    "mooncake-transfer-engine-non-cuda": "mooncake",
 }
 # pinned, but run rather than imported
 NOT_IMPORTED = {

@@ -200,13 +200,16 @@ def make_store(kv_config, block_shape, dtype, block_pages: int, namespace: str =
     if kv_config.mooncake_master:
         from llmjax.kvstore.mooncake_tier import MooncakeTier
 
+        host = kv_config.mooncake_master.rsplit(":", 1)[0]
         tiers.append(
-            MooncakeTier.connect(
-                kv_config.mooncake_master,
-                kv_config.mooncake_metadata,
+            MooncakeTier(
                 block_shape,
                 dtype,
-                namespace=f"{kv_config.mooncake_namespace}/{namespace}",
+                master_address=kv_config.mooncake_master,
+                metadata_url=kv_config.mooncake_metadata or f"http://{host}:8080/metadata",
+                namespace=f"{kv_config.mooncake_namespace}-{namespace}"
+                if namespace
+                else kv_config.mooncake_namespace,
             )
         )
     return TieredStore(
