@@ -218,3 +218,36 @@ def test_precompile_covers_the_tier_copies(tmp_path):
     assert [o.token_ids for o in outs] == _reference()[:3]
     assert llm.engine.kv_tiers.stats.num_loads == 2
     assert (runner.num_compiles, runner.num_transfer_compiles) == before, "serving compiled"
+
+
+def test_local_instances_share_one_store():
+    """Two colocated instances of one layout: one TieredStore; a prefix computed on instance 0
+    is loaded from the shared host tier by instance 1 (round robin), same greedy outputs."""
+    from llmjax.cluster import InstanceSpec, launch
+
+    kv = KVStoreConfig(
+        host_blocks=64, block_size=8, write_policy="write_through", load_policy="always"
+    )
+    cluster = launch(
+        "tiny",
+        InstanceSpec.parse("2xcolocated"),
+        router="round_robin",
+        load_format="dummy",
+        page_size=PAGE,
+        max_num_seqs=4,
+        max_model_len=96,
+        num_pages=40,
+        max_num_batched_tokens=32,
+        compilation_cache_dir="",
+        kv_store=kv,
+    )
+    engines = [inst.engine for inst in cluster.instances]
+    assert engines[0].kv_tiers.store is engines[1].kv_tiers.store
+    outs = []
+    for p in _prompts(4):  # one at a time: 0, 1, 0, 1
+        outs += cluster.generate([p], GREEDY)
+    assert [o.token_ids for o in outs] == _reference()[:4]
+    assert outs[1].num_cached_tokens_per_tier == {"device": 0, "host": 40}
+    assert outs[3].num_cached_tokens_per_tier == {"device": 40}
+    for e in engines:
+        e.kv_tiers.check_invariants()

@@ -21,6 +21,12 @@ Two launchers behind this one call (issue 21, item 1):
 
 `InstanceSpec.options` overrides the shared LLM options for one instance (e.g. another token
 budget on the prefill side).
+
+`kv_store=KVStoreConfig(...)` (Mooncake's KV-centric store, llmjax/engine/kv_tiers.py): with the
+local launcher the instances of one model and layout share one `TieredStore` (its host pool,
+disk directory and Mooncake client), so a prefix one instance wrote is loaded by the others;
+Ray actors each build their own from the config, and share what they put in Mooncake Store
+(give each actor host its own `disk_dir`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import dataclasses
 from llmjax.cluster.cluster import Cluster
 from llmjax.cluster.instance import LocalInstance
 from llmjax.cluster.transfer import make_transport
+from llmjax.config import KVStoreConfig
 from llmjax.engine.clock import WALL_CLOCK
 
 LAUNCHERS = ("local", "ray")
@@ -146,6 +153,7 @@ def _launch_local(model, instances, transport_name, devices, llm_options) -> lis
     slices = split_devices(devices, instances)
     transport = make_transport(transport_name)
     loaded: dict[tuple[int, int], LLM] = {}
+    stores: dict[bytes, object] = {}  # one KV store per page-key salt (model and layout)
     out = []
     for k, (spec, devs) in enumerate(zip(instances, slices, strict=True)):
         fixed = sorted(set(spec.options) & set(LLM.WEIGHT_OPTIONS))
@@ -154,6 +162,10 @@ def _launch_local(model, instances, transport_name, devices, llm_options) -> lis
                 f"instance {k}: {fixed} fix how the weights load; pass them to launch() for all"
             )
         options = {**llm_options, **spec.options, "role": spec.role, "devices": devs}
+        if isinstance(options.get("kv_store"), KVStoreConfig):
+            salt = _salt(model, spec, options, loaded)
+            if salt in stores:  # the instances of one layout share their KV tiers
+                options["kv_store"] = stores[salt]
         base = loaded.get((spec.tp, spec.pp))
         if base is None:
             llm = LLM(model, tp=spec.tp, pp=spec.pp, **options)
@@ -161,7 +173,24 @@ def _launch_local(model, instances, transport_name, devices, llm_options) -> lis
         else:
             shared = {n: v for n, v in options.items() if n not in LLM.WEIGHT_OPTIONS}
             llm = base.with_options(**shared)
+        if llm.engine.kv_tiers is not None:
+            stores.setdefault(llm.engine.block_manager.prefix_cache.salt, llm.engine.kv_tiers.store)
         inst = LocalInstance(llm.engine, transport, name=f"{spec.role}-{k}")
         inst.llm = llm  # its LLM (tokenizer, options), for scripts that measure one instance
         out.append(inst)
     return out
+
+
+def _salt(model, spec, options, loaded) -> bytes | None:
+    """The page-key salt an instance of `spec` will have (None before its layout loaded)."""
+    base = loaded.get((spec.tp, spec.pp))
+    if base is None:
+        return None
+    from llmjax.kvstore.keys import KeySalt
+
+    config = base.config
+    if "page_size" in options:
+        config = config.replace(
+            cache=dataclasses.replace(config.cache, page_size=options["page_size"])
+        )
+    return KeySalt.for_engine(config).digest

@@ -158,10 +158,17 @@ class LLMEngine:
         from llmjax.engine.kv_tiers import KVTiers
         from llmjax.kvstore.tiered import make_store
 
+        if store is not None and store.config is not None:  # a shared store's policies
+            self.config = self.config.replace(kv_store=store.config)
         cfg = self.config
         if not hasattr(self.runner, "import_host_pages") or self.runner.pipelined:
             raise ValueError("the KV tiers need a real device with pp == 1 and dense KV")
         block_pages = cfg.kv_store.block_size // cfg.cache.page_size
+        if store is not None and store.block_pages != block_pages:
+            raise ValueError(
+                f"kv_store holds blocks of {store.block_pages} pages; this engine's are "
+                f"{block_pages} (kv_store.block_size {cfg.kv_store.block_size})"
+            )
         shape = list(self.runner.transfer_shape(block_pages))
         shape[2] = block_pages
         if store is None:

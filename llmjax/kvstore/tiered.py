@@ -72,6 +72,7 @@ class TieredStore:
         self.bytes_read = dict.fromkeys(names, 0)
         self._reads: dict[tuple[int, bytes], int] = {}  # write_through_selective's hit counts
         self.listeners: list = []  # f(tier_index, key, present): a block came or went
+        self.config = None  # the KVStoreConfig it was made from (make_store)
         for i, tier in enumerate(self.tiers):
             if i + 1 < len(self.tiers) and write_policy == "write_back":
                 tier.on_evict = lambda key, parent, i=i: self._write_down(i, key)
@@ -212,6 +213,8 @@ def make_store(kv_config, block_shape, dtype, block_pages: int, namespace: str =
                 else kv_config.mooncake_namespace,
             )
         )
-    return TieredStore(
+    store = TieredStore(
         tiers, block_pages, kv_config.write_policy, kv_config.write_through_threshold
     )
+    store.config = kv_config  # an engine given this store runs under its policies
+    return store
