@@ -251,3 +251,26 @@ def test_local_instances_share_one_store():
     assert outs[3].num_cached_tokens_per_tier == {"device": 40}
     for e in engines:
         e.kv_tiers.check_invariants()
+
+
+def test_disk_blocks_of_waiting_prompts_are_prefetched_into_host_memory(tmp_path):
+    """A cold engine over a disk that holds three prompts' prefixes, one request at a time:
+    the first loads from disk; while it runs, the others' blocks are read ahead into T1, and
+    they load from host memory. Same greedy outputs."""
+    prompts = [_prompts(1, seed=s)[0] for s in (1, 2, 3)]
+    reference = [
+        o.token_ids
+        for o in _base().with_options(prefix_cache="none").generate(prompts, GREEDY, use_tqdm=False)
+    ]
+    disk = KVStoreConfig(disk_dir=str(tmp_path), block_size=8, write_policy="write_through")
+    _base().with_options(kv_store=disk).generate(prompts, GREEDY, use_tqdm=False)
+    cold = _base().with_options(
+        kv_store=dataclass_replace(disk, host_blocks=64, load_policy="always"), max_num_seqs=1
+    )
+    outs = cold.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    tiers = [o.num_cached_tokens_per_tier for o in outs]
+    assert tiers[0] == {"device": 0, "disk": 40}
+    assert tiers[1:] == [{"device": 0, "host": 40}] * 2, tiers
+    assert cold.engine.kv_tiers.stats.blocks_prefetched == 10
+    cold.engine.kv_tiers.close()

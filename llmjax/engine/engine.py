@@ -382,6 +382,7 @@ class LLMEngine:
             tiers.dispatch()
             if not self.scheduler.has_unfinished():
                 tiers.finish()  # idle: nothing to overlap with
+            tiers.prefetch(self.scheduler.waiting)  # disk reads for the next admissions
         self._record(batch, t_start, t_run, t_update, c_update - c_run)
         return outputs
 

@@ -38,6 +38,11 @@ k / (the engine's measured prefill tokens per second, `KVStoreConfig.prefill_tok
 until a prefill step was timed). A block that fails its checksum or has vanished ends the
 load there: the rest is recomputed, never a wrong KV.
 
+Prefetch (with T1 above a disk tier): after each step the blocks that the first
+`PREFETCH_REQUESTS` waiting prompts will want from disk are read by a background thread
+(`DiskTier.read_file`, checked, touching no bookkeeping) and stored in T1 at the next step, so
+a disk read overlaps the running batch and the admission finds the blocks in host memory.
+
 Plain Python + numpy (the runner does the jax).
 """
 
@@ -56,6 +61,8 @@ from llmjax.kvstore.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
 
+PREFETCH_REQUESTS = 4  # waiting prompts whose disk blocks are read ahead into T1
+
 
 @dataclasses.dataclass
 class TierStats:
@@ -67,6 +74,7 @@ class TierStats:
     num_loads: int = 0  # admissions that loaded a prefix
     num_recomputes: int = 0  # admissions whose stored prefix the cost model chose to recompute
     num_load_failures: int = 0  # blocks that vanished or failed their checksum while loading
+    blocks_prefetched: int = 0  # disk blocks read ahead into T1 for waiting prompts
     load_seconds: float = 0.0  # host seconds spent reading blocks for loads
     write_seconds: float = 0.0  # host seconds spent storing exported blocks
 
@@ -111,6 +119,11 @@ class KVTiers:
         self._keys: OrderedDict[str, tuple[int, list[bytes]]] = OrderedDict()  # prompts' keys
         self._prefill_rate: float | None = None  # measured tokens/s
         self._loading: list | None = None  # leaves inserted by a load in progress
+        self._prefetch_pool = None  # one thread reading disk blocks ahead (see prefetch)
+        self._prefetching: dict[bytes, tuple[bytes, object]] = {}  # key -> (parent, future)
+        self._disk = next(
+            (i for i, t in enumerate(store.tiers) if i and hasattr(t, "read_file")), None
+        )
         self._latency = [getattr(kv_config, f"{t.name}_latency", 1e-3) for t in store.tiers]
         self._bandwidth = [getattr(kv_config, f"{t.name}_bandwidth", 1e9) for t in store.tiers]
         cache.on_insert = self._inserted  # records the tiers; write_through also writes
@@ -312,6 +325,55 @@ class KVTiers:
             if first_pass:
                 req.loaded_tokens[name] = req.loaded_tokens.get(name, 0) + n
         return num_pages
+
+    # ---- prefetch -------------------------------------------------------------------------
+
+    def prefetch(self, waiting) -> None:
+        """Store the disk blocks read ahead so far in T1, then start reading those the first
+        waiting prompts will want (the module doc). A no-op without T1 above a disk tier."""
+        if self._disk is None:
+            return
+        self._collect_prefetch()
+        t1, disk, bp = self.store.tiers[0], self.store.tiers[self._disk], self.block_pages
+        for req in list(waiting)[:PREFETCH_REQUESTS]:
+            tokens = req.token_ids_slice(0, req.num_tokens - 1)
+            if len(tokens) // self.page_size < bp:
+                continue
+            block_keys = self._page_keys(req.request_id, tokens)[bp - 1 :: bp]
+            have = t1.exists(block_keys)
+            on_disk = disk.exists(block_keys)
+            for j in range(have, on_disk):
+                key = block_keys[j]
+                if key in self._prefetching:
+                    continue
+                if self._prefetch_pool is None:
+                    import concurrent.futures
+
+                    self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix="llmjax-kv-prefetch"
+                    )
+                parent = block_keys[j - 1] if j else ROOT_KEY
+                self._prefetching[key] = (parent, self._prefetch_pool.submit(disk.read_file, key))
+
+    def _collect_prefetch(self) -> None:
+        t1 = self.store.tiers[0]
+        for key, (parent, future) in list(self._prefetching.items()):  # in submission order
+            if not future.done():
+                break  # (a later block's parent may be this one)
+            del self._prefetching[key]
+            data = future.result()
+            if data is None or key in t1:
+                continue
+            if self.store.write(0, [(key, parent, data)]):  # refused if its parent is not in T1
+                self.stats.blocks_prefetched += 1
+
+    def close(self) -> None:
+        """Stop the prefetch thread and store what the device still has in flight."""
+        self.flush()
+        if self._prefetch_pool is not None:
+            self._prefetch_pool.shutdown(wait=True)
+            self._prefetch_pool = None
+            self._collect_prefetch()
 
     # ---- invariants -----------------------------------------------------------------------
 

@@ -122,6 +122,11 @@ class DiskTier(HostTier):
             raise ValueError("another dtype or shape than this tier's")
         return parent, n, checksum
 
+    def read_file(self, key: bytes) -> np.ndarray | None:
+        """The block file of `key`, checked, or None; touches no bookkeeping, so another
+        thread may call it (a prefetch, llmjax/engine/kv_tiers.py) while this one serves."""
+        return self._read_slot(key, None)
+
     # ---- storage hooks ---------------------------------------------------------------------
 
     def _full(self) -> bool:
