@@ -5,8 +5,10 @@ output), and the tiny real model's greedy outputs from every tier.
 
 The property run draws page and block sizes, a small device cache (so pages are evicted), a
 host tier of a few blocks and/or a disk tier, a write policy and a load policy, then serves
-waves of requests sharing prefixes; between waves it restarts the process (a new engine and
-host tier over the same disk directory), drops the device cache, or flips a byte of a block file.
+waves of requests sharing prefixes over one or two engines that share the store; between waves
+it restarts the process (new engines and host tier over the same disk directory), restarts one
+instance (a new engine over the store the others keep), drops the device caches, or flips a
+byte of a block file.
 After every step: the block manager's and the tiers' invariants (the radix tree's tier records
 exact, chains closed, no slot or file leaked), every readable block holds exactly the tokens of
 its pages, freed pages are poisoned; at the end every output equals the one recomputed from its
@@ -54,8 +56,9 @@ class Scenario:
     write_policy: str
     load_policy: str
     budget: int
+    num_engines: int  # instances sharing one store
     waves: list[list[tuple[tuple[int, ...], int, int]]]  # (prompt, max_tokens, arrival step)
-    events: list[str]  # after each wave: none | restart | reset | corrupt
+    events: list[str]  # after each wave: none | restart | instance | reset | corrupt
 
     def config(self, disk_dir: str) -> EngineConfig:
         return EngineConfig(
@@ -108,9 +111,10 @@ def scenarios(draw):
         ),
         load_policy=draw(st.sampled_from(["cost", "always", "never"])),
         budget=draw(st.sampled_from([8, 16, 64])),
+        num_engines=draw(st.integers(1, 2)),
         waves=waves,
         events=[
-            draw(st.sampled_from(["none", "restart", "restart", "reset", "reset", "corrupt"]))
+            draw(st.sampled_from(["none", "restart", "restart", "instance", "reset", "corrupt"]))
             for _ in waves
         ],
     )
@@ -155,8 +159,8 @@ def check(engine: LLMEngine, book: PageBook, sc: Scenario) -> None:
     engine.runner.model.poison(list(bm._free))  # a read of a freed page is caught
 
 
-def _engine(config, sc) -> LLMEngine:
-    engine = LLMEngine(config, params=None, num_pages=sc.num_pages)
+def _engine(config, sc, store=None) -> LLMEngine:
+    engine = LLMEngine(config, params=None, num_pages=sc.num_pages, kv_store=store)
     # the fake model's steps take microseconds: keep the modeled prefill rate, so that 'cost'
     # loads (a load costs ~1e-5 s per block, recomputing a token 1 s)
     engine.kv_tiers.record_prefill = lambda num_tokens, seconds: None
@@ -164,7 +168,7 @@ def _engine(config, sc) -> LLMEngine:
 
 
 PROPERTY = settings(
-    max_examples=300,
+    max_examples=400,
     deadline=None,
     derandomize=True,
     database=None,
@@ -181,8 +185,15 @@ PROPERTY = settings(
 def test_tiers_property(sc, fake_runner, tmp_path_factory):
     disk_dir = str(tmp_path_factory.mktemp("kv"))
     config = sc.config(disk_dir)
-    engine = _engine(config, sc)
-    book = PageBook(engine.block_manager.prefix_cache.salt, sc.page_size)
+
+    def start() -> list[LLMEngine]:  # a process: its engines share one new store
+        first = _engine(config, sc)
+        return [first] + [
+            _engine(config, sc, first.kv_tiers.store) for _ in range(sc.num_engines - 1)
+        ]
+
+    engines = start()
+    book = PageBook(engines[0].block_manager.prefix_cache.salt, sc.page_size)
     results = {}
     n = 0
     for wave, event_name in zip(sc.waves, sc.events, strict=True):
@@ -191,30 +202,40 @@ def test_tiers_property(sc, fake_runner, tmp_path_factory):
         )
         n += len(wave)
         step = 0
-        while pending or engine.has_unfinished_requests():
+        while pending or any(e.has_unfinished_requests() for e in engines):
             while pending and pending[0][0] <= step:
                 _, rid, prompt, mt = pending.pop(0)
                 params = SamplingParams(max_tokens=mt, temperature=0.0, ignore_eos=True)
-                engine.add_request(list(prompt), params, request_id=rid)
+                engines[int(rid[1:]) % len(engines)].add_request(
+                    list(prompt), params, request_id=rid
+                )
                 want, _ = reference_generation(
                     prompt, max_tokens=mt, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB
                 )
                 book.add(list(prompt) + want)
                 results[rid] = (prompt, mt, want, None)
-            for out in engine.step():
-                if out.finished:
-                    prompt, mt, want, _ = results[out.request_id]
-                    results[out.request_id] = (prompt, mt, want, out)
-            check(engine, book, sc)
+            for engine in engines:
+                for out in engine.step():
+                    if out.finished:
+                        prompt, mt, want, _ = results[out.request_id]
+                        results[out.request_id] = (prompt, mt, want, out)
+            for engine in engines:
+                check(engine, book, sc)
             step += 1
             assert step < 500, "livelock"
         event(f"event {event_name}")
-        st_ = engine.kv_tiers.stats
+        st_ = engines[0].kv_tiers.stats
         event(f"loads {min(st_.num_loads, 3)}, recomputes {min(st_.num_recomputes, 3)}")
-        if event_name == "restart":  # a new process: fresh device and host, the same disk
-            engine = _engine(config, sc)
+        if event_name == "restart":  # a new process: fresh devices and host, the same disk
+            for engine in engines:
+                engine.kv_tiers.close()
+            engines = start()
+        elif event_name == "instance":  # one instance restarts; the store it shared stays
+            engines[0].kv_tiers.close()
+            engines[0] = _engine(config, sc, engines[-1].kv_tiers.store)
         elif event_name == "reset":
-            engine.reset_prefix_cache()
+            for engine in engines:
+                engine.reset_prefix_cache()
         elif event_name == "corrupt":
             files = sorted(glob.glob(os.path.join(disk_dir, "*", "*.kv")))
             if files:
@@ -222,7 +243,8 @@ def test_tiers_property(sc, fake_runner, tmp_path_factory):
                 data = bytearray(open(path, "rb").read())
                 data[-1] ^= 0x01  # the payload's last byte
                 open(path, "wb").write(bytes(data))
-        check(engine, book, sc)
+        for engine in engines:
+            check(engine, book, sc)
     loaded = 0
     for rid, (_, _, want, out) in results.items():
         assert out is not None, f"{rid} never finished"

@@ -368,12 +368,15 @@ class KVTiers:
                 self.stats.blocks_prefetched += 1
 
     def close(self) -> None:
-        """Stop the prefetch thread and store what the device still has in flight."""
+        """Store what the device still has in flight, stop the prefetch thread and leave the
+        store (which other engines may share; its tiers stay open)."""
         self.flush()
         if self._prefetch_pool is not None:
             self._prefetch_pool.shutdown(wait=True)
             self._prefetch_pool = None
             self._collect_prefetch()
+        if self._tier_changed in self.store.listeners:
+            self.store.listeners.remove(self._tier_changed)
 
     # ---- invariants -----------------------------------------------------------------------
 
