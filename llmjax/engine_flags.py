@@ -473,8 +473,11 @@ def define_cluster_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "round_robin",
         list(ROUTERS),
         "With --num_instances > 1: which instance each request goes to (llmjax.cluster.ROUTERS): "
-        "round_robin, least_outstanding, power_of_two (the less loaded of two at random), "
-        "cache_aware (sglang-router's: longest prefix match unless the load is imbalanced).",
+        "round_robin, random, least_outstanding, power_of_two (the less loaded of two at "
+        "random), cache_aware (sglang-router's: longest prefix match unless the load is "
+        "imbalanced), mooncake (Mooncake's Conductor: with --instances prefill/decode, the "
+        "(prefill, decode) pair by predicted TTFT and TBT, remote prefix fetch; colocated, the "
+        "TTFT choice alone).",
         flag_values=flag_values,
     )
 

@@ -61,13 +61,20 @@ def test_the_interface_moved_and_sim_cluster_re_exports_it():
     for name in ("ROUTERS", "make_router", "RoundRobin", "LeastOutstanding", "RouteRequest"):
         assert getattr(sim_cluster, name) is getattr(cluster, name)
     assert llmjax.sim.ROUTERS is ROUTERS and llmjax.sim.make_router is make_router
-    assert list(ROUTERS) == ["round_robin", "least_outstanding", "power_of_two", "cache_aware"]
+    assert list(ROUTERS) == [
+        "round_robin",
+        "least_outstanding",
+        "power_of_two",
+        "cache_aware",
+        "random",
+        "mooncake",
+    ]
     assert isinstance(InstanceView, type)  # stays in sim/cluster.py
 
 
 def test_unknown_router_is_a_value_error_listing_the_choices():
-    with pytest.raises(ValueError, match=r"unknown router 'random'.*cache_aware.*power_of_two"):
-        make_router("random")
+    with pytest.raises(ValueError, match=r"unknown router 'fastest'.*cache_aware.*power_of_two"):
+        make_router("fastest")
     assert make_router("power_of_two", seed=3).name == "power_of_two"
     r = make_router("cache_aware", cache_threshold=0.9)
     assert isinstance(r, CacheAware) and r.cache_threshold == 0.9

@@ -381,10 +381,10 @@ def test_replay_summarize_progress_and_capacity_search_run_on_a_cluster():
 
 
 def test_bad_input_is_a_clear_value_error():
-    with pytest.raises(ValueError, match=r"unknown router 'random'.*least_outstanding"):
-        make_router("random")
+    with pytest.raises(ValueError, match=r"unknown router 'fastest'.*least_outstanding"):
+        make_router("fastest")
     with pytest.raises(ValueError, match="unknown router"):
-        SimCluster([_engine()], "random")
+        SimCluster([_engine()], "fastest")
     with pytest.raises(ValueError, match="at least one engine"):
         SimCluster([], "round_robin")
     real = types.SimpleNamespace(config=EngineConfig(model=TINY))  # device='jax'

@@ -2,9 +2,11 @@
 (DistServe), launchers (issue 21; docs/cluster.md).
 
 `router.py`: `RouteRequest`, the `InstanceLoad` and `Router` protocols, and the routers by name
-(`ROUTERS`, `make_router`): `round_robin`, `least_outstanding`, `power_of_two`, `cache_aware`
-(sglang-router's). `cluster.py`: `Cluster`, instances behind a router with DistServe's
-pull-based migration (duck-types as one engine for `llmjax.bench.replay`). `instance.py`:
+(`ROUTERS`, `make_router`): `round_robin`, `random`, `least_outstanding`, `power_of_two`,
+`cache_aware` (sglang-router's), `mooncake` (`conductor.py`: Mooncake's Conductor, with its
+cost models `SimCostModel` and `MeasuredCostModel`). `cluster.py`: `Cluster`, instances
+behind a router with DistServe's pull-based migration (duck-types as one engine for
+`llmjax.bench.replay`). `instance.py`:
 `LocalInstance`, one engine with a role and the calls a Cluster makes on it. `transfer.py`: KV
 transports (`local`; `transfer_server` in transfer_server.py). `launch.py`: `launch` and
 `InstanceSpec` (the `local` launcher on sub-meshes; `ray` in ray_launcher.py).
@@ -13,6 +15,13 @@ imports no jax.
 """
 
 from llmjax.cluster.cluster import Cluster, TransferStats
+from llmjax.cluster.conductor import (
+    Conductor,
+    ConductorStats,
+    Decision,
+    MeasuredCostModel,
+    SimCostModel,
+)
 from llmjax.cluster.instance import LocalInstance
 from llmjax.cluster.launch import LAUNCHERS, InstanceSpec, launch
 from llmjax.cluster.router import (
@@ -22,6 +31,7 @@ from llmjax.cluster.router import (
     LeastOutstanding,
     PowerOfTwo,
     PrefixTrie,
+    RandomRouter,
     RoundRobin,
     Router,
     RouteRequest,
@@ -35,17 +45,23 @@ __all__ = [
     "TRANSPORTS",
     "CacheAware",
     "Cluster",
+    "Conductor",
+    "ConductorStats",
+    "Decision",
     "InstanceLoad",
     "InstanceSpec",
     "LeastOutstanding",
     "LocalInstance",
     "LocalTransport",
+    "MeasuredCostModel",
     "Offer",
     "PowerOfTwo",
     "PrefixTrie",
+    "RandomRouter",
     "RoundRobin",
     "RouteRequest",
     "Router",
+    "SimCostModel",
     "TransferError",
     "TransferStats",
     "launch",

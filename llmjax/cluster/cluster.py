@@ -23,6 +23,15 @@ handles with the same calls) and does three things each `step()`:
    request joins the decode batch, and the prefill side frees its pages (its prompt stays in
    that side's prefix cache).
 
+**The Conductor** (`router="mooncake"` or a `Conductor`, llmjax/cluster/conductor.py) over
+prefill and decode instances: at arrival it names the prefill instance, the decode instance the
+request will migrate to (step 3 then moves it only there: each decode instance takes its own
+pinned requests FIFO, while unpinned requests keep the one FIFO), and whether to fetch a longer
+prefix from another prefill instance's cache first (`fetch_prefix`); or it rejects the request,
+which then finishes at once with no tokens, `finish_reason='rejected'` and the reason as its
+`error`. `conductor_stats` counts its decisions, rejections and fetches; the Conductor hears of
+every request that leaves (`Conductor.finished`).
+
 Failures lose no request. A transfer that fails or passes `transfer_timeout_s` makes the decode
 side recompute the request from its tokens (`on_transfer_failure='recompute'`), or fail it with
 the reason ('fail'). An instance that dies (`kill(i)`, or a Ray actor that is gone) has its
@@ -45,6 +54,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from llmjax.cluster.conductor import ConductorStats
 from llmjax.cluster.router import Router, RouteRequest, make_router
 from llmjax.engine.clock import WALL_CLOCK
 from llmjax.engine.request import MigratedRequest, RequestMetrics, RequestOutput
@@ -91,6 +101,7 @@ class _Record:
     tokens: list[int] = dataclasses.field(default_factory=list)
     metrics: RequestMetrics | None = None
     source: int | None = None  # while moving: the prefill instance that still holds it
+    decode: int | None = None  # the decode instance the Conductor pinned it to
 
 
 class _View:
@@ -127,6 +138,26 @@ class _View:
             return self._cluster.instances[self._i].cached_prefix_tokens(prompt_token_ids)
         except Exception:  # a dead instance holds nothing (its next step call retires it)
             return 0
+
+    # what the Conductor reads (llmjax.cluster.conductor.ConductorLoad), from the load report
+
+    @property
+    def instance_id(self) -> int:
+        return self._i
+
+    def queued_prefills(self):
+        return self._load.queued_prefills
+
+    def decode_requests(self):
+        return self._load.decode_requests
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self._load.kv_capacity_tokens
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._cluster.instances[self._i].config.scheduler.max_num_seqs
 
 
 class Cluster:
@@ -187,6 +218,7 @@ class Cluster:
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(seed)
         self.transfer_stats = TransferStats()
+        self.conductor_stats = ConductorStats()
         self._t_start = time.perf_counter()
 
     # ---- the engine interface --------------------------------------------------------------
@@ -211,6 +243,9 @@ class Cluster:
             params = dataclasses.replace(params, seed=seed)
         arrival = self.clock.now() if arrival_time is None else float(arrival_time)
         route = RouteRequest(request_id, tuple(int(t) for t in prompt_token_ids), arrival, params)
+        if getattr(self.router, "schedule", None) is not None and "decode" in self.roles:
+            self._schedule(route, prompt, seed)
+            return request_id
         while True:
             entry = self._alive_with(ENTRY_ROLES)
             if not entry:
@@ -229,6 +264,90 @@ class Cluster:
         self._records[request_id] = _Record(route, prompt, seed, i)
         self._outstanding[i] += 1
         return request_id
+
+    def _schedule(self, route: RouteRequest, prompt: str | None, seed: int) -> None:
+        """The Conductor's placement (the module doc): reject, or fetch the prefix if it says
+        so, add the request to its prefill instance and pin its decode instance."""
+        rid, params = route.request_id, route.sampling_params
+        while True:
+            prefill, decode = self._alive_with(("prefill",)), self._alive_with(("decode",))
+            if not prefill or not decode:
+                raise RuntimeError(f"no live prefill or decode instance (roles {self.roles})")
+            views = [_View(k, self, i) for k, i in enumerate(prefill)]
+            decision = self.router.schedule(
+                route, views, [_View(k, self, j) for k, j in enumerate(decode)], route.arrival_time
+            )
+            i, j = prefill[decision.prefill], decode[decision.decode]
+            if decision.rejected is not None:
+                self.conductor_stats.record(decision)
+                self._reject(route, prompt, decision.rejected)
+                return
+            if decision.fetch_from is not None and decision.fetch_tokens > decision.local_tokens:
+                source = prefill[decision.fetch_from]
+                self.fetch_prefix(source, i, route.prompt_token_ids[: decision.fetch_tokens])
+            try:
+                self.instances[i].add_request(
+                    list(route.prompt_token_ids), params, rid, prompt, route.arrival_time
+                )
+                self._loads[i] = self.instances[i].load()  # the next arrival sees it queued
+            except ValueError:
+                raise
+            except Exception as e:  # a dead instance: place it again
+                self.router.finished(rid)
+                self.kill(i, reason=f"instance {i} failed: {e!r}")
+                continue
+            break
+        self.conductor_stats.record(decision)
+        self._records[rid] = _Record(route, prompt, seed, i, decode=j)
+        self._outstanding[i] += 1
+
+    def fetch_prefix(self, source: int, dest: int, token_ids: Sequence[int]) -> int:
+        """The Conductor's KV fetch: copy the cached prefix `token_ids` from prefill instance
+        `source`'s prefix cache into `dest`'s, with the KV transport (`LocalInstance.
+        export_prefix` / `import_prefix`: gather, move, scatter into fresh pages, insert into
+        the radix tree); returns the prefix tokens `dest` caches now. Instances without these
+        calls (Ray actors today) or a fetch that fails leave `dest` to recompute the prefix
+        (counted in `conductor_stats.num_fetches_recomputed`). The cluster-wide KV store will
+        serve this hook later."""
+        st = self.conductor_stats
+        src, dst = self.instances[source], self.instances[dest]
+        if not (hasattr(src, "export_prefix") and hasattr(dst, "import_prefix")):
+            st.num_fetches_recomputed += 1
+            return 0
+        t = time.perf_counter()
+        try:
+            offer, _ = src.export_prefix(token_ids)
+            if offer is None:
+                st.num_fetches_recomputed += 1
+                return 0
+            before = dst.cached_prefix_tokens([*token_ids, 0])
+            got = dst.import_prefix(token_ids, offer, self.transfer_timeout_s)
+        except Exception as e:
+            logger.warning("prefix fetch %d -> %d failed (%r): recomputing it", source, dest, e)
+            st.num_fetches_recomputed += 1
+            return 0
+        st.num_fetches += 1
+        st.fetched_tokens += max(got - before, 0)
+        st.fetch_bytes += offer.nbytes
+        st.fetch_seconds += time.perf_counter() - t
+        self._loads[dest] = dst.load()
+        return got
+
+    def _reject(self, route: RouteRequest, prompt: str | None, reason: str) -> None:
+        """The Conductor rejected the request: it finishes with the next step's outputs."""
+        self._errors.append(
+            RequestOutput(
+                request_id=route.request_id,
+                prompt=prompt,
+                prompt_token_ids=list(route.prompt_token_ids),
+                token_ids=[],
+                text="",
+                finished=True,
+                finish_reason="rejected",
+                metrics=RequestMetrics(route.arrival_time, finished_time=self.clock.now()),
+                error=reason,
+            )
+        )
 
     def step(self) -> list[RequestOutput]:
         """Step every live instance with work, then move KV (the module doc); returns every
@@ -275,6 +394,7 @@ class Cluster:
         rec = self._records.pop(request_id, None)
         if rec is None:
             return False
+        self._left(request_id)
         self._outstanding[rec.instance] -= 1
         for i in {rec.instance, rec.source} - {None}:
             if self.alive[i]:
@@ -426,7 +546,14 @@ class Cluster:
         self.instances[j].recompute_request(m)
         self._loads[j] = self.instances[j].load()
 
+    def _left(self, rid: str, num_output_tokens: int | None = None) -> None:
+        """Tell a router that wants to know (the Conductor) that `rid` left."""
+        finished = getattr(self.router, "finished", None)
+        if finished is not None:
+            finished(rid, num_output_tokens)
+
     def _fail(self, rid: str, error: str) -> None:
+        self._left(rid)
         rec = self._records.pop(rid)
         metrics = rec.metrics or RequestMetrics(rec.route.arrival_time)
         metrics.finished_time = self.clock.now()
@@ -475,6 +602,7 @@ class Cluster:
             if out.finished:
                 del self._records[out.request_id]
                 self._outstanding[rec.instance] -= 1
+                self._left(out.request_id, None if out.error else len(out.token_ids))
             kept.append(out)
         return kept
 
@@ -511,52 +639,62 @@ class Cluster:
             self._loads[j] = self.instances[j].load()
 
     def _start_transfers(self) -> None:
-        """Move the oldest parked requests while a decode instance can take them (FIFO across
-        the prefill instances, by first-token time)."""
-        queues = {}
+        """Move parked requests while a decode instance can take them, oldest first (by
+        first-token time, across the prefill instances): an unpinned one to any decode
+        instance that can take it (FIFO: none overtakes an unpinned one that could not move),
+        a pinned one (the Conductor) only to its decode instance (FIFO per decode instance)."""
+        parked = []
         for i in self._alive_with(("prefill",)):
             if self._loads[i].num_parked:
                 try:
-                    queues[i] = list(self.instances[i].parked())
+                    queue = self.instances[i].parked()
                 except Exception as e:
                     self.kill(i, reason=f"instance {i} failed: {e!r}")
-        while decode := self._alive_with(("decode",)):
-            heads = [(q[0].metrics.first_token_time or 0.0, i) for i, q in queues.items() if q]
-            if not heads:
+                    continue
+                parked += [
+                    (m.metrics.first_token_time or 0.0, i, k, m) for k, m in enumerate(queue)
+                ]
+        blocked: set[int | None] = set()  # decode instances (None: the unpinned FIFO) held up
+        for _, i, _, m in sorted(parked, key=lambda x: x[:3]):
+            decode = self._alive_with(("decode",))
+            if not decode:
                 return
-            _, i = min(heads)
-            m = queues[i][0]
             rec = self._records.get(m.request_id)
-            if rec is None:  # aborted
-                queues[i].pop(0)
+            if rec is None or not self.alive[i]:  # aborted, or its instance died meanwhile
+                continue
+            pin = rec.decode if rec.decode in decode else None
+            if pin in blocked:
                 continue
             accepting = []
-            for j in decode:
+            for j in [pin] if pin is not None else decode:
                 try:
                     if self.instances[j].can_accept(m, self.waiting_page_fraction):
                         accepting.append(j)
                 except Exception as e:
                     self.kill(j, reason=f"instance {j} failed: {e!r}")
             if not accepting:
-                return  # FIFO: nothing overtakes the head
-            j = self._choose(self.decode_router, rec.route, accepting)
-            queues[i].pop(0)
-            try:
-                m, offer = self.instances[i].offer(m.request_id)
-            except Exception as e:
-                self.kill(i, reason=f"instance {i} failed to offer KV: {e!r}")
-                queues.pop(i, None)
+                blocked.add(pin)
                 continue
-            self._outstanding[i] -= 1
-            self._outstanding[j] += 1
-            rec.instance, rec.source = j, i
-            try:
-                self.instances[j].begin_import(
-                    m, offer, self.transfer_timeout_s, self.on_transfer_failure
-                )
-                self._loads[j] = self.instances[j].load()
-            except Exception as e:  # recovers the request from its source's KV-less state
-                self.kill(j, reason=f"instance {j} failed: {e!r}")
+            j = pin if pin is not None else self._choose(self.decode_router, rec.route, accepting)
+            self._move(i, j, m, rec)
+
+    def _move(self, i: int, j: int, m, rec: _Record) -> None:
+        """Start moving parked request `m` from prefill instance i to decode instance j."""
+        try:
+            m, offer = self.instances[i].offer(m.request_id)
+        except Exception as e:
+            self.kill(i, reason=f"instance {i} failed to offer KV: {e!r}")
+            return
+        self._outstanding[i] -= 1
+        self._outstanding[j] += 1
+        rec.instance, rec.source = j, i
+        try:
+            self.instances[j].begin_import(
+                m, offer, self.transfer_timeout_s, self.on_transfer_failure
+            )
+            self._loads[j] = self.instances[j].load()
+        except Exception as e:  # recovers the request from its source's KV-less state
+            self.kill(j, reason=f"instance {j} failed: {e!r}")
 
 
 class ServingView:

@@ -18,6 +18,12 @@ The migration calls (DistServe's pull-based protocol; the Cluster runs it):
                                  pages, join the batch), fail the ones past their deadline
                                  (recompute here, or fail with the reason)
     release(request_id, offer)   prefill side: free the pages (prefix cache keeps the prompt)
+
+The Conductor's prefix fetch (`Cluster.fetch_prefix`) between two prefill instances:
+
+    export_prefix(token_ids)     source: (Offer, tokens) of its longest cached prefix
+    import_prefix(ids, offer)    dest: write it into fresh pages and insert them into its
+                                 prefix cache; returns the prefix tokens cached there now
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ class LoadReport:
     num_available_pages: int
     num_usable_pages: int
     has_unfinished: bool
+    # what the Conductor reads (llmjax.cluster.conductor.ConductorLoad): (id, tokens, tokens
+    # computed) of requests not past their prefill; (id, context, output tokens) of requests
+    # decoding, preempted or being received; usable pages x page size
+    queued_prefills: tuple[tuple[str, int, int], ...] = ()
+    decode_requests: tuple[tuple[str, int, int], ...] = ()
+    kv_capacity_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +97,7 @@ class LocalInstance:
         self.name = name
         self._imports: dict[str, _Import] = {}
         self._offers: dict[str, Offer] = {}  # prefill side: offered and not released
+        self._num_prefix_offers = 0
 
     # ---- what it is ------------------------------------------------------------------------
 
@@ -152,11 +165,66 @@ class LocalInstance:
             num_available_pages=bm.num_available_pages,
             num_usable_pages=bm.num_usable_pages,
             has_unfinished=e.has_unfinished_requests(),
+            queued_prefills=tuple(
+                (r.request_id, r.num_tokens, r.num_computed_tokens)
+                for r in (*sched.running, *sched.waiting)
+                if not r.output_token_ids or r.num_uncomputed_tokens > 1
+            ),
+            decode_requests=tuple(
+                (r.request_id, r.num_tokens, len(r.output_token_ids))
+                for r in (*sched.running, *sched.waiting, *(x for x, _ in e._receiving.values()))
+                if r.output_token_ids
+            ),
+            kv_capacity_tokens=bm.num_usable_pages * bm.page_size,
         )
 
     def cached_prefix_tokens(self, prompt_token_ids) -> int:
         ids = list(prompt_token_ids)[:-1]
         return self.engine.block_manager.peek_prefix(ids).num_tokens
+
+    # ---- prefix fetch (the Conductor; the module doc) ---------------------------------------
+
+    def export_prefix(self, token_ids) -> tuple[Offer | None, int]:
+        """Offer the KV of the longest cached prefix of `token_ids` (whole pages) through the
+        transport: (offer, its tokens), or (None, 0) when nothing is cached. The pages are
+        gathered at once, so the cache may evict them afterwards."""
+        m = self.engine.block_manager.prefix_cache.match(list(token_ids))
+        if not m.num_tokens or self.transport is None:
+            return None, 0
+        self._num_prefix_offers += 1
+        offer = self.transport.offer(
+            self.engine.runner, f"__prefix__{self._num_prefix_offers}", list(m.pages)
+        )
+        return offer, m.num_tokens
+
+    def import_prefix(self, token_ids, offer: Offer, timeout_s: float = 30.0) -> int:
+        """Write the offered prefix KV of `token_ids` into fresh pages here and insert them
+        into the prefix cache (LRU pages evicted to make room); releases the offer. Returns the
+        prefix tokens cached here now (those already cached when there is no room)."""
+        bm = self.engine.block_manager
+        ids = list(token_ids)[: offer.num_pages * bm.page_size]
+        holder = f"__prefix_fetch__{offer.transfer_id}"
+        try:
+            if not bm.caching or not bm.can_allocate(holder, len(ids)):
+                return bm.peek_prefix(ids).num_tokens
+            deadline = self.time_fn() + timeout_s
+            handle = self.transport.pull(offer, self.engine.runner, deadline)
+            data = self.transport.poll(handle)
+            while data is None:
+                if self.time_fn() > deadline:
+                    raise TransferError(f"prefix fetch passed its deadline ({timeout_s:g} s)")
+                time.sleep(0.001)
+                data = self.transport.poll(handle)
+            pages = bm.allocate(holder, len(ids))[: offer.num_pages]
+            try:
+                self.engine.runner.import_pages(pages, data)
+            except Exception:
+                bm.free(holder)  # nothing cached from pages that were not written
+                raise
+            bm.free(holder, ids)  # offers the full pages to the prefix cache
+            return bm.peek_prefix(ids).num_tokens
+        finally:
+            self.transport.release(offer)
 
     # ---- migration (the module doc) --------------------------------------------------------
 

@@ -9,6 +9,7 @@ InstanceView` is one) and the request as a `RouteRequest`; `now` is the routing 
 the caller's timeline, non-decreasing from one call to the next). Routers by name (`ROUTERS`):
 
   round_robin        0, 1, ..., n - 1, 0, ... in arrival order.
+  random             uniformly at random (a seeded numpy Generator).
   least_outstanding  the fewest outstanding requests (Vidur's 'lor'), ties to the lowest index.
   power_of_two       two distinct instances at random (a seeded numpy Generator), the one with
                      fewer outstanding requests wins, ties to the lower index (Mitzenmacher's
@@ -16,6 +17,16 @@ the caller's timeline, non-decreasing from one call to the next). Routers by nam
   cache_aware        sglang-router's cache_aware: an approximate prefix tree per instance of the
                      prompts routed there; the longest match unless the load is imbalanced
                      (`CacheAware`).
+  mooncake           Mooncake's Conductor (llmjax/cluster/conductor.py, ALGORITHMS.md §10.2):
+                     over prefill and decode instances it picks a (prefill, decode) pair by
+                     predicted TTFT (queue + prefix fetch + uncached prefill) and TBT, fetches
+                     a longer remote prefix, and may reject early; as a plain router (`route`,
+                     colocated instances) it is the TTFT choice alone.
+
+The Conductor reads more of an instance than `InstanceLoad` (`conductor.ConductorLoad`): its
+queued prefills (request id, tokens, tokens computed), its decode requests (request id, context
+tokens, output tokens), its KV capacity in tokens, its max_num_seqs and a stable instance_id;
+both clusters' views implement them.
 
 Nothing here imports jax (or the engine).
 """
@@ -93,6 +104,19 @@ class RoundRobin:
         i = self._next % len(instances)
         self._next += 1
         return i
+
+
+class RandomRouter:
+    """Uniformly at random: a numpy Generator seeded with `seed` (Mooncake's 'random'
+    scheduling baseline)."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        self._rng = np.random.default_rng(seed)
+
+    def route(self, request, instances, now) -> int:
+        return instances[int(self._rng.integers(len(instances)))].index
 
 
 class LeastOutstanding:
@@ -280,7 +304,12 @@ class CacheAware:
         return min(instances, key=lambda v: (self.tree(v.index).size, v.index)).index
 
 
-ROUTERS = {r.name: r for r in (RoundRobin, LeastOutstanding, PowerOfTwo, CacheAware)}
+from llmjax.cluster.conductor import Conductor  # noqa: E402 (it needs nothing of this module)
+
+ROUTERS = {
+    r.name: r
+    for r in (RoundRobin, LeastOutstanding, PowerOfTwo, CacheAware, RandomRouter, Conductor)
+}
 
 
 def make_router(name: str, **kwargs) -> Router:

@@ -47,16 +47,26 @@ duck-types as one engine for `replay`. The events, processed in time order, are:
                  request is routed to it or one of its requests is aborted, and then resumes at
                  that event's time.
 
-At one time, arrivals go first, then transfer ends, then pulls, then steps: a step at t sees the
-arrivals, commits and freed pages of t, and a decode instance's pull at t counts the pages it
-reserves before its step at t. Every event is processed only once the caller has added every
-arrival up to its time (the cluster's clock, below), so a routing never sees a pull, commit or
-step that lies after it. A pull at p needs every request that parks by p to be known: a parked
-request's first-token time is the end of the prefill step that made it, which started (and was
-simulated) before p. A request that finishes at its first token (max_tokens 1) never parks.
-Instances sit on nodes (`node_of`; default: packed in index order, `tp * pp` devices each, into
-nodes of the hardware's `devices_per_node`). A request that no decode instance could hold to its
-last token (prompt + max_tokens over its whole cache) fails at its arrival with that reason.
+  fetch end at f  (the Conductor only, llmjax/cluster/conductor.py) a request whose Conductor
+                 decision fetches a longer prefix from another prefill instance's cache waits
+                 for the fetch, modeled as a KV transfer of the missing tokens' pages from that
+                 instance to its own (`kv_transfer_seconds`), before it joins its prefill
+                 instance's queue at f = arrival + that time; at f the fetched prefix is
+                 inserted into that instance's prefix cache (so hot prefixes replicate to the
+                 instances that fetch them; pages evicted there LRU first, fewer if they do not
+                 fit). The source's cache is read at the decision and not held.
+
+At one time, arrivals go first, then fetch ends, then transfer ends, then pulls, then steps: a
+step at t sees the arrivals, commits and freed pages of t, and a decode instance's pull at t
+counts the pages it reserves before its step at t. Every event is processed only once the
+caller has added every arrival up to its time (the cluster's clock, below), so a routing never
+sees a pull, commit or step that lies after it. A pull at p needs every request that parks by p
+to be known: a parked request's first-token time is the end of the prefill step that made it,
+which started (and was simulated) before p. A request that finishes at its first token
+(max_tokens 1) never parks. Instances sit on nodes (`node_of`; default: packed in index order,
+`tp * pp` devices each, into nodes of the hardware's `devices_per_node`). A request that no
+decode instance could hold to its last token (prompt + max_tokens over its whole cache) fails at
+its arrival with that reason.
 
 `add_request` only queues a request until its arrival is the next event: routing at add time would
 be wrong when one replay iteration adds several arrivals (everything due by `clock.now()`) while
@@ -76,6 +86,18 @@ still add them first). A prefill instance's outputs carry each request's first t
 the decode instance's the rest, with the request's metrics carried over (`MigratedRequest`), so
 every token time is an engine's and `summarize` reads them unchanged.
 
+With the Conductor as the router (any router with `schedule`) over prefill and decode
+instances, routing is its `schedule(request, prefill views, decode views, a)`: the request goes
+to the prefill instance it names, is pinned to the decode instance it names (the pull above then
+takes a parked request only to its pinned instance, each decode instance pulling its own pinned
+requests FIFO by first-token time; requests of other routers keep the one FIFO), and may fetch a
+prefix (above); or it is rejected: it finishes at a with no tokens, `finish_reason='rejected'`
+and the reason as its `error` (so `summarize` counts it as not served), and the engines never
+see it. `conductor_stats` counts decisions, rejections and fetches; the router hears of every
+request that leaves (`finished`). A Conductor without a cost model gets `SimCostModel` of the
+first prefill (or entry) and first decode instance's configs, with this cluster's transfer
+overrides.
+
 What a router sees (`InstanceView`), as of the arrival time a: every instance's last step
 started at or before a but may end after it (its clock > a). That step's effects are not yet
 visible at a, and for the request counts the view undoes them: a request counts as outstanding
@@ -88,7 +110,9 @@ pull (as running, also while its KV is in transfer) until its finish. An abort
 transfer: both sides free their pages, decoding). The page and prefix-cache views
 (`num_free_pages`, `num_available_pages`, `cached_prefix_tokens`) read the block manager as it
 is, i.e. with the in-progress step's frees and cache inserts already made: at most one step ahead
-(the engine has no hook to read its state between schedule and update).
+(the engine has no hook to read its state between schedule and update). So do the Conductor's
+`queued_prefills` (the scheduler's requests not past their prefill, and those fetching a prefix
+for this instance) and `decode_requests` (running, waiting and receiving requests with output).
 """
 
 from __future__ import annotations
@@ -101,6 +125,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from llmjax.cluster.cluster import TransferStats
+from llmjax.cluster.conductor import ConductorStats, SimCostModel
 from llmjax.cluster.router import (  # re-exported: the router interface moved there
     ROUTERS,
     CacheAware,
@@ -210,6 +235,43 @@ class InstanceView:
         ids = list(prompt_token_ids)[:-1]
         return self._engine.block_manager.peek_prefix(ids).num_tokens
 
+    # ---- what the Conductor reads (llmjax.cluster.conductor.ConductorLoad) --------------------
+
+    @property
+    def instance_id(self) -> int:
+        """The instance's index in the cluster."""
+        return self._instance.index
+
+    def queued_prefills(self) -> list[tuple[str, int, int]]:
+        """(id, tokens to prefill, tokens computed) of the requests here not past their
+        prefill (waiting, mid-prefill, or fetching a prefix for this instance)."""
+        sched = self._engine.scheduler
+        out = [(rid, n, 0) for rid, n in self._instance.fetching.items()]
+        for r in (*sched.running, *sched.waiting):
+            if not r.output_token_ids or r.num_uncomputed_tokens > 1:
+                out.append((r.request_id, r.num_tokens, r.num_computed_tokens))
+        return out
+
+    def decode_requests(self) -> list[tuple[str, int, int]]:
+        """(id, context tokens, output tokens) of the requests decoding here, waiting after a
+        preemption, or whose KV is in transfer to here."""
+        sched = self._engine.scheduler
+        receiving = [r for r, _ in getattr(self._engine, "_receiving", {}).values()]
+        return [
+            (r.request_id, r.num_tokens, len(r.output_token_ids))
+            for r in (*sched.running, *sched.waiting, *receiving)
+            if r.output_token_ids
+        ]
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        bm = self._engine.block_manager
+        return bm.num_usable_pages * bm.page_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._engine.config.scheduler.max_num_seqs
+
     def __repr__(self) -> str:
         return (
             f"InstanceView(index={self.index}, now={self.now}, "
@@ -225,6 +287,23 @@ class _Instance:
     # finished_time of finished requests that a routing may still see as outstanding (> the last
     # routing time), in finishing order (the engine's clock never goes back)
     finished_at: deque[float] = dataclasses.field(default_factory=deque)
+    # requests fetching a prefix for this instance (the Conductor): id -> prompt tokens
+    fetching: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Fetch:
+    """A prefix fetch in flight (the Conductor): the request joins `dest` at `end`."""
+
+    request: RouteRequest
+    prompt: str | None
+    source: int
+    dest: int
+    num_tokens: int  # the prefix dest holds once it arrives
+    start: float
+    end: float
+    nbytes: int
+    cancelled: bool = False
 
 
 @dataclasses.dataclass
@@ -341,6 +420,7 @@ class SimCluster:
             raise ValueError(f"{transfer_latency_s=} must be >= 0")
         self.router = _router(router)
         self.decode_router = _router(decode_router)
+        self.conductor_stats = ConductorStats()
         self.waiting_page_fraction = waiting_page_fraction
         self.transfer_bandwidth = transfer_bandwidth
         self.transfer_latency_s = transfer_latency_s
@@ -374,6 +454,20 @@ class SimCluster:
         # reserved for transfers): not busy until an event there may let them run (the doc)
         self._blocked: set[int] = set()
         self._last_event = self._time  # the time of the last event processed
+        # the Conductor (a router with `schedule`): decode pins, their parked requests per
+        # decode instance (entries as in _parked), and prefix fetches in flight by end time
+        self._pinned: dict[str, int] = {}
+        self._parked_to: dict[int, list] = {j: [] for j in self._decode}
+        self._fetching: list[tuple[float, int, _Fetch]] = []
+        self._fetches: dict[str, _Fetch] = {}
+        if getattr(self.router, "schedule", None) is not None and self.router.cost_model is None:
+            prefill = [i for i in self._entry if self.roles[i] == "prefill"] or self._entry
+            self.router.cost_model = SimCostModel(
+                engines[prefill[0]].config,
+                engines[self._decode[0]].config if self._decode else None,
+                transfer_bandwidth=transfer_bandwidth,
+                transfer_latency_s=transfer_latency_s,
+            )
 
     # ---- the engine interface --------------------------------------------------------------
 
@@ -425,6 +519,9 @@ class SimCluster:
             if kind == "arrival":
                 _, _, req, prompt = heapq.heappop(self._pending)
                 self._route(req, prompt)
+            elif kind == "fetch":
+                heapq.heappop(self._fetching)
+                self._finish_fetch(arg)
             elif kind == "transfer":
                 heapq.heappop(self._transfers)
                 self._finish_transfer(arg)
@@ -434,9 +531,9 @@ class SimCluster:
                 return outputs + self._take_errors() + self._step_instance(arg)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending or self._errors or self._parked_ids or self._moving) or any(
-            e.has_unfinished_requests() for e in self.instances
-        )
+        return bool(
+            self._pending or self._errors or self._parked_ids or self._moving or self._fetches
+        ) or any(e.has_unfinished_requests() for e in self.instances)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a queued (not yet routed) or live request, wherever it is (on a prefill
@@ -451,6 +548,14 @@ class SimCluster:
             self._open.discard(request_id)
             return True
         inst = self._instances[i]
+        fetch = self._fetches.pop(request_id, None)
+        if fetch is not None:  # not on its instance's engine yet
+            fetch.cancelled = True
+            inst.fetching.pop(request_id, None)
+            inst.live.discard(request_id)
+            self._open.discard(request_id)
+            self._left(request_id)
+            return True
         move = self._moving.pop(request_id, None)
         if move is not None:  # both sides hold pages: the source its KV, the dest the reserve
             move.cancelled = True
@@ -462,6 +567,7 @@ class SimCluster:
         inst.live.discard(request_id)
         self._parked_ids.discard(request_id)
         self._open.discard(request_id)
+        self._left(request_id)
         return True
 
     @property
@@ -503,7 +609,8 @@ class SimCluster:
         return tuple(self._path[request_id])
 
     def state_of(self, request_id: str) -> str:
-        """Where `request_id` is: 'queued' (for its arrival's turn), 'running' (on a colocated
+        """Where `request_id` is: 'queued' (for its arrival's turn), 'fetching' (its prefix,
+        before it joins its prefill instance: the Conductor), 'running' (on a colocated
         or prefill instance, waiting or computing), 'parked' (first token done, waiting to be
         pulled), 'transfer' (its KV moving), 'decoding' (on a decode instance) or 'done'
         (finished, failed or aborted; KeyError for an id never added)."""
@@ -512,6 +619,8 @@ class SimCluster:
             return "done"
         if i is None:
             return "queued"
+        if request_id in self._fetches:
+            return "fetching"
         if request_id in self._moving:
             return "transfer"
         if request_id in self._parked_ids:
@@ -528,12 +637,21 @@ class SimCluster:
     def transfer_seconds(self, source: int, dest: int, m: MigratedRequest) -> tuple[float, int]:
         """The modeled time of moving `m`'s KV from instance `source` to `dest` (the module
         doc) and the bytes the receiving devices get."""
+        return self._kv_seconds(source, dest, m.num_kv_pages)
+
+    def kv_transfer_seconds(self, source: int, dest: int, num_tokens: int) -> tuple[float, int]:
+        """The modeled time of moving the KV pages of `num_tokens` tokens from instance
+        `source` to `dest` (the module doc) and the bytes the receiving devices get."""
+        return self._kv_seconds(source, dest, lambda page_size: -(-num_tokens // page_size))
+
+    def _kv_seconds(self, source: int, dest: int, num_pages) -> tuple[float, int]:
+        """`transfer_seconds` of `num_pages(page_size)` pages on each side."""
         per_device, total = [], 0
         for k in (source, dest):
             c = self.instances[k].config
             tp, pp = c.parallel.tp, c.parallel.pp
             page = kv_page_bytes_per_device(c.model, c.cache.page_size, c.dtype, tp, pp)
-            per_device.append(m.num_kv_pages(c.cache.page_size) * page)
+            per_device.append(num_pages(c.cache.page_size) * page)
             total = per_device[-1] * tp * pp  # the receiving side's (dest is last)
         hw = self.instances[dest].config.sim.hardware
         local = self.nodes[source] == self.nodes[dest] and all(
@@ -566,53 +684,77 @@ class SimCluster:
         events = []
         if self._pending:
             events.append((self._pending[0][0], 0, "arrival", None))
+        while self._fetching and self._fetching[0][2].cancelled:
+            heapq.heappop(self._fetching)
+        if self._fetching:
+            events.append((self._fetching[0][0], 1, "fetch", self._fetching[0][2]))
         while self._transfers and self._transfers[0][2].cancelled:
             heapq.heappop(self._transfers)
         if self._transfers:
-            events.append((self._transfers[0][0], 1, "transfer", self._transfers[0][2]))
+            events.append((self._transfers[0][0], 2, "transfer", self._transfers[0][2]))
         pull = self._next_pull()
         if pull is not None:
-            events.append((pull[0], 2, "pull", pull[1:]))
+            events.append((pull[0], 3, "pull", pull[1:]))
         t, i = self._busy_clock()
         if i is not None:
-            events.append((t, 3, "step", i))
+            events.append((t, 4, "step", i))
         if not events:
             return None, math.inf, None
         t, _, kind, arg = min(events, key=lambda e: e[:2])
         return kind, t, arg
 
-    def _head(self):
-        """The oldest parked request not pulled yet (dropping aborted ones), or None."""
-        while self._parked and self._parked[0][3] not in self._parked_ids:
-            heapq.heappop(self._parked)
-        return self._parked[0] if self._parked else None
+    def _head(self, heap: list | None = None):
+        """The oldest parked request of `heap` (default the unpinned FIFO) not pulled yet
+        (dropping aborted ones), or None."""
+        heap = self._parked if heap is None else heap
+        while heap and heap[0][3] not in self._parked_ids:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
 
-    def _next_pull(self) -> tuple[float, tuple, list[int]] | None:
-        """(time, head, decode instances that can pull it then) of the next pull, or None."""
+    def _next_pull(self) -> tuple[float, list, tuple, list[int]] | None:
+        """(time, its heap, head, decode instances that can pull it then) of the next pull,
+        or None: the unpinned head to any decode instance that can take it, or a decode
+        instance's oldest pinned request to it (the earliest; ties: first-token order)."""
+        pulls = []
         head = self._head()
-        if head is None:
-            return None
-        ready, m = head[0], head[4]
-        at = {}
-        for j in self._decode:
+        if head is not None:
+            ready, m = head[0], head[4]
+            at = {}
+            for j in self._decode:
+                e = self.instances[j]
+                if e.can_accept(m, self.waiting_page_fraction):  # (never before an event done)
+                    at[j] = max(ready, e.clock.now(), self._last_event)
+            if at:
+                t = min(at.values())
+                pulls.append(
+                    (t, head[:3], self._parked, head, [j for j, tj in at.items() if tj == t])
+                )
+        for j, heap in self._parked_to.items():
+            pinned = self._head(heap)
+            if pinned is None:
+                continue
             e = self.instances[j]
-            if e.can_accept(m, self.waiting_page_fraction):  # (never before an event done)
-                at[j] = max(ready, e.clock.now(), self._last_event)
-        if not at:
+            if e.can_accept(pinned[4], self.waiting_page_fraction):
+                t = max(pinned[0], e.clock.now(), self._last_event)
+                pulls.append((t, pinned[:3], heap, pinned, [j]))
+        if not pulls:
             return None
-        t = min(at.values())
-        return t, head, [j for j, tj in at.items() if tj == t]
+        t, _, heap, head, candidates = min(pulls, key=lambda p: p[:2])
+        return t, heap, head, candidates
 
-    def _start_transfer(self, t: float, head: tuple, candidates: list[int]) -> None:
-        heapq.heappop(self._parked)  # the head (`_next_event` just found it on top)
+    def _start_transfer(self, t: float, heap: list, head: tuple, candidates: list[int]) -> None:
+        heapq.heappop(heap)  # the head (`_next_event` just found it on top)
         _, i, _, rid, m = head
         self._parked_ids.discard(rid)
-        views = [InstanceView(self._instances[j], t, k) for k, j in enumerate(candidates)]
-        route = RouteRequest(
-            rid, tuple(m.prompt_token_ids), m.metrics.arrival_time, m.sampling_params
-        )
-        k = self.decode_router.route(route, views, t)
-        j = candidates[_check_choice(self.decode_router, k, len(candidates), rid)]
+        if rid in self._pinned:  # the Conductor's choice
+            j = self._pinned.pop(rid)
+        else:
+            views = [InstanceView(self._instances[j], t, k) for k, j in enumerate(candidates)]
+            route = RouteRequest(
+                rid, tuple(m.prompt_token_ids), m.metrics.arrival_time, m.sampling_params
+            )
+            k = self.decode_router.route(route, views, t)
+            j = candidates[_check_choice(self.decode_router, k, len(candidates), rid)]
         m, _ = self.instances[i].export_request(rid)
         self.instances[j].reserve_import(m)
         seconds, nbytes = self.transfer_seconds(i, j, m)
@@ -654,12 +796,22 @@ class SimCluster:
                 inst.live.discard(rid)
                 self._open.discard(rid)
                 inst.finished_at.append(out.metrics.finished_time)
+                self._left(rid, None if out.error is not None else len(out.token_ids))
             elif rid in parked and rid in inst.live and rid not in self._parked_ids:
                 m, _ = engine.export_request(rid)
                 entry = (m.metrics.first_token_time, i, next(self._seq), rid, m)
-                heapq.heappush(self._parked, entry)
+                j = self._pinned.get(rid)
+                heapq.heappush(self._parked if j is None else self._parked_to[j], entry)
                 self._parked_ids.add(rid)
         return outputs
+
+    def _left(self, request_id: str, num_output_tokens: int | None = None) -> None:
+        """`request_id` left the cluster (finished with that many tokens, or None: aborted or
+        failed): drop its pin and tell a router that wants to know (the Conductor)."""
+        self._pinned.pop(request_id, None)
+        finished = getattr(self.router, "finished", None)
+        if finished is not None:
+            finished(request_id, num_output_tokens)
 
     def _unblock(self, i: int, t: float) -> None:
         """Instance i, blocked since its clock, may run again from time t."""
@@ -681,11 +833,17 @@ class SimCluster:
         if self._decode and (error := self._undecodable(req)) is not None:
             self._fail(req, prompt, error, now)
             return
+        if self._decode and getattr(self.router, "schedule", None) is not None:
+            self._schedule(req, prompt, now)
+            return
         entry = [self._instances[i] for i in self._entry]
         views = [InstanceView(inst, now, k) for k, inst in enumerate(entry)]
         k = _check_choice(self.router, self.router.route(req, views, now), len(entry),
                           req.request_id)  # fmt: skip
-        i = self._entry[k]
+        self._admit(self._entry[k], req, prompt, now)
+
+    def _admit(self, i: int, req: RouteRequest, prompt: str | None, now: float) -> None:
+        """Put `req` on instance i's engine at `now`."""
         engine = self.instances[i]
         if not engine.has_unfinished_requests():
             engine.clock.advance_to(now)  # an idle instance's clock may lag: it starts at now
@@ -697,9 +855,69 @@ class SimCluster:
             prompt=prompt,
             arrival_time=req.arrival_time,
         )
-        self._instances[i].live.add(req.request_id)
-        self._where[req.request_id] = i
-        self._path[req.request_id].append(i)
+        if req.request_id not in self._instances[i].live:
+            self._instances[i].live.add(req.request_id)
+            self._where[req.request_id] = i
+            self._path[req.request_id].append(i)
+
+    def _schedule(self, req: RouteRequest, prompt: str | None, now: float) -> None:
+        """The Conductor's routing (the module doc): reject, or place on (p, d), fetching the
+        prefix first if it says so."""
+        from llmjax.engine.engine import InvalidRequest
+
+        entry = [self._instances[i] for i in self._entry]
+        decode = [self._instances[j] for j in self._decode]
+        prefill_views = [InstanceView(inst, now, k) for k, inst in enumerate(entry)]
+        decode_views = [InstanceView(inst, now, k) for k, inst in enumerate(decode)]
+        d = self.router.schedule(req, prefill_views, decode_views, now)
+        rid = req.request_id
+        p = self._entry[_check_choice(self.router, d.prefill, len(entry), rid)]
+        j = self._decode[_check_choice(self.router, d.decode, len(decode), rid)]
+        self.conductor_stats.record(d)
+        if d.rejected is not None:
+            self._fail(req, prompt, d.rejected, now, finish_reason="rejected")
+            self._left(rid)
+            return
+        try:  # a pin the decode instance could never hold: any decode instance pulls it
+            self.instances[j].validate_request(list(req.prompt_token_ids), req.sampling_params)
+            self._pinned[rid] = j
+        except InvalidRequest:
+            pass
+        if d.fetch_from is None or d.fetch_tokens <= d.local_tokens:
+            self._admit(p, req, prompt, now)
+            return
+        source = self._entry[_check_choice(self.router, d.fetch_from, len(entry), rid)]
+        seconds, nbytes = self.kv_transfer_seconds(source, p, d.fetch_tokens - d.local_tokens)
+        fetch = _Fetch(req, prompt, source, p, d.fetch_tokens, now, now + seconds, nbytes)
+        heapq.heappush(self._fetching, (fetch.end, next(self._seq), fetch))
+        self._fetches[rid] = fetch
+        inst = self._instances[p]
+        inst.fetching[rid] = len(req.prompt_token_ids)
+        inst.live.add(rid)
+        self._where[rid] = p
+        self._path[rid].append(p)
+        st = self.conductor_stats
+        st.num_fetches += 1
+        st.fetched_tokens += d.fetch_tokens - d.local_tokens
+        st.fetch_bytes += nbytes
+        st.fetch_seconds += seconds
+
+    def _finish_fetch(self, fetch: _Fetch) -> None:
+        """The prefix arrived at `fetch.dest`: into its prefix cache, and the request into its
+        queue."""
+        rid = fetch.request.request_id
+        del self._fetches[rid]
+        self._instances[fetch.dest].fetching.pop(rid, None)
+        engine = self.instances[fetch.dest]
+        bm = engine.block_manager
+        tokens = list(fetch.request.prompt_token_ids[: fetch.num_tokens])
+        holder = f"__prefix_fetch__{rid}"  # a page table only for the insert
+        while tokens and not bm.can_allocate(holder, len(tokens)):
+            tokens = tokens[: len(tokens) - bm.page_size]  # what fits (LRU pages evicted)
+        if tokens:
+            bm.allocate(holder, len(tokens))
+            bm.free(holder, tokens)  # offers its full pages to the prefix cache
+        self._admit(fetch.dest, fetch.request, fetch.prompt, fetch.end)
 
     def _undecodable(self, req: RouteRequest) -> str | None:
         """Why no decode instance could ever hold `req` to its last token, or None."""
@@ -714,7 +932,14 @@ class SimCluster:
                 errors.append(f"decode instance {j}: {e}")
         return "; ".join(errors)
 
-    def _fail(self, req: RouteRequest, prompt: str | None, error: str, now: float) -> None:
+    def _fail(
+        self,
+        req: RouteRequest,
+        prompt: str | None,
+        error: str,
+        now: float,
+        finish_reason: str = "error",
+    ) -> None:
         self._open.discard(req.request_id)
         self._errors.append(
             RequestOutput(
@@ -724,7 +949,7 @@ class SimCluster:
                 token_ids=[],
                 text="",
                 finished=True,
-                finish_reason="error",
+                finish_reason=finish_reason,
                 metrics=RequestMetrics(req.arrival_time, finished_time=now),
                 error=error,
             )
