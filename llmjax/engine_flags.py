@@ -68,7 +68,7 @@ CONFIG_FLAG = "config"
 
 # EngineConfig's sub-configs that validate on their own (the top-level fields are checked against
 # the model once it is loaded).
-_SUB_CONFIGS = ("cache", "scheduler", "parallel", "sparse_kv")
+_SUB_CONFIGS = ("cache", "scheduler", "parallel", "sparse_kv", "kv_store")
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
