@@ -493,3 +493,30 @@ def test_real_cluster_fetches_rejects_and_matches_one_engine():
     for inst in instances:
         inst.engine.block_manager.check_invariants()
         assert inst.engine.block_manager.num_used_pages == 0
+
+
+def test_capacity_script_runs_and_writes_its_json(tmp_path):
+    """scripts/mooncake_capacity.py on a dozen requests, one bisection step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "capacity.json"
+    args = ["--max_requests", "12", "--bisections", "1", "--tbt_slos", "0.1"]
+    args += ["--routers", "vllm,mooncake+predicted", "--output_json", str(out)]
+    run = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "mooncake_capacity.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "SIMULATED" in run.stdout and "+59% .. +498%" in run.stdout
+    doc = json.loads(out.read_text())
+    assert doc["simulated"] and doc["settings"]["num_requests"] == 12
+    trial = doc["results"]["mooncake+predicted"]["0.1"]["trials"][0]
+    assert trial["rate"] == 3.0 and 0 <= trial["attainment"] <= 1
+    assert trial["conductor"]["num_scheduled"] == 12
