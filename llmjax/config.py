@@ -291,8 +291,9 @@ class KVStoreConfig:
     modeled copy, latency + bytes / bandwidth per tier, beats recomputing those tokens at the
     engine's measured prefill rate, `prefill_tokens_per_s` until it has measured one; the
     default), 'always' or 'never' (recompute). `*_bandwidth` (bytes/s) and `*_latency` (s per
-    block) are the cost model's tiers (defaults: what scripts/bench_kvstore.py measured on a
-    2-core CPU host). `host_memory`: where a block's copy out of the device lands before it is
+    block) are the cost model's tiers (defaults: what `scripts/bench_kvstore.py --mode micro`
+    fitted for SmolLM2 on a 2-core CPU host, 2026-12-02, the copy into the device included; it
+    prints these flags for another machine). `host_memory`: where a block's copy out of the device lands before it is
     stored in T1's numpy pool: 'pinned_host' memory (one DMA; TPU, GPU and JAX's CPU backend
     have it), 'numpy' (device memory, copied out to pageable memory), or 'auto' (pinned_host
     where every device has it).
@@ -308,13 +309,13 @@ class KVStoreConfig:
     write_policy: str = "write_through_selective"
     write_through_threshold: int = 2
     load_policy: str = "cost"
-    prefill_tokens_per_s: float = 2000.0
-    host_bandwidth: float = 5e9
-    host_latency: float = 2e-5
-    disk_bandwidth: float = 1e9
-    disk_latency: float = 2e-4
-    mooncake_bandwidth: float = 5e8
-    mooncake_latency: float = 1e-3
+    prefill_tokens_per_s: float = 1000.0
+    host_bandwidth: float = 2.65e9
+    host_latency: float = 1.2e-4
+    disk_bandwidth: float = 4.2e8
+    disk_latency: float = 1e-4
+    mooncake_bandwidth: float = 5.5e8
+    mooncake_latency: float = 5e-5
     host_memory: str = "auto"
 
     def __post_init__(self):

@@ -130,6 +130,7 @@ def _measure_block(llm, tokens: int, tmp: str, stack, rng, mooncake) -> dict:
     k = next(keys)
     r["t1_put"] = _median_time(lambda: (host.put(k, ROOT_KEY, data), host.remove(k)), FLAGS.repeats)
     host.put(k, ROOT_KEY, data)
+    assert np.array_equal(host.get(k), data), "T1 did not return the block"
     r["t1_get"] = _median_time(lambda: host.get(k), FLAGS.repeats)
 
     def disk_put():
@@ -140,6 +141,12 @@ def _measure_block(llm, tokens: int, tmp: str, stack, rng, mooncake) -> dict:
     r["t2_put"] = _median_time(disk_put, FLAGS.repeats)
     cold = [disk_put() for _ in range(FLAGS.repeats + 1)]  # (+1: the untimed first call)
     for key in cold:  # out of the page cache: a cold read
+        fd = os.open(disk.path(key), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    assert np.array_equal(disk.get(cold[-1]), data), "T2 did not return the block"
+    cold = cold[:-1] + [disk_put()]  # (the check above warmed that one)
+    for key in cold[-1:]:
         fd = os.open(disk.path(key), os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
@@ -159,6 +166,8 @@ def _measure_block(llm, tokens: int, tmp: str, stack, rng, mooncake) -> dict:
             lambda: (t3.put(kk, ROOT_KEY, data), t3.remove(kk)), FLAGS.repeats
         )
         t3.put(kk, ROOT_KEY, data)
+        got = t3.get(kk)
+        assert got is not None and np.array_equal(got, data), f"T3 failed: {t3.last_error}"
         r["t3_get"] = _median_time(lambda: t3.get(kk), FLAGS.repeats)
     prompt = rng.integers(2, llm.config.model.vocab_size, tokens + 1).tolist()
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -120,7 +120,7 @@ class MooncakeTier:
         high_watermark: float = 0.95,
         low_watermark: float = 0.85,
         global_segment_bytes: int = 256 << 20,
-        local_buffer_bytes: int = 16 << 20,
+        local_buffer_bytes: int | None = None,
         local_hostname: str = "127.0.0.1",
         retry_interval_s: float = 5.0,
         connect_timeout_s: float = 1.0,
@@ -145,15 +145,17 @@ class MooncakeTier:
         self.high_watermark, self.low_watermark = high_watermark, low_watermark
         self.namespace = namespace
         self.master_address, self.metadata_url = master_address, metadata_url
-        self._setup_args = (
-            local_hostname, metadata_url, global_segment_bytes, local_buffer_bytes, "tcp", "",
-            master_address,
-        )  # fmt: skip
         self.retry_interval_s, self.connect_timeout_s = retry_interval_s, connect_timeout_s
         self._shape_bytes = struct.pack(f"<{len(self.block_shape)}q", *self.block_shape)
         self.payload_bytes = math.prod(self.block_shape) * self.dtype.itemsize
         self._head_bytes = _HEAD.size + len(self._shape_bytes)
         self.value_bytes = self._head_bytes + _DIGEST + self.payload_bytes
+        if local_buffer_bytes is None:  # the client stages a put's value there: room for two
+            local_buffer_bytes = max(16 << 20, 2 * self.value_bytes)
+        self._setup_args = (
+            local_hostname, metadata_url, global_segment_bytes, local_buffer_bytes, "tcp", "",
+            master_address,
+        )  # fmt: skip
         self._recv = np.empty(self.value_bytes, np.uint8)  # registered with the client
         self._blocks: dict[bytes, _Entry] = {}
         self._foreign: dict[bytes, set[bytes]] = {}  # children under a parent not indexed here
