@@ -293,10 +293,10 @@ class KVStoreConfig:
     default), 'always' or 'never' (recompute). `*_bandwidth` (bytes/s) and `*_latency` (s per
     block) are the cost model's tiers (defaults: what `scripts/bench_kvstore.py --mode micro`
     fitted for SmolLM2 on a 2-core CPU host, 2026-12-02, the copy into the device included; it
-    prints these flags for another machine). `host_memory`: where a block's copy out of the device lands before it is
-    stored in T1's numpy pool: 'pinned_host' memory (one DMA; TPU, GPU and JAX's CPU backend
-    have it), 'numpy' (device memory, copied out to pageable memory), or 'auto' (pinned_host
-    where every device has it).
+    prints these flags for another machine). `host_memory`: where a block's copy out of the
+    device lands before it is stored in T1's numpy pool: 'pinned_host' memory (one DMA; TPU,
+    GPU and JAX's CPU backend have it), 'numpy' (device memory, copied out to pageable memory),
+    or 'auto' (pinned_host where every device has it).
     """
 
     host_blocks: int = 0

@@ -145,7 +145,7 @@ def _measure_block(llm, tokens: int, tmp: str, stack, rng, mooncake) -> dict:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
     assert np.array_equal(disk.get(cold[-1]), data), "T2 did not return the block"
-    cold = cold[:-1] + [disk_put()]  # (the check above warmed that one)
+    cold = [*cold[:-1], disk_put()]  # (the check above warmed that one)
     for key in cold[-1:]:
         fd = os.open(disk.path(key), os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
