@@ -278,11 +278,12 @@ class KVStoreConfig:
     """The KV tiers below the device pages (Mooncake's KV-centric store, issue 22;
     llmjax/kvstore/, llmjax/engine/kv_tiers.py). Off unless a tier is given.
 
-    T1 `host_blocks` blocks in host memory (0: none); T2 block files in `disk_dir` ('' none),
-    at most `disk_blocks`; T3 Mooncake Store at `mooncake_master` ('host:port' of its RPC
-    service; `mooncake_metadata` its HTTP metadata URL, default on that host at port 8080;
-    `mooncake_namespace` prefixes this engine's keys). A block is `block_size` tokens (a
-    multiple of the page size; the paper's 256, the traces' 512).
+    T1 `host_blocks` blocks in host memory (0: none); T2 block files in `disk_dir` ('' none), at
+    most `disk_blocks`, fsynced with `disk_fsync` (durable across power loss; without it a torn
+    file fails its checksum and is recomputed); T3 Mooncake Store at `mooncake_master`
+    ('host:port' of its RPC service; `mooncake_metadata` its HTTP metadata URL, default on that
+    host at port 8080; `mooncake_namespace` prefixes this engine's keys). A block is
+    `block_size` tokens (a multiple of the page size; the paper's 256, the traces' 512).
 
     `write_policy` (SGLang HiCache's names) moves blocks down, T0 -> T1 and T1 -> T2:
     'write_through' (every full block), 'write_through_selective' (a block reused
@@ -302,6 +303,7 @@ class KVStoreConfig:
     host_blocks: int = 0
     disk_dir: str = ""
     disk_blocks: int = 65536
+    disk_fsync: bool = False
     mooncake_master: str = ""
     mooncake_metadata: str = ""
     mooncake_namespace: str = "llmjax"

@@ -7,34 +7,36 @@ buy on Mooncake's traces.
     python scripts/bench_kvstore.py --mode micro
     # (b) SmolLM2 on the conversation trace scaled to 16 tokens a block: hit ratio per tier
     #     against the trace's own ideal, prefill tokens saved, TTFT, with and without T1 / T2
-    python scripts/bench_kvstore.py --mode trace --trace_requests 200
+    python scripts/bench_kvstore.py --mode trace
     python scripts/bench_kvstore.py --mode trace \
-        --trace ../shared/data/mooncake/synthetic_trace.jsonl --trace_requests 200
+        --trace ../shared/data/mooncake/synthetic_trace.jsonl --trace_sample_fraction 0.05
 
-Micro (a): for each block size, the median of --repeats timed copies of one block of the
-model's real KV pages: T0 -> host (`export_host_pages` and the copy to host memory), into and
-out of T1 (`HostTier.put` / `get`), into and out of T2 (`DiskTier.put` with fsync; a cold
-`get` after `posix_fadvise(DONTNEED)` drops the file from the page cache), and host -> T0
+Micro (a): for each block size, the median of --repeats timed copies of one block of the model's
+real KV pages: T0 -> host (`export_host_pages` and the copy to host memory), into and out of T1
+(`HostTier.put` / `get`), into and out of T2 (`DiskTier.put`, and with fsync; a cold `get` after
+`posix_fadvise(DONTNEED)` drops the file from the page cache), and host -> T0
 (`import_host_pages` until the device has it); T3 (Mooncake Store over TCP on 127.0.0.1, a
 master started here) with --mooncake. Recompute: the median time to first token of a fresh
 prompt of that many tokens, alone, the prefix cache off. Each load path's seconds are fitted as
 latency + bytes / bandwidth over the block sizes: the `KVStoreConfig` cost model's numbers,
 printed as the --config.kv_store.* flags to pass.
 
-Trace (b): the first --trace_requests requests of a Mooncake trace, every hash block turned into
+Trace (b): the requests of --trace_sample_fraction of a Mooncake trace's conversations (every
+turn of each: the sample keeps the trace's sharing), every hash block turned into
 --mooncake_block_tokens tokens (16: 1/32 of the recorded 512), outputs scaled by
---mooncake_output_scale, replayed in real time (arrivals x --trace_time_scale) against a fresh
-engine per variant: device only (the radix cache, --device_tokens of KV), + T1 (--host_tokens
-of host memory), + T1 + T2 (unbounded disk). The KV block is one hash block. Each row reports the
-prompt tokens whose KV came from each tier, the prefill tokens computed, TTFT P50/P90 and the
-greedy agreement with the first variant; "ideal" is the trace's own (these requests, an
-unbounded cache: the longest prefix of whole blocks any earlier request had), beside the
-README's full-trace figures (0.366 conversation, 0.640 synthetic).
+--mooncake_output_scale, replayed in real time at a mean --rate (the sample's arrivals
+compressed) against a fresh engine per variant: device only (the radix cache, --device_tokens of
+KV), + T1 (--host_tokens of host memory), + T1 + T2 (unbounded disk). The KV block is one hash
+block. Each row reports the prompt tokens whose KV came from each tier, the prefill tokens
+computed, TTFT P50/P90 and the greedy agreement with the first variant; "ideal" is the trace's
+own (these requests, an unbounded cache: the longest prefix of whole blocks any earlier request
+had), beside the README's full-trace figures (0.366 conversation, 0.640 synthetic).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -61,16 +63,30 @@ flags.DEFINE_bool("mooncake", False, "micro: also T3, Mooncake Store (needs the 
 flags.DEFINE_string(
     "trace", os.path.join(TRACE_DIR, "conversation_trace.jsonl"), "trace: a Mooncake JSONL trace."
 )
-flags.DEFINE_integer("trace_requests", 200, "trace: its first this many requests.")
+flags.DEFINE_float(
+    "trace_sample_fraction",
+    0.02,
+    "trace: replay the requests of this share of the trace's conversations (every turn of "
+    "each, so the sample keeps the trace's sharing; llmjax.bench.mooncake.sample_conversations).",
+)
+flags.DEFINE_integer("trace_requests", None, "trace: at most this many of them (default: all).")
+flags.DEFINE_float(
+    "rate", 1.0, "trace: mean arrival rate in requests/s (the sample's arrivals compressed)."
+)
 flags.DEFINE_integer(
     "mooncake_block_tokens", 16, "trace: tokens per hash block (512: as recorded)."
 )
 flags.DEFINE_float("mooncake_output_scale", 1 / 32, "trace: output length scale.")
-flags.DEFINE_float("trace_time_scale", 1.0, "trace: arrival times scale (0.5: twice the rate).")
 flags.DEFINE_integer("device_tokens", 4096, "trace: the device KV cache, in tokens.")
 flags.DEFINE_integer("host_tokens", 16384, "trace: T1's capacity, in tokens.")
 flags.DEFINE_list(
     "variants", ["device", "host", "host+disk"], "trace: the tiers of each run (device only, ...)."
+)
+flags.DEFINE_enum(
+    "write_policy",
+    "write_back",
+    ["write_through", "write_through_selective", "write_back"],
+    "trace: how blocks move down (KVStoreConfig.write_policy).",
 )
 flags.DEFINE_string("json_out", "out/bench_kvstore.json", "Where to write the results ('': none).")
 FLAGS.set_default("max_model_len", 2048)
@@ -139,6 +155,10 @@ def _measure_block(llm, tokens: int, tmp: str, stack, rng, mooncake) -> dict:
         return key
 
     r["t2_put"] = _median_time(disk_put, FLAGS.repeats)
+    durable = DiskTier(
+        os.path.join(tmp, f"{tokens}-fsync"), 10_000, shape, runner.kv_dtype, fsync=True
+    )
+    r["t2_put_fsync"] = _median_time(lambda: durable.put(next(keys), ROOT_KEY, data), FLAGS.repeats)
     cold = [disk_put() for _ in range(FLAGS.repeats + 1)]  # (+1: the untimed first call)
     for key in cold:  # out of the page cache: a cold read
         fd = os.open(disk.path(key), os.O_RDONLY)
@@ -290,10 +310,14 @@ def trace() -> dict:
         vocab_size=base.config.model.vocab_size,
         block_tokens=bt,
         output_scale=FLAGS.mooncake_output_scale,
-        time_scale=FLAGS.trace_time_scale,
         max_model_len=FLAGS.max_model_len,
         num_requests=FLAGS.trace_requests,
+        sample_fraction=FLAGS.trace_sample_fraction,
     )
+    span = specs[-1].arrival_time - specs[0].arrival_time
+    if span > 0 and FLAGS.rate > 0:  # compress to the --rate
+        scale = len(specs) / span / FLAGS.rate
+        specs = [dataclasses.replace(sp, arrival_time=sp.arrival_time * scale) for sp in specs]
     ideal_tokens, ideal_blocks = ideal_hit(specs, bt)
     all_prompt = sum(len(sp.prompt_token_ids) for sp in specs)  # the ideal's denominator
     runs, first = {}, None
@@ -309,7 +333,7 @@ def trace() -> dict:
                     disk_dir=os.path.join(tmp, variant) if "disk" in tiers else "",
                     disk_blocks=1_000_000,
                     block_size=bt,
-                    write_policy="write_back",
+                    write_policy=FLAGS.write_policy,
                 )
             llm = base.with_options(kv_store=kv)
             engine = llm.engine

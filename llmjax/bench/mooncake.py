@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -47,9 +48,13 @@ def load_mooncake_trace(
     max_model_len: int | None = None,
     num_requests: int | None = None,
     seed: int = 0,
+    sample_fraction: float | None = None,
+    sample_seed: int = 0,
 ) -> list[RequestSpec]:
     """The first `num_requests` (None: all) requests of a Mooncake trace, arriving at their
-    timestamps (relative to the first, times `time_scale`); errors name the line and field."""
+    timestamps (relative to the first, times `time_scale`); errors name the line and field.
+    `sample_fraction`: only the requests of that share of the trace's conversations
+    (`sample_conversations`), every turn of each, so the sample keeps the trace's sharing."""
     if block_tokens < 1 or not output_scale > 0 or not time_scale >= 0:
         raise ValueError(f"need {block_tokens=} >= 1, {output_scale=} > 0, {time_scale=} >= 0")
     if vocab_size <= MIN_RANDOM_TOKEN_ID:
@@ -57,8 +62,13 @@ def load_mooncake_trace(
     blocks: dict[int, list[int]] = {}
     specs: list[RequestSpec] = []
     start = None
+    keep = None
+    if sample_fraction is not None:
+        keep = set(sample_conversations(path, sample_fraction, sample_seed))
     with open(path) as f:
         for lineno, line in enumerate(f, start=1):
+            if keep is not None and lineno not in keep:
+                continue
             if num_requests is not None and len(specs) >= num_requests:
                 break
             if not line.strip():
@@ -90,6 +100,41 @@ def load_mooncake_trace(
     if not specs:
         raise ValueError(f"{path}: the trace has no requests")
     return specs
+
+
+def conversation_of(hash_ids: Sequence[int], shared_first: bool, lineno: int):
+    """A request's conversation: its first hash block, or its second where every request of
+    the trace begins with the same block (conversation's shared system prompt); a request of
+    that one block only is its own."""
+    if not shared_first:
+        return hash_ids[0] if hash_ids else ("line", lineno)
+    return hash_ids[1] if len(hash_ids) > 1 else ("line", lineno)
+
+
+def sample_conversations(path: str, fraction: float, seed: int = 0) -> list[int]:
+    """The line numbers (from 1) of the requests of a `fraction` of the trace's conversations
+    (`conversation_of`), each conversation in or out with that probability (seeded), every
+    turn of those kept: a sample with the whole trace's prefix sharing at a fraction of its
+    rate."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{fraction=} must be in (0, 1]")
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                rows.append((lineno, _parse(line, f"{path}:{lineno}")[3]))
+    firsts = {ids[0] for _, ids in rows if ids}
+    shared = len(firsts) == 1 and len(rows) > 1
+    rng = np.random.default_rng([seed, 7])
+    chosen: dict = {}
+    out = []
+    for lineno, ids in rows:
+        key = conversation_of(ids, shared, lineno)
+        if key not in chosen:
+            chosen[key] = bool(rng.random() < fraction)
+        if chosen[key]:
+            out.append(lineno)
+    return out
 
 
 def is_mooncake_trace(path: str) -> bool:

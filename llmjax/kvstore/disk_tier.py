@@ -7,13 +7,17 @@
 Every rule of `HostTier` holds (two-phase puts, chains that never orphan, leases, soft pins,
 leaf-first watermark eviction); only where a block lives differs. A block is one file,
 `<key hex>.kv`: a header (magic, version, parent key, dtype, shape, payload length, a blake2b
-checksum of the payload) and the payload. `put_begin` + `write` write `.<key hex>.<pid>.tmp` and
-fsync it; `put_commit` renames it into place (atomic on POSIX), so a writer killed mid-put leaves
-only a temporary file, never a readable block; temporary files are swept when a tier opens the
-directory. `get` checks the header and the checksum: a flipped byte makes the block unreadable
-(logged, the file and its chain removed) and the caller recomputes, never a wrong KV. Opening a
-directory indexes the files it holds; a file whose header is bad, whose shape or dtype is not
-this tier's, or whose parent is missing is removed (its chain is incomplete).
+checksum of the payload) and the payload. `put_begin` + `write` write `.<key hex>.<pid>.tmp`
+(fsynced with `fsync=True`); `put_commit` renames it into place (atomic on POSIX), so a writer
+killed mid-put leaves only a temporary file, never a readable block. Without fsync a power loss may
+leave a renamed file whose bytes did not all reach the disk: its checksum then fails on load and
+the block is recomputed (a miss, never a wrong KV), so fsync buys durability across power loss,
+not correctness, and costs a disk flush per block (off by default). Temporary files are swept
+when a tier opens the directory. `get` checks the header and the checksum: a flipped byte makes
+the block unreadable (logged, the file and its chain removed) and the caller recomputes, never a
+wrong KV. Opening a directory indexes the files it holds; a file whose header is bad, whose
+shape or dtype is not this tier's, or whose parent is missing is removed (its chain is
+incomplete).
 """
 
 from __future__ import annotations
@@ -52,8 +56,10 @@ class DiskTier(HostTier):
         dtype="float32",
         high_watermark: float = 0.95,
         low_watermark: float = 0.85,
+        fsync: bool = False,
     ):
         self.directory = directory
+        self.fsync = fsync
         os.makedirs(directory, exist_ok=True)
         super().__init__(1, block_shape, dtype, high_watermark, low_watermark)
         self.num_blocks = num_blocks
@@ -141,8 +147,9 @@ class DiskTier(HostTier):
         head = _HEAD.pack(MAGIC, VERSION, b.parent, self.dtype.str.encode(), len(payload), checksum)
         with open(b.slot, "wb") as f:
             f.write(head + self.shape_bytes + b"\n" + payload)
-            f.flush()
-            os.fsync(f.fileno())
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
 
     def _commit_slot(self, key: bytes, b: _Block) -> None:
         if not os.path.exists(b.slot):

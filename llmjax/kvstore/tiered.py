@@ -197,7 +197,11 @@ def make_store(kv_config, block_shape, dtype, block_pages: int, namespace: str =
         tiers.append(HostTier(kv_config.host_blocks, block_shape, dtype))
     if kv_config.disk_dir:
         directory = os.path.join(kv_config.disk_dir, namespace) if namespace else kv_config.disk_dir
-        tiers.append(DiskTier(directory, kv_config.disk_blocks, block_shape, dtype))
+        tiers.append(
+            DiskTier(
+                directory, kv_config.disk_blocks, block_shape, dtype, fsync=kv_config.disk_fsync
+            )
+        )
     if kv_config.mooncake_master:
         from llmjax.kvstore.mooncake_tier import MooncakeTier
 
