@@ -26,6 +26,21 @@ Algorithm 1, for a request of n prompt tokens arriving at `now`, over the prefil
 A queued request's prefill time is `prefill_seconds(tokens, max(computed, cached))` with the
 cached tokens this Conductor expected when it routed it (its own record; 0 for one it did not).
 
+**The KV pool** (`schedule(..., pool=)`: Mooncake Store's DRAM pool, the simulator's
+`llmjax.sim.kvpool.SimKVPool`; a SimCluster with one passes it; without one the above is
+unchanged). The best match anywhere also considers the pool, `stored = pool.match_tokens(
+prompt)`: for each p, if stored > the cached tokens of p's option above and best / local's
+test passes for stored, the pool option
+
+        TTFT_pool(p) = T_queue + pool_transfer_seconds(stored - local(p))
+                       + prefill_seconds(n, stored)
+
+replaces it when it is smaller (`pool_transfer_seconds`: the cost model's, default
+`transfer_seconds`). Unlike the instance fetch (Algorithm 1's threshold alone), a pool fetch is
+thus taken only when predicted faster than what p would do otherwise (recompute, or fetch from
+the best instance): the pool may be given a slower bandwidth than the network's. The decision
+says `from_pool` (and `fetch_from` None).
+
 **Decode load.** A decode instance's predicted TBT is `decode_step_seconds(batch, context)` at
 the time the request would start decoding, t = now + TTFT(p*) (§10.3's prediction; beyond
 the instance's `max_num_seqs` a request gets a token only every batch / max_num_seqs steps): of
@@ -68,6 +83,7 @@ if TYPE_CHECKING:
     from llmjax.cluster.router import InstanceLoad, RouteRequest
 
 REJECTION_MODES = ("none", "current", "predicted")
+POOL = "pool"  # a fetch source: the cluster's KV pool (Mooncake Store's DRAM pool)
 DEFAULT_OUTPUT_TOKENS = 256  # the uniform decode length before any request finished
 
 
@@ -99,12 +115,21 @@ class ConductorLoad(Protocol):
     def max_num_seqs(self) -> int: ...  # sequences a step decodes at most (optional)
 
 
+class KVPoolLoad(Protocol):
+    """A cluster-wide KV pool as the Conductor reads it (`llmjax.sim.kvpool.SimKVPool`)."""
+
+    def match_tokens(self, prompt_token_ids: Sequence[int]) -> int: ...
+
+
 class CostModel(Protocol):
     def prefill_seconds(self, num_tokens: int, num_cached: int) -> float: ...
 
     def decode_step_seconds(self, batch: int, context_tokens: int) -> float: ...
 
     def transfer_seconds(self, num_tokens: int) -> float: ...
+
+    # optional: the KV of `num_tokens` tokens from the KV pool (default `transfer_seconds`)
+    # def pool_transfer_seconds(self, num_tokens: int) -> float: ...
 
 
 # ---- cost models ---------------------------------------------------------------------------------
@@ -123,6 +148,9 @@ class SimCostModel:
         into one prefill instance: latency + bytes per device / bandwidth, over the network
         (`Hardware.network_bandwidth`, `network_latency_s`; `transfer_bandwidth` and
         `transfer_latency_s` override them, as in SimCluster).
+    pool_transfer_seconds(tokens): the same from the cluster's KV pool (SimCluster's
+        `kv_pool_seconds`): `pool_bandwidth` / `pool_latency_s` when given, else as
+        transfer_seconds.
     """
 
     def __init__(
@@ -132,6 +160,8 @@ class SimCostModel:
         *,
         transfer_bandwidth: float | None = None,
         transfer_latency_s: float | None = None,
+        pool_bandwidth: float | None = None,
+        pool_latency_s: float | None = None,
     ):
         from llmjax.sim.roofline import kv_page_bytes_per_device
         from llmjax.sim.runner import make_cost_model
@@ -148,6 +178,8 @@ class SimCostModel:
         hw = c.sim.hardware
         self._bandwidth = transfer_bandwidth or hw.network_bandwidth
         self._latency = hw.network_latency_s if transfer_latency_s is None else transfer_latency_s
+        self._pool_bandwidth = pool_bandwidth or self._bandwidth
+        self._pool_latency = self._latency if pool_latency_s is None else pool_latency_s
         self._memo: dict[tuple[int, int], float] = {}
 
     def prefill_seconds(self, num_tokens: int, num_cached: int) -> float:
@@ -197,6 +229,11 @@ class SimCostModel:
         if num_tokens <= 0:
             return 0.0
         return self._latency + num_tokens * self._kv_bytes_per_token / self._bandwidth
+
+    def pool_transfer_seconds(self, num_tokens: int) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        return self._pool_latency + num_tokens * self._kv_bytes_per_token / self._pool_bandwidth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +290,8 @@ class Decision:
     """One request's placement: indices into the prefill and decode lists given to `schedule`.
     `fetch_from` (an index into the prefill list, or None): fetch the prefix of
     `fetch_tokens` tokens from that instance's cache before prefilling (it had
-    `local_tokens`). `rejected`: None, or why the request is rejected (then the rest says
+    `local_tokens`). `from_pool`: fetch them from the cluster's KV pool instead (then
+    `fetch_from` is None). `rejected`: None, or why the request is rejected (then the rest says
     what it would have been)."""
 
     prefill: int
@@ -265,6 +303,14 @@ class Decision:
     fetch_tokens: int = 0
     transfer_s: float = 0.0
     rejected: str | None = None
+    from_pool: bool = False
+
+    @property
+    def fetches(self) -> bool:
+        """Whether the request fetches a prefix (from an instance or the pool) first."""
+        return (self.fetch_from is not None or self.from_pool) and (
+            self.fetch_tokens > self.local_tokens
+        )
 
 
 @dataclasses.dataclass
@@ -282,6 +328,8 @@ class ConductorStats:
     fetch_bytes: int = 0
     fetch_seconds: float = 0.0
     num_fetches_recomputed: int = 0
+    num_pool_fetches: int = 0  # of num_fetches: from the KV pool (the simulator's SimKVPool)
+    pool_fetched_tokens: int = 0
 
     def record(self, decision: Decision) -> None:
         self.num_scheduled += 1
@@ -372,13 +420,15 @@ class Conductor:
         prefill: Sequence[ConductorLoad],
         decode: Sequence[ConductorLoad],
         now: float,
+        pool: KVPoolLoad | None = None,
     ) -> Decision:
         """Algorithm 1 (the module doc): the prefill and decode instance of `request`, a prefix
-        fetch if one pays, or a rejection. A placed request is remembered (its expected cache
-        hit, its decode pin) until `finished`."""
+        fetch if one pays (from a prefill instance, or from `pool`, the cluster's KV pool if it
+        has one), or a rejection. A placed request is remembered (its expected cache hit, its
+        decode pin) until `finished`."""
         if not prefill or not decode:
             raise ValueError("the Conductor needs prefill and decode instances")
-        p, ttft, local, source, cached, transfer_s = self._choose_prefill(request, prefill)
+        p, ttft, local, source, cached, transfer_s = self._choose_prefill(request, prefill, pool)
         n = len(request.prompt_token_ids)
         start = now + ttft
         scores = [self._decode_load(v, n, now, ttft) for v in decode]
@@ -393,8 +443,9 @@ class Conductor:
             ttft=ttft,
             tbt=tbt,
             local_tokens=local,
-            fetch_from=source,
+            fetch_from=None if source is POOL else source,
             fetch_tokens=cached if source is not None else 0,
+            from_pool=source is POOL,
             transfer_s=transfer_s,
             rejected=reason,
         )
@@ -418,23 +469,37 @@ class Conductor:
             total += cost.prefill_seconds(num_tokens, max(computed, self._cached.get(rid, 0)))
         return total
 
-    def _choose_prefill(self, request, views):
-        """(index, TTFT, local match, fetch source or None, cached tokens, transfer seconds)."""
+    def _fetches(self, best: int, local: int) -> bool:
+        """Algorithm 1's test: fetch `best` tokens to an instance holding `local` of them."""
+        ratio = math.inf if local == 0 and best > 0 else best / max(local, 1)
+        return best > local and ratio > self.kvcache_balancing_threshold
+
+    def _choose_prefill(self, request, views, pool=None):
+        """(index, TTFT, local match, fetch source (an index, POOL) or None, cached tokens,
+        transfer seconds)."""
         cost = self._cost()
         prompt = request.prompt_token_ids
         n = len(prompt)
         local = [v.cached_prefix_tokens(prompt) for v in views]
         best = max(local, default=0)
         b = local.index(best) if views else 0
+        stored = pool.match_tokens(prompt) if pool is not None else 0
+        pool_seconds = getattr(cost, "pool_transfer_seconds", cost.transfer_seconds)
         choice = None
         for k, v in enumerate(views):
-            ratio = math.inf if local[k] == 0 and best > 0 else best / max(local[k], 1)
-            fetch = best > local[k] and ratio > self.kvcache_balancing_threshold
+            queue = self._queue_seconds(v)
+            fetch = self._fetches(best, local[k])
             transfer = cost.transfer_seconds(best - local[k]) if fetch else 0.0
             cached = best if fetch else local[k]
-            ttft = self._queue_seconds(v) + transfer + cost.prefill_seconds(n, cached)
-            if choice is None or ttft < choice[1]:
-                choice = (k, ttft, local[k], b if fetch else None, cached, transfer)
+            ttft = queue + transfer + cost.prefill_seconds(n, cached)
+            option = (k, ttft, local[k], b if fetch else None, cached, transfer)
+            if stored > cached and self._fetches(stored, local[k]):  # the pool (module doc)
+                t = pool_seconds(stored - local[k])
+                pool_ttft = queue + t + cost.prefill_seconds(n, stored)
+                if pool_ttft < ttft:
+                    option = (k, pool_ttft, local[k], POOL, stored, t)
+            if choice is None or option[1] < choice[1]:
+                choice = option
         return choice
 
     def _decode_load(self, view, n: int, now: float, horizon: float):

@@ -55,6 +55,15 @@ duck-types as one engine for `replay`. The events, processed in time order, are:
                  inserted into that instance's prefix cache (so hot prefixes replicate to the
                  instances that fetch them; pages evicted there LRU first, fewer if they do not
                  fit). The source's cache is read at the decision and not held.
+                 With a KV pool (`kv_pool_bytes_per_node` or `kv_pool`: Mooncake Store's DRAM
+                 pool, llmjax/sim/kvpool.py) the source may be the pool: the transfer is
+                 `kv_pool_seconds` (latency + the instance's bytes per device / the pool's
+                 bandwidth, by default the network's), the pool's LRU is touched at the
+                 decision. Every page an entry instance's radix cache inserts (each prefill
+                 chunk's full pages when the step that computed them is simulated, so, as the
+                 caches themselves, at most one step ahead of a routing; a fetched prefix) is
+                 written to the pool (`RadixCache.on_insert`), at no modeled cost: Mooncake
+                 streams the KV to the store during the prefill.
 
 At one time, arrivals go first, then fetch ends, then transfer ends, then pulls, then steps: a
 step at t sees the arrivals, commits and freed pages of t, and a decode instance's pull at t
@@ -139,6 +148,7 @@ from llmjax.cluster.router import (  # re-exported: the router interface moved t
 )
 from llmjax.engine.request import MigratedRequest, RequestMetrics, RequestOutput
 from llmjax.sampling_params import SamplingParams
+from llmjax.sim.kvpool import SimKVPool
 from llmjax.sim.roofline import kv_page_bytes_per_device
 
 __all__ = [  # with the router interface of llmjax.cluster.router, re-exported
@@ -297,7 +307,7 @@ class _Fetch:
 
     request: RouteRequest
     prompt: str | None
-    source: int
+    source: int | None  # None: the KV pool
     dest: int
     num_tokens: int  # the prefix dest holds once it arrives
     start: float
@@ -370,7 +380,14 @@ class SimCluster:
     can pull a request; `waiting_page_fraction` is DistServe's pull threshold (5 %).
     `node_of(i)` (a sequence or a callable) says which node instance i is on (default
     `pack_nodes`); `transfer_bandwidth` (bytes/s per device) and `transfer_latency_s` override
-    the hardware's link or network figures for every transfer."""
+    the hardware's link or network figures for every transfer.
+
+    The KV pool (Mooncake Store's DRAM pool, `llmjax.sim.kvpool.SimKVPool`; default off):
+    `kv_pool_bytes_per_node` (e.g. `DEFAULT_POOL_BYTES_PER_NODE`, 1 TB) sizes one over the
+    nodes the entry instances are on, in tokens of the model's full KV (all layers and KV
+    heads); or `kv_pool` gives one (its page size and salt must be the entry engines'). Fetches
+    from it take `kv_pool_bandwidth` (bytes/s per receiving device) and `kv_pool_latency_s`
+    (default: as `transfer_bandwidth` / `transfer_latency_s`, else the network's)."""
 
     def __init__(
         self,
@@ -382,6 +399,10 @@ class SimCluster:
         transfer_bandwidth: float | None = None,
         transfer_latency_s: float | None = None,
         node_of: Sequence[int] | Callable[[int], int] | None = None,
+        kv_pool_bytes_per_node: float | None = None,
+        kv_pool: SimKVPool | None = None,
+        kv_pool_bandwidth: float | None = None,
+        kv_pool_latency_s: float | None = None,
     ):
         engines = list(engines)
         if not engines:
@@ -418,6 +439,14 @@ class SimCluster:
             raise ValueError(f"{transfer_bandwidth=} must be > 0 bytes/s (math.inf: instant)")
         if transfer_latency_s is not None and not transfer_latency_s >= 0:
             raise ValueError(f"{transfer_latency_s=} must be >= 0")
+        if kv_pool_bandwidth is not None and not kv_pool_bandwidth > 0:
+            raise ValueError(f"{kv_pool_bandwidth=} must be > 0 bytes/s (math.inf: instant)")
+        if kv_pool_latency_s is not None and not kv_pool_latency_s >= 0:
+            raise ValueError(f"{kv_pool_latency_s=} must be >= 0")
+        if kv_pool is not None and kv_pool_bytes_per_node is not None:
+            raise ValueError("give kv_pool or kv_pool_bytes_per_node, not both")
+        if kv_pool_bytes_per_node is not None and not kv_pool_bytes_per_node >= 0:
+            raise ValueError(f"{kv_pool_bytes_per_node=} must be >= 0")
         self.router = _router(router)
         self.decode_router = _router(decode_router)
         self.conductor_stats = ConductorStats()
@@ -460,6 +489,9 @@ class SimCluster:
         self._parked_to: dict[int, list] = {j: [] for j in self._decode}
         self._fetching: list[tuple[float, int, _Fetch]] = []
         self._fetches: dict[str, _Fetch] = {}
+        self.kv_pool_bandwidth = kv_pool_bandwidth
+        self.kv_pool_latency_s = kv_pool_latency_s
+        self.kv_pool = self._make_pool(kv_pool, kv_pool_bytes_per_node)
         if getattr(self.router, "schedule", None) is not None and self.router.cost_model is None:
             prefill = [i for i in self._entry if self.roles[i] == "prefill"] or self._entry
             self.router.cost_model = SimCostModel(
@@ -467,7 +499,40 @@ class SimCluster:
                 engines[self._decode[0]].config if self._decode else None,
                 transfer_bandwidth=transfer_bandwidth,
                 transfer_latency_s=transfer_latency_s,
+                pool_bandwidth=kv_pool_bandwidth or transfer_bandwidth,
+                pool_latency_s=transfer_latency_s
+                if kv_pool_latency_s is None
+                else kv_pool_latency_s,
             )
+
+    def _make_pool(self, pool: SimKVPool | None, bytes_per_node: float | None):
+        """The KV pool (the class doc), hooked to every entry instance's radix cache: each page
+        it inserts (a prefill chunk's, a fetched prefix's) is written to the pool."""
+        if pool is None and bytes_per_node is None:
+            return None
+        caches = [self.instances[i].block_manager.prefix_cache for i in self._entry]
+        salts = {getattr(c, "salt", None) for c in caches}
+        sizes = {self.instances[i].config.cache.page_size for i in self._entry}
+        if None in salts or len(salts) > 1 or len(sizes) > 1:
+            raise ValueError(
+                "a KV pool needs every entry instance to keep a radix prefix cache "
+                "(CacheConfig(prefix_cache='radix')) with the same page keys (model, dtype, "
+                "page size, KV layout)"
+            )
+        (salt,), (page_size,) = salts, sizes
+        if pool is None:
+            c = self.instances[self._entry[0]].config
+            per_token = kv_page_bytes_per_device(c.model, 1, c.dtype, 1, 1)  # the full KV
+            num_nodes = len({self.nodes[i] for i in self._entry})
+            pool = SimKVPool(int(bytes_per_node * num_nodes // per_token), page_size, salt)
+        elif (pool.page_size, pool.salt) != (page_size, salt):
+            raise ValueError(
+                f"kv_pool has page_size={pool.page_size} and its own salt; the entry instances "
+                f"have page_size={page_size} and salt {salt.hex()[:16]}..."
+            )
+        for cache in caches:
+            cache.on_insert = _pool_writer(pool, cache, cache.on_insert)
+        return pool
 
     # ---- the engine interface --------------------------------------------------------------
 
@@ -593,7 +658,9 @@ class SimCluster:
 
     def reset_prefix_cache(self) -> bool:
         """Empty every instance's prefix cache (`LLMEngine.reset_prefix_cache`); True if all
-        are empty now."""
+        are empty now), and the KV pool."""
+        if self.kv_pool is not None:
+            self.kv_pool.reset()
         return all([e.reset_prefix_cache() for e in self.instances])
 
     # ---- inspection ------------------------------------------------------------------------
@@ -643,6 +710,22 @@ class SimCluster:
         """The modeled time of moving the KV pages of `num_tokens` tokens from instance
         `source` to `dest` (the module doc) and the bytes the receiving devices get."""
         return self._kv_seconds(source, dest, lambda page_size: -(-num_tokens // page_size))
+
+    def kv_pool_seconds(self, dest: int, num_tokens: int) -> tuple[float, int]:
+        """The modeled time of moving the KV pages of `num_tokens` tokens from the KV pool to
+        instance `dest` (the module doc) and the bytes its devices get."""
+        c = self.instances[dest].config
+        tp, pp = c.parallel.tp, c.parallel.pp
+        pages = -(-num_tokens // c.cache.page_size)
+        per_device = pages * kv_page_bytes_per_device(c.model, c.cache.page_size, c.dtype, tp, pp)
+        hw = c.sim.hardware
+        bandwidth = self.kv_pool_bandwidth or self.transfer_bandwidth or hw.network_bandwidth
+        latency = self.kv_pool_latency_s
+        if latency is None:
+            latency = self.transfer_latency_s
+        if latency is None:
+            latency = hw.network_latency_s
+        return latency + per_device / bandwidth, int(per_device * tp * pp)
 
     def _kv_seconds(self, source: int, dest: int, num_pages) -> tuple[float, int]:
         """`transfer_seconds` of `num_pages(page_size)` pages on each side."""
@@ -869,7 +952,10 @@ class SimCluster:
         decode = [self._instances[j] for j in self._decode]
         prefill_views = [InstanceView(inst, now, k) for k, inst in enumerate(entry)]
         decode_views = [InstanceView(inst, now, k) for k, inst in enumerate(decode)]
-        d = self.router.schedule(req, prefill_views, decode_views, now)
+        if self.kv_pool is None:
+            d = self.router.schedule(req, prefill_views, decode_views, now)
+        else:
+            d = self.router.schedule(req, prefill_views, decode_views, now, pool=self.kv_pool)
         rid = req.request_id
         p = self._entry[_check_choice(self.router, d.prefill, len(entry), rid)]
         j = self._decode[_check_choice(self.router, d.decode, len(decode), rid)]
@@ -883,11 +969,18 @@ class SimCluster:
             self._pinned[rid] = j
         except InvalidRequest:
             pass
-        if d.fetch_from is None or d.fetch_tokens <= d.local_tokens:
+        pooled = d.from_pool and self.kv_pool is not None
+        if (d.fetch_from is None and not pooled) or d.fetch_tokens <= d.local_tokens:
             self._admit(p, req, prompt, now)
             return
-        source = self._entry[_check_choice(self.router, d.fetch_from, len(entry), rid)]
-        seconds, nbytes = self.kv_transfer_seconds(source, p, d.fetch_tokens - d.local_tokens)
+        missing = d.fetch_tokens - d.local_tokens
+        if pooled:  # read now (recency), not held: as an instance's cache below
+            source = None
+            self.kv_pool.touch(self.kv_pool.keys(req.prompt_token_ids[: d.fetch_tokens]))
+            seconds, nbytes = self.kv_pool_seconds(p, missing)
+        else:
+            source = self._entry[_check_choice(self.router, d.fetch_from, len(entry), rid)]
+            seconds, nbytes = self.kv_transfer_seconds(source, p, missing)
         fetch = _Fetch(req, prompt, source, p, d.fetch_tokens, now, now + seconds, nbytes)
         heapq.heappush(self._fetching, (fetch.end, next(self._seq), fetch))
         self._fetches[rid] = fetch
@@ -898,9 +991,12 @@ class SimCluster:
         self._path[rid].append(p)
         st = self.conductor_stats
         st.num_fetches += 1
-        st.fetched_tokens += d.fetch_tokens - d.local_tokens
+        st.fetched_tokens += missing
         st.fetch_bytes += nbytes
         st.fetch_seconds += seconds
+        if pooled:
+            st.num_pool_fetches += 1
+            st.pool_fetched_tokens += missing
 
     def _finish_fetch(self, fetch: _Fetch) -> None:
         """The prefix arrived at `fetch.dest`: into its prefix cache, and the request into its
@@ -954,6 +1050,18 @@ class SimCluster:
                 error=error,
             )
         )
+
+
+def _pool_writer(pool: SimKVPool, cache, inner):
+    """A radix cache's `on_insert` that writes the new leaf's path to `pool` (after `inner`,
+    the hook it had, if any)."""
+
+    def inserted(leaf):
+        if inner is not None:
+            inner(leaf)
+        pool.insert_path(cache.path_keys(leaf))
+
+    return inserted
 
 
 def _router(router: Router | str) -> Router:
