@@ -23,7 +23,13 @@ cache_aware (sglang-router's local cache-aware), mooncake (the Conductor, no rej
 mooncake+predicted (with prediction-based early rejection at the run's TTFT and TBT SLOs; and
 mooncake+current, naive early rejection, on request). Every instance keeps its own radix prefix
 cache in its KV pages; the Conductor can fetch a longer prefix from another prefill instance's
-cache (its KV store is the union of the prefill instances' HBM caches, not Mooncake's DRAM pool).
+cache. Without +pool its KV store is the union of the prefill instances' HBM caches; the +pool
+deployments (mooncake+pool, mooncake+pool+predicted; +pool+current on request) add Mooncake
+Store's DRAM pool (llmjax/sim/kvpool.py): --kv_pool_bytes_per_node (assumed 1 TB) of every
+prefill node, in the model's full KV bytes per token (LLaMA2-70B bf16: 320 KiB), LRU over
+chained 256-token page keys, written with every prefill chunk's KV, fetched over the network
+at --kv_pool_bandwidth (default: the network's, 12.5 GB/s per GPU) when that beats both the
+instance's own cache and a fetch from another instance.
 
 The trace: the conversations of --sample_fraction of them (a request's conversation is its second
 hash id, the 512-token block after the shared system block; a single-block request is its own),
@@ -66,6 +72,9 @@ ROUTER_CHOICES = (
     "mooncake",
     "mooncake+predicted",
     "mooncake+current",
+    "mooncake+pool",
+    "mooncake+pool+predicted",
+    "mooncake+pool+current",
 )
 # ALGORITHMS.md §10.4: effective request capacity vs vLLM v0.5.1, over the TBT thresholds
 PAPER = {
@@ -113,11 +122,41 @@ def define_flags() -> None:
     flags.DEFINE_integer("bisections", 5, "Bisection steps (resolution max_rate / 2^steps).")
     flags.DEFINE_list(
         "routers",
-        ["vllm", "random", "least_outstanding", "cache_aware", "mooncake", "mooncake+predicted"],
+        [
+            "vllm",
+            "random",
+            "least_outstanding",
+            "cache_aware",
+            "mooncake",
+            "mooncake+predicted",
+            "mooncake+pool",
+            "mooncake+pool+predicted",
+        ],
         f"Deployments to compare, of {', '.join(ROUTER_CHOICES)}.",
     )
     flags.DEFINE_float(
         "kvcache_balancing_threshold", 1.0, "The Conductor's fetch threshold (best / local)."
+    )
+    flags.DEFINE_float(
+        "kv_pool_bytes_per_node",
+        1e12,
+        "The +pool deployments: DRAM each prefill node gives the KV pool (Mooncake Store), "
+        "bytes (assumed 1 TB; the pool holds this x prefill nodes / the model's KV bytes per "
+        "token).",
+    )
+    flags.DEFINE_float(
+        "kv_pool_bandwidth",
+        None,
+        "The +pool deployments: bytes/s per receiving GPU of a fetch from the pool (default: "
+        "the network's, as an instance-to-instance fetch).",
+    )
+    flags.DEFINE_integer(
+        "prefill_kv_tokens",
+        None,
+        "KV tokens (pages x page size) of each prefill instance's HBM (default: what fits "
+        "beside the weights in 90 % of the GPUs' memory, 1.3 M tokens; smaller: a sensitivity "
+        "run where the sample's working set outgrows the prefill instances' caches, as the full "
+        "trace's does; vLLM's and the decode instance's are unchanged).",
     )
     flags.DEFINE_bool(
         "quick", False, "A tiny run: a third of the sample, 3 bisections, the 100 ms SLO only."
@@ -156,6 +195,17 @@ class Setup:
     tbt_stat: str
     attainment: float
     threshold: float
+    kv_pool_bytes_per_node: float = 1e12
+    kv_pool_bandwidth: float | None = None
+    prefill_kv_tokens: int | None = None
+
+
+def conductor_options(name: str) -> tuple[bool, str]:
+    """(with the KV pool, rejection mode) of a mooncake[+pool][+mode] deployment."""
+    parts = name.split("+")[1:]
+    pool = "pool" in parts
+    modes = [p for p in parts if p != "pool"]
+    return pool, modes[0] if modes else "none"
 
 
 def engine_config(s: Setup, policy: str, budget: int):
@@ -187,18 +237,24 @@ def make_cluster(s: Setup, name: str, tbt_slo: float):
         n = s.num_prefill + s.num_decode
         return SimCluster([LLMEngine(config, None, None) for _ in range(n)], "least_outstanding")
     config = engine_config(s, "sarathi", s.prefill_chunk)
-    engines = [LLMEngine(config, None, None, role="prefill") for _ in range(s.num_prefill)]
+    pages = None if s.prefill_kv_tokens is None else s.prefill_kv_tokens // s.page_size
+    engines = [LLMEngine(config, None, pages, role="prefill") for _ in range(s.num_prefill)]
     engines += [LLMEngine(config, None, None, role="decode") for _ in range(s.num_decode)]
-    router = name
+    router, pool = name, {}
     if name.startswith("mooncake"):
-        rejection = name.partition("+")[2] or "none"
+        with_pool, rejection = conductor_options(name)
         router = Conductor(
             kvcache_balancing_threshold=s.threshold,
             ttft_slo=s.ttft_slo,
             tbt_slo=tbt_slo,
             rejection=rejection,
         )
-    return SimCluster(engines, router)
+        if with_pool:
+            pool = {
+                "kv_pool_bytes_per_node": s.kv_pool_bytes_per_node,
+                "kv_pool_bandwidth": s.kv_pool_bandwidth,
+            }
+    return SimCluster(engines, router, **pool)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,9 +347,28 @@ def run_trial(s: Setup, name: str, specs, native_rate: float, rate: float, tbt_s
         "prefix_cache_hit_rate": summary.prefix_cache_hit_rate,
         "num_engine_steps": sum(st.num_steps for st in cluster.stats),
         "conductor": cluster.conductor_stats.as_dict() if name.startswith("mooncake") else None,
+        "kv_pool": None
+        if cluster.kv_pool is None
+        else {
+            "capacity_tokens": cluster.kv_pool.capacity_tokens,
+            "pages": cluster.kv_pool.num_pages,
+            "inserted_pages": cluster.kv_pool.num_inserted,
+            "evicted_pages": cluster.kv_pool.num_evicted,
+        },
         "wall_s": time.perf_counter() - t,
     }
     return outputs, info
+
+
+def pool_note(info) -> str:
+    """The pool fetches of a +pool trial, for the log line."""
+    conductor = info.get("conductor") or {}
+    if not info.get("kv_pool"):
+        return ""
+    return (
+        f"pool fetches {conductor.get('num_pool_fetches', 0)} "
+        f"({conductor.get('pool_fetched_tokens', 0)} tokens), "
+    )
 
 
 def capacity(trial, tbt_slo: float, s: Setup, max_rate: float, steps: int, log):
@@ -308,7 +383,8 @@ def capacity(trial, tbt_slo: float, s: Setup, max_rate: float, steps: int, log):
         log(
             f"  TBT {1e3 * tbt_slo:g} ms, {rate:.3f} req/s: attainment {a:.1%} "
             f"(rejected {info['num_rejected']}, TTFT p90 {info['ttft_p90'] or 0:.1f} s, "
-            f"hit {info['prefix_cache_hit_rate'] or 0:.1%}, {info['wall_s']:.0f} s wall) -> "
+            f"hit {info['prefix_cache_hit_rate'] or 0:.1%}, "
+            f"{pool_note(info)}{info['wall_s']:.0f} s wall) -> "
             f"{'pass' if passed else 'fail'}"
         )
         if passed:
@@ -342,7 +418,18 @@ def report(results: dict, tbt_slos, s: Setup, meta: dict) -> str:
         f"{s.hardware.name}; {s.num_prefill}P+{s.num_decode}D vs "
         f"vLLM-[{s.num_prefill + s.num_decode}M]; {meta['trace']} trace: "
         f"{meta['num_requests']} requests of {meta['sample_fraction']:.1%} of its "
-        f"conversations, native {meta['native_rate']:.3f} req/s)",
+        f"conversations, native {meta['native_rate']:.3f} req/s"
+        + (
+            f"; prefill instances' HBM KV cut to {s.prefill_kv_tokens} tokens each"
+            if s.prefill_kv_tokens is not None
+            else ""
+        )
+        + (
+            f"; +pool: {s.kv_pool_bytes_per_node / 1e12:g} TB DRAM per prefill node"
+            if any("+pool" in name for name in results)
+            else ""
+        )
+        + ")",
         f"req/s at which >= {s.attainment:.0%} of requests have TTFT < {s.ttft_slo:g} s and "
         f"{s.tbt_stat} TBT < the SLO (bisection resolution {resolution:.2f} req/s); "
         "(vs vLLM)",
@@ -375,6 +462,9 @@ def setup_from_flags() -> Setup:
         tbt_stat=FLAGS.tbt_stat,
         attainment=FLAGS.attainment,
         threshold=FLAGS.kvcache_balancing_threshold,
+        kv_pool_bytes_per_node=FLAGS.kv_pool_bytes_per_node,
+        kv_pool_bandwidth=FLAGS.kv_pool_bandwidth,
+        prefill_kv_tokens=FLAGS.prefill_kv_tokens,
     )
 
 
@@ -408,7 +498,8 @@ def main(argv):
         results[name] = {}
         for slo in tbt_slos:
             log(f"{name}:")
-            key_slo = slo if "+" in name else None  # only rejection depends on the TBT SLO
+            rejects = name.startswith("mooncake") and conductor_options(name)[1] != "none"
+            key_slo = slo if rejects else None  # only rejection depends on the TBT SLO
 
             def trial(rate, name=name, slo=slo, key_slo=key_slo):
                 key = (name, key_slo, rate)
