@@ -305,10 +305,13 @@ class Cluster:
         """The Conductor's KV fetch: copy the cached prefix `token_ids` from prefill instance
         `source`'s prefix cache into `dest`'s, with the KV transport (`LocalInstance.
         export_prefix` / `import_prefix`: gather, move, scatter into fresh pages, insert into
-        the radix tree); returns the prefix tokens `dest` caches now. Instances without these
-        calls (Ray actors today) or a fetch that fails leave `dest` to recompute the prefix
-        (counted in `conductor_stats.num_fetches_recomputed`). The cluster-wide KV store will
-        serve this hook later."""
+        the radix tree); returns the prefix tokens `dest` caches now. Ray actors make the same
+        calls on their instances (across processes only the transfer_server transport can
+        move the pages; that path is not tested yet). Instances without these calls, or a
+        fetch that fails, leave `dest` to recompute the prefix (counted in
+        `conductor_stats.num_fetches_recomputed`). Instances that share KV tiers
+        (`launch(kv_store=...)`, llmjax/engine/kv_tiers.py) also find each other's prefixes
+        there on admission."""
         st = self.conductor_stats
         src, dst = self.instances[source], self.instances[dest]
         if not (hasattr(src, "export_prefix") and hasattr(dst, "import_prefix")):

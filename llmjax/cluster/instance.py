@@ -216,6 +216,8 @@ class LocalInstance:
                 time.sleep(0.001)
                 data = self.transport.poll(handle)
             pages = bm.allocate(holder, len(ids))[: offer.num_pages]
+            if self.engine.kv_tiers is not None:  # write-backs of evicted pages go first
+                self.engine.kv_tiers.dispatch()
             try:
                 self.engine.runner.import_pages(pages, data)
             except Exception:

@@ -83,6 +83,8 @@ MUTATING_CALLS = (
     "release",
     "begin_import",
     "poll_imports",
+    "export_prefix",
+    "import_prefix",
     "reset_stats",
     "reset_prefix_cache",
     "shutdown",
@@ -367,6 +369,13 @@ class RayInstance:
 
     def cached_prefix_tokens(self, prompt_token_ids) -> int:
         return self._call("cached_prefix_tokens", list(prompt_token_ids))
+
+    def export_prefix(self, token_ids):
+        """The Conductor's prefix fetch (`LocalInstance.export_prefix`) on the actor."""
+        return self._call("export_prefix", list(token_ids))
+
+    def import_prefix(self, token_ids, offer, timeout_s: float = 30.0) -> int:
+        return self._call("import_prefix", list(token_ids), offer, timeout_s)
 
     # ---- migration -----------------------------------------------------------------------------
 
