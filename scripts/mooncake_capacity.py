@@ -29,7 +29,9 @@ Store's DRAM pool (llmjax/sim/kvpool.py): --kv_pool_bytes_per_node (assumed 1 TB
 prefill node, in the model's full KV bytes per token (LLaMA2-70B bf16: 320 KiB), LRU over
 chained 256-token page keys, written with every prefill chunk's KV, fetched over the network
 at --kv_pool_bandwidth (default: the network's, 12.5 GB/s per GPU) when that beats both the
-instance's own cache and a fetch from another instance.
+instance's own cache and a fetch from another instance. At the default sample the sample's
+working set fits the prefill instances' HBM (sampling conversations shrinks the reuse distance by
+the sampled share), so the pool is never used; with --sample_fraction 0.33 it is (docs/cluster.md).
 
 The trace: the conversations of --sample_fraction of them (a request's conversation is its second
 hash id, the 512-token block after the shared system block; a single-block request is its own),
@@ -154,7 +156,7 @@ def define_flags() -> None:
         "prefill_kv_tokens",
         None,
         "KV tokens (pages x page size) of each prefill instance's HBM (default: what fits "
-        "beside the weights in 90 % of the GPUs' memory, 1.3 M tokens; smaller: a sensitivity "
+        "beside the weights in 90 % of the GPUs' memory, 1.47 M tokens; smaller: a sensitivity "
         "run where the sample's working set outgrows the prefill instances' caches, as the full "
         "trace's does; vLLM's and the decode instance's are unchanged).",
     )
