@@ -6,6 +6,7 @@ the KV transport, rejection, greedy outputs equal to one engine's)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -495,10 +496,18 @@ def test_real_cluster_fetches_rejects_and_matches_one_engine():
         assert inst.engine.block_manager.num_used_pages == 0
 
 
+_TRACES = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "mooncake"
+)
+
+
+@pytest.mark.skipif(
+    not os.path.exists(os.path.join(_TRACES, "conversation_trace.jsonl")),
+    reason="../shared/data/mooncake not present",
+)
 def test_capacity_script_runs_and_writes_its_json(tmp_path):
     """scripts/mooncake_capacity.py on a dozen requests, one bisection step."""
     import json
-    import os
     import subprocess
     import sys
 
