@@ -362,6 +362,13 @@ class SchedulerConfig:
             `in_batch_prefix_len` (32) tokens but whose first `in_batch_prefix_len` tokens equal
             an earlier waiting request's goes last, so the earlier one fills the cache first.
 
+    `latency_token_budget` (Parrot's LATENCY criteria inside Sarathi's budget, ALGORITHMS.md
+    §13.5; None: off): while a request that a program tagged LATENCY (`ProgramHints`,
+    llmjax/program/) runs, LATENCY requests are scheduled first and all other requests together
+    get at most this many tokens of each step (decodes included; 0 pauses them), so their
+    prefill chunks cannot stretch the latency requests' time between tokens. Requests without
+    hints are scheduled as always.
+
     `balance_micro_batches` (pipeline parallelism only): cap each micro-batch's decodes at
     ceil(decoding requests / pp), so the decodes spread evenly over the pp micro-batches in
     flight. Off by default, as in Sarathi-Serve's code, where a micro-batch takes every decode
@@ -376,6 +383,7 @@ class SchedulerConfig:
     lpm_max_queue_len: int = 128
     in_batch_prefix_len: int = 32
     balance_micro_batches: bool = False
+    latency_token_budget: int | None = None
 
     def __post_init__(self):
         _check_positive(
@@ -385,6 +393,13 @@ class SchedulerConfig:
             "lpm_max_queue_len",
             "in_batch_prefix_len",
         )
+        if self.latency_token_budget is not None and not (
+            isinstance(self.latency_token_budget, int) and self.latency_token_budget >= 0
+        ):
+            raise ValueError(
+                f"latency_token_budget must be an integer >= 0 or None, got "
+                f"{self.latency_token_budget=}"
+            )
         if self.policy not in SCHEDULER_POLICIES:
             raise ValueError(f"unknown {self.policy=}; choose one of {SCHEDULER_POLICIES}")
         if self.admission_order not in ADMISSION_ORDERS:
@@ -407,6 +422,72 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas", "cpu")
 FLASH_PREFILL_MODES = ("auto", "on", "off")
 PALLAS_KERNELS = ("auto", "tpu", "gpu", "mgpu")
 LAYER_LOOPS = ("auto", "scan", "unroll")
+
+
+PROGRAM_MODES = ("parrot", "request")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramConfig:
+    """How a `llmjax.program.ProgramExecutor` serves semantic-variable programs (Parrot, OSDI'24;
+    ALGORITHMS.md §9.2). Names are Parrot's.
+
+    `mode`: 'parrot' (the service receives the program's DAG: a call is dispatched as soon as
+    its inputs are computed, under the policies below) or 'request' (the request-level
+    baseline: the client awaits each call's output and then sends the calls that need it, so
+    every dependent call waits `client_rtt_s` more (the round trip), and the engine sees plain
+    requests with no criteria; the policies below are off).
+
+    Parrot's global scheduler (each switchable):
+      app_fifo     the ready queue is ordered by depth, deepest first (calls further along their
+                   application go first), and the engine orders each application's requests by
+                   the application's arrival (`ProgramHints.app_arrival_time`).
+      graph_group  ready calls that feed a common consumer (the map stage of a map-reduce)
+                   are dispatched together, to one engine, counted as one task against a
+                   LATENCY cap.
+      ctx_group    ready calls whose prompts share at least `ctx_min_tokens` leading tokens are
+                   dispatched together (when graph_group does not group them).
+      ctx_aware    among the engines that may take a group, one that holds its prompt's prefix
+                   (at least `ctx_min_tokens` of it in its prefix cache, or dispatched there)
+                   wins; then the one whose task cap is lowest, then the fullest (best fit).
+    Criteria (deduced back from each `get`): LATENCY calls carry `latency_tasks_num_upperbound`
+    (4) and `latency_tokens_num_upperbound` (4096): an engine holding one takes at most that many
+    tasks (and prompt tokens), so latency calls run in small batches; THROUGHPUT calls carry
+    no cap. An engine also takes at most `tasks_capacity` tasks and `tokens_capacity` prompt
+    tokens (None: no task bound, and its KV cache's tokens), an empty engine any one task.
+    `max_queue_size` ready calls wait at most (more fail the submission).
+    """
+
+    mode: str = "parrot"
+    app_fifo: bool = True
+    graph_group: bool = True
+    ctx_group: bool = True
+    ctx_aware: bool = True
+    latency_tasks_num_upperbound: int = 4
+    latency_tokens_num_upperbound: int = 4096
+    tasks_capacity: int | None = None
+    tokens_capacity: int | None = None
+    max_queue_size: int = 1024
+    ctx_min_tokens: int = 128
+    client_rtt_s: float = 0.0
+
+    def __post_init__(self):
+        if self.mode not in PROGRAM_MODES:
+            raise ValueError(f"unknown {self.mode=}; choose one of {PROGRAM_MODES}")
+        _check_positive(
+            self,
+            "latency_tasks_num_upperbound",
+            "latency_tokens_num_upperbound",
+            "tasks_capacity",
+            "tokens_capacity",
+            "max_queue_size",
+            "ctx_min_tokens",
+        )
+        if not self.client_rtt_s >= 0:
+            raise ValueError(f"client_rtt_s must be >= 0, got {self.client_rtt_s=}")
+
+    def replace(self, **changes) -> ProgramConfig:
+        return dataclasses.replace(self, **changes)
 
 
 def parse_kernel_options(text: str) -> dict[str, int | bool]:

@@ -36,6 +36,7 @@ from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import make_prefix_cache
 from llmjax.engine.request import (
     MigratedRequest,
+    ProgramHints,
     Request,
     RequestMetrics,
     RequestOutput,
@@ -236,9 +237,12 @@ class LLMEngine:
         request_id: str | None = None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        hints: ProgramHints | None = None,
     ) -> str:
         """Queue a request; returns its id. `arrival_time` (seconds on the engine's clock,
-        default now) lets a trace replayer stamp the intended arrival."""
+        default now) lets a trace replayer stamp the intended arrival. `hints`: what a
+        program's executor knows of it (Parrot's criteria and app-level FIFO; see
+        `ProgramHints`)."""
         sampling_params = sampling_params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._live:  # page tables are keyed by id: two would share pages
@@ -254,6 +258,7 @@ class LLMEngine:
             seed=seed,
             prompt=prompt,
             metrics=RequestMetrics(self.clock.now() if arrival_time is None else arrival_time),
+            hints=hints,
         )
         if sampling_params.stop and self.tokenizer is not None:
             req.stop_matcher = StopStringMatcher(
@@ -592,6 +597,7 @@ class LLMEngine:
             loaded_tokens=dict(m.loaded_tokens),
             num_preemptions=m.num_preemptions,
             metrics=_copy_metrics(m.metrics),
+            hints=m.hints,
         )
         if params.stop and self.tokenizer is not None:
             req.stop_matcher = StopStringMatcher(
@@ -647,4 +653,5 @@ def _migrated(req: Request, num_kv_tokens: int) -> MigratedRequest:
         num_cached_tokens=req.num_cached_tokens,
         num_preemptions=req.num_preemptions,
         loaded_tokens=dict(req.loaded_tokens),
+        hints=req.hints,
     )

@@ -67,6 +67,34 @@ class RequestMetrics:
         return self.finished_time - self.arrival_time
 
 
+LATENCY, THROUGHPUT = "latency", "throughput"  # Parrot's performance criteria
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramHints:
+    """What a program's executor (llmjax/program/, Parrot) tells the engine about one of its
+    requests; requests without hints are scheduled as always.
+
+    app_id: the program (application) it belongs to.
+    criteria: 'latency', 'throughput' or None, deduced back from the program's `get`. With
+        `SchedulerConfig.latency_token_budget` set, a running 'latency' request goes first and
+        caps the other requests' tokens per step (llmjax/engine/scheduler.py).
+    app_arrival_time: when given (Parrot's app-level FIFO), the engine orders the request by
+        its application's arrival (then its own) instead of its own arrival: running order,
+        preemption victims (the youngest application first) and FCFS admission.
+    depth: its distance from the program's inputs (1 + the deepest of its inputs'), for
+        logs and plots."""
+
+    app_id: str
+    criteria: str | None = None
+    app_arrival_time: float | None = None
+    depth: int = 0
+
+    def __post_init__(self):
+        if self.criteria not in (None, LATENCY, THROUGHPUT):
+            raise ValueError(f"criteria must be 'latency', 'throughput' or None: {self.criteria!r}")
+
+
 @dataclasses.dataclass
 class Request:
     """A request as the scheduler sees it.
@@ -98,10 +126,24 @@ class Request:
     )
     # Set by the engine when sampling_params.stop is given (a StopStringMatcher).
     stop_matcher: object | None = dataclasses.field(default=None, repr=False)
+    hints: ProgramHints | None = None  # from a program's executor (llmjax/program/)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_latency(self) -> bool:
+        """Tagged LATENCY by a program (Parrot's criteria): see ProgramHints."""
+        return self.hints is not None and self.hints.criteria == LATENCY
+
+    @property
+    def priority_time(self) -> float:
+        """The time FCFS orders it by: its application's arrival (ProgramHints), else its own."""
+        h = self.hints
+        if h is not None and h.app_arrival_time is not None:
+            return h.app_arrival_time
+        return self.metrics.arrival_time
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -199,6 +241,7 @@ class MigratedRequest:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     loaded_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    hints: ProgramHints | None = None
 
     @property
     def num_tokens(self) -> int:

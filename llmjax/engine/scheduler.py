@@ -20,6 +20,15 @@ computed pages stay cached, so its recomputation is mostly a cache hit.
 
 Admission order (`SchedulerConfig.admission_order`): FCFS, or longest-prefix-match with SGLang's
 guards (see `_admission_order`); running requests are never reordered.
+
+Requests from a program's executor (llmjax/program/, Parrot) may carry `ProgramHints`: FCFS then
+orders them by their application's arrival (app-level FIFO), and with
+`SchedulerConfig.latency_token_budget` set, while a request tagged LATENCY runs, LATENCY requests
+go first (decodes, prefill chunks, admission) and every other request shares at most
+`latency_token_budget` tokens of the step (their decodes included), inside the step's budget.
+That is how Parrot's criteria compose with Sarathi's token budget (ALGORITHMS.md §13.5): the
+budget bounds a step, LATENCY work takes it first, THROUGHPUT work fills what the latency cap
+leaves.
 """
 
 from __future__ import annotations
@@ -55,16 +64,22 @@ class ScheduledBatch:
     seqs: list[ScheduledSeq] = dataclasses.field(default_factory=list)
     preempted: list[Request] = dataclasses.field(default_factory=list)
     num_tokens: int = 0  # sum of the seqs' num_new_tokens, kept as they are added and removed
+    num_other_tokens: int = 0  # of those, the tokens of requests not tagged LATENCY
     num_cached_tokens: int = 0  # tokens that prefix-cache hits spared this step
     blocked: Request | None = None  # the waiting request admission stopped at (did not fit)
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
         self.num_tokens += num_new_tokens
+        if not request.is_latency:
+            self.num_other_tokens += num_new_tokens
 
     def remove(self, request: Request) -> None:
         kept = [s for s in self.seqs if s.request is not request]
-        self.num_tokens -= sum(s.num_new_tokens for s in self.seqs if s.request is request)
+        n = sum(s.num_new_tokens for s in self.seqs if s.request is request)
+        self.num_tokens -= n
+        if not request.is_latency:
+            self.num_other_tokens -= n
         self.seqs = kept
 
     def __bool__(self) -> bool:
@@ -105,6 +120,8 @@ class Scheduler:
         # f(request, match_token_ids, PeekResult) -> pages loaded: the KV tiers below the
         # device pages extend the cached prefix before an admission (llmjax/engine/kv_tiers.py)
         self.prefix_loader = None
+        # This step's: a LATENCY-tagged request runs and latency_token_budget caps the others.
+        self._latency_active = False
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -128,12 +145,27 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     # Shared moves. Each appends to `batch` and respects the token budget left in it.
 
-    def _budget(self, batch: ScheduledBatch) -> int:
-        return self.config.max_num_batched_tokens - batch.num_tokens
+    def _budget(self, batch: ScheduledBatch, req: Request | None = None) -> int:
+        """Tokens `req` may still get this step: the token budget left, and for a request not
+        tagged LATENCY while one is (`_latency_active`), `latency_token_budget` shared by all
+        of them."""
+        left = self.config.max_num_batched_tokens - batch.num_tokens
+        if self._latency_active and (req is None or not req.is_latency):
+            left = min(left, self.config.latency_token_budget - batch.num_other_tokens)
+        return left
 
     def _sort_running(self) -> None:
-        """FCFS priority: oldest arrival first, so the newest is the preemption victim."""
-        self.running.sort(key=lambda r: r.metrics.arrival_time)
+        """FCFS priority: oldest arrival first (a program's request: its application's arrival,
+        `Request.priority_time`), so the newest is the preemption victim; with
+        `latency_token_budget` and a LATENCY request running, those first. Called at the start
+        of every `schedule()`."""
+        budget = self.config.latency_token_budget
+        self._latency_active = budget is not None and any(r.is_latency for r in self.running)
+        if self._latency_active:
+            key = lambda r: (not r.is_latency, r.priority_time, r.metrics.arrival_time)
+        else:
+            key = lambda r: (r.priority_time, r.metrics.arrival_time)
+        self.running.sort(key=key)
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> None:
         """One token for every running request whose prompt is done (preempting if needed); with
@@ -144,7 +176,7 @@ class Scheduler:
             cap = -(-len(decoding) // self.num_micro_batches)  # in flight ones counted too
         num_decodes = 0
         for req in decoding:
-            if req.status is not RequestStatus.RUNNING or self._budget(batch) < 1:
+            if req.status is not RequestStatus.RUNNING or self._budget(batch, req) < 1:
                 continue
             if req.request_id in self.in_flight or num_decodes >= cap:
                 continue
@@ -156,12 +188,12 @@ class Scheduler:
         """The next chunk of every running request still in prefill, in FCFS order (first taking
         a longer cached prefix if another request inserted one meanwhile)."""
         for req in [r for r in self.running if r.num_uncomputed_tokens > 1]:
-            if req.status is not RequestStatus.RUNNING or self._budget(batch) <= 0:
+            if req.status is not RequestStatus.RUNNING or self._budget(batch, req) <= 0:
                 continue
             if req.request_id in self.in_flight:
                 continue
             self._match_prefix(req, batch)
-            n = min(req.num_uncomputed_tokens, self._budget(batch))
+            n = min(req.num_uncomputed_tokens, self._budget(batch, req))
             if not allocate_per_chunk or self._grow(req, req.num_computed_tokens + n, batch):
                 batch.add(req, n)
 
@@ -188,7 +220,7 @@ class Scheduler:
             ):  # a lower KV tier's blocks now extend the cached prefix (engine/kv_tiers.py)
                 prefix = bm.peek_prefix(match_ids)
             uncached = req.num_tokens - prefix.num_tokens
-            budget = self._budget(batch)
+            budget = self._budget(batch, req)
             n = min(uncached, budget) if chunked else uncached
             if (
                 n <= 0
@@ -223,6 +255,8 @@ class Scheduler:
         the prefill that is computing it."""
         cfg = self.config
         waiting = list(self.waiting)
+        if self._latency_active or any(r.hints is not None for r in waiting):
+            waiting = self._program_order(waiting)
         if (
             cfg.admission_order == "fcfs"
             or not self.block_manager.caching
@@ -246,6 +280,16 @@ class Scheduler:
             keys[req.request_id] = (deferred, -cached, i)
         fresh.sort(key=lambda r: keys[r.request_id])
         return preempted + fresh
+
+    def _program_order(self, waiting: list[Request]) -> list[Request]:
+        """With program requests waiting (`ProgramHints`): preempted requests first, as always,
+        then by application arrival (app-level FIFO), LATENCY requests ahead of the others while
+        `_latency_active`. A stable sort, so plain requests keep FCFS among themselves."""
+        lat = self._latency_active
+        return sorted(
+            waiting,
+            key=lambda r: (not r.num_preemptions, lat and not r.is_latency, r.priority_time),
+        )
 
     def _waits_for_prefill(self, req: Request, cached: int, running: Request) -> bool:
         """Whether `running`, still in prefill, has yet to compute `req`'s next
