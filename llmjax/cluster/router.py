@@ -46,12 +46,16 @@ from llmjax.sampling_params import SamplingParams
 @dataclasses.dataclass(frozen=True)
 class RouteRequest:
     """A request being routed: its cluster-wide id, prompt, arrival time (seconds on the
-    simulated timeline) and sampling params."""
+    simulated timeline) and sampling params; `hints` (a program's `ProgramHints`, passed to the
+    engine) and `instance` (an entry instance chosen upstream, by a program's scheduler: the
+    router is not asked)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     arrival_time: float
     sampling_params: SamplingParams
+    hints: object = None
+    instance: int | None = None
 
 
 class InstanceLoad(Protocol):

@@ -543,9 +543,16 @@ class SimCluster:
         request_id: str | None = None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        hints=None,
+        instance: int | None = None,
     ) -> str:
         """Queue a request arriving at `arrival_time` (default `clock.now()`); it is routed when
-        its arrival is the next event. Returns its cluster-wide id (given or 0, 1, ...)."""
+        its arrival is the next event. Returns its cluster-wide id (given or 0, 1, ...).
+        `instance`: the entry instance (an index into the entry instances, as the router's
+        views number them) chosen by the caller (a program's scheduler, llmjax/program/)
+        instead of the router; `hints`: the engine's `ProgramHints`."""
+        if instance is not None and not 0 <= instance < len(self._entry):
+            raise ValueError(f"{instance=} is not an entry instance (0..{len(self._entry) - 1})")
         if request_id is None:
             request_id = next(r for r in map(str, self._ids) if r not in self._open)
         elif request_id in self._open:
@@ -556,6 +563,8 @@ class SimCluster:
             tuple(int(t) for t in prompt_token_ids),
             arrival,
             sampling_params or SamplingParams(),
+            hints,
+            instance,
         )
         heapq.heappush(self._pending, (arrival, next(self._seq), req, prompt))
         self._where[request_id] = None
@@ -916,6 +925,9 @@ class SimCluster:
         if self._decode and (error := self._undecodable(req)) is not None:
             self._fail(req, prompt, error, now)
             return
+        if req.instance is not None:  # placed upstream (a program's scheduler)
+            self._admit(self._entry[req.instance], req, prompt, now)
+            return
         if self._decode and getattr(self.router, "schedule", None) is not None:
             self._schedule(req, prompt, now)
             return
@@ -937,6 +949,7 @@ class SimCluster:
             request_id=req.request_id,
             prompt=prompt,
             arrival_time=req.arrival_time,
+            hints=req.hints,
         )
         if req.request_id not in self._instances[i].live:
             self._instances[i].live.add(req.request_id)
