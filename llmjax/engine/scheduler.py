@@ -157,10 +157,11 @@ class Scheduler:
     def _sort_running(self) -> None:
         """FCFS priority: oldest arrival first (a program's request: its application's arrival,
         `Request.priority_time`), so the newest is the preemption victim; with
-        `latency_token_budget` and a LATENCY request running, those first. Called at the start
-        of every `schedule()`."""
-        budget = self.config.latency_token_budget
-        self._latency_active = budget is not None and any(r.is_latency for r in self.running)
+        `latency_token_budget` and a LATENCY request running (or waiting and admissible now),
+        those first. Called at the start of every `schedule()`."""
+        self._latency_active = self.config.latency_token_budget is not None and (
+            any(r.is_latency for r in self.running) or self._latency_admissible()
+        )
         if self._latency_active:
             key = lambda r: (not r.is_latency, r.priority_time, r.metrics.arrival_time)
         else:
@@ -280,6 +281,20 @@ class Scheduler:
             keys[req.request_id] = (deferred, -cached, i)
         fresh.sort(key=lambda r: keys[r.request_id])
         return preempted + fresh
+
+    def _latency_admissible(self) -> bool:
+        """Whether a waiting LATENCY request can be admitted now (a sequence slot and its pages
+        are free), so capping the others this step makes room for it rather than stalling
+        them for nothing."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        req = next((r for r in self.waiting if r.is_latency), None)
+        if req is None:
+            return False
+        bm = self.block_manager
+        prefix = bm.peek_prefix(self._match_token_ids(req))
+        keep_free = self.watermark_pages if self.running else 0
+        return bm.can_allocate(req.request_id, req.num_tokens, keep_free, prefix)
 
     def _program_order(self, waiting: list[Request]) -> list[Request]:
         """With program requests waiting (`ProgramHints`): preempted requests first, as always,

@@ -235,8 +235,9 @@ class ProgramExecutor:
         except Exception as e:  # a tokenizer failure is this task's, not the executor's
             self._fail(task, f"could not render its prompt: {type(e).__name__}: {e}")
             return
-        if self.config.mode == "request":
-            release = t + self.config.client_rtt_s
+        if self.config.mode == "request":  # the client sends it once it has its inputs
+            waited = any(d.producer is not None for d in task.deps)
+            release = t + (self.config.client_rtt_s if waited else 0.0)
             heapq.heappush(self._delayed, (release, next(self._seq), task))
             return
         try:

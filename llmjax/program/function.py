@@ -169,12 +169,19 @@ class SemanticFunction:
         if first == 0:
             raise TemplateError(name, "an output needs a prompt before it", order[0])
         last = max(i for i, p in enumerate(self.pieces) if p.kind == "output")
-        for p in self.pieces[last + 1 :]:
-            if p.kind == "input" or p.value.strip():
-                what = f"{{{{{p.value}}}}}" if p.kind == "input" else repr(p.value.strip()[:30])
+        trailing = self.pieces[last + 1 :]
+        for p in trailing:
+            if p.kind == "input":
                 raise TemplateError(
-                    name, f"{what} after the last output is never sent to the model", order[-1]
+                    name,
+                    f"comes after the last output {{{{{order[-1]}}}}}: never sent to the model",
+                    p.value,
                 )
+        text = "".join(p.value for p in trailing).strip()
+        if text:
+            raise TemplateError(
+                name, f"{text[:30]!r} after the last output is never sent to the model", order[-1]
+            )
         if self.chat and (len(order) != 1 or last != len(self.pieces) - 1 - self._trailing()):
             raise TemplateError(
                 name, "a chat function has one output, at the end of its template", order[0]
@@ -289,7 +296,11 @@ def semantic_function(fn=None, *, chat: bool = False, system: str | None = None,
         if not doc:
             raise TemplateError(fname, "needs a docstring: it is the prompt template")
         inputs, outputs = [], {}
-        for pname, param in inspect.signature(f).parameters.items():
+        try:  # annotations are strings under `from __future__ import annotations`
+            signature = inspect.signature(f, eval_str=True)
+        except Exception as e:
+            raise TemplateError(fname, f"cannot evaluate its annotations: {e}") from e
+        for pname, param in signature.parameters.items():
             ann = param.annotation
             if ann is Input or isinstance(ann, Input):
                 inputs.append(pname)
