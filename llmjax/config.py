@@ -449,11 +449,17 @@ class ProgramConfig:
                    dispatched together (when graph_group does not group them).
       ctx_aware    among the engines that may take a group, one that holds its prompt's prefix
                    (at least `ctx_min_tokens` of it in its prefix cache, or dispatched there)
-                   wins; then the one whose task cap is lowest, then the fullest (best fit).
+                   wins; then `placement` decides.
+    `placement` among the engines that may take a group (after ctx_aware): 'pack' (Parrot's
+    code: the lowest task cap first, so LATENCY tasks join engines already capped, then the
+    least remaining token capacity, best fit) or 'spread' (the fewest tasks, then the most
+    remaining token capacity: a load balancer, as the comment in Parrot's code describes it).
     Criteria (deduced back from each `get`): LATENCY calls carry `latency_tasks_num_upperbound`
-    (4) and `latency_tokens_num_upperbound` (4096): an engine holding one takes at most that many
-    tasks (and prompt tokens), so latency calls run in small batches; THROUGHPUT calls carry
-    no cap. An engine also takes at most `tasks_capacity` tasks and `tokens_capacity` prompt
+    (4, Parrot's): an engine holding one takes at most that many tasks, so latency calls run in
+    small batches; THROUGHPUT calls carry no cap. `latency_tokens_num_upperbound` (None: off)
+    caps an engine holding a LATENCY call at that many prompt tokens the same way; Parrot's code
+    sets 4096 in its annotation but never checks it, so by default it is not checked here
+    either. An engine also takes at most `tasks_capacity` tasks and `tokens_capacity` prompt
     tokens (None: no task bound, and its KV cache's tokens), an empty engine any one task.
     `max_queue_size` ready calls wait at most (more fail the submission).
     """
@@ -463,8 +469,9 @@ class ProgramConfig:
     graph_group: bool = True
     ctx_group: bool = True
     ctx_aware: bool = True
+    placement: str = "pack"
     latency_tasks_num_upperbound: int = 4
-    latency_tokens_num_upperbound: int = 4096
+    latency_tokens_num_upperbound: int | None = None
     tasks_capacity: int | None = None
     tokens_capacity: int | None = None
     max_queue_size: int = 1024
@@ -474,6 +481,8 @@ class ProgramConfig:
     def __post_init__(self):
         if self.mode not in PROGRAM_MODES:
             raise ValueError(f"unknown {self.mode=}; choose one of {PROGRAM_MODES}")
+        if self.placement not in ("pack", "spread"):
+            raise ValueError(f"unknown {self.placement=}; choose 'pack' or 'spread'")
         _check_positive(
             self,
             "latency_tasks_num_upperbound",

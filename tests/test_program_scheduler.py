@@ -73,8 +73,12 @@ def test_latency_caps_bound_an_engine_either_way():
     gs = _gs(1, graph_group=False, ctx_group=False)
     _place(gs, [FakeTask("chat", criteria="latency")])
     assert len(_place(gs, [FakeTask(f"t{i}") for i in range(6)])) == 3
-    # The token cap: a LATENCY task joins no engine holding more than 4096 prompt tokens.
+    # The token cap (off by default, as in Parrot's code): a LATENCY task joins no engine
+    # holding more than 4096 prompt tokens.
     gs = _gs(1, graph_group=False, ctx_group=False)
+    _place(gs, [FakeTask("big", prompt_ids=[1] * 5000)])
+    assert _place(gs, [FakeTask("chat", criteria="latency")]) == [("chat", 0)]
+    gs = _gs(1, graph_group=False, ctx_group=False, latency_tokens_num_upperbound=4096)
     _place(gs, [FakeTask("big", prompt_ids=[1] * 5000)])
     assert _place(gs, [FakeTask("chat", criteria="latency")]) == []
     # An empty engine takes any single task, whatever its size.
@@ -206,3 +210,15 @@ def test_app_fifo_orders_admission_and_preemption_by_application_arrival():
         engine.step()
     assert engine.stats.num_preemptions
     assert [r.request_id for r in engine.scheduler.waiting] == ["young"]
+
+
+def test_placement_packs_or_spreads():
+    tasks = [FakeTask(f"t{i}") for i in range(4)]
+    pack = _gs(3, graph_group=False, ctx_group=False)
+    assert {i for _, i in _place(pack, tasks)} == {0}  # best fit: all on the fullest
+    spread = _gs(3, graph_group=False, ctx_group=False, placement="spread")
+    assert sorted(i for _, i in _place(spread, tasks)) == [0, 0, 1, 2]
+    # Packing puts LATENCY tasks where the cap already binds (least impact on the others).
+    pack = _gs(2, graph_group=False, ctx_group=False)
+    _place(pack, [FakeTask("chat0", criteria="latency")])
+    assert _place(pack, [FakeTask("chat1", criteria="latency")]) == [("chat1", 0)]

@@ -187,8 +187,11 @@ class ProgramExecutor:
                 self._dispatch()
             if not self.target.has_unfinished():
                 return []
-        if self.scheduler.queue and not self.target.has_unfinished():
-            raise RuntimeError(f"{len(self.scheduler.queue)} ready tasks fit no live engine")
+        if self.scheduler.queue and not self.target.has_unfinished():  # no live engine left
+            for task in list(self.scheduler.queue):
+                self.scheduler.remove(task)
+                self._fail(task, "found no live engine to run on")
+            return []
         passthrough = []
         for out in self.target.step():
             task = self._by_request.get(out.request_id)

@@ -76,7 +76,8 @@ class SemanticVariable:
 class Program:
     """One program (Parrot's session) against `backend`: an `LLM`, `LLMEngine` or
     `SimCluster` (an in-process `ProgramExecutor` under `config`), a `ProgramExecutor` (shared
-    by several programs), or the URL of an llmjax server (`model`, `api_key` for it)."""
+    by several programs), the URL of an llmjax server (`model`, `api_key` for it), or a
+    backend object (`LocalBackend`'s methods)."""
 
     def __init__(self, backend, *, config=None, model: str | None = None, api_key=None):
         from llmjax.program.executor import ProgramExecutor
@@ -87,6 +88,8 @@ class Program:
             self.backend = RemoteBackend(backend, model=model, api_key=api_key)
         elif isinstance(backend, ProgramExecutor):
             self.backend = LocalBackend(backend)
+        elif hasattr(backend, "run") and hasattr(backend, "open"):  # a backend already
+            self.backend = backend
         else:
             self.backend = LocalBackend(ProgramExecutor(backend, config))
         self.id = self.backend.open()

@@ -244,6 +244,10 @@ class SemanticFunction:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> SemanticFunction:
+        """The inverse of `to_dict` (the server's JSON); TemplateError for anything wrong."""
+        missing = [k for k in ("name", "template", "outputs") if k not in d]
+        if missing:
+            raise TemplateError(str(d.get("name", "?")), f"missing fields {missing}")
         try:
             outputs = {k: SamplingParams(**v) for k, v in dict(d["outputs"]).items()}
         except (TypeError, ValueError) as e:

@@ -18,15 +18,18 @@ not finished, their prompt tokens, and each one's cap. It can take a group if
 and an engine with no task takes any single task (and a group within its capacities). Among
 those that can, the choice is lexicographic: one holding the group's prefix (`ctx_aware`: at
 least `ctx_min_tokens` of the first task's prompt in its prefix cache or in the prompts
-dispatched to it), then the lowest task upperbound (least impact on other caps), then the least
-remaining token capacity (best fit).
-Parrot's code writes that order as an if/elif chain in which a later rule can also displace an
-engine chosen by an earlier one; here the earlier rule always wins, as its comments intend.
+dispatched to it), then, with `placement='pack'` (Parrot's code), the lowest task upperbound
+(least impact on other engines' caps), then the least remaining token capacity (best fit); with
+'spread', the fewest tasks, then the most remaining token capacity (what the comment beside
+Parrot's code says it does; the code compares the other way). Parrot's code writes that order
+as an if/elif chain in which a later rule can also displace an engine chosen by an earlier one;
+here the earlier rule always wins, as its comments intend.
 
-LATENCY tasks carry `latency_tasks_num_upperbound` (4) and `latency_tokens_num_upperbound`
-(4096); THROUGHPUT ones carry no cap (Parrot's `task_creator.py`). Parrot's code defines the
-token cap but checks only the engine's capacity; here it caps the engine's tokens like the task
-cap caps its tasks. Parrot drops a task from its queue when no engine can take it; here it stays.
+LATENCY tasks carry `latency_tasks_num_upperbound` (4); THROUGHPUT ones carry no cap (Parrot's
+`task_creator.py`). Parrot's annotation also sets a token cap (4096) that its code never checks;
+`latency_tokens_num_upperbound` applies one (None by default, as Parrot runs), capping the
+engine's prompt tokens like the task cap caps its tasks. Parrot drops a task from its queue when
+no engine can take it; here it stays.
 
 No jax, no engine: the slots are bookkeeping that the executor keeps in step with dispatches and
 finishes, so the policies are unit-tested on their own.
@@ -54,7 +57,8 @@ class Annotation:
 
 def annotation(criteria: str | None, config: ProgramConfig) -> Annotation:
     if criteria == LATENCY:
-        return Annotation(config.latency_tasks_num_upperbound, config.latency_tokens_num_upperbound)
+        tokens = config.latency_tokens_num_upperbound
+        return Annotation(config.latency_tasks_num_upperbound, tokens or UNBOUNDED)
     return Annotation()
 
 
@@ -207,6 +211,8 @@ class GlobalScheduler:
 
         def rank(s: EngineSlot):
             holds = cfg.ctx_aware and self.holds_prefix(s.index, head)
+            if cfg.placement == "spread":
+                return (not holds, s.num_tasks, -s.remain_tokens_capacity, s.index)
             return (not holds, s.tasks_num_upperbound, s.remain_tokens_capacity, s.index)
 
         best = min(candidates, key=rank)
