@@ -19,6 +19,8 @@ its address is logged. The engine flags are every script's (llmjax/engine_flags.
 `--num_instances` / `--instances` serve several engine instances behind one router
 (llmjax/cluster/: the local launcher puts instance k on the next tp * pp devices; `--launcher ray`
 on Ray actors); the endpoints and /metrics are the same, the metrics summed over instances.
+One engine also serves semantic-variable programs (POST /v1/programs, llmjax/program/; Parrot's
+scheduling between steps, docs/programs.md); a cluster answers that endpoint 501.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ flags.DEFINE_string(
     "llmjax:",
     "Prefix of the Prometheus metric names on /metrics ('vllm' gives vllm:..., what vLLM's "
     "dashboards read).",
+)
+flags.DEFINE_float(
+    "program_idle_s",
+    600.0,
+    "A semantic-variable program session kept open (POST /v1/programs with keep_session) "
+    "closes after this many seconds without a request (docs/programs.md).",
 )
 flags.DEFINE_bool(
     "warmup", True, "Run one short request before serving, so the first client does not compile."
@@ -97,6 +105,7 @@ def main(argv):
         api_key=FLAGS.api_key,
         max_num_queued=FLAGS.max_num_queued,
         metrics_prefix=FLAGS.metrics_prefix,
+        program_idle_s=FLAGS.program_idle_s,
     )
 
 

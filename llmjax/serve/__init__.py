@@ -4,6 +4,8 @@
                    that hand its outputs to the asyncio loop (merged per request).
   protocol.py      the request bodies (pydantic), with the fields llmjax does not implement yet.
   app.py           the FastAPI routes: completions, chat, models, health, metrics, tokenize.
+  programs.py      /v1/programs: semantic-variable programs on a `ProgramExecutor` that the
+                   engine thread drives around the engine (sessions, waiters, expiry).
   metrics.py       `ServingMetrics`: Prometheus metrics with vLLM's names and buckets.
   server.py        `serve` (blocking, scripts/serve.py) and `Server` (a background thread).
 

@@ -2,6 +2,8 @@
 
     POST /v1/completions        prompt: a string, a list of strings, token ids, or lists of them
     POST /v1/chat/completions   messages rendered with the model's chat template
+    POST /v1/programs           semantic-variable programs (llmjax/serve/programs.py)
+    DELETE /v1/programs/{id}    cancel and close a program's session
     GET  /v1/models   GET /health   GET /metrics   GET /version
     POST /tokenize    POST /detokenize
 
@@ -51,6 +53,7 @@ from llmjax.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     OpenAIModel,
+    ProgramRequest,
     TokenizeRequest,
 )
 from llmjax.tokenizer import TextStream
@@ -65,12 +68,19 @@ SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 class ServerConfig:
     """served_model_name: the `model` clients send (and /v1/models lists). model_path: where the
     weights came from (`root` in /v1/models). api_key: if set, /v1/* need `Authorization: Bearer
-    <key>`. max_num_queued: at most this many requests wait for the engine (None: unbounded)."""
+    <key>`. max_num_queued: at most this many requests wait for the engine (None: unbounded).
+    program_idle_s: a program session kept open (`keep_session`) is closed after this many
+    seconds without a request."""
 
     served_model_name: str
     model_path: str = ""
     api_key: str | None = None
     max_num_queued: int | None = None
+    program_idle_s: float = 600.0
+
+    def __post_init__(self):
+        if not self.program_idle_s > 0:
+            raise ValueError(f"program_idle_s={self.program_idle_s} must be > 0")
 
 
 class APIError(Exception):
@@ -85,6 +95,7 @@ ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    501: "NotImplementedError",
     503: "ServiceUnavailableError",
 }
 
@@ -99,16 +110,28 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(error_body(e.status, e.message, e.param, e.kind), e.status, headers)
 
 
-def build_app(async_engine: AsyncEngine, tokenizer, config: ServerConfig, metrics=None) -> FastAPI:
+def build_app(
+    async_engine: AsyncEngine,
+    tokenizer,
+    config: ServerConfig,
+    metrics=None,
+    programs=None,
+    programs_unsupported: str = "this server does not run programs",
+) -> FastAPI:
     """The FastAPI app over a started-on-startup `AsyncEngine` (its lifespan starts and stops the
-    engine thread). `metrics`: the `ServingMetrics` /metrics exposes."""
+    engine thread). `metrics`: the `ServingMetrics` /metrics exposes. `programs`: the
+    `ProgramRoutes` (llmjax/serve/programs.py) behind /v1/programs, or None (the routes answer
+    501 with `programs_unsupported`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start(asyncio.get_running_loop())
+        expiry = asyncio.ensure_future(programs.expire_forever()) if programs else None
         try:
             yield
         finally:
+            if expiry is not None:
+                expiry.cancel()
             async_engine.stop()
 
     app = FastAPI(title="llmjax", version=llmjax.__version__, lifespan=lifespan)
@@ -150,6 +173,19 @@ def build_app(async_engine: AsyncEngine, tokenizer, config: ServerConfig, metric
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await handler.chat(body, request)
+
+    @app.post("/v1/programs")
+    async def run_program(body: ProgramRequest, request: Request):
+        handler._check_model(body.model)
+        if programs is None:
+            raise APIError(501, programs_unsupported)
+        return await programs.post(body, request)
+
+    @app.delete("/v1/programs/{session_id}")
+    async def close_program(session_id: str):
+        if programs is None:
+            raise APIError(501, programs_unsupported)
+        return await programs.delete(session_id)
 
     @app.get("/v1/models")
     async def models():
@@ -508,19 +544,26 @@ async def _collect_or_disconnect(
             final |= {o.request_id: o for o in outputs}
         return final
 
+    try:
+        return await _or_disconnect(collect(), request)
+    except EngineDeadError as e:
+        raise APIError(503, f"the engine stopped: {e}") from None
+
+
+async def _or_disconnect(awaitable, request: Request):
+    """What `awaitable` gives (or raises), or None if the client disconnects first (the
+    awaitable is then cancelled)."""
+
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    result, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+    result, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(disconnected())
     try:
         done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
     if result in done:
-        try:
-            return result.result()
-        except EngineDeadError as e:
-            raise APIError(503, f"the engine stopped: {e}") from None
+        return result.result()
     result.cancel()
     return None

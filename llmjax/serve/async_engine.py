@@ -5,6 +5,7 @@ loop adds requests and reads their outputs.
     -------------                                 --------------------------
     block on the command queue while idle   <--   add_requests(...) -> OutputStream
     apply every queued command (add, abort)  <--   close(stream): abort what has not finished
+      (call: run fn, settle its future)      <--   await call(fn): fn() between two steps
     LLMEngine.step(); metrics.record_step
     loop.call_soon_threadsafe(deliver, outs) -->   each stream keeps its requests' latest output
 
@@ -12,7 +13,11 @@ A step's outputs cross threads in one call. A stream holds only the newest `Requ
 of its requests (outputs are cumulative, so a slow reader merges the steps it missed instead of
 queueing them): the engine never waits for a client and nothing grows with a client's slowness.
 If the engine thread dies, every open stream fails with the reason, `error` is set (the server's
-/health turns 503) and new requests are refused; the exception is logged.
+/health turns 503) and new requests are refused; the exception is logged. The futures of `call`
+(and any made with `future()`) fail the same way, with EngineDeadError.
+
+`engine` may be any object with the `LLMEngine` methods the thread uses (the server gives a view
+that steps a `ProgramExecutor`: llmjax/serve/programs.py).
 
 No jax here: the engine's own modules import it.
 """
@@ -109,6 +114,7 @@ class AsyncEngine:
         self.error: str | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}
+        self._futures: set[asyncio.Future] = set()  # futures to fail if the thread stops
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         # Waiting requests = adds not yet applied by the engine thread + its waiting queue.
@@ -171,6 +177,25 @@ class AsyncEngine:
         self._commands.put(("add", items))
         return stream
 
+    def future(self) -> asyncio.Future:
+        """A future of the event loop that fails with EngineDeadError if the engine thread
+        stops before it is settled (the engine thread settles it with `settle`). Raises
+        EngineDeadError if the engine is not running."""
+        if not self.is_running:
+            raise EngineDeadError(self.error or "the engine is not running")
+        future = self._loop.create_future()
+        self._futures.add(future)
+        future.add_done_callback(self._futures.discard)
+        return future
+
+    async def call(self, fn):
+        """`fn()` on the engine thread, between two steps (where only that thread may touch the
+        engine and what drives it); returns its result or raises its exception. Raises
+        EngineDeadError if the engine stops first."""
+        future = self.future()
+        self._commands.put(("call", (fn, future)))
+        return await future
+
     def close(self, stream: OutputStream) -> None:
         """Done reading `stream`: its unfinished requests are aborted (their pages freed) before
         the engine's next step. Call it in a `finally`, so a client that goes away (a cancelled
@@ -208,6 +233,10 @@ class AsyncEngine:
         for stream in set(self._streams.values()):
             stream._fail(error)
         self._streams.clear()
+        for future in list(self._futures):
+            if not future.done():
+                future.set_exception(EngineDeadError(error))
+        self._futures.clear()
 
     # ------------------------------------------------------------------------------------------
     # Engine thread.
@@ -268,6 +297,14 @@ class AsyncEngine:
             elif kind == "abort":
                 for rid in payload:
                     self._abort(rid)
+            elif kind == "call":
+                fn, future = payload
+                try:
+                    result = fn()
+                except Exception as e:  # the caller's: the engine thread goes on
+                    settle(future, error=e)
+                else:
+                    settle(future, result)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -287,3 +324,19 @@ class AsyncEngine:
     def _to_loop(self, fn, *args) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
             self._loop.call_soon_threadsafe(fn, *args)
+
+
+def settle(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    """Set `future`'s result (or exception) from any thread; a future already done (its
+    reader gave up) is left alone."""
+
+    def set_() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+        future.get_loop().call_soon_threadsafe(set_)

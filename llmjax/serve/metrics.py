@@ -23,10 +23,13 @@ timestamps. Nothing is timed again in the HTTP layer.
 | request_prompt_tokens / _generation_tokens  | histogram | lengths of finished requests           |
 | iteration_tokens_total                      | histogram | tokens per engine step                 |
 | step_duration_seconds (llmjax only)         | histogram | wall time of one `LLMEngine.step`      |
+| program_calls_total (llmjax only)           | counter   | calls submitted to /v1/programs        |
+| program_tasks_total{state} (llmjax only)    | counter   | tasks ended: done, failed, cancelled   |
 | engine_config_info (llmjax), cache_config_info | gauge = 1 | policy, cache, budget as labels |
 
-Every metric has the label `model_name`. Counters are declared without `_total`
-(prometheus-client appends it, as vLLM's are). Buckets are vLLM's (vllm/v1/metrics).
+A program's tasks are engine requests: the request metrics count them too. Every metric has the
+label `model_name`. Counters are declared without `_total` (prometheus-client appends it, as
+vLLM's are). Buckets are vLLM's (vllm/v1/metrics).
 `record_*` are called by the engine thread only; prometheus-client makes `exposition` safe from
 any thread.
 """
@@ -67,6 +70,7 @@ STEP_DURATION_BUCKETS = [
     10.0,
 ]  # fmt: skip
 FINISHED_REASONS = ("stop", "length", "abort", "error")
+PROGRAM_TASK_STATES = ("done", "failed", "cancelled")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -197,6 +201,16 @@ class ServingMetrics:
             "Wall time of one engine step: schedule, pack, run, update (s).",
             STEP_DURATION_BUCKETS,
         )
+        self.program_calls = counter(
+            "program_calls", "Semantic-function calls submitted to /v1/programs."
+        )
+        tasks = Counter(
+            p + "program_tasks",
+            "Program tasks (one output of one call) that ended, by state.",
+            [*labels, "state"],
+            **reg,
+        )
+        self.program_tasks = {s: tasks.labels(state=s, **self._labels) for s in PROGRAM_TASK_STATES}
         sched, cache = config.scheduler, config.cache
         info = {
             "scheduler_policy": sched.policy,

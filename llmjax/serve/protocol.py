@@ -178,3 +178,27 @@ class TokenizeRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: TokenIds
+
+
+class ProgramVariable(BaseModel):
+    id: str
+    content: str
+
+
+class ProgramGet(BaseModel):
+    variables: list[str]
+    criteria: str = "latency"  # checked by the handler (a 400 naming `get`)
+
+
+class ProgramRequest(OpenAIModel):
+    """POST /v1/programs (docs/programs.md): semantic functions (`SemanticFunction.to_dict()`),
+    constant variables, calls (`CallSpec.to_dict()`) and the variables to compute, for a new
+    session (`session_id` null) or an open one."""
+
+    model: str | None = None
+    session_id: str | None = None
+    functions: list[dict[str, Any]] = []
+    variables: list[ProgramVariable] = []
+    calls: list[dict[str, Any]] = []
+    get: list[ProgramGet] = []
+    keep_session: bool = False

@@ -9,6 +9,7 @@ asked (tests, notebooks, benchmarks):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ import uvicorn
 from llmjax.serve.app import ServerConfig, build_app
 from llmjax.serve.async_engine import AsyncEngine
 from llmjax.serve.metrics import ServingMetrics
+from llmjax.serve.programs import ProgramRoutes, ProgramSessions
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +35,37 @@ def make_app(
     api_key: str | None = None,
     max_num_queued: int | None = None,
     metrics_prefix: str = "llmjax:",
+    program_idle_s: float = 600.0,
+    program_config=None,
 ):
     """(FastAPI app, AsyncEngine, ServingMetrics) serving `llm`'s engine, or a
     `llmjax.cluster.Cluster`'s instances behind its router. The app's lifespan starts the engine
-    thread; from then on nothing else may drive `llm.engine` (or the cluster)."""
+    thread; from then on nothing else may drive `llm.engine` (or the cluster).
+
+    An `LLM` with a tokenizer also serves semantic-variable programs (/v1/programs): its engine
+    thread drives a `ProgramExecutor` (under `program_config`, a ProgramConfig) around the
+    engine; sessions kept open close after `program_idle_s` idle seconds."""
     name = served_model_name or llm.model_name
     engine = llm.serving_view() if hasattr(llm, "serving_view") else llm.engine
     metrics = ServingMetrics(
         name, engine.config, engine.block_manager.num_pages, metrics_prefix, stats=engine.stats
     )
+    config = ServerConfig(name, llm.model_name, api_key, max_num_queued, program_idle_s)
+    sessions, unsupported = None, ""
+    if hasattr(llm, "serving_view"):
+        unsupported = (
+            "/v1/programs needs a single engine: this server serves a cluster, and programs "
+            "over a cluster are not implemented"
+        )
+    elif engine.tokenizer is None:
+        unsupported = "/v1/programs needs the model's tokenizer; this server's model has none"
+    else:
+        sessions = ProgramSessions(engine, program_config, metrics, config.program_idle_s)
+        engine = sessions.engine_view
     async_engine = AsyncEngine(engine, metrics, max_num_queued)
-    config = ServerConfig(name, llm.model_name, api_key, max_num_queued)
-    return build_app(async_engine, llm.tokenizer, config, metrics), async_engine, metrics
+    routes = ProgramRoutes(async_engine, sessions) if sessions is not None else None
+    app = build_app(async_engine, llm.tokenizer, config, metrics, routes, unsupported)
+    return app, async_engine, metrics
 
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **options):
@@ -94,6 +115,12 @@ class Server:
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         logger.info("serving %s on %s", self.model_name, self.url)
         return self
+
+    def call(self, fn, timeout: float = 60.0):
+        """`fn()` on the engine thread between two steps (where the engine may be inspected
+        while it serves); returns its result."""
+        ae = self.async_engine
+        return asyncio.run_coroutine_threadsafe(ae.call(fn), ae._loop).result(timeout)
 
     def stop(self, timeout: float = 30.0) -> None:
         if self._thread is None:
