@@ -40,12 +40,17 @@ and variant: the applications' mean and max end-to-end time (arrival to the last
 ratio to `request`, prefill tokens computed and reused from the prefix cache, engine steps.
 
 `mixed` is a chat stream (one single-call program every --chat_interval_s, criteria latency)
-while a map-reduce job runs (criteria throughput), under: chat-alone, job-alone, fcfs (request
-level, the engine's default budget), fcfs-small-budget (request level with a static token
-budget of --small_budget: a latency-centric deployment), parrot (--latency_token_budget while a
-chat runs: LATENCY work first, the job's tokens capped), parrot-nocap (also without Parrot's cap
-of 4 tasks per engine for LATENCY). It prints the chats' TTFT and TPOT (P50, P99) and the job's
-completion time.
+while a map-reduce job runs (criteria throughput), under:
+
+  chat-alone, job-alone   each without the other
+  fcfs                    request level, the engine's default token budget (throughput-centric)
+  fcfs-bN                 request level with a static token budget of N for every step (a
+                          latency-centric deployment: small steps, so small TBT, for everyone)
+  parrot-bN               Parrot: SchedulerConfig.latency_token_budget = N (while a chat runs, the
+                          job shares N tokens of a step; 0 pauses it) and Parrot's LATENCY cap
+  parrot-nocap-bN         the same without the cap (a chat never waits for dispatch)
+
+It prints the chats' TTFT and TPOT (P50, P99) and the job's completion time.
 
 Every number is measured on this run's device: wall seconds on the real engine, simulated
 seconds with --device sim (the simulator's roofline cost model; the column headers say so).
@@ -79,7 +84,16 @@ flags.DEFINE_list(
 )  # fmt: skip
 flags.DEFINE_list(
     "mixed_variants",
-    ["chat-alone", "job-alone", "fcfs", "fcfs-small-budget", "parrot", "parrot-nocap"],
+    [
+        "chat-alone",
+        "job-alone",
+        "fcfs",
+        "fcfs-b4",
+        "fcfs-b32",
+        "parrot-b0",
+        "parrot-nocap-b0",
+        "parrot-nocap-b16",
+    ],
     "Variants of the mixed workload (the module doc).",
 )
 flags.DEFINE_enum(
@@ -98,8 +112,6 @@ flags.DEFINE_integer("num_chats", 8, "mixed: chat programs.")
 flags.DEFINE_float("chat_interval_s", 2.0, "mixed: seconds between chats.")
 flags.DEFINE_integer("chat_tokens", 40, "mixed: tokens per chat answer.")
 flags.DEFINE_float("job_arrival_s", 0.0, "mixed: when the map-reduce job arrives.")
-flags.DEFINE_integer("latency_token_budget", 0, "mixed parrot: the others' tokens per step.")
-flags.DEFINE_integer("small_budget", 32, "mixed fcfs-small-budget: the static token budget.")
 flags.DEFINE_integer("num_instances", 1, "--device sim: simulated instances (a SimCluster).")
 flags.DEFINE_string("router", "least_outstanding", "Request-level runs on instances: router.")
 flags.DEFINE_string("json_out", None, "Write the results here.")
@@ -283,32 +295,25 @@ def summarize_app(run: dict) -> dict:
 
 
 def mixed_config(name: str, rtt_s: float):
-    """(ProgramConfig, engine options, with_chats, with_job) of a mixed variant."""
+    """(ProgramConfig, engine options, with_chats, with_job) of a mixed variant (the module
+    doc)."""
     from llmjax.config import ProgramConfig
 
-    budget = {"scheduler.latency_token_budget": FLAGS.latency_token_budget}
-    if name == "chat-alone":
-        return ProgramConfig(), {"overrides": budget}, True, False
-    if name == "job-alone":
-        return ProgramConfig(), {"overrides": budget}, False, True
+    request = ProgramConfig(mode="request", client_rtt_s=rtt_s)
+    if name in ("chat-alone", "job-alone"):
+        return ProgramConfig(), {}, name == "chat-alone", name == "job-alone"
     if name == "fcfs":
-        return ProgramConfig(mode="request", client_rtt_s=rtt_s), {}, True, True
-    if name == "fcfs-small-budget":
-        return (
-            ProgramConfig(mode="request", client_rtt_s=rtt_s),
-            {"max_num_batched_tokens": FLAGS.small_budget},
-            True,
-            True,
-        )
-    if name == "parrot":
-        return ProgramConfig(), {"overrides": budget}, True, True
-    if name == "parrot-nocap":
-        return (
-            ProgramConfig(latency_tasks_num_upperbound=1 << 30),
-            {"overrides": budget},
-            True,
-            True,
-        )
+        return request, {}, True, True
+    head, _, budget = name.rpartition("-b")
+    if not budget.isdigit():
+        raise ValueError(f"unknown mixed variant {name!r}")
+    if head == "fcfs":
+        return request, {"max_num_batched_tokens": int(budget)}, True, True
+    options = {"overrides": {"scheduler.latency_token_budget": int(budget)}}
+    if head == "parrot":
+        return ProgramConfig(), options, True, True
+    if head == "parrot-nocap":
+        return ProgramConfig(latency_tasks_num_upperbound=1 << 30), options, True, True
     raise ValueError(f"unknown mixed variant {name!r}")
 
 

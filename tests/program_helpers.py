@@ -36,18 +36,19 @@ def tiny_llm():
     )
 
 
-def sim_engine(num_pages: int = 512, **scheduler):
-    """A simulated tiny engine (no jax): deterministic tokens, a virtual clock."""
+def sim_engine(num_pages: int = 512, model=None, **scheduler):
+    """A simulated engine (no jax; the tiny model unless `model`, a ModelConfig): deterministic
+    tokens, a virtual clock."""
     from configs.tiny import TINY
     from llmjax.config import CacheConfig, EngineConfig, SchedulerConfig
     from llmjax.engine.engine import LLMEngine
     from llmjax.sim import SimConfig
 
     cfg = EngineConfig(
-        model=TINY,
+        model=model or TINY,
         cache=CacheConfig(page_size=4, num_pages=num_pages),
         scheduler=SchedulerConfig(**{"max_num_batched_tokens": 64, "max_num_seqs": 8, **scheduler}),
-        max_model_len=256,
+        max_model_len=256 if model is None else 2048,
         device="sim",
         sim=SimConfig(),
     )
