@@ -266,3 +266,26 @@ def test_placement_on_a_simulated_cluster_keeps_the_outputs(reference):
     ref = run_sequential(sim_engine(), program.functions, program.constants, program.calls,
                          ByteTokenizer())  # fmt: skip
     assert results[0] == results[1] == [ref[v.id][0] for v in variables]
+
+
+def test_placement_on_a_real_cluster_keeps_the_outputs(reference):
+    """Two local instances of the tiny model on fake devices 0 and 1, placed by Parrot's
+    scheduler (spread, so both serve) and by the router in request mode."""
+    from llmjax.cluster import InstanceSpec, launch
+
+    opts = dict(
+        load_format="dummy", page_size=4, max_num_batched_tokens=64, max_num_seqs=8,
+        max_model_len=256, num_pages=256, compilation_cache_dir="",
+    )  # fmt: skip
+    # (tiny_llm's engine options, so the reference holds)
+    for cfg in (ProgramConfig(placement="spread"), ProgramConfig(mode="request")):
+        cluster = launch("tiny", InstanceSpec.parse("2xcolocated"), **opts)
+        ex = ProgramExecutor(cluster, cfg, tokenizer=ByteTokenizer())
+        with Program(ex) as program:
+            variables = build(program)
+            texts = program.get(variables)
+        assert texts == [reference[v.id][0] for v in variables]
+        if cfg.mode == "parrot":
+            assert {r["instance"] for r in ex.records} == {0, 1}
+            assert all(s.num_prefill_tokens > 0 for s in cluster.stats)
+        cluster.shutdown()

@@ -230,8 +230,17 @@ class Cluster:
         request_id: str | None = None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        hints=None,
+        instance: int | None = None,
     ) -> str:
-        """Route a request to an entry instance now; returns its id."""
+        """Route a request to an entry instance now; returns its id. `instance`: the entry
+        instance (an index into the entry instances, as `entry_instances` lists them) chosen by
+        the caller (a program's scheduler, llmjax/program/) instead of the router, if it is
+        alive (the Conductor's (prefill, decode) placement ignores it); `hints`: the engine's
+        `ProgramHints`, kept if the request is recomputed elsewhere."""
+        entry = self.entry_instances
+        if instance is not None and not 0 <= instance < len(entry):
+            raise ValueError(f"{instance=} is not an entry instance (0..{len(entry) - 1})")
         if request_id is None:
             request_id = next(r for r in map(str, self._ids) if r not in self._records)
         elif request_id in self._records:
@@ -242,7 +251,9 @@ class Cluster:
             seed = int(self._seed_rng.integers(0, 2**32))
             params = dataclasses.replace(params, seed=seed)
         arrival = self.clock.now() if arrival_time is None else float(arrival_time)
-        route = RouteRequest(request_id, tuple(int(t) for t in prompt_token_ids), arrival, params)
+        route = RouteRequest(
+            request_id, tuple(int(t) for t in prompt_token_ids), arrival, params, hints, instance
+        )
         if getattr(self.router, "schedule", None) is not None and "decode" in self.roles:
             self._schedule(route, prompt, seed)
             return request_id
@@ -250,10 +261,11 @@ class Cluster:
             entry = self._alive_with(ENTRY_ROLES)
             if not entry:
                 raise RuntimeError("no live instance takes arrivals (all prefill instances died)")
-            i = self._choose(self.router, route, entry)
+            placed = None if instance is None else self.entry_instances[instance]
+            i = placed if placed in entry else self._choose(self.router, route, entry)
             try:
                 self.instances[i].add_request(
-                    list(route.prompt_token_ids), params, request_id, prompt, arrival
+                    list(route.prompt_token_ids), params, request_id, prompt, arrival, hints
                 )
             except ValueError:
                 raise
@@ -287,8 +299,9 @@ class Cluster:
                 self.fetch_prefix(source, i, route.prompt_token_ids[: decision.fetch_tokens])
             try:
                 self.instances[i].add_request(
-                    list(route.prompt_token_ids), params, rid, prompt, route.arrival_time
-                )
+                    list(route.prompt_token_ids), params, rid, prompt, route.arrival_time,
+                    route.hints,
+                )  # fmt: skip
                 self._loads[i] = self.instances[i].load()  # the next arrival sees it queued
             except ValueError:
                 raise
@@ -461,6 +474,12 @@ class Cluster:
         """Where the request runs now (KeyError once it ended)."""
         return self._records[request_id].instance
 
+    @property
+    def entry_instances(self) -> list[int]:
+        """Indices of the instances that take arrivals ('colocated' or 'prefill'), dead or
+        alive, in order: what `add_request(instance=k)` numbers."""
+        return [i for i, r in enumerate(self.roles) if r in ENTRY_ROLES]
+
     def serving_view(self) -> ServingView:
         """This cluster as the server drives an engine (`llmjax.serve.make_app(cluster)`)."""
         return ServingView(self)
@@ -545,6 +564,7 @@ class Cluster:
             num_kv_tokens=0,
             metrics=metrics,
             prompt=rec.prompt,
+            hints=rec.route.hints,
         )
         self.instances[j].recompute_request(m)
         self._loads[j] = self.instances[j].load()

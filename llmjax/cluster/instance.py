@@ -127,9 +127,11 @@ class LocalInstance:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids, sampling_params, request_id, prompt, arrival_time):
+    def add_request(
+        self, prompt_token_ids, sampling_params, request_id, prompt, arrival_time, hints=None
+    ):
         return self.engine.add_request(
-            prompt_token_ids, sampling_params, request_id, prompt, arrival_time
+            prompt_token_ids, sampling_params, request_id, prompt, arrival_time, hints
         )
 
     def validate_request(self, prompt_token_ids, sampling_params) -> None:

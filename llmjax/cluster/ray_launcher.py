@@ -335,9 +335,17 @@ class RayInstance:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids, sampling_params, request_id, prompt, arrival_time):
+    def add_request(
+        self, prompt_token_ids, sampling_params, request_id, prompt, arrival_time, hints=None
+    ):
         return self._call(
-            "add_request", list(prompt_token_ids), sampling_params, request_id, prompt, arrival_time
+            "add_request",
+            list(prompt_token_ids),
+            sampling_params,
+            request_id,
+            prompt,
+            arrival_time,
+            hints,
         )
 
     def validate_request(self, prompt_token_ids, sampling_params) -> None:

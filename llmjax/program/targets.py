@@ -1,5 +1,6 @@
-"""What a `ProgramExecutor` runs tasks on: one engine (real or simulated), or a simulated
-cluster of engines whose entry instances the program scheduler places tasks on.
+"""What a `ProgramExecutor` runs tasks on: one engine (real or simulated), or a cluster of
+engines (simulated, or real: local instances or Ray actors) whose entry instances the program
+scheduler places tasks on.
 
 A target has `num_instances` slots, a `clock`, and: `add(instance, ids, params, request_id,
 arrival_time, hints)`, `step()`, `abort(request_id)`, `has_unfinished()`, `cached_prefix(i, ids)`
@@ -106,8 +107,59 @@ class SimClusterTarget:
         self.clock.advance_to(t)
 
 
+class ClusterTarget:
+    """A real `llmjax.cluster.Cluster` (local instances or Ray actors): tasks go to the entry
+    instance the program scheduler names (`add_request(instance=...)`; a dead one's requests
+    are recomputed elsewhere, hints kept), or where the router says in request mode."""
+
+    virtual = False
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.clock = cluster.clock
+        self._entry = cluster.entry_instances
+        self.num_instances = len(self._entry)
+        self.tokenizer = cluster.tokenizer
+        self.engine_decodes = cluster.instances[self._entry[0]].tokenizer is not None
+
+    def add(self, instance, ids, params, request_id, arrival_time, hints) -> None:
+        self.cluster.add_request(
+            ids, params, request_id, arrival_time=arrival_time, hints=hints, instance=instance
+        )
+
+    def step(self) -> list:
+        return self.cluster.step()
+
+    def abort(self, request_id: str) -> bool:
+        return self.cluster.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.cluster.has_unfinished_requests()
+
+    def cached_prefix(self, instance: int, ids: Sequence[int]) -> int:
+        i = self._entry[instance]
+        if not self.cluster.alive[i]:
+            return 0
+        try:
+            return self.cluster.instances[i].cached_prefix_tokens(list(ids[:-1]))
+        except Exception:  # a dead instance holds nothing
+            return 0
+
+    def capacity(self, instance: int) -> tuple[int, int]:
+        i = self._entry[instance]
+        load = self.cluster._loads[i]
+        return self.cluster.instances[i].config.scheduler.max_num_seqs, load.kv_capacity_tokens
+
+    def page_size(self) -> int:
+        return self.cluster.config.cache.page_size
+
+    def wait_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self.clock.now()))
+
+
 def make_target(target):
-    """An LLM, an LLMEngine or a SimCluster as a target (an object with `add` passes)."""
+    """An LLM, an LLMEngine, a SimCluster or a Cluster as a target (an object with `add`
+    passes)."""
     if hasattr(target, "add") and hasattr(target, "num_instances"):
         return target
     if hasattr(target, "engine") and hasattr(target.engine, "scheduler"):  # an LLM
@@ -116,7 +168,9 @@ def make_target(target):
         return EngineTarget(target)
     if hasattr(target, "views") and hasattr(target, "_entry"):  # llmjax.sim.SimCluster
         return SimClusterTarget(target)
+    if hasattr(target, "entry_instances") and hasattr(target, "serving_view"):  # Cluster
+        return ClusterTarget(target)
     raise TypeError(
-        f"cannot run programs on {type(target).__name__}: give an LLM, an LLMEngine or a "
-        "llmjax.sim.SimCluster"
+        f"cannot run programs on {type(target).__name__}: give an LLM, an LLMEngine, a "
+        "llmjax.sim.SimCluster or a llmjax.cluster.Cluster"
     )

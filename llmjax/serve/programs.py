@@ -113,21 +113,24 @@ class _Session:
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
 
 
-class _ServedTarget(EngineTarget):
-    """The engine as the executor's target, keeping each step's outputs (program tasks'
-    included: the metrics count them) and counting the aborts of program requests."""
+class _ServedTarget:
+    """The executor's target (the engine's, or a cluster's: llmjax/program/targets.py), keeping
+    each step's outputs (program tasks' included: the metrics count them) and counting the
+    aborts of program requests."""
 
-    def __init__(self, engine, metrics):
-        super().__init__(engine)
-        self.metrics = metrics
+    def __init__(self, target, metrics):
+        self.inner, self.metrics = target, metrics
         self.outputs: list = []
 
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
     def step(self) -> list:
-        self.outputs = self.engine.step()
+        self.outputs = self.inner.step()
         return self.outputs
 
     def abort(self, request_id: str) -> bool:
-        aborted = self.engine.abort_request(request_id)
+        aborted = self.inner.abort(request_id)
         if aborted and self.metrics is not None:
             self.metrics.record_abort(request_id)
         return aborted
@@ -138,8 +141,13 @@ class ProgramSessions:
     `program_config`), the requests waiting on it, idle expiry. Engine thread only, except
     `engine_view`, which is what `AsyncEngine` drives."""
 
-    def __init__(self, engine, program_config=None, metrics=None, idle_s: float = 600.0):
-        self.target = _ServedTarget(engine, metrics)
+    def __init__(
+        self, engine, program_config=None, metrics=None, idle_s: float = 600.0, target=None
+    ):
+        """`engine`: what AsyncEngine drives (an LLMEngine, or a cluster's serving view);
+        `target`: what the executor runs tasks on (default: `engine` itself; a Cluster's
+        `ClusterTarget` for a cluster, so Parrot's scheduler places tasks on its instances)."""
+        self.target = _ServedTarget(target or EngineTarget(engine), metrics)
         self.executor = ProgramExecutor(self.target, program_config)
         self.executor.on_var_done = self._on_var_done
         self.metrics = metrics

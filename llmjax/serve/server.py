@@ -42,9 +42,10 @@ def make_app(
     `llmjax.cluster.Cluster`'s instances behind its router. The app's lifespan starts the engine
     thread; from then on nothing else may drive `llm.engine` (or the cluster).
 
-    An `LLM` with a tokenizer also serves semantic-variable programs (/v1/programs): its engine
+    With a tokenizer it also serves semantic-variable programs (/v1/programs): its engine
     thread drives a `ProgramExecutor` (under `program_config`, a ProgramConfig) around the
-    engine; sessions kept open close after `program_idle_s` idle seconds."""
+    engine (or the cluster, whose entry instances Parrot's scheduler places tasks on);
+    sessions kept open close after `program_idle_s` idle seconds."""
     name = served_model_name or llm.model_name
     engine = llm.serving_view() if hasattr(llm, "serving_view") else llm.engine
     metrics = ServingMetrics(
@@ -52,15 +53,15 @@ def make_app(
     )
     config = ServerConfig(name, llm.model_name, api_key, max_num_queued, program_idle_s)
     sessions, unsupported = None, ""
-    if hasattr(llm, "serving_view"):
-        unsupported = (
-            "/v1/programs needs a single engine: this server serves a cluster, and programs "
-            "over a cluster are not implemented"
-        )
-    elif engine.tokenizer is None:
+    if llm.tokenizer is None:
         unsupported = "/v1/programs needs the model's tokenizer; this server's model has none"
     else:
-        sessions = ProgramSessions(engine, program_config, metrics, config.program_idle_s)
+        target = None
+        if hasattr(llm, "serving_view"):  # a Cluster: tasks placed on its entry instances
+            from llmjax.program.targets import ClusterTarget
+
+            target = ClusterTarget(llm)
+        sessions = ProgramSessions(engine, program_config, metrics, config.program_idle_s, target)
         engine = sessions.engine_view
     async_engine = AsyncEngine(engine, metrics, max_num_queued)
     routes = ProgramRoutes(async_engine, sessions) if sessions is not None else None
