@@ -31,7 +31,7 @@ def _read(path):
 
 def test_there_are_notebooks():
     names = {p.stem for p in NOTEBOOKS}
-    for prefix in ("01_", "02_", "03_", "04_", "05_", "06_"):
+    for prefix in ("01_", "02_", "03_", "04_", "05_", "06_", "07_"):
         assert any(n.startswith(prefix) for n in names), (prefix, names)
 
 

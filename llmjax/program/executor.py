@@ -349,6 +349,7 @@ class ProgramExecutor:
         m = out.metrics
         self.records.append(
             {
+                "task": task.id,
                 "app": task.app.id,
                 "call": task.call.id,
                 "function": task.function.name,

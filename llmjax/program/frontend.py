@@ -219,6 +219,23 @@ class Program:
         if self.closed:
             raise RuntimeError(f"program {self.id!r} is closed")
 
+    @property
+    def executor(self):
+        """The in-process `ProgramExecutor` (None for a server's program)."""
+        return getattr(self.backend, "executor", None)
+
+    def scope(self):
+        """A context in which calls go to this program, without closing it at the end (the
+        `with Program(...)` block closes it): build a program over several notebook cells,
+
+            p = Program(llm)
+            with p.scope():
+                parts = [summarize(chunk=c) for c in chunks]
+            ...
+            p.close()
+        """
+        return _Scope(self)
+
     def __enter__(self) -> Program:
         self._tokens.append(_CURRENT.set(self))
         return self
@@ -226,6 +243,18 @@ class Program:
     def __exit__(self, *exc) -> None:
         _CURRENT.reset(self._tokens.pop())
         self.close()
+
+
+class _Scope:
+    def __init__(self, program: Program):
+        self.program, self._token = program, None
+
+    def __enter__(self) -> Program:
+        self._token = _CURRENT.set(self.program)
+        return self.program
+
+    def __exit__(self, *exc) -> None:
+        _CURRENT.reset(self._token)
 
 
 class LocalBackend:

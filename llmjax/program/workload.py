@@ -41,10 +41,19 @@ class JobResult:
     values: dict[str, str | None]
     errors: dict[str, str]
     app_id: str
+    start: float = 0.0  # the run's start on the executor's clock (records' times minus it)
 
     @property
     def latency(self) -> float:
         return self.end - self.arrival
+
+
+def tpot(record: dict) -> float | None:
+    """A task's time per output token after its first (from `ProgramExecutor.records`)."""
+    n = record["output_tokens"]
+    if n < 2 or record["first_token"] is None:
+        return None
+    return (record["finish"] - record["first_token"]) / (n - 1)
 
 
 class _Recorder:
@@ -119,6 +128,7 @@ def run_jobs(
                     {v.id: v.content for v in vars_},
                     {v.id: str(v.error) for v in vars_ if v.error is not None},
                     app,
+                    t0,
                 )
                 del open_jobs[i]
         if not pending and not open_jobs:

@@ -1,5 +1,6 @@
 """The execution timeline of semantic-variable programs (scripts/bench_programs.py --plot_dir,
-colab/07_programs.ipynb): one row per task (an output of a call), a thin line while it is ready
+colab/07_programs.ipynb): one row per task (an output of a call; rows ordered by application,
+then dispatch time), a thin line while it is ready
 but not yet dispatched (waiting for its inputs' round trip, a cap or a slot), a bar from its
 dispatch to its finish, colored by semantic function. Rows come from `ProgramExecutor.records`;
 times are seconds since the run's start."""
@@ -39,15 +40,16 @@ def plot_timeline(records: Sequence[Mapping], t0: float = 0.0, ax=None, title: s
         if start > ready:
             ax.plot([ready, start], [y, y], color=c, linewidth=1, alpha=0.6)
         ax.barh(y, end - start, left=start, height=0.7, color=c)
-    for f in families:
-        ax.barh([], [], color=color[f], label=f)
+    from matplotlib.patches import Patch
+
     ax.set_xlabel("time (s)")
-    ax.set_ylabel("task (by application, then dispatch)")
+    ax.set_ylabel("tasks")
     ax.set_yticks([])
     if title:
         ax.set_title(title)
     if families:
-        ax.legend(fontsize="small", loc="lower right")
+        handles = [Patch(color=color[f], label=f) for f in families]
+        ax.legend(handles=handles, fontsize="small", loc="lower right")
     return ax
 
 
@@ -57,7 +59,7 @@ def plot_timelines(runs: Mapping[str, tuple[Sequence[Mapping], float]], title: s
     fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.6 * len(runs)), sharex=True, squeeze=False)
     for ax, (name, (records, t0)) in zip(axes[:, 0], runs.items(), strict=True):
         plot_timeline(records, t0, ax=ax, title=name)
+    fig.tight_layout(rect=(0, 0, 1, 0.97) if title else None)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
     return fig
