@@ -27,6 +27,7 @@ or loads from JAX's cache, every step shape before the clock starts):
   parrot-capN      parrot with a LATENCY cap of N tasks per engine instead of Parrot's 4
   parrot-spread    parrot placing on the least loaded engine instead of packing (several
                    instances only; see ProgramConfig.placement)
+  parrot-a+b       several of those at once (parrot-no_graph_group+latency)
   request-nocache  the baseline without prefix caching
 
 Each app's `get` has the criteria its user would choose (--criteria auto): chain_summary and
@@ -36,7 +37,9 @@ group, like a map stage, counting as one), which serializes concurrent map-reduc
 engine: `parrot-latency` shows that cost.
 
 So `request` -> `dag` is what the round trips cost, `dag` -> `parrot` what the scheduling
-policies add, `parrot-nocache` -> `parrot` what prefix sharing adds. The table prints, per app
+policies add, `parrot-nocache` -> `parrot` what prefix sharing adds. With --repeats N every
+app's variants run N times in rotated order and the table shows each metric's median, with
+the spread of the runs (on a shared 2-core CPU, several percent). The table prints, per app
 and variant: the applications' mean and max end-to-end time (arrival to the last output), the
 ratio to `request`, prefill tokens computed and reused from the prefix cache, engine steps.
 
@@ -103,6 +106,9 @@ flags.DEFINE_enum(
     "throughput).",
 )  # fmt: skip
 flags.DEFINE_integer("num_apps", 2, "Copies of each app per run.")
+flags.DEFINE_integer(
+    "repeats", 1, "Runs of each app's variants (in rotated order); the table shows medians."
+)
 flags.DEFINE_float("app_interval_s", 0.0, "Seconds between the copies' arrivals.")
 flags.DEFINE_integer("num_chunks", 6, "Chunks of text per summarization app.")
 flags.DEFINE_integer("chunk_tokens", 256, "Tokens per chunk.")
@@ -156,22 +162,23 @@ def variant_config(name: str, rtt_s: float):
         cfg = ProgramConfig()
     else:
         raise ValueError(f"unknown variant {name!r}")
-    if ablation == "nocache":
-        engine["prefix_cache"] = "none"
-    elif ablation == "no_app_fifo":
-        cfg = cfg.replace(app_fifo=False)
-    elif ablation == "no_graph_group":
-        cfg = cfg.replace(graph_group=False)
-    elif ablation == "no_ctx":
-        cfg = cfg.replace(ctx_group=False, ctx_aware=False)
-    elif ablation in ("latency", "throughput"):
-        criteria = ablation
-    elif ablation == "spread":
-        cfg = cfg.replace(placement="spread")
-    elif ablation.startswith("cap") and ablation[3:].isdigit():
-        cfg = cfg.replace(latency_tasks_num_upperbound=int(ablation[3:]))
-    elif ablation:
-        raise ValueError(f"unknown variant {name!r}")
+    for part in filter(None, ablation.split("+")):  # e.g. parrot-no_graph_group+latency
+        if part == "nocache":
+            engine["prefix_cache"] = "none"
+        elif part == "no_app_fifo":
+            cfg = cfg.replace(app_fifo=False)
+        elif part == "no_graph_group":
+            cfg = cfg.replace(graph_group=False)
+        elif part == "no_ctx":
+            cfg = cfg.replace(ctx_group=False, ctx_aware=False)
+        elif part in ("latency", "throughput"):
+            criteria = part
+        elif part == "spread":
+            cfg = cfg.replace(placement="spread")
+        elif part.startswith("cap") and part[3:].isdigit():
+            cfg = cfg.replace(latency_tasks_num_upperbound=int(part[3:]))
+        else:
+            raise ValueError(f"unknown variant {name!r}")
     return cfg, engine, criteria
 
 
@@ -320,6 +327,18 @@ def mixed_config(name: str, rtt_s: float):
     raise ValueError(f"unknown mixed variant {name!r}")
 
 
+def median_row(rows: list[dict]) -> dict:
+    """The per-key median of repeated runs' rows (and the spread of the mean latency)."""
+    out = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
+    for k, v in rows[0].items():
+        if isinstance(v, int):
+            out[k] = round(out[k])
+    lat = [r["mean_latency_s"] for r in rows]
+    out["mean_latency_runs_s"] = lat
+    out["spread"] = (max(lat) - min(lat)) / out["mean_latency_s"] if len(lat) > 1 else 0.0
+    return out
+
+
 def summarize_mixed(run: dict) -> dict:
     from llmjax.program.workload import tpot as task_tpot
 
@@ -380,12 +399,16 @@ def main(argv):
         run_variant(llm, tokenizer, app_jobs("map_reduce", tokenizer)[:1], ProgramConfig(), {})
     for name in [a for a in FLAGS.apps if a != "mixed"]:
         jobs = app_jobs(name, tokenizer)
-        rows, timelines = {}, {}
-        for variant in FLAGS.variants:
-            cfg, options, criteria = variant_config(variant, rtt_s)
-            run = run_variant(llm, tokenizer, with_criteria(jobs, criteria), cfg, options)
-            rows[variant] = summarize_app(run)
-            timelines[variant] = (run["records"], run["t0"])
+        runs: dict[str, list[dict]] = {v: [] for v in FLAGS.variants}
+        timelines = {}
+        for r in range(FLAGS.repeats):  # rotated, so no variant always runs first
+            k = r % len(FLAGS.variants)
+            for variant in FLAGS.variants[k:] + FLAGS.variants[:k]:
+                cfg, options, criteria = variant_config(variant, rtt_s)
+                run = run_variant(llm, tokenizer, with_criteria(jobs, criteria), cfg, options)
+                runs[variant].append(summarize_app(run))
+                timelines[variant] = (run["records"], run["t0"])
+        rows = {v: median_row(rs) for v, rs in runs.items()}
         base = rows.get("request")
         for row in rows.values():
             if base:
@@ -405,6 +428,7 @@ def main(argv):
                 (f"mean app latency ({unit})", "mean_latency_s", ".2f"),
                 (f"max app latency ({unit})", "max_latency_s", ".2f"),
                 ("speedup vs request (mean)", "speedup_vs_request", ".2f"),
+                ("spread over repeats", "spread", ".1%"),
                 ("prefill tokens computed", "prefill_tokens", "d"),
                 ("prompt tokens from cache", "cached_tokens", "d"),
                 ("engine steps", "steps", "d"),
