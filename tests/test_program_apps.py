@@ -132,9 +132,16 @@ def test_bench_programs_script_on_the_simulator(tmp_path):
 def test_apps_on_smollm2_equal_their_calls_one_by_one(smollm2_path):
     from llmjax import LLM
 
-    llm = LLM(smollm2_path, max_model_len=1024, num_pages=512, compilation_cache_dir="")
-    chunks = document_chunks(llm.tokenizer, 3, 120, offset=64)
-    params = AppParams(output_tokens=16, short_tokens=8)
+    llm = LLM(
+        smollm2_path,
+        max_model_len=768,
+        num_pages=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=128,  # few, small step shapes to compile
+        compilation_cache_dir="",
+    )
+    chunks = document_chunks(llm.tokenizer, 2, 80, offset=64)
+    params = AppParams(output_tokens=8, short_tokens=4)
     with Program(llm) as p:
         gets = map_reduce(p, chunks, params) + multi_agent(p, "a timer", 1, params)
         values = [v.get(c) for v, c in gets]

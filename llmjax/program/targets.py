@@ -59,7 +59,28 @@ class EngineTarget:
             time.sleep(max(0.0, t - self.clock.now()))
 
 
-class SimClusterTarget:
+class _Instances:
+    """What the two cluster targets share: requests go through the cluster's own calls, to the
+    entry instance named (`add_request(instance=...)`) or, with none, where its router says."""
+
+    cluster = None
+
+    def add(self, instance, ids, params, request_id, arrival_time, hints) -> None:
+        self.cluster.add_request(
+            ids, params, request_id, arrival_time=arrival_time, hints=hints, instance=instance
+        )
+
+    def step(self) -> list:
+        return self.cluster.step()
+
+    def abort(self, request_id: str) -> bool:
+        return self.cluster.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.cluster.has_unfinished_requests()
+
+
+class SimClusterTarget(_Instances):
     """A `llmjax.sim.SimCluster`: tasks go to the entry instance the program scheduler names
     (`add_request(instance=...)`), or, in request mode (no placement), where its router says."""
 
@@ -77,20 +98,6 @@ class SimClusterTarget:
     def _engine(self, instance: int):
         return self.cluster.instances[self._entry[instance]]
 
-    def add(self, instance, ids, params, request_id, arrival_time, hints) -> None:
-        self.cluster.add_request(
-            ids, params, request_id, arrival_time=arrival_time, hints=hints, instance=instance
-        )
-
-    def step(self) -> list:
-        return self.cluster.step()
-
-    def abort(self, request_id: str) -> bool:
-        return self.cluster.abort_request(request_id)
-
-    def has_unfinished(self) -> bool:
-        return self.cluster.has_unfinished_requests()
-
     def cached_prefix(self, instance: int, ids: Sequence[int]) -> int:
         bm = self._engine(instance).block_manager
         return bm.peek_prefix(list(ids[:-1])).num_tokens if bm.caching else 0
@@ -107,7 +114,7 @@ class SimClusterTarget:
         self.clock.advance_to(t)
 
 
-class ClusterTarget:
+class ClusterTarget(_Instances):
     """A real `llmjax.cluster.Cluster` (local instances or Ray actors): tasks go to the entry
     instance the program scheduler names (`add_request(instance=...)`; a dead one's requests
     are recomputed elsewhere, hints kept), or where the router says in request mode."""
@@ -121,20 +128,6 @@ class ClusterTarget:
         self.num_instances = len(self._entry)
         self.tokenizer = cluster.tokenizer
         self.engine_decodes = cluster.instances[self._entry[0]].tokenizer is not None
-
-    def add(self, instance, ids, params, request_id, arrival_time, hints) -> None:
-        self.cluster.add_request(
-            ids, params, request_id, arrival_time=arrival_time, hints=hints, instance=instance
-        )
-
-    def step(self) -> list:
-        return self.cluster.step()
-
-    def abort(self, request_id: str) -> bool:
-        return self.cluster.abort_request(request_id)
-
-    def has_unfinished(self) -> bool:
-        return self.cluster.has_unfinished_requests()
 
     def cached_prefix(self, instance: int, ids: Sequence[int]) -> int:
         i = self._entry[instance]
