@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 512  # entries of logit_bias (OpenAI allows 300)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -21,6 +24,27 @@ class SamplingParams:
         the text ends before it (with it if include_stop_str_in_output); the token ids end with
         the token that completed it. Needs a tokenizer.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
+
+    Logits processing, as vLLM defines it, in this order before sampling (each row on its own,
+    so a request's tokens never depend on its batch):
+    logit_bias: {token id: bias} added to the logits (OpenAI's range [-100, 100]).
+    min_tokens: until this many tokens are generated, EOS (unless ignore_eos) and the
+        stop_token_ids cannot be sampled.
+    repetition_penalty: > 0; a token already in the prompt or the output has its logit divided
+        by it if positive, multiplied if not (1 = off).
+    frequency_penalty, presence_penalty: in [-2, 2]; subtracted from a token's logit once per
+        time it was generated, and once if it was generated at all (0 = off).
+    min_p: in [0, 1]; after temperature, tokens whose probability is below min_p x the most
+        likely token's are dropped (0 = off).
+    Greedy decoding (temperature 0) takes the argmax after logit_bias, min_tokens and the
+    penalties.
+
+    Outputs:
+    logprobs: None, or the number (0-20) of most likely tokens whose log probabilities come
+        with each generated token, beside the sampled token's own (log-softmax of the model's
+        raw logits, before any processing, as vLLM's default).
+    n: samples to generate from the prompt (each its own seed stream: seed + i with a seed);
+        they share the prompt's KV pages through the prefix cache.
     """
 
     max_tokens: int = 64
@@ -32,6 +56,14 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -60,6 +92,61 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
             )
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got n={self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {name}={value!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty=}".replace(
+                    "self.", ""
+                )
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got min_p={self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
+                f"min_tokens={self.min_tokens!r}"
+            )
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
+        elif bias is None:
+            bias = ()
+        else:
+            bias = tuple(sorted((int(k), float(v)) for k, v in bias))
+        for token, value in bias:
+            if token < 0 or not -100.0 <= value <= 100.0:
+                raise ValueError(
+                    f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {value}"
+                )
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+        object.__setattr__(self, "logit_bias", bias)
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
+                f"logprobs={self.logprobs!r}"
+            )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processing (bias, min_tokens, penalties, min_p) is on."""
+        return bool(self.logit_bias or self.min_tokens or self.has_penalties or self.min_p > 0)
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -14,6 +14,7 @@ import numpy as np
 from llmjax.engine.block_manager import pages_needed
 from llmjax.engine.scheduler import ScheduledBatch
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
+from llmjax.sampling_params import MAX_LOGPROBS
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -94,9 +95,46 @@ def step_shape(step) -> tuple[int, int, int]:
     return int(np.shape(step.token_ids)[0]), int(S), int(P)
 
 
+BIAS_BUCKETS = (8, 64, 1024)  # logit-bias slots per row (logit_bias + min_tokens' stop ids)
+MAX_BIAS_SLOTS = BIAS_BUCKETS[-1]
+
+
+@dataclasses.dataclass
+class ProcessingInput:
+    """Logits processing and log probabilities for a step that asks for them (`SamplingParams.
+    processes_logits` or `logprobs`), padded like the step; a row without them is neutral
+    (no bias, penalties 0 and 1, min_p 0). B rounds up to BIAS_BUCKETS; L, the history of
+    prompt and output tokens the penalties count, is 1 unless a row has penalties, then the
+    longest sequence a request can have (so few compiled variants). `num_logprobs` is
+    MAX_LOGPROBS if a sampled row asks for logprobs, else 0."""
+
+    min_p: np.ndarray  # [S] float32
+    bias_ids: np.ndarray  # [S, B] int32, -1 pads
+    bias_values: np.ndarray  # [S, B] float32
+    history_ids: np.ndarray  # [S, L] int32, -1 pads
+    history_is_output: np.ndarray  # [S, L] bool
+    presence: np.ndarray  # [S] float32
+    frequency: np.ndarray  # [S] float32
+    repetition: np.ndarray  # [S] float32
+    num_logprobs: int
+
+    def arrays(self) -> tuple:
+        return (
+            self.min_p,
+            self.bias_ids,
+            self.bias_values,
+            self.history_ids,
+            self.history_is_output,
+            self.presence,
+            self.frequency,
+            self.repetition,
+        )
+
+
 @dataclasses.dataclass
 class SamplingInput:
-    """Per-sequence sampling arrays, [S] each, padded like the step."""
+    """Per-sequence sampling arrays, [S] each, padded like the step; `processing` when a row
+    processes its logits or wants logprobs."""
 
     temperature: np.ndarray
     top_k: np.ndarray
@@ -104,6 +142,71 @@ class SamplingInput:
     seeds: np.ndarray
     counters: np.ndarray
     all_greedy: bool
+    processing: ProcessingInput | None = None
+
+
+def stop_ids_while_short(req) -> list[int]:
+    """The token ids min_tokens masks while `req` is short of it: EOS (unless ignore_eos) and
+    its stop_token_ids."""
+    params = req.sampling_params
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids |= set(req.eos_token_ids)
+    return sorted(ids)
+
+
+def _processing(seqs, S: int, history_len: int) -> ProcessingInput | None:
+    """The processing arrays of the rows that sample this step, or None if none asks."""
+    rows = [
+        (i, s.request)
+        for i, s in enumerate(seqs)
+        if s.samples
+        and (
+            s.request.sampling_params.processes_logits
+            or s.request.sampling_params.logprobs is not None
+        )
+    ]
+    if not rows:
+        return None
+    biases = {}
+    for i, req in rows:
+        params = req.sampling_params
+        entries = list(params.logit_bias)
+        if len(req.output_token_ids) < params.min_tokens:
+            entries += [(t, -np.inf) for t in stop_ids_while_short(req)]
+        biases[i] = entries
+    need = max(len(e) for e in biases.values())
+    B = next(b for b in BIAS_BUCKETS if b >= need)
+    penalties = any(req.sampling_params.has_penalties for _, req in rows)
+    L = history_len if penalties else 1
+    out = ProcessingInput(
+        min_p=np.zeros(S, np.float32),
+        bias_ids=np.full((S, B), -1, np.int32),
+        bias_values=np.zeros((S, B), np.float32),
+        history_ids=np.full((S, L), -1, np.int32),
+        history_is_output=np.zeros((S, L), np.bool_),
+        presence=np.zeros(S, np.float32),
+        frequency=np.zeros(S, np.float32),
+        repetition=np.ones(S, np.float32),
+        num_logprobs=MAX_LOGPROBS
+        if any(req.sampling_params.logprobs is not None for _, req in rows)
+        else 0,
+    )
+    for i, req in rows:
+        params = req.sampling_params
+        out.min_p[i] = params.min_p
+        for k, (token, value) in enumerate(biases[i]):
+            out.bias_ids[i, k], out.bias_values[i, k] = token, value
+        if params.has_penalties:
+            n_prompt = len(req.prompt_token_ids)
+            n = req.num_tokens
+            out.history_ids[i, :n_prompt] = req.prompt_token_ids
+            out.history_ids[i, n_prompt:n] = req.output_token_ids
+            out.history_is_output[i, n_prompt:n] = True
+            out.presence[i] = params.presence_penalty
+            out.frequency[i] = params.frequency_penalty
+            out.repetition[i] = params.repetition_penalty
+    return out
 
 
 def pack(
@@ -162,7 +265,14 @@ def pack(
         num_seqs=np.array([len(seqs)], np.int32),
         logits_indices=logits_indices,
     )
+    processing = _processing(seqs, S, buckets.page_buckets[-1] * page_size)
     sampling = SamplingInput(
-        temperature, top_k, top_p, seeds, counters, all_greedy=not temperature.any()
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+        counters,
+        all_greedy=not temperature.any(),
+        processing=processing,
     )
     return step, sampling

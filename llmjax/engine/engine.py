@@ -35,6 +35,7 @@ from llmjax.engine.clock import WALL_CLOCK, Clock, VirtualClock
 from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import make_prefix_cache
 from llmjax.engine.request import (
+    Logprob,
     MigratedRequest,
     ProgramHints,
     Request,
@@ -259,6 +260,7 @@ class LLMEngine:
             prompt=prompt,
             metrics=RequestMetrics(self.clock.now() if arrival_time is None else arrival_time),
             hints=hints,
+            logprobs=[] if sampling_params.logprobs is not None else None,
         )
         if sampling_params.stop and self.tokenizer is not None:
             req.stop_matcher = StopStringMatcher(
@@ -301,6 +303,7 @@ class LLMEngine:
             raise InvalidRequest(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt"
             )
+        _validate_processing(self.config, sampling_params)
         # Alone in the cache, the request must be able to reach its last token.
         total = min(n + sampling_params.max_tokens, max_len)
         need = pages_needed(total, self.block_manager.page_size)
@@ -367,6 +370,9 @@ class LLMEngine:
         with trace("llmjax.run", tokens=batch.num_tokens, seqs=len(batch.seqs)):
             next_ids = self.runner.run(step_input, sampling)
         t_update, c_update = time.perf_counter(), self.clock.now()
+        logprobs = getattr(self.runner, "last_logprobs", None)
+        if logprobs is not None:
+            _record_logprobs(batch, next_ids, logprobs)
         if tiers is not None:
             tiers.finish()  # store the blocks gathered before the step
             prefill = batch.num_tokens - sum(s.is_decode for s in batch.seqs)
@@ -598,6 +604,8 @@ class LLMEngine:
             num_preemptions=m.num_preemptions,
             metrics=_copy_metrics(m.metrics),
             hints=m.hints,
+            logprobs=None if m.logprobs is None else list(m.logprobs),
+            cumulative_logprob=m.cumulative_logprob,
         )
         if params.stop and self.tokenizer is not None:
             req.stop_matcher = StopStringMatcher(
@@ -629,11 +637,86 @@ class LLMEngine:
             num_cached_tokens_per_tier=cached_tokens_per_tier(
                 req.num_cached_tokens, req.loaded_tokens
             ),
+            logprobs=self._decoded_logprobs(req) if done else _copy(req.logprobs),
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
         )
+
+    def _decoded_logprobs(self, req: Request):
+        """The request's logprobs with each token's text (a tokenizer's), for its output."""
+        if req.logprobs is None or self.tokenizer is None:
+            return req.logprobs
+        tok = self.tokenizer
+        return [
+            {
+                t: dataclasses.replace(lp, decoded_token=tok.decode([t], False))
+                for t, lp in e.items()
+            }
+            for e in req.logprobs
+        ]
 
     @property
     def num_compiles(self) -> int:
         return self.runner.num_compiles
+
+
+def _validate_processing(cfg: EngineConfig, params: SamplingParams) -> None:
+    """What this engine can do of logits processing, logprobs and n."""
+    from llmjax.engine.batch import MAX_BIAS_SLOTS
+
+    if params.n != 1:
+        raise InvalidRequest(
+            f"n={params.n}: an engine runs one sample per request; LLM.generate and the "
+            "server expand n into n requests",
+            "n",
+        )
+    wants = params.processes_logits or params.logprobs is not None
+    if not wants:
+        return
+    if cfg.device == "sim" and params.logprobs is not None:
+        raise InvalidRequest(
+            "logprobs: the simulated device computes no logits (its tokens are stand-ins)",
+            "logprobs",
+        )
+    if cfg.parallel.pp > 1 or cfg.sparse_kv.enabled:
+        what = "pp > 1" if cfg.parallel.pp > 1 else f"sparse_kv={cfg.sparse_kv.mode!r}"
+        raise InvalidRequest(
+            f"logits processing and logprobs are not supported with {what} yet (penalties, "
+            "logit_bias, min_tokens, min_p and logprobs run in the sampler of dense "
+            "single-stage engines)",
+            "logprobs" if params.logprobs is not None else "logit_bias",
+        )
+    slots = len(params.logit_bias)
+    if params.min_tokens:
+        slots += len(set(params.stop_token_ids) | set(cfg.model.eos_token_ids))
+    if slots > MAX_BIAS_SLOTS:
+        raise InvalidRequest(
+            f"logit_bias and min_tokens' stop tokens need {slots} bias slots; at most "
+            f"{MAX_BIAS_SLOTS}",
+            "logit_bias",
+        )
+
+
+def _copy(items: list | None) -> list | None:
+    return None if items is None else list(items)
+
+
+def _record_logprobs(batch, next_ids, logprobs) -> None:
+    """Each sampling row that asked for logprobs gets its new token's {id: Logprob} (the top
+    `logprobs` and the sampled one) before `Scheduler.update` appends the token."""
+    top_ids, top_values, chosen, rank = logprobs
+    for i, seq in enumerate(batch.seqs):
+        req = seq.request
+        k = req.sampling_params.logprobs
+        if not seq.samples or k is None or req.status.is_done:
+            continue
+        entry = {
+            int(t): Logprob(float(v), r + 1)
+            for r, (t, v) in enumerate(zip(top_ids[i, :k], top_values[i, :k], strict=True))
+        }
+        token = int(next_ids[i])
+        entry.setdefault(token, Logprob(float(chosen[i]), int(rank[i])))
+        req.logprobs.append(entry)
+        req.cumulative_logprob += float(chosen[i])
 
 
 def _copy_metrics(m: RequestMetrics) -> RequestMetrics:
@@ -654,4 +737,6 @@ def _migrated(req: Request, num_kv_tokens: int) -> MigratedRequest:
         num_preemptions=req.num_preemptions,
         loaded_tokens=dict(req.loaded_tokens),
         hints=req.hints,
+        logprobs=None if req.logprobs is None else list(req.logprobs),
+        cumulative_logprob=req.cumulative_logprob,
     )

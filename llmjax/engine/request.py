@@ -71,6 +71,16 @@ LATENCY, THROUGHPUT = "latency", "throughput"  # Parrot's performance criteria
 
 
 @dataclasses.dataclass(frozen=True)
+class Logprob:
+    """A token's log probability under the model's raw distribution at one position, its rank
+    there (1 = the most likely) and its text (vLLM's `Logprob`; text only with a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ProgramHints:
     """What a program's executor (llmjax/program/, Parrot) tells the engine about one of its
     requests; requests without hints are scheduled as always.
@@ -127,6 +137,10 @@ class Request:
     # Set by the engine when sampling_params.stop is given (a StopStringMatcher).
     stop_matcher: object | None = dataclasses.field(default=None, repr=False)
     hints: ProgramHints | None = None  # from a program's executor (llmjax/program/)
+    # With sampling_params.logprobs: per generated token, {token id: Logprob} (the top ones and
+    # the sampled one), and the sum of the sampled tokens' log probabilities.
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -200,7 +214,9 @@ class RequestOutput:
     cache's pages) and each lower KV tier it was loaded from ('host', 'disk', 'mooncake';
     llmjax/engine/kv_tiers.py).
     `stop_reason` (as vLLM's): the stop string or the stop token id that ended the request; None
-    for EOS and every other reason.
+    for EOS and every other reason. With `SamplingParams.logprobs` = k: `logprobs`, per
+    generated token, {token id: Logprob} for the k most likely tokens and the sampled one
+    (log-softmax of the model's raw logits), and `cumulative_logprob`, the sampled tokens' sum.
     """
 
     request_id: str
@@ -215,6 +231,8 @@ class RequestOutput:
     error: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens_per_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 def cached_tokens_per_tier(num_cached_tokens: int, loaded_tokens: dict[str, int]) -> dict:
@@ -242,6 +260,8 @@ class MigratedRequest:
     num_preemptions: int = 0
     loaded_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     hints: ProgramHints | None = None
+    logprobs: list | None = None
+    cumulative_logprob: float = 0.0
 
     @property
     def num_tokens(self) -> int:

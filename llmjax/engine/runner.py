@@ -30,7 +30,7 @@ from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
 from llmjax.model.params import Params, stack_layers, unstack_layers
 from llmjax.model.quant import is_packed
-from llmjax.model.sampler import greedy_ids, sample, sample_random
+from llmjax.model.sampler import greedy_ids, sample, sample_processed, sample_random
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
 from llmjax.parallel import pipeline
 from llmjax.parallel.distributed import check_lockstep, to_host
@@ -168,6 +168,20 @@ class ModelRunner:
         self._sample = jax.jit(
             sample_impl, out_shardings=None if self.mesh is None else replicated(self.mesh)
         )
+
+        # Logits processing and logprobs (SamplingParams' penalties, bias, min_p, logprobs):
+        # the same separate program, with more inputs, compiled per (S, B, L, K) only when a
+        # step asks for it (batch.py's ProcessingInput keeps the variants few).
+        def processed_impl(*args, num_logprobs):
+            self.num_sample_compiles += 1  # runs only while tracing
+            return sample_processed(*args, num_logprobs=num_logprobs)
+
+        self._sample_processed = jax.jit(
+            processed_impl,
+            static_argnames=("num_logprobs",),
+            out_shardings=None if self.mesh is None else replicated(self.mesh),
+        )
+        self.last_logprobs = None  # the last step's (top ids, top logprobs, sampled, rank)
         # Compiling ahead (`compile_ahead`): one background thread, one device, one process.
         if config.compile_ahead and self.mesh is None and jax.process_count() == 1:
             self._ahead_pool = concurrent.futures.ThreadPoolExecutor(
@@ -400,7 +414,18 @@ class ModelRunner:
                     logger.warning("compiling %s ahead failed: %r", shape, ahead.exception())
         step_arg, sampling_args = self._inputs(step, sampling)
         next_ids, logits, self.kv_pages = step_fn(self.params, self.kv_pages, step_arg)
-        if not sampling.all_greedy:
+        self.last_logprobs = None
+        if sampling.processing is not None:
+            proc = sampling.processing
+            arrays = proc.arrays()
+            if self.mesh is not None:
+                arrays = tuple(place(np.asarray(x), replicated(self.mesh)) for x in arrays)
+            next_ids, logprobs = self._sample_processed(
+                logits, *sampling_args[:-1], *arrays, num_logprobs=proc.num_logprobs
+            )
+            if logprobs is not None:
+                self.last_logprobs = tuple(to_host(x) for x in logprobs)
+        elif not sampling.all_greedy:
             next_ids = self._sample(logits, *sampling_args[:-1])  # all but all_greedy
         next_ids = to_host(next_ids)
         self.num_steps += 1

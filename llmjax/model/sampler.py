@@ -1,7 +1,9 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Sampling on the device: greedy, temperature, top-k, top-p, with per-request seeds; and, for
+batches that ask for them, logits processing and log probabilities (`sample_processed`).
 
 Each request's random key is `fold_in(key(seed), num_generated)`, so a request with a given seed
-draws the same tokens whatever it is batched with. Letters: S sequences, V vocabulary.
+draws the same tokens whatever it is batched with. Every processing step works on its own row.
+Letters: S sequences, V vocabulary, B logit-bias slots, L history tokens, K top logprobs.
 """
 
 from __future__ import annotations
@@ -44,12 +46,15 @@ def sample_random(logits, temperature, top_k, top_p, seeds, counters) -> jax.Arr
     return _sample(logits, temperature, top_k, top_p, seeds, counters, greedy)
 
 
-def _sample(logits, temperature, top_k, top_p, seeds, counters, greedy):
+def _sample(logits, temperature, top_k, top_p, seeds, counters, greedy, min_p=None):
     V = logits.shape[-1]
     is_random = temperature > 0
     scaled = logits / jnp.where(is_random, temperature, 1.0)[:, None]
     order = jnp.argsort(-scaled, axis=-1)  # [S, V], descending
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    if min_p is not None:  # p < min_p * p_max  <=>  logit < max logit + log(min_p)
+        floor = sorted_logits[:, :1] + jnp.log(min_p)[:, None]
+        sorted_logits = jnp.where(sorted_logits < floor, -jnp.inf, sorted_logits)
     ranks = jnp.arange(V, dtype=jnp.int32)[None, :]
     outside_k = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
     sorted_logits = jnp.where(outside_k, -jnp.inf, sorted_logits)
@@ -62,3 +67,78 @@ def _sample(logits, temperature, top_k, top_p, seeds, counters, greedy):
     choice = jax.vmap(jax.random.categorical)(keys, sorted_logits)  # [S]
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(is_random, sampled, greedy)
+
+
+def process_logits(
+    logits: jax.Array,  # [S, V]
+    bias_ids: jax.Array,  # [S, B] int32; -1 pads
+    bias_values: jax.Array,  # [S, B] float32 (min_tokens' -inf entries among them)
+    history_ids: jax.Array,  # [S, L] int32: the prompt's then the output's tokens; -1 pads
+    history_is_output: jax.Array,  # [S, L] bool
+    presence: jax.Array,  # [S] float32
+    frequency: jax.Array,  # [S] float32
+    repetition: jax.Array,  # [S] float32
+) -> jax.Array:
+    """vLLM's logits processing before sampling -> [S, V] float32: logit_bias (and min_tokens'
+    masks) added, then the repetition penalty on every token of the prompt or the output
+    (divides a positive logit, multiplies the others), the frequency penalty times each token's
+    count in the output, the presence penalty once per token in the output."""
+    S, V = logits.shape
+    x = logits.astype(jnp.float32)
+    rows = jnp.arange(S)[:, None]
+    used = bias_ids >= 0
+    x = x.at[rows, jnp.where(used, bias_ids, 0)].add(jnp.where(used, bias_values, 0.0))
+    valid = history_ids >= 0
+    ids = jnp.where(valid, history_ids, 0)
+    counts = (
+        jnp.zeros((S, V), jnp.float32)
+        .at[rows, ids]
+        .add((valid & history_is_output).astype(jnp.float32))
+    )
+    in_prompt = (
+        jnp.zeros((S, V), jnp.float32)
+        .at[rows, ids]
+        .max((valid & ~history_is_output).astype(jnp.float32))
+    )
+    seen = (in_prompt > 0) | (counts > 0)
+    rep = jnp.where(seen, repetition[:, None], 1.0)
+    x = jnp.where(x > 0, x / rep, x * rep)
+    x = x - frequency[:, None] * counts
+    return x - presence[:, None] * (counts > 0)
+
+
+def sample_processed(
+    logits,
+    temperature,
+    top_k,
+    top_p,
+    seeds,
+    counters,
+    min_p,  # [S] float32
+    bias_ids,
+    bias_values,
+    history_ids,
+    history_is_output,
+    presence,
+    frequency,
+    repetition,
+    *,
+    num_logprobs: int,
+):
+    """`process_logits`, then greedy (argmax) or temperature, min_p, top-k, top-p sampling as
+    `sample` does -> (ids [S] int32, logprobs); logprobs, when `num_logprobs` > 0 (static):
+    (top ids [S, K], their log probabilities [S, K], the sampled token's [S], its rank [S],
+    1 = the most likely), from the raw logits' log-softmax; else None."""
+    x = process_logits(
+        logits, bias_ids, bias_values, history_ids, history_is_output, presence, frequency,
+        repetition,
+    )  # fmt: skip
+    greedy = greedy_ids(x)
+    ids = _sample(x, temperature, top_k, top_p, seeds, counters, greedy, min_p)
+    if not num_logprobs:
+        return ids, None
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_values, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32)
+    return ids, (top_ids.astype(jnp.int32), top_values, chosen, rank)
