@@ -43,6 +43,8 @@ class SamplingParams:
     logprobs: None, or the number (0-20) of most likely tokens whose log probabilities come
         with each generated token, beside the sampled token's own (log-softmax of the model's
         raw logits, before any processing, as vLLM's default).
+    prompt_logprobs: the same for each prompt token after the first (given the ones before
+        it); such a request computes its whole prompt (no prefix-cache hit), as in vLLM.
     n: samples to generate from the prompt (each its own seed stream: seed + i with a seed);
         they share the prompt's KV pages through the prefix cache.
     """
@@ -64,6 +66,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -129,13 +132,13 @@ class SamplingParams:
         if len(bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
         object.__setattr__(self, "logit_bias", bias)
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
-                f"logprobs={self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got "
+                    f"{name}={value!r}"
+                )
 
     @property
     def processes_logits(self) -> bool:

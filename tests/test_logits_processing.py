@@ -253,6 +253,7 @@ def test_compiles_stay_bounded():
         ({"logit_bias": {3: 101}}, "logit_bias"),
         ({"logit_bias": {-1: 1}}, "logit_bias"),
         ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"n": 0}, "n"),
     ],
 )
@@ -273,3 +274,35 @@ def test_what_an_engine_cannot_do_is_rejected_and_the_rest_served():
     outs = llm.generate([[5] * 4, [6] * 4], [SamplingParams(n=2), SamplingParams(max_tokens=3)])
     assert outs[0].finish_reason == "error" and "n=2" in outs[0].error
     assert len(outs[1].token_ids) == 3
+
+
+def _log_softmax(x):
+    x = x.astype(np.float64) - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_prompt_logprobs_equal_the_forward_across_chunks_the_cache_and_preemption():
+    llm = _llm().with_options(max_num_batched_tokens=16, num_pages=40)
+    long = list(range(10, 60))  # 50 tokens: 4 chunks of 16
+    ref = _log_softmax(full_logits(llm.engine.runner.params, TINY, long))
+    llm.generate([long], SamplingParams(max_tokens=2))  # cached now
+    busy = [SamplingParams(max_tokens=40, ignore_eos=True)] * 3  # small cache: preemptions
+    outs = llm.generate(
+        [long, *[[k] * 30 for k in (3, 4, 5)]],
+        [SamplingParams(max_tokens=4, prompt_logprobs=2, logprobs=1), *busy],
+    )
+    out = outs[0]
+    assert out.num_cached_tokens == 0  # every prompt token computed for its logits
+    assert llm.engine.stats.num_preemptions > 0
+    entries = out.prompt_logprobs
+    assert len(entries) == len(long) and entries[0] is None
+    for i in range(1, len(long)):
+        row = ref[i - 1]
+        top = set(np.argsort(-row)[:2].tolist())
+        assert set(entries[i]) == top | {long[i]}
+        assert entries[i][long[i]].logprob == pytest.approx(row[long[i]], abs=2e-4)
+        assert entries[i][long[i]].rank == 1 + int((row > row[long[i]] + 1e-6).sum())
+    # The output is what the same request without prompt logprobs generates.
+    plain = llm.generate([long], SamplingParams(max_tokens=4))[0]
+    assert out.token_ids == plain.token_ids and out.prompt_logprobs is not None
+    assert plain.prompt_logprobs is None

@@ -132,6 +132,17 @@ class ProcessingInput:
 
 
 @dataclasses.dataclass
+class PromptLogprobsInput:
+    """A step that computes prompt logprobs (`SamplingParams.prompt_logprobs`) returns logits for
+    every token row (`StepInput.logits_indices` = all T rows); `last_rows` [S] picks each
+    sequence's sampling row from them, `targets` [T] is the next prompt token each row predicts
+    (-1: none wanted), whose log probability and the top MAX_LOGPROBS come back."""
+
+    last_rows: np.ndarray  # [S] int32
+    targets: np.ndarray  # [T] int32
+
+
+@dataclasses.dataclass
 class SamplingInput:
     """Per-sequence sampling arrays, [S] each, padded like the step; `processing` when a row
     processes its logits or wants logprobs."""
@@ -143,6 +154,7 @@ class SamplingInput:
     counters: np.ndarray
     all_greedy: bool
     processing: ProcessingInput | None = None
+    prompt: PromptLogprobsInput | None = None
 
 
 def stop_ids_while_short(req) -> list[int]:
@@ -266,6 +278,7 @@ def pack(
         logits_indices=logits_indices,
     )
     processing = _processing(seqs, S, buckets.page_buckets[-1] * page_size)
+    prompt = _prompt_logprobs(seqs, cu_q_lens, logits_indices, T)
     sampling = SamplingInput(
         temperature,
         top_k,
@@ -274,5 +287,27 @@ def pack(
         counters,
         all_greedy=not temperature.any(),
         processing=processing,
+        prompt=prompt,
     )
+    if prompt is not None:
+        step = step._replace(logits_indices=np.arange(T, dtype=np.int32))
     return step, sampling
+
+
+def _prompt_logprobs(seqs, cu_q_lens, logits_indices, T: int) -> PromptLogprobsInput | None:
+    """The rows whose next prompt token's logprob a request wants and has not yet got, or None."""
+    targets = np.full(T, -1, np.int32)
+    any_wanted = False
+    for i, seq in enumerate(seqs):
+        req = seq.request
+        if req.sampling_params.prompt_logprobs is None or req.prompt_logprobs is None:
+            continue
+        prompt = req.prompt_token_ids
+        for j in range(seq.num_new_tokens):
+            p = seq.start + j  # this row's position; it predicts token p + 1
+            if len(req.prompt_logprobs) <= p + 1 < len(prompt):  # not recorded yet
+                targets[cu_q_lens[i] + j] = prompt[p + 1]
+                any_wanted = True
+    if not any_wanted:
+        return None
+    return PromptLogprobsInput(last_rows=logits_indices.copy(), targets=targets)

@@ -261,6 +261,7 @@ class LLMEngine:
             metrics=RequestMetrics(self.clock.now() if arrival_time is None else arrival_time),
             hints=hints,
             logprobs=[] if sampling_params.logprobs is not None else None,
+            prompt_logprobs=[None] if sampling_params.prompt_logprobs is not None else None,
         )
         if sampling_params.stop and self.tokenizer is not None:
             req.stop_matcher = StopStringMatcher(
@@ -373,6 +374,9 @@ class LLMEngine:
         logprobs = getattr(self.runner, "last_logprobs", None)
         if logprobs is not None:
             _record_logprobs(batch, next_ids, logprobs)
+        prompt_results = getattr(self.runner, "last_prompt_logprobs", None)
+        if sampling.prompt is not None and prompt_results is not None:
+            _record_prompt_logprobs(batch, sampling.prompt.targets, prompt_results)
         if tiers is not None:
             tiers.finish()  # store the blocks gathered before the step
             prefill = batch.num_tokens - sum(s.is_decode for s in batch.seqs)
@@ -606,6 +610,7 @@ class LLMEngine:
             hints=m.hints,
             logprobs=None if m.logprobs is None else list(m.logprobs),
             cumulative_logprob=m.cumulative_logprob,
+            prompt_logprobs=None if m.prompt_logprobs is None else list(m.prompt_logprobs),
         )
         if params.stop and self.tokenizer is not None:
             req.stop_matcher = StopStringMatcher(
@@ -637,22 +642,26 @@ class LLMEngine:
             num_cached_tokens_per_tier=cached_tokens_per_tier(
                 req.num_cached_tokens, req.loaded_tokens
             ),
-            logprobs=self._decoded_logprobs(req) if done else _copy(req.logprobs),
+            logprobs=self._decoded_logprobs(req.logprobs) if done else _copy(req.logprobs),
             cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            prompt_logprobs=self._decoded_logprobs(req.prompt_logprobs) if done else None,
         )
 
-    def _decoded_logprobs(self, req: Request):
-        """The request's logprobs with each token's text (a tokenizer's), for its output."""
-        if req.logprobs is None or self.tokenizer is None:
-            return req.logprobs
+    def _decoded_logprobs(self, entries):
+        """Logprob entries with each token's text (a tokenizer's), for a finished output."""
+        if entries is None or self.tokenizer is None:
+            return None if entries is None else list(entries)
         tok = self.tokenizer
-        return [
-            {
+
+        def decoded(e):
+            if e is None:
+                return None
+            return {
                 t: dataclasses.replace(lp, decoded_token=tok.decode([t], False))
                 for t, lp in e.items()
             }
-            for e in req.logprobs
-        ]
+
+        return [decoded(e) for e in entries]
 
     @property
     def num_compiles(self) -> int:
@@ -669,13 +678,13 @@ def _validate_processing(cfg: EngineConfig, params: SamplingParams) -> None:
             "server expand n into n requests",
             "n",
         )
-    wants = params.processes_logits or params.logprobs is not None
-    if not wants:
+    logprobs = params.logprobs is not None or params.prompt_logprobs is not None
+    if not (params.processes_logits or logprobs):
         return
-    if cfg.device == "sim" and params.logprobs is not None:
+    if cfg.device == "sim" and logprobs:
         raise InvalidRequest(
             "logprobs: the simulated device computes no logits (its tokens are stand-ins)",
-            "logprobs",
+            "logprobs" if params.logprobs is not None else "prompt_logprobs",
         )
     if cfg.parallel.pp > 1 or cfg.sparse_kv.enabled:
         what = "pp > 1" if cfg.parallel.pp > 1 else f"sparse_kv={cfg.sparse_kv.mode!r}"
@@ -694,6 +703,28 @@ def _validate_processing(cfg: EngineConfig, params: SamplingParams) -> None:
             f"{MAX_BIAS_SLOTS}",
             "logit_bias",
         )
+
+
+def _record_prompt_logprobs(batch, targets, results) -> None:
+    """Each prompt-logprob row's entry, appended to its request in prompt order."""
+    target_lp, rank, top_ids, top_values = results
+    row = 0
+    for seq in batch.seqs:
+        req, n = seq.request, seq.num_new_tokens
+        k = req.sampling_params.prompt_logprobs
+        for j in range(n):
+            r = row + j
+            if k is None or targets[r] < 0 or req.prompt_logprobs is None:
+                continue
+            if len(req.prompt_logprobs) != seq.start + j + 1:  # recorded before a preemption
+                continue
+            entry = {
+                int(t): Logprob(float(v), q + 1)
+                for q, (t, v) in enumerate(zip(top_ids[r, :k], top_values[r, :k], strict=True))
+            }
+            entry.setdefault(int(targets[r]), Logprob(float(target_lp[r]), int(rank[r])))
+            req.prompt_logprobs.append(entry)
+        row += n
 
 
 def _copy(items: list | None) -> list | None:
@@ -739,4 +770,5 @@ def _migrated(req: Request, num_kv_tokens: int) -> MigratedRequest:
         hints=req.hints,
         logprobs=None if req.logprobs is None else list(req.logprobs),
         cumulative_logprob=req.cumulative_logprob,
+        prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
     )

@@ -141,6 +141,9 @@ class Request:
     # the sampled one), and the sum of the sampled tokens' log probabilities.
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+    # With sampling_params.prompt_logprobs: None for the first prompt token, then per prompt
+    # token {token id: Logprob} (the top ones and the actual one), filled as chunks compute.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -216,7 +219,9 @@ class RequestOutput:
     `stop_reason` (as vLLM's): the stop string or the stop token id that ended the request; None
     for EOS and every other reason. With `SamplingParams.logprobs` = k: `logprobs`, per
     generated token, {token id: Logprob} for the k most likely tokens and the sampled one
-    (log-softmax of the model's raw logits), and `cumulative_logprob`, the sampled tokens' sum.
+    (log-softmax of the model's raw logits), and `cumulative_logprob`, the sampled tokens' sum;
+    with `prompt_logprobs` = k, `prompt_logprobs`: None for the first prompt token, then the same
+    for each prompt token given the ones before it (on the finished output).
     """
 
     request_id: str
@@ -233,6 +238,7 @@ class RequestOutput:
     num_cached_tokens_per_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def cached_tokens_per_tier(num_cached_tokens: int, loaded_tokens: dict[str, int]) -> dict:
@@ -262,6 +268,7 @@ class MigratedRequest:
     hints: ProgramHints | None = None
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list | None = None
 
     @property
     def num_tokens(self) -> int:

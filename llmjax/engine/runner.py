@@ -30,7 +30,13 @@ from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
 from llmjax.model.params import Params, stack_layers, unstack_layers
 from llmjax.model.quant import is_packed
-from llmjax.model.sampler import greedy_ids, sample, sample_processed, sample_random
+from llmjax.model.sampler import (
+    greedy_ids,
+    prompt_logprobs,
+    sample,
+    sample_processed,
+    sample_random,
+)
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
 from llmjax.parallel import pipeline
 from llmjax.parallel.distributed import check_lockstep, to_host
@@ -42,6 +48,7 @@ from llmjax.parallel.mesh import (
     place_params,
     replicated,
 )
+from llmjax.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +189,17 @@ class ModelRunner:
             out_shardings=None if self.mesh is None else replicated(self.mesh),
         )
         self.last_logprobs = None  # the last step's (top ids, top logprobs, sampled, rank)
+
+        def prompt_impl(*args, num_logprobs):
+            self.num_sample_compiles += 1  # runs only while tracing
+            return prompt_logprobs(*args, num_logprobs=num_logprobs)
+
+        self._prompt_logprobs = jax.jit(
+            prompt_impl,
+            static_argnames=("num_logprobs",),
+            out_shardings=None if self.mesh is None else replicated(self.mesh),
+        )
+        self.last_prompt_logprobs = None  # (target logprob, rank, top ids, top logprobs) [T]
         # Compiling ahead (`compile_ahead`): one background thread, one device, one process.
         if config.compile_ahead and self.mesh is None and jax.process_count() == 1:
             self._ahead_pool = concurrent.futures.ThreadPoolExecutor(
@@ -414,7 +432,15 @@ class ModelRunner:
                     logger.warning("compiling %s ahead failed: %r", shape, ahead.exception())
         step_arg, sampling_args = self._inputs(step, sampling)
         next_ids, logits, self.kv_pages = step_fn(self.params, self.kv_pages, step_arg)
-        self.last_logprobs = None
+        self.last_logprobs = self.last_prompt_logprobs = None
+        if sampling.prompt is not None:  # logits came for every token row
+            rows, targets = sampling.prompt.last_rows, sampling.prompt.targets
+            if self.mesh is not None:
+                rows, targets = (place(x, replicated(self.mesh)) for x in (rows, targets))
+            logits, next_ids, prompt = self._prompt_logprobs(
+                logits, rows, targets, num_logprobs=MAX_LOGPROBS
+            )
+            self.last_prompt_logprobs = tuple(to_host(x) for x in prompt)
         if sampling.processing is not None:
             proc = sampling.processing
             arrays = proc.arrays()

@@ -319,8 +319,9 @@ class Scheduler:
 
     def _match_token_ids(self, req: Request) -> list[int]:
         """The tokens a cache match may cover: all but the last (which must be computed to get
-        logits); none when nothing is cached."""
-        if not self.block_manager.caching:
+        logits); none when nothing is cached, or when the request wants its prompt's logprobs
+        (every prompt token must be computed for its logits)."""
+        if not self.block_manager.caching or req.sampling_params.prompt_logprobs is not None:
             return []
         return req.token_ids_slice(0, req.num_tokens - 1)
 

@@ -142,3 +142,21 @@ def sample_processed(
     chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
     rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32)
     return ids, (top_ids.astype(jnp.int32), top_values, chosen, rank)
+
+
+def prompt_logprobs(
+    logits: jax.Array,  # [T, V]: every token row's logits
+    last_rows: jax.Array,  # [S] int32: each sequence's sampling row
+    targets: jax.Array,  # [T] int32: the prompt token each row predicts, -1 for none
+    *,
+    num_logprobs: int,
+):
+    """For a step that computes prompt logprobs -> (logits [S, V] of the sampling rows, their
+    greedy ids [S], (the targets' log probabilities [T], their ranks [T], the top ids [T, K] and
+    log probabilities [T, K])), from the raw log-softmax of each row."""
+    rows = logits[last_rows]
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_values, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    target = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(logprobs > target[:, None], axis=-1).astype(jnp.int32)
+    return rows, greedy_ids(rows), (target, rank, top_ids.astype(jnp.int32), top_values)
