@@ -585,6 +585,10 @@ class LLM:
         `self.engine` keep running alongside). With stop strings, the last len(longest) - 1
         characters are held back until they cannot be the start of one, so the pieces join to
         the final `RequestOutput.text`."""
+        if sampling_params is not None and sampling_params.n > 1:
+            raise ValueError(
+                f"stream yields one sample's text; n={sampling_params.n} needs generate()"
+            )
         token_ids, text = self._encode(prompt)
         request_id = self.engine.add_request(token_ids, sampling_params, prompt=text)
         pieces = TextStream(self.get_tokenizer(), sampling_params.stop if sampling_params else ())

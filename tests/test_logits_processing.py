@@ -271,8 +271,11 @@ def test_what_an_engine_cannot_do_is_rejected_and_the_rest_served():
     out = sim.generate([[5] * 10], SamplingParams(max_tokens=4, repetition_penalty=1.2))[0]
     assert out.finish_reason == "length"  # accepted: a simulated token is a stand-in
     llm = _llm()
-    outs = llm.generate([[5] * 4, [6] * 4], [SamplingParams(n=2), SamplingParams(max_tokens=3)])
-    assert outs[0].finish_reason == "error" and "n=2" in outs[0].error
+    big = SamplingParams(
+        logit_bias={t: 1.0 for t in range(500)}, min_tokens=1, stop_token_ids=list(range(600))
+    )
+    outs = llm.generate([[5] * 4, [6] * 4], [big, SamplingParams(max_tokens=3)])
+    assert outs[0].finish_reason == "error" and "bias slots" in outs[0].error
     assert len(outs[1].token_ids) == 3
 
 

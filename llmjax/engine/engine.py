@@ -35,6 +35,7 @@ from llmjax.engine.clock import WALL_CLOCK, Clock, VirtualClock
 from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import make_prefix_cache
 from llmjax.engine.request import (
+    CompletionOutput,
     Logprob,
     MigratedRequest,
     ProgramHints,
@@ -144,6 +145,11 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._rejected: list[Request] = []
         self._live: set[str] = set()  # ids of waiting, running, parked and receiving requests
+        # SamplingParams.n > 1: a request's samples (the first keeps its id, the others are
+        # "<id>#<i>"), and the ones waiting for the first's prompt to be computed and cached.
+        self._samples: dict[str, list[Request]] = {}
+        self._sample_of: dict[str, str] = {}
+        self._pending_samples: dict[str, list[Request]] = {}
         # role 'prefill': first token sampled, KV pages kept until a decode instance takes them
         # (insertion order: DistServe's queue of finished prefills)
         self.parked: dict[str, Request] = {}
@@ -277,7 +283,60 @@ class LLMEngine:
         else:
             self.scheduler.add(req)
             self._live.add(request_id)
+            if sampling_params.n > 1:
+                self._add_samples(req)
         return request_id
+
+    def _add_samples(self, first: Request) -> None:
+        """n > 1: the other n - 1 samples of `first`, each its own request with its own seed
+        (seed + i, or drawn), held back until `first` has computed its prompt: they then find
+        its pages in the prefix cache (at once without a cache)."""
+        params, rid = first.sampling_params, first.request_id
+        n = params.n
+        seeds = [first.seed]
+        for i in range(1, n):
+            if params.seed is not None:
+                seeds.append((params.seed + i) % 2**32)
+            else:
+                seeds.append(int(self._seed_rng.integers(0, 2**32)))
+        first.sampling_params = dataclasses.replace(params, n=1, seed=seeds[0])
+        others = []
+        for i in range(1, n):
+            sample = dataclasses.replace(
+                first,
+                request_id=f"{rid}#{i}",
+                sampling_params=dataclasses.replace(params, n=1, seed=seeds[i]),
+                seed=seeds[i],
+                output_token_ids=[],
+                metrics=RequestMetrics(first.metrics.arrival_time),
+                logprobs=[] if params.logprobs is not None else None,
+                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                stop_matcher=None,
+                loaded_tokens={},
+            )
+            if params.stop and self.tokenizer is not None:
+                sample.stop_matcher = StopStringMatcher(
+                    self.tokenizer, params.stop, params.include_stop_str_in_output
+                )
+            others.append(sample)
+            self._live.add(sample.request_id)
+        self._samples[rid] = [first, *others]
+        for r in self._samples[rid]:
+            self._sample_of[r.request_id] = rid
+        if self.block_manager.caching:
+            self._pending_samples[rid] = others
+        else:
+            for r in others:
+                self.scheduler.add(r)
+
+    def _release_samples(self) -> None:
+        """Samples whose first has computed its prompt (or ended) join the waiting queue."""
+        for rid, others in list(self._pending_samples.items()):
+            first = self._samples[rid][0]
+            if first.output_token_ids or first.status.is_done:
+                for r in others:
+                    self.scheduler.add(r)
+                del self._pending_samples[rid]
 
     def validate_request(
         self, prompt_token_ids: list[int], sampling_params: SamplingParams
@@ -305,6 +364,12 @@ class LLMEngine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt"
             )
         _validate_processing(self.config, sampling_params)
+        if sampling_params.n > 1 and self.role != "colocated":
+            raise InvalidRequest(
+                f"n={sampling_params.n} on a {self.role} instance: samples run on colocated "
+                "engines (disaggregated n is not supported yet)",
+                "n",
+            )
         # Alone in the cache, the request must be able to reach its last token.
         total = min(n + sampling_params.max_tokens, max_len)
         need = pages_needed(total, self.block_manager.page_size)
@@ -317,8 +382,25 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a waiting, running, parked or receiving request and free its pages; False if it
-        is not live."""
+        """Stop a waiting, running, parked or receiving request and free its pages (every
+        sample of it with n > 1); False if it is not live."""
+        samples = self._samples.pop(request_id, None)
+        if samples is not None:
+            pending = {r.request_id for r in self._pending_samples.pop(request_id, [])}
+            now = self.clock.now()
+            aborted = False
+            for r in samples:
+                self._sample_of.pop(r.request_id, None)
+                if r.request_id in pending:
+                    self._live.discard(r.request_id)
+                    r.finish("abort", now, RequestStatus.ABORTED)
+                    aborted = True
+                else:
+                    aborted |= self._abort_one(r.request_id)
+            return aborted
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> bool:
         self._live.discard(request_id)
         req = self.parked.pop(request_id, None)
         if req is not None:  # its prompt's KV stays in the prefix cache
@@ -333,10 +415,11 @@ class LLMEngine:
 
     def abort_all(self) -> list[str]:
         """Abort every waiting and running request; returns their ids."""
-        return [rid for rid in list(self._live) if self.abort_request(rid)]
+        ids = [rid for rid in self._live if self._sample_of.get(rid, rid) == rid]
+        return [rid for rid in ids if self.abort_request(rid)]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._rejected)
+        return self.scheduler.has_unfinished() or bool(self._rejected or self._pending_samples)
 
     # ------------------------------------------------------------------------------------------
 
@@ -390,7 +473,9 @@ class LLMEngine:
         if self.config.compile_ahead and not self.config.precompile:
             likely = self.buckets.likely_next(step_shape(step_input), len(self.scheduler.running))
             self.runner.compile_ahead(likely)
-        outputs += [self._output(r) for r in sampled]
+        if self._samples:
+            self._release_samples()
+        outputs += self._outputs(sampled)
         if self.config.sparse_kv.enabled:
             self._sparse_step_done(batch, step_input)
         if tiers is not None:  # the blocks this step completed start their copy now
@@ -492,7 +577,7 @@ class LLMEngine:
             if self.role == "prefill":
                 self._park(sampled)
         self._record(done, t_start, t_run, t_update, c_update - c_run)
-        return [self._output(r) for r in sampled]
+        return self._outputs(sampled)
 
     # ---- disaggregation (the module doc) ------------------------------------------------------
 
@@ -620,6 +705,46 @@ class LLMEngine:
                 req.stop_matcher.add(t)
         return req
 
+    def _outputs(self, sampled: list[Request]) -> list[RequestOutput]:
+        """One output per request that got a token: a request with n samples once, all its
+        samples in it."""
+        if not self._samples:
+            return [self._output(r) for r in sampled]
+        out, groups = [], []
+        for r in sampled:
+            rid = self._sample_of.get(r.request_id)
+            if rid is None:
+                out.append(self._output(r))
+            elif rid not in groups:
+                groups.append(rid)
+        return out + [self._sample_output(rid) for rid in groups]
+
+    def _sample_output(self, rid: str) -> RequestOutput:
+        """The output of a request with n samples: the first's fields, every sample in
+        `outputs`, finished once all are (then the group is forgotten)."""
+        samples = self._samples[rid]
+        outs = [self._output(r) for r in samples]
+        first = outs[0]
+        first.request_id = rid
+        first.outputs = [
+            CompletionOutput(
+                i,
+                o.text,
+                o.token_ids,
+                o.finish_reason,
+                o.stop_reason,
+                o.logprobs,
+                o.cumulative_logprob,
+            )
+            for i, o in enumerate(outs)
+        ]
+        first.finished = all(o.finished for o in outs)
+        if first.finished:
+            del self._samples[rid]
+            for r in samples:
+                self._sample_of.pop(r.request_id, None)
+        return first
+
     def _output(self, req: Request) -> RequestOutput:
         done = req.status.is_done
         text = ""
@@ -672,12 +797,6 @@ def _validate_processing(cfg: EngineConfig, params: SamplingParams) -> None:
     """What this engine can do of logits processing, logprobs and n."""
     from llmjax.engine.batch import MAX_BIAS_SLOTS
 
-    if params.n != 1:
-        raise InvalidRequest(
-            f"n={params.n}: an engine runs one sample per request; LLM.generate and the "
-            "server expand n into n requests",
-            "n",
-        )
     logprobs = params.logprobs is not None or params.prompt_logprobs is not None
     if not (params.processes_logits or logprobs):
         return

@@ -205,6 +205,20 @@ class Request:
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One sample of a request (vLLM's `CompletionOutput`): `index` among its n samples, its
+    text and token ids, why it ended (None while it runs), and its logprobs if asked."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """The result of one request (names as in vLLM).
 
@@ -222,6 +236,10 @@ class RequestOutput:
     (log-softmax of the model's raw logits), and `cumulative_logprob`, the sampled tokens' sum;
     with `prompt_logprobs` = k, `prompt_logprobs`: None for the first prompt token, then the same
     for each prompt token given the ones before it (on the finished output).
+
+    `outputs`: the request's samples as vLLM's `CompletionOutput`s, n of them with
+    `SamplingParams.n` (the top-level text, token ids, finish reason and logprobs are the
+    first's); `finished` once all are.
     """
 
     request_id: str
@@ -239,6 +257,21 @@ class RequestOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.outputs:  # one sample: the top-level fields are it
+            self.outputs = [
+                CompletionOutput(
+                    0,
+                    self.text,
+                    self.token_ids,
+                    self.finish_reason,
+                    self.stop_reason,
+                    self.logprobs,
+                    self.cumulative_logprob,
+                )
+            ]
 
 
 def cached_tokens_per_tier(num_cached_tokens: int, loaded_tokens: dict[str, int]) -> dict:
