@@ -221,14 +221,21 @@ def test_errors_have_vllms_shape_and_name_the_field(llm):
         _error(_post(server, c, {"prompt": "x", "stop": [""]}), 400, "stop", "non-empty")
         _error(_post(server, c, {"prompt": "x", "stream_options": {}}), 400, "stream")
         for field, value in [
-            ("n", 2),
-            ("logprobs", 1),
-            ("presence_penalty", 0.5),
-            ("echo", True),
-            ("logit_bias", {"5": 1.0}),
             ("response_format", {"type": "json_object"}),
+            ("suffix", "!"),
+            ("best_of", 3),
         ]:
             _error(_post(server, c, {"prompt": "x", field: value}), 400, field, "not implemented")
+        for field, value, words in [
+            ("n", 0, "n must be"),
+            ("logprobs", 21, "logprobs must be"),
+            ("presence_penalty", 2.5, "presence_penalty must be"),
+            ("logit_bias", {"x": 1.0}, "token ids"),
+            ("logit_bias", {"5": 500}, "logit_bias maps"),
+            ("min_tokens", 99, "min_tokens must be"),
+        ]:
+            body = {"prompt": "x", "max_tokens": 4, field: value}
+            _error(_post(server, c, body), 400, field, words)
         chat = "/v1/chat/completions"
         image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
         _error(
@@ -240,6 +247,8 @@ def test_errors_have_vllms_shape_and_name_the_field(llm):
         long_chat = {"messages": [{"role": "user", "content": "hi " * MAX_MODEL_LEN}]}
         _error(_post(server, chat, long_chat), 400, "messages", "maximum context length")
         _error(_post(server, chat, {"messages": MESSAGES, "tools": [{"a": 1}]}), 400, "tools")
+        no_logprobs = {"messages": MESSAGES, "top_logprobs": 2}
+        _error(_post(server, chat, no_logprobs), 400, "top_logprobs", "needs logprobs")
         missing = httpx.get(server.url + "/v1/nothing", timeout=TIMEOUT)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
         with pytest.raises(openai.BadRequestError, match="max_tokens"):

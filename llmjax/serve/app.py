@@ -47,6 +47,7 @@ from llmjax.serve.async_engine import (
     EngineOverloadedError,
     OutputStream,
 )
+from llmjax.serve.logprobs import chat_logprobs, completion_logprobs
 from llmjax.serve.metrics import CONTENT_TYPE
 from llmjax.serve.protocol import (
     ChatCompletionRequest,
@@ -62,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+REQUEST_FIELDS = {"top_logprobs", "logit_bias"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +249,7 @@ class _Call:
     include_usage: bool
     continuous_usage: bool
     arrival_time: float
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
 
 
 class _Handlers:
@@ -293,7 +296,11 @@ class _Handlers:
             params = body.sampling_params(max_tokens)
         except ValueError as e:  # SamplingParams' messages start with the field's name
             field = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), field if field in SAMPLING_FIELDS else None) from None
+            if field == "logprobs" and isinstance(body, ChatCompletionRequest):
+                field = "top_logprobs"
+            raise APIError(
+                400, str(e), field if field in SAMPLING_FIELDS | REQUEST_FIELDS else None
+            ) from None
         try:
             self.llm_engine.validate_request(prompt, params)
         except InvalidRequest as e:
@@ -313,6 +320,7 @@ class _Handlers:
             include_usage=bool(options and options.include_usage),
             continuous_usage=bool(options and options.continuous_usage_stats),
             arrival_time=arrival,
+            echo=bool(getattr(body, "echo", False)),
         )
 
     # ---- endpoints
@@ -422,19 +430,24 @@ class _Handlers:
             raise APIError(400, failed.error, "prompt" if call.kind == "completion" else "messages")
         choices = []
         for i, out in enumerate(ordered):
-            choice = {"index": i}
-            if call.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": out.text}
-            else:
-                choice["text"] = out.text
-            if self.tokenizer is None:  # no text to give: the token ids (vLLM's token_ids)
-                choice["token_ids"] = out.token_ids
-            choice |= {
-                "logprobs": None,
-                "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason,
-            }
-            choices.append(choice)
+            params = call.params[i]
+            for sample in out.outputs:
+                choice = {"index": i * params.n + sample.index}
+                text = sample.text
+                if call.echo:
+                    text = self._prompt_text(call, i) + text
+                if call.kind == "chat":
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text
+                if self.tokenizer is None:  # no text to give: the token ids (vLLM's token_ids)
+                    choice["token_ids"] = sample.token_ids
+                choice |= {
+                    "logprobs": self._logprobs(call, i, out, sample.token_ids, sample.logprobs),
+                    "finish_reason": sample.finish_reason,
+                    "stop_reason": sample.stop_reason,
+                }
+                choices.append(choice)
         body = {
             "id": call.response_id,
             "object": "chat.completion" if call.kind == "chat" else "text_completion",
@@ -443,10 +456,35 @@ class _Handlers:
             "choices": choices,
             "usage": _usage(ordered),
         }
+        if any(p.prompt_logprobs is not None for p in call.params):  # vLLM's extension
+            body["prompt_logprobs"] = [_prompt_logprobs_json(o.prompt_logprobs) for o in ordered]
         return JSONResponse(body)
 
+    def _prompt_text(self, call: _Call, i: int) -> str:
+        text = call.texts[i]
+        if text is None:
+            text = self.tokenizer.decode(call.prompts[i]) if self.tokenizer is not None else ""
+        return text
+
+    def _logprobs(
+        self, call: _Call, i: int, out, token_ids, entries, offset: int = 0, first: bool = True
+    ):
+        """A choice's `logprobs` in the endpoint's format (None unless asked for); with echo,
+        the prompt's tokens lead the `first` chunk. `offset`: characters before these tokens
+        (completions' text_offset)."""
+        params = call.params[i]
+        if params.logprobs is None or entries is None:
+            return None
+        token_ids, entries = list(token_ids), list(entries)[: len(token_ids)]
+        if call.kind == "chat":
+            return chat_logprobs(self.tokenizer, token_ids, entries, params.logprobs)
+        if call.echo and first and out.prompt_logprobs is not None:  # the prompt's first
+            token_ids = call.prompts[i] + token_ids
+            entries = list(out.prompt_logprobs) + entries
+        return completion_logprobs(self.tokenizer, token_ids, entries, offset)
+
     async def _sse(self, call: _Call, stream: OutputStream):
-        """The events of one call: a chunk per output with new text (or a finish), the usage
+        """The events of one call: a chunk per sample with new text (or a finish), the usage
         chunk if asked for, [DONE]; an error event if the engine stops first."""
         kind = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
         head = {
@@ -456,41 +494,61 @@ class _Handlers:
             "model": self.config.served_model_name,
         }
         index = {rid: i for i, rid in enumerate(stream.request_ids)}
-        pieces = {
-            rid: TextStream(self.tokenizer, p.stop) if self.tokenizer is not None else None
-            for rid, p in zip(stream.request_ids, call.params, strict=True)
-        }
+        pieces: dict[tuple[str, int], TextStream | None] = {}
+        sent: dict[tuple[str, int], int] = {}  # token ids streamed per sample
+        offsets: dict[tuple[str, int], int] = {}  # their logprobs' characters (text_offset)
         latest: dict[str, RequestOutput] = {}
         try:
             async for outputs in stream:
                 for out in outputs:
-                    previous = latest.get(out.request_id)
                     latest[out.request_id] = out
                     if out.error:
                         raise EngineDeadError(out.error)
-                    new_ids = out.token_ids[len(previous.token_ids) if previous else 0 :]
-                    piece = pieces[out.request_id]
-                    text = piece.update(out.token_ids, out.finished, out.text) if piece else ""
-                    first = previous is None
-                    if not (text or out.finished or (first and call.kind == "chat") or not piece):
-                        continue
-                    choice = {"index": index[out.request_id]}
-                    if call.kind == "chat":  # the role comes with the first token
-                        role = {"role": "assistant"} if first else {}
-                        choice["delta"] = role | {"content": text}
-                    else:
-                        choice["text"] = text
-                    if piece is None:  # no tokenizer: the new token ids instead of text
-                        choice["token_ids"] = new_ids
-                    choice |= {
-                        "logprobs": None,
-                        "finish_reason": out.finish_reason if out.finished else None,
-                        "stop_reason": out.stop_reason if out.finished else None,
-                    }
-                    chunk = head | {"choices": [choice]}
-                    if call.continuous_usage:
-                        chunk["usage"] = _usage(latest.values())
-                    yield _event(chunk)
+                    i = index[out.request_id]
+                    params = call.params[i]
+                    for sample in out.outputs:
+                        key = (out.request_id, sample.index)
+                        first = key not in sent
+                        if first:
+                            pieces[key] = (
+                                TextStream(self.tokenizer, params.stop) if self.tokenizer else None
+                            )
+                        piece, done = pieces[key], sample.finish_reason is not None
+                        before = sent.get(key, 0)
+                        new_ids = sample.token_ids[before:]
+                        sent[key] = len(sample.token_ids)
+                        text = piece.update(sample.token_ids, done, sample.text) if piece else ""
+                        if call.echo and first:
+                            text = self._prompt_text(call, i) + text
+                        if not (text or done or (first and call.kind == "chat") or not piece):
+                            continue
+                        if not new_ids and not done and not first and piece is None:
+                            continue
+                        choice = {"index": i * params.n + sample.index}
+                        if call.kind == "chat":  # the role comes with the first token
+                            role = {"role": "assistant"} if first else {}
+                            choice["delta"] = role | {"content": text}
+                        else:
+                            choice["text"] = text
+                        if piece is None:  # no tokenizer: the new token ids instead of text
+                            choice["token_ids"] = new_ids
+                        entries = None if sample.logprobs is None else sample.logprobs[before:]
+                        logprobs = None
+                        if new_ids or (call.echo and first):
+                            logprobs = self._logprobs(
+                                call, i, out, new_ids, entries, offsets.get(key, 0), first
+                            )
+                        if logprobs is not None and "tokens" in logprobs:
+                            offsets[key] = offsets.get(key, 0) + sum(map(len, logprobs["tokens"]))
+                        choice |= {
+                            "logprobs": logprobs,
+                            "finish_reason": sample.finish_reason if done else None,
+                            "stop_reason": sample.stop_reason if done else None,
+                        }
+                        chunk = head | {"choices": [choice]}
+                        if call.continuous_usage:
+                            chunk["usage"] = _usage(latest.values())
+                        yield _event(chunk)
             if call.include_usage:
                 yield _event(head | {"choices": [], "usage": _usage(latest.values())})
         except EngineDeadError as e:
@@ -521,10 +579,30 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def _prompt_logprobs_json(entries) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None or {token id: {logprob, rank,
+    decoded_token}}."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {
+            str(t): {
+                "logprob": max(lp.logprob, -9999.0),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for t, lp in e.items()
+        }
+        for e in entries
+    ]
+
+
 def _usage(outputs) -> dict:
     outputs = list(outputs)
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

@@ -59,7 +59,6 @@ class _Sampling(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Not implemented yet: only their defaults are accepted.
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -67,23 +66,22 @@ class _Sampling(OpenAIModel):
     min_tokens: int = 0
     min_p: float = 0.0
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
     prompt_logprobs: int | None = None
+    # Not implemented yet: only their defaults are accepted.
+    response_format: dict[str, Any] | None = None
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        "n": 1,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "repetition_penalty": 1.0,
-        "min_tokens": 0,
-        "min_p": 0.0,
-        "logit_bias": (None, {}),
         "response_format": (None, {"type": "text"}),
-        "prompt_logprobs": None,
     }
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = self.stop if self.stop is not None else ()
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}") from None
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -94,7 +92,24 @@ class _Sampling(OpenAIModel):
             ignore_eos=self.ignore_eos,
             stop=stop,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            min_p=self.min_p,
+            logit_bias=bias,
+            logprobs=self.requested_logprobs,
+            prompt_logprobs=self.requested_prompt_logprobs,
         )
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return None
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
 
 class CompletionRequest(_Sampling):
@@ -108,10 +123,19 @@ class CompletionRequest(_Sampling):
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         **_Sampling.UNSUPPORTED,
         "best_of": (None, 1),
-        "echo": False,
-        "logprobs": None,
         "suffix": None,
     }
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the prompt's logprobs too (OpenAI's legacy completions)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per choice: a text or a list of token ids."""
@@ -155,11 +179,18 @@ class ChatCompletionRequest(_Sampling):
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         **_Sampling.UNSUPPORTED,
-        "logprobs": False,
-        "top_logprobs": (None, 0),
         "tools": (None, []),
         "tool_choice": (None, "none"),
     }
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """logprobs: true, with top_logprobs (0-20) alternatives per token."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs needs logprobs: true")
+            return None
+        return self.top_logprobs or 0
 
     @property
     def requested_max_tokens(self) -> int | None:
