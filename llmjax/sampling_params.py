@@ -5,6 +5,52 @@ from __future__ import annotations
 import dataclasses
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a constrained request's output must be (vLLM's `StructuredOutputsParams`): exactly
+    one of `json` (a JSON schema, a dict or its JSON text), `regex`, `choice` (one of these
+    strings), `grammar` (a Lark-style context-free grammar, llguidance's dialect) or
+    `json_object` (any JSON object). Enforced token by token with llguidance (the `structured`
+    extra): a mask of the tokens the grammar allows is applied to the logits before sampling."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False  # JSON without optional whitespace (vLLM's option)
+
+    def __post_init__(self):
+        import json as json_module
+
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json_module.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
+            if not choice or any(not isinstance(c, str) or not c for c in choice):
+                raise ValueError(f"structured_outputs.choice must be non-empty strings: {choice!r}")
+            object.__setattr__(self, "choice", choice)
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        names = ("json", "regex", "choice", "grammar")
+        return next(n for n in names if getattr(self, n) is not None)
+
+
 MAX_LOGIT_BIAS = 512  # entries of logit_bias (OpenAI allows 300)
 
 
@@ -45,6 +91,9 @@ class SamplingParams:
         raw logits, before any processing, as vLLM's default).
     prompt_logprobs: the same for each prompt token after the first (given the ones before
         it); such a request computes its whole prompt (no prefix-cache hit), as in vLLM.
+    structured_outputs: a `StructuredOutputsParams` (or a dict of its fields): the output
+        follows a JSON schema, a regex, a choice or a grammar (llguidance's token mask, applied
+        to the logits before everything else; the request stops when the grammar is complete).
     n: samples to generate from the prompt (each its own seed stream: seed + i with a seed);
         they share the prompt's KV pages through the prefix cache.
     """
@@ -67,6 +116,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -132,6 +182,17 @@ class SamplingParams:
         if len(bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
         object.__setattr__(self, "logit_bias", bias)
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(
+                self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs)
+            )
+        elif self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
@@ -142,8 +203,15 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether any logits processing (bias, min_tokens, penalties, min_p) is on."""
-        return bool(self.logit_bias or self.min_tokens or self.has_penalties or self.min_p > 0)
+        """Whether any logits processing (bias, min_tokens, penalties, min_p, structured
+        outputs) is on."""
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.has_penalties
+            or self.min_p > 0
+            or self.structured_outputs is not None
+        )
 
     @property
     def has_penalties(self) -> bool:

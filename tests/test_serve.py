@@ -221,7 +221,6 @@ def test_errors_have_vllms_shape_and_name_the_field(llm):
         _error(_post(server, c, {"prompt": "x", "stop": [""]}), 400, "stop", "non-empty")
         _error(_post(server, c, {"prompt": "x", "stream_options": {}}), 400, "stream")
         for field, value in [
-            ("response_format", {"type": "json_object"}),
             ("suffix", "!"),
             ("best_of", 3),
         ]:
@@ -233,6 +232,15 @@ def test_errors_have_vllms_shape_and_name_the_field(llm):
             ("logit_bias", {"x": 1.0}, "token ids"),
             ("logit_bias", {"5": 500}, "logit_bias maps"),
             ("min_tokens", 99, "min_tokens must be"),
+            ("response_format", {"type": "xml"}, "type must be"),
+            ("response_format", {"type": "json_schema"}, "json_schema.schema"),
+            (
+                "response_format",
+                {"type": "json_schema", "json_schema": {"schema": {"type": 3}}},
+                "json",
+            ),
+            ("structured_outputs", {"regex": "a(b"}, "invalid structured_outputs.regex"),
+            ("structured_outputs", {"regex": "a", "choice": ["b"]}, "exactly one"),
         ]:
             body = {"prompt": "x", "max_tokens": 4, field: value}
             _error(_post(server, c, body), 400, field, words)

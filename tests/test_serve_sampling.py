@@ -141,3 +141,35 @@ def test_chat_logprobs_top_logprobs_and_the_openai_client(llm):
             assert len(item.top_logprobs) == 2
             assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
     assert raw["prompt_logprobs"][0][0] is None and len(raw["prompt_logprobs"][0]) > 3
+
+
+def test_response_format_and_structured_outputs(llm):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},  # a random model pads with spaces
+    }
+    messages = [{"role": "user", "content": "JSON please"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    chat, completions = "/v1/chat/completions", "/v1/completions"
+    as_object = {"type": "json_object"}
+    choice = {"choice": ["up", "down"], "disable_any_whitespace": True}
+    with Server(llm) as server:
+        a = _post(server, chat, {"messages": messages, "max_tokens": 60, "response_format": fmt})
+        b = _post(
+            server, chat, {"messages": messages, "max_tokens": 9, "response_format": as_object}
+        )
+        c = _post(
+            server, completions, {"prompt": "pick", "max_tokens": 8, "structured_outputs": choice}
+        )
+    jsonschema.validate(json.loads(a["choices"][0]["message"]["content"]), schema)
+    assert a["choices"][0]["finish_reason"] == "stop"
+    assert b["choices"][0]["message"]["content"].startswith("{")  # an object, cut at 9 tokens
+    assert c["choices"][0]["text"] in ("up", "down")

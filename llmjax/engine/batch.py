@@ -155,6 +155,9 @@ class SamplingInput:
     all_greedy: bool
     processing: ProcessingInput | None = None
     prompt: PromptLogprobsInput | None = None
+    # structured outputs: () -> the step's token bitmask [S, W] int32, called by the runner
+    # once the forward is dispatched, so the host fills it while the device runs
+    bitmask_fn: object = None
 
 
 def stop_ids_while_short(req) -> list[int]:

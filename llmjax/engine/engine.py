@@ -150,6 +150,7 @@ class LLMEngine:
         self._samples: dict[str, list[Request]] = {}
         self._sample_of: dict[str, str] = {}
         self._pending_samples: dict[str, list[Request]] = {}
+        self._structured = None  # llguidance over the tokenizer, built on first use
         # role 'prefill': first token sampled, KV pages kept until a decode instance takes them
         # (insertion order: DistServe's queue of finished prefills)
         self.parked: dict[str, Request] = {}
@@ -281,11 +282,23 @@ class LLMEngine:
             self._rejected.append(req)
             logger.warning("rejected request %s: %s", request_id, e)
         else:
+            if sampling_params.structured_outputs is not None:
+                req.matcher = self.structured.matcher(sampling_params.structured_outputs)
             self.scheduler.add(req)
             self._live.add(request_id)
             if sampling_params.n > 1:
                 self._add_samples(req)
         return request_id
+
+    @property
+    def structured(self):
+        """llguidance over this engine's tokenizer (llmjax/engine/structured.py)."""
+        if self._structured is None:
+            from llmjax.engine.structured import StructuredOutputs
+
+            m = self.config.model
+            self._structured = StructuredOutputs(self.tokenizer, m.vocab_size, m.eos_token_ids)
+        return self._structured
 
     def _add_samples(self, first: Request) -> None:
         """n > 1: the other n - 1 samples of `first`, each its own request with its own seed
@@ -313,6 +326,7 @@ class LLMEngine:
                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                 stop_matcher=None,
                 loaded_tokens={},
+                matcher=None if first.matcher is None else first.matcher.deep_copy(),
             )
             if params.stop and self.tokenizer is not None:
                 sample.stop_matcher = StopStringMatcher(
@@ -364,6 +378,15 @@ class LLMEngine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt"
             )
         _validate_processing(self.config, sampling_params)
+        spec = sampling_params.structured_outputs
+        if spec is not None:
+            if self.tokenizer is None or self.config.device == "sim":
+                why = "a tokenizer" if self.tokenizer is None else "real logits (not simulated)"
+                raise InvalidRequest(f"structured_outputs need {why}", "structured_outputs")
+            try:
+                self.structured.check(spec)
+            except (ValueError, ImportError) as e:
+                raise InvalidRequest(str(e), "structured_outputs") from None
         if sampling_params.n > 1 and self.role != "colocated":
             raise InvalidRequest(
                 f"n={sampling_params.n} on a {self.role} instance: samples run on colocated "
@@ -450,6 +473,14 @@ class LLMEngine:
                 batch, self.block_manager.page_tables, self.block_manager.page_size, self.buckets
             )
         sampled = [s.request for s in batch.seqs if s.samples]
+        constrained = [
+            (i, s.request.matcher)
+            for i, s in enumerate(batch.seqs)
+            if s.samples and s.request.matcher is not None
+        ]
+        if constrained:  # filled by the runner while the device runs the forward
+            rows = len(sampling.temperature)
+            sampling.bitmask_fn = lambda: self.structured.bitmask(constrained, rows)
         t_run, c_run = time.perf_counter(), self.clock.now()
         with trace("llmjax.run", tokens=batch.num_tokens, seqs=len(batch.seqs)):
             next_ids = self.runner.run(step_input, sampling)

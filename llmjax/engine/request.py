@@ -144,6 +144,9 @@ class Request:
     # With sampling_params.prompt_logprobs: None for the first prompt token, then per prompt
     # token {token id: Logprob} (the top ones and the actual one), filled as chunks compute.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # With sampling_params.structured_outputs: its llguidance matcher (engine/structured.py),
+    # fed each generated token; the request stops when the grammar is complete.
+    matcher: object | None = dataclasses.field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -186,6 +189,17 @@ class Request:
             self.metrics.first_token_time = now
         self.metrics.token_times.append(now)
         params = self.sampling_params
+        if self.matcher is not None:
+            from llmjax.engine.structured import StructuredOutputs
+
+            ended = StructuredOutputs.advance(self.matcher, token_id)
+            if ended == "stop":  # the grammar is complete (with EOS or not)
+                self.finish("stop", now)
+                return
+            if ended not in (None, "stop"):
+                self.error = ended
+                self.finish("error", now, RequestStatus.REJECTED)
+                return
         if token_id in params.stop_token_ids:
             self.stop_reason = token_id
             self.finish("stop", now)

@@ -444,10 +444,14 @@ class ModelRunner:
         if sampling.processing is not None:
             proc = sampling.processing
             arrays = proc.arrays()
+            # structured outputs: the host fills the mask while the device runs the forward
+            bitmask = sampling.bitmask_fn() if sampling.bitmask_fn is not None else None
             if self.mesh is not None:
                 arrays = tuple(place(np.asarray(x), replicated(self.mesh)) for x in arrays)
+                if bitmask is not None:
+                    bitmask = place(bitmask, replicated(self.mesh))
             next_ids, logprobs = self._sample_processed(
-                logits, *sampling_args[:-1], *arrays, num_logprobs=proc.num_logprobs
+                logits, *sampling_args[:-1], *arrays, bitmask, num_logprobs=proc.num_logprobs
             )
             if logprobs is not None:
                 self.last_logprobs = tuple(to_host(x) for x in logprobs)

@@ -122,13 +122,17 @@ def sample_processed(
     presence,
     frequency,
     repetition,
+    bitmask=None,  # [S, W] int32: bit t % 32 of word t // 32 set if token t is allowed
     *,
     num_logprobs: int,
 ):
-    """`process_logits`, then greedy (argmax) or temperature, min_p, top-k, top-p sampling as
-    `sample` does -> (ids [S] int32, logprobs); logprobs, when `num_logprobs` > 0 (static):
-    (top ids [S, K], their log probabilities [S, K], the sampled token's [S], its rank [S],
-    1 = the most likely), from the raw logits' log-softmax; else None."""
+    """The structured-outputs `bitmask` (if any) applied first, then `process_logits`, then
+    greedy (argmax) or temperature, min_p, top-k, top-p sampling as `sample` does -> (ids [S]
+    int32, logprobs); logprobs, when `num_logprobs` > 0 (static): (top ids [S, K], their log
+    probabilities [S, K], the sampled token's [S], its rank [S], 1 = the most likely), from the
+    log-softmax of the logits as the model gave them (masked by the bitmask); else None."""
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
     x = process_logits(
         logits, bias_ids, bias_values, history_ids, history_is_output, presence, frequency,
         repetition,
@@ -160,3 +164,13 @@ def prompt_logprobs(
     target = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
     rank = 1 + jnp.sum(logprobs > target[:, None], axis=-1).astype(jnp.int32)
     return rows, greedy_ids(rows), (target, rank, top_ids.astype(jnp.int32), top_values)
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Tokens whose bit is clear -> -inf ([S, V] logits, [S, ceil(V / 32)] int32 words, bit
+    t % 32 of word t // 32 for token t: llguidance's layout)."""
+    S, V = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [S, W, 32]
+    allowed = bits.reshape(S, -1)[:, :V].astype(bool)
+    return jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)

@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-REQUEST_FIELDS = {"top_logprobs", "logit_bias"}
+REQUEST_FIELDS = {"top_logprobs", "logit_bias", "response_format", "structured_outputs"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +295,7 @@ class _Handlers:
         try:
             params = body.sampling_params(max_tokens)
         except ValueError as e:  # SamplingParams' messages start with the field's name
-            field = str(e).split(" ", 1)[0]
+            field = str(e).split(" ", 1)[0].rstrip(":.").split(".")[0]
             if field == "logprobs" and isinstance(body, ChatCompletionRequest):
                 field = "top_logprobs"
             raise APIError(
@@ -304,7 +304,10 @@ class _Handlers:
         try:
             self.llm_engine.validate_request(prompt, params)
         except InvalidRequest as e:
-            raise APIError(400, str(e), prompt_param if e.param == "prompt" else e.param) from None
+            param = prompt_param if e.param == "prompt" else e.param
+            if param == "structured_outputs" and body.structured_outputs is None:
+                param = "response_format"
+            raise APIError(400, str(e), param) from None
         return params
 
     def _call(self, kind: str, body, prompts, texts, requested, prompt_param, arrival) -> _Call:

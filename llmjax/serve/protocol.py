@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmjax.sampling_params import SamplingParams
+from llmjax.sampling_params import SamplingParams, StructuredOutputsParams
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -67,12 +67,37 @@ class _Sampling(OpenAIModel):
     min_p: float = 0.0
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
-    # Not implemented yet: only their defaults are accepted.
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar
 
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        "response_format": (None, {"type": "text"}),
-    }
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """`structured_outputs` or `response_format` as StructuredOutputsParams (ValueError
+        naming the field)."""
+        fmt = self.response_format
+        if self.structured_outputs is not None:
+            if fmt is not None and fmt.get("type", "text") != "text":
+                raise ValueError("response_format: give it or structured_outputs, not both")
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        if fmt is None:
+            return None
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format: json_schema needs json_schema.schema, an object")
+            return StructuredOutputsParams(json=schema)
+        raise ValueError(
+            f"response_format: type must be text, json_object or json_schema, got {kind!r}"
+        )
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = self.stop if self.stop is not None else ()
@@ -101,6 +126,7 @@ class _Sampling(OpenAIModel):
             logit_bias=bias,
             logprobs=self.requested_logprobs,
             prompt_logprobs=self.requested_prompt_logprobs,
+            structured_outputs=self.structured(),
         )
 
     @property
