@@ -138,7 +138,8 @@ def sample_processed(
         repetition,
     )  # fmt: skip
     greedy = greedy_ids(x)
-    ids = _sample(x, temperature, top_k, top_p, seeds, counters, greedy, min_p)
+    random = lambda: _sample(x, temperature, top_k, top_p, seeds, counters, greedy, min_p)
+    ids = jax.lax.cond(jnp.all(temperature <= 0), lambda: greedy, random)  # no sort if greedy
     if not num_logprobs:
         return ids, None
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
