@@ -557,6 +557,89 @@ class ParallelConfig:
         return self.tp * self.pp * self.dp
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`, names as vLLM spells them;
+    llmjax/engine/speculative.py, docs/speculative.md).
+
+    `method`:
+      none    off (the default).
+      ngram   prompt lookup: the proposals are the tokens that followed the latest earlier
+              occurrence of the request's last n tokens in its own prompt and output, for the
+              longest n in [`prompt_lookup_min`, `prompt_lookup_max`] that occurs (host only).
+      draft   the target's own first `num_draft_layers` layers, its final norm and its LM head
+              (early exit: no second checkpoint) propose greedily, one token per draft pass
+              over the same KV pages (those layers' KV of the context is the target's).
+    Each decoding request proposes up to `num_speculative_tokens` (k) tokens; one step verifies
+    them and samples one more (k + 1 rows of the request, like a short prefill chunk), so a
+    request gains up to k + 1 tokens a step. Greedy rows keep the leading proposals equal to the
+    target's argmax, so greedy output is the same as without speculation; sampled rows use
+    rejection sampling (accept a proposal x with probability p(x), else sample p without x,
+    renormalized: the target distribution, exactly, for point-mass proposals). The token
+    budget counts the proposals; they never preempt (a request speculates only as far as the
+    free pages and the budget left allow), and pages of rejected proposals are given back.
+    A request stops speculating for `acceptance_window` decode steps when fewer than
+    `min_acceptance_rate` of its last `acceptance_window` proposed tokens were accepted (then it
+    tries again), and nobody speculates while more than `disable_by_batch_size` requests run
+    (None: no bound; vLLM's). Requests with logits processing, logprobs or structured outputs
+    decode one token a step, and so does a step that holds one of them.
+    """
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    num_draft_layers: int = 4
+    min_acceptance_rate: float = 0.2
+    acceptance_window: int = 32
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"unknown speculative method {self.method!r}; choose one of {SPECULATIVE_METHODS}"
+            )
+        _check_positive(
+            self,
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "num_draft_layers",
+            "acceptance_window",
+            "disable_by_batch_size",
+        )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} exceeds "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+        if not 0 <= self.min_acceptance_rate <= 1:
+            raise ValueError(f"{self.min_acceptance_rate=} must be in [0, 1]")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @classmethod
+    def coerce(cls, value) -> SpeculativeConfig:
+        """A SpeculativeConfig from itself, None (off) or vLLM's dict
+        (`{"method": "ngram", "num_speculative_tokens": 4, ...}`), naming unknown keys."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"speculative_config must be a dict or SpeculativeConfig: {value!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")
+        return cls(**value)
+
+
 SPARSE_KV_MODES = ("none", "offload", "infinigen")
 SPARSE_GRANULARITIES = ("token", "page")
 POOL_MEMORIES = ("auto", "pinned_host", "device")
@@ -685,6 +768,8 @@ class EngineConfig:
     enables JAX's persistent compilation cache ('' disables it). `sparse_kv` (SparseKVConfig): the
     KV cache in host memory with full or InfiniGen-selected fetches ('none' by default). `kv_store`
     (KVStoreConfig): host, disk and Mooncake tiers below the device pages (off by default).
+    `speculative` (SpeculativeConfig): speculative decoding, ngram or early-exit draft (off by
+    default; one device or tp, dense KV, a real device).
     `precompile` compiles every step shape at start (|token buckets| x |page buckets| variants;
     with pp > 1 the pipeline tick of each, and the carry's resizes) so that serving never
     compiles; off by default because on a CPU that takes minutes for a real model the first time
@@ -706,6 +791,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     sparse_kv: SparseKVConfig = SparseKVConfig()
     kv_store: KVStoreConfig = KVStoreConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     dtype: str = "float32"
     quantization: str = "none"
     max_model_len: int | None = None
@@ -798,6 +884,22 @@ class EngineConfig:
                 f"pp={self.parallel.pp} stages need at least as many layers, the model has "
                 f"{self.model.num_layers}"
             )
+        spec = self.speculative
+        if spec.enabled:
+            why = []
+            if self.parallel.pp > 1:
+                why.append(f"pp == 1 (got {self.parallel.pp})")
+            if self.sparse_kv.enabled:
+                why.append(f"sparse_kv='none' (got {self.sparse_kv.mode!r})")
+            if self.device != "jax":
+                why.append("a real device (the simulator computes no logits to verify)")
+            if why:
+                raise ValueError("speculative decoding needs " + ", ".join(why))
+            if spec.method == "draft" and spec.num_draft_layers >= self.model.num_layers:
+                raise ValueError(
+                    f"speculative num_draft_layers={spec.num_draft_layers} must be fewer than "
+                    f"the model's {self.model.num_layers} layers"
+                )
         kv = self.kv_store
         if kv.enabled:
             if kv.block_size % self.cache.page_size:

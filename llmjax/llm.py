@@ -31,6 +31,7 @@ from llmjax.config import (
     ParallelConfig,
     SchedulerConfig,
     SparseKVConfig,
+    SpeculativeConfig,
     apply_overrides,
     layer_loop_scans,
     read_override,
@@ -135,6 +136,7 @@ ENGINE_OPTIONS = (
     "role",
     "devices",
     "kv_store",
+    "speculative_config",
 )
 
 
@@ -183,6 +185,10 @@ class LLM:
     or a `llmjax.kvstore.TieredStore` shared with other engines of the same model; see
     llmjax/engine/kv_tiers.py. Default: none.
 
+    `speculative_config`: speculative decoding as vLLM spells it, a dict (`{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4}`) or a `llmjax.config.
+    SpeculativeConfig` (docs/speculative.md). Default: none.
+
     `device='sim'` runs the engine on a simulated device (llmjax/sim/, docs/simulator.md): only
     the model's shape is read (a preset, an HF config.json or GGUF metadata; no weights, no
     JAX), `sim` (a `llmjax.sim.SimConfig`: hardware, cost model, memory utilization) prices
@@ -228,6 +234,7 @@ class LLM:
         role: str = "colocated",
         devices=None,
         kv_store=None,
+        speculative_config=None,
     ):
 
         if load_format not in ("auto", "dummy"):
@@ -418,6 +425,7 @@ class LLM:
             precompile=o["precompile"],
             device=fixed["device"],
             sim=fixed["sim"],
+            speculative=SpeculativeConfig.coerce(o["speculative_config"]),
             **extra,
         )
         if o["overrides"]:  # any other field, by dotted path (the scripts' --override)

@@ -64,6 +64,7 @@ class FakePagedModel:
         self.vocab_size = vocab_size
         self.kv = np.full(num_pages * page_size, UNWRITTEN, np.int64)
         self.reads: list[np.ndarray] = []  # per real sequence of the last step: tokens read back
+        self.last_spec = None  # speculative decoding: the last step's (tokens, accepted)
 
     def poison(self, pages: Iterable[int]) -> None:
         """Mark `pages` (e.g. the free ones) unwritten, so a later read of them is caught."""
@@ -71,9 +72,12 @@ class FakePagedModel:
         for page in pages:
             self.kv[page * ps : (page + 1) * ps] = UNWRITTEN
 
-    def run(self, step: StepInput) -> np.ndarray:
+    def run(self, step: StepInput, spec=None) -> np.ndarray:
         """One step: write the new tokens, read every sequence back, return [S] next token ids
-        (padded sequence rows get 0)."""
+        (padded sequence rows get 0). `spec` (a SpecInput, speculative decoding): sequence i's
+        last `num_proposals[i]` tokens are proposals; each row j of it predicts from the tokens
+        up to it, the proposals are accepted while they equal those predictions, and
+        `last_spec` = (tokens [S, K + 1], accepted [S]) as the real verification returns them."""
         ps = self.page_size
         S = len(step.kv_lens)
         num_seqs = int(step.num_seqs[0])
@@ -94,6 +98,9 @@ class FakePagedModel:
         self.kv[slots] = step.token_ids  # padding writes land in page 0
 
         next_ids = np.zeros(S, np.int32)
+        K = 0 if spec is None else spec.proposals.shape[1]
+        spec_tokens = np.zeros((S, K + 1), np.int32)
+        accepted = np.zeros(S, np.int32)
         self.reads = []
         for i in range(num_seqs):
             lo, hi, kv_len = int(cu[i]), int(cu[i + 1]), int(step.kv_lens[i])
@@ -108,10 +115,25 @@ class FakePagedModel:
             assert (slots[lo:hi] == seq_slots[kv_len - (hi - lo) :]).all(), (
                 f"seq {i}: slot_mapping disagrees with its page table"
             )
-            assert step.logits_indices[i] == hi - 1, f"seq {i}: logits row"
             tokens = self.kv[seq_slots]
             self.reads.append(tokens)
-            next_ids[i] = next_token(tokens, self.vocab_size)
+            if spec is None:
+                assert step.logits_indices[i] == hi - 1, f"seq {i}: logits row"
+                next_ids[i] = next_token(tokens, self.vocab_size)
+                continue
+            k, first = int(spec.num_proposals[i]), int(spec.first_rows[i])
+            assert 1 + k <= hi - lo, f"seq {i}: {k} proposals in {hi - lo} new tokens"
+            rows = step.logits_indices[first : first + k + 1]
+            assert (rows == np.arange(hi - k - 1, hi)).all(), f"seq {i}: logits rows {rows}"
+            proposed = spec.proposals[i, :k]
+            assert (proposed == tokens[kv_len - k :]).all(), f"seq {i}: proposals not its tokens"
+            for j in range(k + 1):
+                spec_tokens[i, j] = next_token(tokens[: kv_len - k + j], self.vocab_size)
+                if j == k or spec_tokens[i, j] != proposed[j]:
+                    accepted[i] = j
+                    break
+            next_ids[i] = spec_tokens[i, 0]
+        self.last_spec = None if spec is None else (spec_tokens, accepted)
         return next_ids
 
 
@@ -128,7 +150,9 @@ class FakeRunner:
         self.num_compiles = 0
 
     def run(self, step, sampling) -> np.ndarray:
-        return self.model.run(step)
+        next_ids = self.model.run(step, sampling.spec)
+        self.last_spec = self.model.last_spec
+        return next_ids
 
     def export_pages(self, pages) -> np.ndarray:
         return self.model.kv.reshape(-1, self.page_size)[np.asarray(pages, np.int64)].copy()

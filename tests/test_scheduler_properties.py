@@ -13,7 +13,11 @@ new tokens; preempted requests are the newest running ones and wait at the front
 `num_computed_tokens == 0` and their generated tokens kept; per policy: `sarathi`/`splitfuse` skip
 no decode and leave budget unused only when nothing more can run, `prefill_first` steps are
 prefill-only or decode-only and prefer admissions, `decode_first` admits only when nothing runs.
-Each step's tokens are read back from the simulated cache exactly. The loop must end within a
+Each step's tokens are read back from the simulated cache exactly. In the speculative mode an
+oracle proposes a few of each decode's true next tokens and then wrong ones; the fake model
+verifies them (accepting while they equal its own), the proposals' pages are taken without
+preempting and those of rejected ones given back (no running request holds pages beyond its
+tokens), and outputs stay those of the request alone. The loop must end within a
 step bound (else: livelock). At the end every request is finished, aborted or rejected (rejected
 iff invalid), all pages are free, and every output equals the output recomputed from the request's
 prompt alone, with the right finish reason (a paging or packing error changes the hash).
@@ -37,16 +41,29 @@ from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
 from configs.tiny import TINY
-from llmjax.config import SCHEDULER_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from llmjax.config import (
+    SCHEDULER_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from llmjax.engine.batch import Buckets, pack
 from llmjax.engine.block_manager import BlockManager, pages_needed
 from llmjax.engine.engine import InvalidRequest, LLMEngine
 from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import RadixCache, make_prefix_cache
 from llmjax.engine.request import Request, RequestStatus
+from llmjax.engine.speculative import Speculator
 from llmjax.model.step_input import RESERVED_PAGE
 from llmjax.sampling_params import SamplingParams
-from tests.fake_model import UNWRITTEN, FakePagedModel, FakeRunner, reference_generation
+from tests.fake_model import (
+    UNWRITTEN,
+    FakePagedModel,
+    FakeRunner,
+    next_token,
+    reference_generation,
+)
 
 CHUNKED = ("sarathi", "splitfuse")
 
@@ -91,6 +108,9 @@ class Scenario:
     # SchedulerConfig.balance_micro_batches (with pipeline_depth > 1): at most
     # ceil(decoding requests / depth) decodes per batch.
     balance_micro_batches: bool = False
+    # Speculative decoding: up to this many proposals per decode (0: off), from an oracle
+    # that gets a random number of leading tokens right (`OracleSpeculator`).
+    num_speculative_tokens: int = 0
 
     def config(self) -> EngineConfig:
         return EngineConfig(
@@ -110,6 +130,10 @@ class Scenario:
             ),
             max_model_len=self.max_model_len,
             compilation_cache_dir="",
+            speculative=SpeculativeConfig(
+                method="ngram" if self.num_speculative_tokens else "none",
+                num_speculative_tokens=max(1, self.num_speculative_tokens),
+            ),
         )
 
     def is_valid(self, spec: RequestSpec) -> bool:
@@ -132,6 +156,31 @@ class Scenario:
             eos_token_ids=TINY.eos_token_ids,
             ignore_eos=spec.ignore_eos,
         )
+
+
+class OracleSpeculator(Speculator):
+    """Proposals for the fake model: its true next tokens (`next_token` of the request's
+    tokens and the proposals before), the first `c` of them kept and the rest changed, `c`
+    drawn from a hash of the request's tokens (so a run is deterministic)."""
+
+    def __init__(self, config, vocab_size: int):
+        super().__init__(config)
+        self.vocab_size = vocab_size
+
+    def propose(self, req, max_k: int) -> list[int]:
+        k = min(max_k, self.config.num_speculative_tokens)
+        if k <= 0:
+            return []
+        tokens = req.token_ids_slice(0, req.num_tokens)
+        rng = np.random.default_rng(next_token(tokens, 1 << 30))
+        keep = int(rng.integers(0, k + 1))
+        out = []
+        for j in range(k):
+            t = next_token(tokens + out, self.vocab_size)
+            if j >= keep:
+                t = (t + 1 + int(rng.integers(0, self.vocab_size - 1))) % self.vocab_size
+            out.append(t)
+        return out
 
 
 def _output_alone(spec: RequestSpec, max_model_len: int, vocab_size: int) -> list[int]:
@@ -235,6 +284,7 @@ def scenarios(draw, policy: str, prefix_cache: str = "none", admission_order: st
         vocab_size=vocab_size,
         pipeline_depth=(depth := draw(st.sampled_from([1, 1, 2, 3]), label="pipeline depth")),
         balance_micro_batches=depth > 1 and draw(st.booleans(), label="balance micro-batches"),
+        num_speculative_tokens=0 if depth > 1 else draw(st.sampled_from([0, 0, 1, 3])),
     )
 
 
@@ -247,6 +297,8 @@ class Result:
     num_steps: int
     num_preemptions: int
     peak_running: int  # most requests running at once
+    num_proposed: int = 0  # speculative decoding: proposals verified
+    num_accepted: int = 0  # and accepted
 
 
 def max_steps(sc: Scenario) -> int:
@@ -271,6 +323,9 @@ def run_scenario(sc: Scenario) -> Result:
     bm = BlockManager(sc.num_pages, ps, make_prefix_cache(sc.prefix_cache, ps))
     sched = make_scheduler(config, bm)
     sched.num_micro_batches = sc.pipeline_depth  # the engine's pp (the tiny model has 2 layers)
+    K = sc.num_speculative_tokens
+    if K:
+        sched.speculator = OracleSpeculator(config.speculative, sc.vocab_size)
     buckets = Buckets.create(sc.max_num_batched_tokens, sc.max_num_seqs, pages_needed(mml, ps))
     model = FakePagedModel(sc.num_pages, ps, sc.vocab_size)
     # for validate_request (no tokenizer: these requests have no stop strings)
@@ -278,7 +333,7 @@ def run_scenario(sc: Scenario) -> Result:
 
     requests: dict[str, Request] = {}
     order = sorted(range(len(sc.requests)), key=lambda i: (sc.requests[i].arrival, i))
-    num_preempted = peak_running = 0
+    num_preempted = peak_running = num_proposed = num_accepted = 0
     bound = max_steps(sc)
     pipeline: deque = deque()  # (batch, next_ids) in flight, newest first
     for step in range(bound):
@@ -338,15 +393,24 @@ def run_scenario(sc: Scenario) -> Result:
 
         # 4. Pack, run the fake model, update.
         if batch:
-            step_input, _ = pack(batch, bm.page_tables, ps, buckets)
+            step_input, sampling = pack(batch, bm.page_tables, ps, buckets, K)
             T, (S, P) = len(step_input.token_ids), step_input.page_indices.shape
             assert T in buckets.token_buckets and P in buckets.page_buckets, (T, P, buckets)
             assert len(batch.seqs) <= S <= sc.max_num_seqs and batch.num_tokens <= T
-            next_ids = model.run(step_input)
+            next_ids = model.run(step_input, sampling.spec)
             for seq, read in zip(batch.seqs, model.reads, strict=True):
-                want = seq.request.all_token_ids[: seq.start + seq.num_new_tokens]
+                want = seq.request.all_token_ids[: seq.start + seq.num_new_tokens - len(seq.spec)]
+                want += list(seq.spec)
                 assert UNWRITTEN not in read, f"{seq.request.request_id} read an unwritten slot"
                 assert read.tolist() == want, f"{seq.request.request_id}: KV read back is wrong"
+            next_ids = next_ids[: len(batch.seqs)].tolist()
+            if sampling.spec is not None:  # as LLMEngine._verified
+                tokens, accepted = model.last_spec
+                for i, seq in enumerate(batch.seqs):
+                    if seq.spec:
+                        next_ids[i] = tokens[i, : accepted[i] + 1].tolist()
+                        num_proposed += len(seq.spec)
+                        num_accepted += int(accepted[i])
             sched.in_flight.update(s.request.request_id for s in batch.seqs)
             pipeline.appendleft((batch, next_ids))
         else:
@@ -363,7 +427,7 @@ def run_scenario(sc: Scenario) -> Result:
                 for s in done_batch.seqs
                 if s.samples and not s.request.status.is_done  # not aborted in flight
             }
-            finished = sched.update(done_batch, next_ids[: len(done_batch.seqs)].tolist())
+            finished = sched.update(done_batch, next_ids)
             done = {r.request_id for r in requests.values() if r.status is RequestStatus.FINISHED}
             assert {r.request_id for r in finished} == sampled & done
         if all(x is None for x in pipeline):
@@ -379,7 +443,7 @@ def run_scenario(sc: Scenario) -> Result:
     assert sched.num_preemptions == num_preempted
     assert bm.prefix_cache.num_locked_pages == 0, "a finished request left its prefix locked"
     assert bm.num_available_pages == bm.num_usable_pages, "pages still held at the end"
-    return Result(requests, step, num_preempted, peak_running)
+    return Result(requests, step, num_preempted, peak_running, num_proposed, num_accepted)
 
 
 def cache_pages(bm: BlockManager) -> set[int]:
@@ -447,7 +511,11 @@ def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) ->
         req = s.request
         assert req.request_id in running_ids and req.status is RequestStatus.RUNNING
         assert s.num_new_tokens >= 1 and s.start == req.num_computed_tokens
-        assert s.start + s.num_new_tokens <= req.num_tokens
+        assert s.start + s.num_new_tokens - len(s.spec) <= req.num_tokens
+        if s.spec:  # proposals only after a decode's token, within the limits
+            assert s.num_new_tokens == 1 + len(s.spec) <= 1 + sc.num_speculative_tokens
+            assert req.num_tokens + len(s.spec) < sc.max_model_len
+            assert len(req.output_token_ids) + len(s.spec) < req.sampling_params.max_tokens
         table = bm.page_tables.get(req.request_id, [])
         assert len(table) >= pages_needed(s.start + s.num_new_tokens, sc.page_size), (
             f"{req.request_id} scheduled without pages for its tokens"
@@ -527,6 +595,10 @@ def check_state(sc, sched, bm, requests) -> None:
         assert len(table) >= pages_needed(req.num_computed_tokens, sc.page_size), (
             f"{req.request_id}'s pages do not cover its computed tokens"
         )
+        # no more than its tokens need (rejected proposals' pages were given back)
+        assert len(table) <= max(
+            pages_needed(req.num_tokens, sc.page_size), bm.num_shared_pages(req.request_id)
+        ), f"{req.request_id} holds pages beyond its tokens"
         assert RESERVED_PAGE not in table
     for req in waiting:
         assert req.status is RequestStatus.WAITING
@@ -585,6 +657,13 @@ def test_random_workloads_keep_invariants_and_batch_invariance(
     for status in {r.status.value for r in result.requests.values()}:
         event(f"some {status}")
     event(f"steps <= {1 << result.num_steps.bit_length()}")
+    if sc.num_speculative_tokens:
+        event("proposals accepted" if result.num_accepted else "no proposal accepted")
+        event(
+            "proposals rejected"
+            if result.num_accepted < result.num_proposed
+            else "no proposal rejected"
+        )
     # Steer towards crowded small caches.
     target(float(result.num_preemptions), label="preemptions")
     target(float(result.peak_running), label="peak running")
@@ -624,6 +703,17 @@ def test_small_cache_preempts_and_outputs_match(policy):
     check_result(sc, result)
     assert result.num_preemptions > 0
     assert all(r.status is RequestStatus.FINISHED for r in result.requests.values())
+
+
+@pytest.mark.parametrize("policy", SCHEDULER_POLICIES)
+def test_speculation_in_a_small_cache_preempts_rolls_back_and_outputs_match(policy):
+    sc = _workload(policy, num_speculative_tokens=3)
+    result = run_scenario(sc)  # pages checked after every step, all free at the end
+    check_result(sc, result)
+    assert result.num_preemptions > 0
+    assert 0 < result.num_accepted < result.num_proposed
+    plain = run_scenario(dataclasses.replace(sc, num_speculative_tokens=0))
+    assert result.num_steps < plain.num_steps
 
 
 def test_engine_with_a_fake_runner_rejects_bad_prompts_and_serves_the_others(monkeypatch):

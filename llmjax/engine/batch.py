@@ -143,6 +143,25 @@ class PromptLogprobsInput:
 
 
 @dataclasses.dataclass
+class SpecInput:
+    """A step that verifies proposals (speculative decoding): `StepInput.logits_indices` then
+    has R = min(T, S * (K + 1)) rows, each sequence's from `first_rows[i]`: every row of a
+    sequence with proposals (its last token's, then one per proposal), the last row of the
+    others; `proposals` [S, K] (-1 pads) and `num_proposals` [S] say what to verify
+    (llmjax.model.sampler.verify_proposals). K is `SpeculativeConfig.num_speculative_tokens`, so
+    a step with proposals compiles one more variant per (T, S, P) bucket, not one per count."""
+
+    first_rows: np.ndarray  # [S] int32
+    proposals: np.ndarray  # [S, K] int32
+    num_proposals: np.ndarray  # [S] int32
+
+
+def spec_rows(T: int, S: int, K: int) -> int:
+    """Logits rows of a (T, S) step that verifies up to K proposals per sequence."""
+    return min(T, S * (K + 1))
+
+
+@dataclasses.dataclass
 class SamplingInput:
     """Per-sequence sampling arrays, [S] each, padded like the step; `processing` when a row
     processes its logits or wants logprobs."""
@@ -158,6 +177,7 @@ class SamplingInput:
     # structured outputs: () -> the step's token bitmask [S, W] int32, called by the runner
     # once the forward is dispatched, so the host fills it while the device runs
     bitmask_fn: object = None
+    spec: SpecInput | None = None  # speculative decoding: the proposals to verify
 
 
 def stop_ids_while_short(req) -> list[int]:
@@ -229,7 +249,10 @@ def pack(
     page_tables: dict[str, list[int]],
     page_size: int,
     buckets: Buckets,
+    num_speculative_tokens: int = 0,
 ) -> tuple[StepInput, SamplingInput]:
+    """The batch as padded arrays. `num_speculative_tokens` (K): the most proposals a sequence
+    may verify (`SpeculativeConfig`); a batch with proposals gets a `SpecInput`."""
     seqs = batch.seqs
     num_tokens = batch.num_tokens
     max_pages = max(pages_needed(s.start + s.num_new_tokens, page_size) for s in seqs)
@@ -254,7 +277,9 @@ def pack(
         req, n, start = seq.request, seq.num_new_tokens, seq.start
         table = np.asarray(page_tables[req.request_id], np.int32)
         pos = np.arange(start, start + n, dtype=np.int32)
-        token_ids[offset : offset + n] = req.token_ids_slice(start, start + n)
+        k = len(seq.spec)
+        token_ids[offset : offset + n - k] = req.token_ids_slice(start, start + n - k)
+        token_ids[offset + n - k : offset + n] = seq.spec
         positions[offset : offset + n] = pos
         slot_mapping[offset : offset + n] = table[pos // page_size] * page_size + pos % page_size
         offset += n
@@ -294,6 +319,26 @@ def pack(
     )
     if prompt is not None:
         step = step._replace(logits_indices=np.arange(T, dtype=np.int32))
+    elif batch.num_spec_tokens:
+        if not 0 < max(len(s.spec) for s in seqs) <= num_speculative_tokens:
+            raise ValueError(f"proposals exceed {num_speculative_tokens=}")
+        K = num_speculative_tokens
+        rows = np.zeros(spec_rows(T, S, K), np.int32)
+        spec = SpecInput(
+            first_rows=np.zeros(S, np.int32),
+            proposals=np.full((S, K), -1, np.int32),
+            num_proposals=np.zeros(S, np.int32),
+        )
+        r = 0
+        for i, seq in enumerate(seqs):
+            k = len(seq.spec)
+            spec.first_rows[i] = r
+            spec.num_proposals[i] = k
+            spec.proposals[i, :k] = seq.spec
+            rows[r : r + k + 1] = np.arange(cu_q_lens[i + 1] - k - 1, cu_q_lens[i + 1])
+            r += k + 1
+        step = step._replace(logits_indices=rows)
+        sampling.spec = spec
     return step, sampling
 
 

@@ -195,6 +195,18 @@ class BlockManager:
         table.extend(self._free.popleft() for _ in range(missing))
         return table
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Give back `request_id`'s private pages beyond the first pages_needed(num_tokens) (a
+        verification's rejected proposals); the cache's shared head is never cut."""
+        table = self.page_tables.get(request_id)
+        if table is None:
+            return
+        keep = max(pages_needed(num_tokens, self.page_size), self.num_shared_pages(request_id))
+        while len(table) > keep:
+            page = table.pop()
+            if page != RESERVED_PAGE:
+                self._free.append(page)
+
     def cache_computed(self, request_id: str, computed_token_ids: Sequence[int]) -> None:
         """Offer the full pages of `computed_token_ids` (the request's tokens whose KV is in its
         pages) before its first hole to the prefix cache and share the cache's copy of each from

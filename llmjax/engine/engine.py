@@ -157,6 +157,12 @@ class LLMEngine:
         # role 'decode': pages reserved for a KV transfer in flight -> (request, KV tokens)
         self._receiving: dict[str, tuple[Request, int]] = {}
         self.kv_tiers = None  # the KV tiers below the device pages (llmjax/engine/kv_tiers.py)
+        self.speculator = None  # speculative decoding (llmjax/engine/speculative.py)
+        if config.speculative.enabled:
+            from llmjax.engine.speculative import Speculator
+
+            self.speculator = Speculator(config.speculative)
+            self.scheduler.speculator = self.speculator
         if kv_store is not None or config.kv_store.enabled:
             self._attach_kv_store(kv_store)
         self.stats = self._new_stats()
@@ -468,9 +474,15 @@ class LLMEngine:
             tiers.dispatch()  # before the step reuses evicted pages or reads loaded ones
         if not batch:
             return outputs
+        if batch.num_spec_tokens and any(map(_blocks_speculation, batch.seqs)):
+            self.scheduler.drop_speculation(batch)
         with trace("llmjax.pack"):
             step_input, sampling = pack(
-                batch, self.block_manager.page_tables, self.block_manager.page_size, self.buckets
+                batch,
+                self.block_manager.page_tables,
+                self.block_manager.page_size,
+                self.buckets,
+                self.config.speculative.num_speculative_tokens,
             )
         sampled = [s.request for s in batch.seqs if s.samples]
         constrained = [
@@ -493,11 +505,14 @@ class LLMEngine:
             _record_prompt_logprobs(batch, sampling.prompt.targets, prompt_results)
         if tiers is not None:
             tiers.finish()  # store the blocks gathered before the step
-            prefill = batch.num_tokens - sum(s.is_decode for s in batch.seqs)
+            prefill = sum(s.num_new_tokens for s in batch.seqs if not s.is_decode)
             if prefill:
                 tiers.record_prefill(batch.num_tokens, c_update - c_run)
+        new_tokens = next_ids[: len(batch.seqs)].tolist()
+        if self.speculator is not None:
+            self._verified(batch, new_tokens)
         with trace("llmjax.update"):
-            for req in self.scheduler.update(batch, next_ids[: len(batch.seqs)].tolist()):
+            for req in self.scheduler.update(batch, new_tokens):
                 self._live.discard(req.request_id)
             if self.role == "prefill":
                 self._park(sampled)
@@ -516,6 +531,26 @@ class LLMEngine:
             tiers.prefetch(self.scheduler.waiting)  # disk reads for the next admissions
         self._record(batch, t_start, t_run, t_update, c_update - c_run)
         return outputs
+
+    def _verified(self, batch, new_tokens: list) -> None:
+        """Speculative decoding: each verifying sequence's new tokens (its accepted proposals
+        and the target's token) replace its entry in `new_tokens`; every decode's outcome goes
+        to its request's counters and the engine's."""
+        result = self.runner.last_spec
+        stats = self.stats
+        for i, seq in enumerate(batch.seqs):
+            if not (seq.is_decode or seq.spec) or seq.request.status.is_done:
+                continue
+            k = len(seq.spec)
+            accepted = 0
+            if k:
+                tokens, num_accepted = result
+                accepted = int(num_accepted[i])
+                new_tokens[i] = tokens[i, : accepted + 1].tolist()
+                stats.num_spec_drafts += 1
+                stats.num_spec_draft_tokens += k
+                stats.num_spec_accepted_tokens += accepted
+            self.speculator.record(seq.request, k, accepted, accepted + 1)
 
     def _sparse_step_done(self, batch, step_input) -> None:
         """sparse_kv: count the step's host -> device KV bytes; bound the host pool (evict
@@ -822,6 +857,19 @@ class LLMEngine:
     @property
     def num_compiles(self) -> int:
         return self.runner.num_compiles
+
+
+def _blocks_speculation(seq) -> bool:
+    """Whether a step holding `seq` cannot verify proposals: a row that samples with logits
+    processing, logprobs or structured outputs, or that computes prompt logprobs (their
+    programs take one row per sequence)."""
+    req = seq.request
+    params = req.sampling_params
+    if seq.samples and (
+        params.processes_logits or params.logprobs is not None or req.matcher is not None
+    ):
+        return True
+    return params.prompt_logprobs is not None and not seq.is_decode
 
 
 def _validate_processing(cfg: EngineConfig, params: SamplingParams) -> None:

@@ -31,6 +31,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
+    # With speculative decoding: the request's counters (llmjax/engine/speculative.py's
+    # SpecState: proposals verified and accepted, tokens per decode step)
+    spec_decode: object | None = None
 
     @property
     def ttft(self) -> float | None:

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llmjax.config import EngineConfig
-from llmjax.engine.batch import SamplingInput, step_shape
+from llmjax.engine.batch import SamplingInput, SpecInput, spec_rows, step_shape
 from llmjax.model.attention import make_attention_fn, resolve_attention_backend
 from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
@@ -36,6 +36,7 @@ from llmjax.model.sampler import (
     sample,
     sample_processed,
     sample_random,
+    verify_proposals,
 )
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
 from llmjax.parallel import pipeline
@@ -200,6 +201,17 @@ class ModelRunner:
             out_shardings=None if self.mesh is None else replicated(self.mesh),
         )
         self.last_prompt_logprobs = None  # (target logprob, rank, top ids, top logprobs) [T]
+
+        # Speculative decoding's verification (llmjax/engine/speculative.py): its own program
+        # over the step's logits rows, compiled per (R, S) only when a step has proposals.
+        def verify_impl(*args):
+            self.num_sample_compiles += 1  # runs only while tracing
+            return verify_proposals(*args)
+
+        self._verify = jax.jit(
+            verify_impl, out_shardings=None if self.mesh is None else replicated(self.mesh)
+        )
+        self.last_spec = None  # the last step's (tokens [S, K + 1], accepted [S]), numpy
         # Compiling ahead (`compile_ahead`): one background thread, one device, one process.
         if config.compile_ahead and self.mesh is None and jax.process_count() == 1:
             self._ahead_pool = concurrent.futures.ThreadPoolExecutor(
@@ -432,7 +444,17 @@ class ModelRunner:
                     logger.warning("compiling %s ahead failed: %r", shape, ahead.exception())
         step_arg, sampling_args = self._inputs(step, sampling)
         next_ids, logits, self.kv_pages = step_fn(self.params, self.kv_pages, step_arg)
-        self.last_logprobs = self.last_prompt_logprobs = None
+        self.last_logprobs = self.last_prompt_logprobs = self.last_spec = None
+        if sampling.spec is not None:  # verify proposals (no processing rows in such a step)
+            spec = (sampling.spec.first_rows, sampling.spec.proposals, sampling.spec.num_proposals)
+            if self.mesh is not None:
+                spec = tuple(place(x, replicated(self.mesh)) for x in spec)
+            tokens, accepted = self._verify(logits, *spec, *sampling_args)
+            self.last_spec = (to_host(tokens), to_host(accepted))
+            self.num_steps += 1
+            if self.config.parallel.check_lockstep:
+                check_lockstep(self.last_spec[0], self.num_steps)
+            return self.last_spec[0][:, 0]
         if sampling.prompt is not None:  # logits came for every token row
             rows, targets = sampling.prompt.last_rows, sampling.prompt.targets
             if self.mesh is not None:
@@ -664,12 +686,20 @@ class ModelRunner:
             self._precompile_pipeline(shapes, progress)
             return
         sampled = set()
+        K = self.config.speculative.num_speculative_tokens
         for T, S, P in shapes:
             sampling = _greedy_sampling(S)
             if S not in sampled:
                 sampled.add(S)
                 sampling.temperature[0], sampling.all_greedy = 1.0, False
-            self.run(pipeline.pad_step(None, T, S, P), sampling)
+            step = pipeline.pad_step(None, T, S, P)
+            self.run(step, sampling)
+            if self.config.speculative.enabled:  # the variant that verifies proposals
+                sampling.spec = SpecInput(
+                    np.zeros(S, np.int32), np.full((S, K), -1, np.int32), np.zeros(S, np.int32)
+                )
+                rows = np.zeros(spec_rows(T, S, K), np.int32)
+                self.run(step._replace(logits_indices=rows), sampling)
             progress()
 
     def _precompile_pipeline(self, shapes: list[tuple[int, int, int]], progress) -> None:

@@ -46,17 +46,23 @@ from llmjax.engine.request import Request, RequestStatus
 class ScheduledSeq:
     request: Request
     start: int  # tokens already in the cache
-    num_new_tokens: int  # tokens computed this step
+    num_new_tokens: int  # tokens computed this step (a decode's proposals included)
+    # speculative decoding: tokens proposed after the request's last one, verified this step
+    # (they follow it in the step's rows and count in num_new_tokens)
+    spec: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the request's tokens, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.spec) == self.request.num_tokens
 
     @property
     def is_decode(self) -> bool:
-        """One new token past the prompt (not a prefill chunk, nor recomputation)."""
-        return self.num_new_tokens == 1 and self.start >= len(self.request.prompt_token_ids)
+        """One new token past the prompt (not a prefill chunk, nor recomputation), with or
+        without proposals to verify."""
+        return self.num_new_tokens - len(self.spec) == 1 and self.start >= len(
+            self.request.prompt_token_ids
+        )
 
 
 @dataclasses.dataclass
@@ -68,11 +74,17 @@ class ScheduledBatch:
     num_cached_tokens: int = 0  # tokens that prefix-cache hits spared this step
     blocked: Request | None = None  # the waiting request admission stopped at (did not fit)
 
-    def add(self, request: Request, num_new_tokens: int) -> None:
-        self.seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
-        self.num_tokens += num_new_tokens
+    def add(self, request: Request, num_new_tokens: int, spec: tuple[int, ...] = ()) -> None:
+        n = num_new_tokens + len(spec)
+        self.seqs.append(ScheduledSeq(request, request.num_computed_tokens, n, tuple(spec)))
+        self.num_tokens += n
         if not request.is_latency:
-            self.num_other_tokens += num_new_tokens
+            self.num_other_tokens += n
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens verified this step (speculative decoding)."""
+        return sum(len(s.spec) for s in self.seqs)
 
     def remove(self, request: Request) -> None:
         kept = [s for s in self.seqs if s.request is not request]
@@ -122,6 +134,8 @@ class Scheduler:
         self.prefix_loader = None
         # This step's: a LATENCY-tagged request runs and latency_token_budget caps the others.
         self._latency_active = False
+        # Speculative decoding (llmjax/engine/speculative.py): proposals for decoding requests
+        self.speculator = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -176,14 +190,55 @@ class Scheduler:
         if self.config.balance_micro_batches and self.num_micro_batches > 1:
             cap = -(-len(decoding) // self.num_micro_batches)  # in flight ones counted too
         num_decodes = 0
+        spec = self.speculator
+        bound = spec.config.disable_by_batch_size if spec is not None else None
+        if bound is not None and len(self.running) > bound:
+            spec = None
         for req in decoding:
             if req.status is not RequestStatus.RUNNING or self._budget(batch, req) < 1:
                 continue
             if req.request_id in self.in_flight or num_decodes >= cap:
                 continue
             if self._grow(req, req.num_tokens, batch):
-                batch.add(req, 1)
+                proposals = self._proposals(req, batch) if spec is not None else ()
+                batch.add(req, 1, proposals)
                 num_decodes += 1
+
+    def _proposals(self, req: Request, batch: ScheduledBatch) -> tuple[int, ...]:
+        """`req`'s proposals (speculative decoding), as many as the token budget left after its
+        decode token, its max_tokens and max_model_len, and the pages free beside the watermark
+        allow (taking those pages; never preempting or evicting for them)."""
+        params = req.sampling_params
+        max_k = min(
+            self._budget(batch, req) - 1,
+            params.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        proposals = self.speculator.propose(req, max_k) if max_k > 0 else []
+        bm = self.block_manager
+        k = len(proposals)
+        while k and bm.num_missing_pages(req.request_id, req.num_tokens + k) > max(
+            0, bm.num_free_pages - self.watermark_pages
+        ):
+            k -= 1
+        if k:
+            bm.allocate(req.request_id, req.num_tokens + k)
+        return tuple(proposals[:k])
+
+    def drop_speculation(self, batch: ScheduledBatch) -> None:
+        """Turn this step's verifications back into plain decodes (the step holds a row whose
+        sampler cannot verify: logits processing, logprobs, structured outputs or prompt
+        logprobs), giving back the proposals' budget and pages."""
+        for seq in batch.seqs:
+            k = len(seq.spec)
+            if not k:
+                continue
+            seq.num_new_tokens -= k
+            seq.spec = ()
+            batch.num_tokens -= k
+            if not seq.request.is_latency:
+                batch.num_other_tokens -= k
+            self.block_manager.truncate(seq.request.request_id, seq.request.num_tokens)
 
     def _schedule_prefill_chunks(self, batch: ScheduledBatch, *, allocate_per_chunk: bool) -> None:
         """The next chunk of every running request still in prefill, in FCFS order (first taking
@@ -372,19 +427,34 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------
 
-    def update(self, batch: ScheduledBatch, next_token_ids: list[int]) -> list[Request]:
-        """Advance every scheduled request by its tokens; returns the requests that finished."""
+    def update(self, batch: ScheduledBatch, next_token_ids: list) -> list[Request]:
+        """Advance every scheduled request by its tokens; returns the requests that finished.
+        `next_token_ids` has one entry per sequence: its new token, or for a sequence that
+        verified proposals (`ScheduledSeq.spec`) the list of its new tokens (its accepted
+        proposals, then the target's token): the KV of the rejected ones is dropped (their
+        pages given back) and the request stops at the first token that finishes it."""
         now = self.clock.now()
         finished = []
         for seq, token_id in zip(batch.seqs, next_token_ids, strict=True):
             req = seq.request
             if req.status.is_done:  # aborted while its micro-batch was in the pipeline
                 continue
-            req.num_computed_tokens += seq.num_new_tokens
+            if seq.spec:
+                tokens = list(token_id)
+                # the last token's KV and the accepted proposals' are now in the cache
+                req.num_computed_tokens += len(tokens)
+            else:
+                tokens = [token_id]
+                req.num_computed_tokens += seq.num_new_tokens
             if seq.samples:
-                req.append_token(int(token_id), now)
-                if not req.status.is_done and req.num_tokens >= self.max_model_len:
-                    req.finish("length", now)
+                for token in tokens:
+                    req.append_token(int(token), now)
+                    if not req.status.is_done and req.num_tokens >= self.max_model_len:
+                        req.finish("length", now)
+                    if req.status.is_done:
+                        break
+                if seq.spec and not req.status.is_done:
+                    self.block_manager.truncate(req.request_id, req.num_tokens)
             if req.status.is_done:
                 self.running.remove(req)
                 self.block_manager.free(req.request_id, self._computed_token_ids(req))

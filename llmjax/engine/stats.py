@@ -50,6 +50,11 @@ class EngineStats:
     num_decode_only_tokens: int = 0  # tokens of decode-only steps
     num_sparse_steps: int = 0  # steps that took InfiniGen's sparse path
     num_pool_evictions: int = 0  # pages the host pool evicted (SparseKVConfig.capacity < 1)
+    # Speculative decoding (vLLM's spec_decode counters): decodes that verified proposals,
+    # the proposals verified, and those accepted.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     def record_step(
         self,
@@ -63,7 +68,7 @@ class EngineStats:
         self.num_steps += 1
         for seq in batch.seqs:
             if seq.is_decode:
-                self.num_decode_tokens += 1
+                self.num_decode_tokens += 1  # its proposals: num_spec_draft_tokens
             else:
                 self.num_prefill_tokens += seq.num_new_tokens
         self.num_batched_tokens += batch.num_tokens
@@ -125,6 +130,21 @@ class EngineStats:
         return total
 
     @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens (None before any verification)."""
+        if not self.num_spec_draft_tokens:
+            return None
+        return self.num_spec_accepted_tokens / self.num_spec_draft_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens a verifying decode gave: 1 + accepted proposals per verification (vLLM's mean
+        acceptance length; None before any)."""
+        if not self.num_spec_drafts:
+            return None
+        return 1 + self.num_spec_accepted_tokens / self.num_spec_drafts
+
+    @property
     def pipeline_idle_fraction(self) -> float:
         return self.num_idle_stage_ticks / self.num_stage_ticks if self.num_stage_ticks else 0.0
 
@@ -153,5 +173,7 @@ class EngineStats:
             "pipeline_idle_fraction": self.pipeline_idle_fraction,
             "pipeline_time_bubble_fraction": self.pipeline_time_bubble_fraction,
             "h2d_bytes_per_decode_token": self.h2d_bytes_per_decode_token,
+            "spec_acceptance_rate": self.spec_acceptance_rate,
+            "spec_mean_accepted_length": self.spec_mean_accepted_length,
         }
         return d

@@ -47,6 +47,22 @@ def sample_random(logits, temperature, top_k, top_p, seeds, counters) -> jax.Arr
 
 
 def _sample(logits, temperature, top_k, top_p, seeds, counters, greedy, min_p=None):
+    is_random = temperature > 0
+    order, sorted_logits = _truncated(logits, temperature, top_k, top_p, min_p)
+    keys = _keys(seeds, counters)
+    choice = jax.vmap(jax.random.categorical)(keys, sorted_logits)  # [S]
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(is_random, sampled, greedy)
+
+
+def _keys(seeds, counters):
+    """Each row's key: `fold_in(key(seed), counter)` (counter = the output index it samples)."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+
+
+def _truncated(logits, temperature, top_k, top_p, min_p=None):
+    """The rows' logits scaled by temperature, sorted (descending), with the tokens min_p, top-k
+    and top-p drop set to -inf -> (order [S, V]: token ids by rank, sorted logits [S, V])."""
     V = logits.shape[-1]
     is_random = temperature > 0
     scaled = logits / jnp.where(is_random, temperature, 1.0)[:, None]
@@ -62,11 +78,75 @@ def _sample(logits, temperature, top_k, top_p, seeds, counters, greedy, min_p=No
     # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays).
     outside_p = (jnp.cumsum(probs, axis=-1) - probs) >= top_p[:, None]
     outside_p = outside_p & (ranks > 0)
-    sorted_logits = jnp.where(outside_p, -jnp.inf, sorted_logits)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-    choice = jax.vmap(jax.random.categorical)(keys, sorted_logits)  # [S]
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(is_random, sampled, greedy)
+    return order, jnp.where(outside_p, -jnp.inf, sorted_logits)
+
+
+ACCEPT_SALT = 0x5EC0  # folded into a row's key for its acceptance test (not its sample)
+
+
+def verify_proposals(
+    logits: jax.Array,  # [R, V]: the step's logits rows (StepInput.logits_indices)
+    first_rows: jax.Array,  # [S] int32: each sequence's first row in `logits`
+    proposals: jax.Array,  # [S, K] int32: proposed tokens; -1 pads
+    num_proposals: jax.Array,  # [S] int32: k_i <= K (0: a plain row)
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seeds: jax.Array,
+    counters: jax.Array,  # [S] int32: tokens each request generated before this step
+    all_greedy: jax.Array | bool,
+):
+    """Speculative decoding's verification -> (tokens [S, K + 1] int32, num_accepted [S]
+    int32): sequence i gains tokens[i, :num_accepted[i] + 1] (its accepted proposals, then the
+    target's own token: the correction at the first rejection, or the bonus after k_i).
+
+    Row j of sequence i (its logits at `first_rows[i] + j`) follows the tokens before it and
+    the first j proposals. Greedy rows (temperature 0) accept proposal j while it equals the
+    row's argmax, so their tokens are exactly what decoding one token a step would give. Sampled
+    rows use rejection sampling for a point-mass proposal (a proposer that outputs x with
+    probability 1, as prompt lookup and greedy drafts do): accept x with probability p(x), where
+    p is the row's distribution after temperature, top-k and top-p; on rejection sample p with x
+    removed, renormalized. Either way the token at that position has distribution p (Leviathan
+    et al., 2023, with q = one-hot(x)). Row j's randomness is keyed by output index counter + j,
+    the same key plain sampling uses, so a row without proposals (k_i = 0) samples the very
+    token `sample` would."""
+    S, K = proposals.shape
+    R, V = logits.shape
+    j = jnp.arange(K + 1, dtype=jnp.int32)
+    rows = jnp.minimum(first_rows[:, None] + j[None, :], R - 1).reshape(-1)  # [S * (K + 1)]
+    x = logits[rows]
+    greedy = greedy_ids(x).reshape(S, K + 1)
+    is_proposal = j[None, :] < num_proposals[:, None]  # [S, K + 1]
+    padded = jnp.concatenate([proposals, jnp.full((S, 1), -1, jnp.int32)], axis=1)
+    draft = jnp.where(is_proposal, padded, -1)
+
+    def greedy_only():
+        return greedy, draft == greedy
+
+    def with_sampling():
+        rep = lambda a: jnp.repeat(a, K + 1, axis=0)
+        temp = rep(temperature)
+        order, sorted_logits = _truncated(x, temp, rep(top_k), rep(top_p))
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        is_draft = order == draft.reshape(-1)[:, None]
+        p_draft = jnp.sum(jnp.where(is_draft, probs, 0.0), axis=-1)
+        residual = jnp.where(is_draft, -jnp.inf, sorted_logits)
+        keys = _keys(rep(seeds), (counters[:, None] + j[None, :]).reshape(-1))
+        choice = jax.vmap(jax.random.categorical)(keys, residual)
+        sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT_SALT)))(keys)
+        nothing_left = ~jnp.any(jnp.isfinite(residual), axis=-1)  # p(x) = 1
+        accept = (u < p_draft) | nothing_left
+        is_random = (temp > 0).reshape(S, K + 1)
+        token = jnp.where(is_random, sampled.reshape(S, K + 1), greedy)
+        accept = jnp.where(is_random, accept.reshape(S, K + 1), draft == greedy)
+        return token, accept
+
+    token, accept = jax.lax.cond(all_greedy, greedy_only, with_sampling)
+    accept = accept & is_proposal
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+    tokens = jnp.where(accept, draft, token)
+    return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)
 
 
 def process_logits(
