@@ -585,7 +585,8 @@ class SpeculativeConfig:
     `min_acceptance_rate` of its last `acceptance_window` proposed tokens were accepted (then it
     tries again), and nobody speculates while more than `disable_by_batch_size` requests run
     (None: no bound; vLLM's). Requests with logits processing, logprobs or structured outputs
-    decode one token a step, and so does a step that holds one of them.
+    decode one token a step beside the others' verifications; a step that computes prompt
+    logprobs verifies nothing.
     """
 
     method: str = "none"

@@ -152,3 +152,35 @@ def test_the_server_answers_as_llm_chat(llm):
         )
         texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
         assert texts == [o.text for o in offline]
+
+
+QUOTED = (
+    "The committee met on Tuesday to review the budget. The budget for roads was raised by ten "
+    "percent, the budget for parks was cut by five percent, and the budget for libraries stayed "
+    "the same. The committee will meet again next month to review the budget for schools."
+)
+
+
+def test_greedy_with_ngram_speculation_matches_hf_and_plain_decoding(llm, golden):
+    """Speculation (prompt lookup) changes no greedy token: the five HF golden continuations,
+    and a long answer that quotes its prompt (where most proposals are accepted)."""
+    from llmjax import SamplingParams
+
+    npz, _ = golden
+    spec = llm.with_options(
+        max_model_len=512,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    prompts = [
+        ids[:n].tolist() for ids, n in zip(npz["prompt_ids"], npz["prompt_lens"], strict=True)
+    ]
+    params = SamplingParams(max_tokens=npz["greedy_ids"].shape[1], ignore_eos=True)
+    for out, want in zip(spec.generate(prompts, params), npz["greedy_ids"], strict=True):
+        assert out.token_ids == want.tolist()
+    chat = [{"role": "user", "content": "Repeat this text word for word:\n\n" + QUOTED}]
+    params = SamplingParams(max_tokens=120)
+    plain = llm.with_options(max_model_len=512).chat(chat, params)[0]
+    quoted = spec.chat(chat, params)[0]
+    assert quoted.token_ids == plain.token_ids
+    state = quoted.metrics.spec_decode
+    assert state.acceptance_rate > 0.5 and state.tokens_per_decode_step > 2, state

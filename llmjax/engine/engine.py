@@ -860,16 +860,11 @@ class LLMEngine:
 
 
 def _blocks_speculation(seq) -> bool:
-    """Whether a step holding `seq` cannot verify proposals: a row that samples with logits
-    processing, logprobs or structured outputs, or that computes prompt logprobs (their
-    programs take one row per sequence)."""
-    req = seq.request
-    params = req.sampling_params
-    if seq.samples and (
-        params.processes_logits or params.logprobs is not None or req.matcher is not None
-    ):
-        return True
-    return params.prompt_logprobs is not None and not seq.is_decode
+    """Whether a step holding `seq` cannot verify proposals: it computes prompt logprobs (that
+    step returns logits for every token row). Rows with logits processing, logprobs or
+    structured outputs share a step with verifications (their sampler takes each sequence's
+    first logits row)."""
+    return seq.request.sampling_params.prompt_logprobs is not None and not seq.is_decode
 
 
 def _validate_processing(cfg: EngineConfig, params: SamplingParams) -> None:

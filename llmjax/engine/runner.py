@@ -445,16 +445,24 @@ class ModelRunner:
         step_arg, sampling_args = self._inputs(step, sampling)
         next_ids, logits, self.kv_pages = step_fn(self.params, self.kv_pages, step_arg)
         self.last_logprobs = self.last_prompt_logprobs = self.last_spec = None
-        if sampling.spec is not None:  # verify proposals (no processing rows in such a step)
+        if sampling.spec is not None:  # verify proposals
             spec = (sampling.spec.first_rows, sampling.spec.proposals, sampling.spec.num_proposals)
             if self.mesh is not None:
                 spec = tuple(place(x, replicated(self.mesh)) for x in spec)
             tokens, accepted = self._verify(logits, *spec, *sampling_args)
-            self.last_spec = (to_host(tokens), to_host(accepted))
+            processed = None
+            if sampling.processing is not None:  # rows without proposals process their logits
+                rows = jnp.take(logits, spec[0], axis=0)  # each sequence's first row
+                processed = to_host(self._processed(rows, sampling, sampling_args))
+            tokens, accepted = np.array(to_host(tokens)), to_host(accepted)
+            if processed is not None:
+                plain = sampling.spec.num_proposals == 0
+                tokens[plain, 0] = processed[plain]
+            self.last_spec = (tokens, accepted)
             self.num_steps += 1
             if self.config.parallel.check_lockstep:
-                check_lockstep(self.last_spec[0], self.num_steps)
-            return self.last_spec[0][:, 0]
+                check_lockstep(tokens, self.num_steps)
+            return tokens[:, 0]
         if sampling.prompt is not None:  # logits came for every token row
             rows, targets = sampling.prompt.last_rows, sampling.prompt.targets
             if self.mesh is not None:
@@ -464,25 +472,31 @@ class ModelRunner:
             )
             self.last_prompt_logprobs = tuple(to_host(x) for x in prompt)
         if sampling.processing is not None:
-            proc = sampling.processing
-            arrays = proc.arrays()
-            # structured outputs: the host fills the mask while the device runs the forward
-            bitmask = sampling.bitmask_fn() if sampling.bitmask_fn is not None else None
-            if self.mesh is not None:
-                arrays = tuple(place(np.asarray(x), replicated(self.mesh)) for x in arrays)
-                if bitmask is not None:
-                    bitmask = place(bitmask, replicated(self.mesh))
-            next_ids, logprobs = self._sample_processed(
-                logits, *sampling_args[:-1], *arrays, bitmask, num_logprobs=proc.num_logprobs
-            )
-            if logprobs is not None:
-                self.last_logprobs = tuple(to_host(x) for x in logprobs)
+            next_ids = self._processed(logits, sampling, sampling_args)
         elif not sampling.all_greedy:
             next_ids = self._sample(logits, *sampling_args[:-1])  # all but all_greedy
         next_ids = to_host(next_ids)
         self.num_steps += 1
         if self.config.parallel.check_lockstep:
             check_lockstep(next_ids, self.num_steps)
+        return next_ids
+
+    def _processed(self, logits, sampling: SamplingInput, sampling_args):
+        """The processed sampler over `logits` [S, V] (one row per sequence): next ids (on the
+        device); `last_logprobs` set if the step wants logprobs."""
+        proc = sampling.processing
+        arrays = proc.arrays()
+        # structured outputs: the host fills the mask while the device runs the forward
+        bitmask = sampling.bitmask_fn() if sampling.bitmask_fn is not None else None
+        if self.mesh is not None:
+            arrays = tuple(place(np.asarray(x), replicated(self.mesh)) for x in arrays)
+            if bitmask is not None:
+                bitmask = place(bitmask, replicated(self.mesh))
+        next_ids, logprobs = self._sample_processed(
+            logits, *sampling_args[:-1], *arrays, bitmask, num_logprobs=proc.num_logprobs
+        )
+        if logprobs is not None:
+            self.last_logprobs = tuple(to_host(x) for x in logprobs)
         return next_ids
 
     # ---- KV page transfer (disaggregated serving, llmjax/cluster/transfer.py) -----------------

@@ -226,9 +226,9 @@ class Scheduler:
         return tuple(proposals[:k])
 
     def drop_speculation(self, batch: ScheduledBatch) -> None:
-        """Turn this step's verifications back into plain decodes (the step holds a row whose
-        sampler cannot verify: logits processing, logprobs, structured outputs or prompt
-        logprobs), giving back the proposals' budget and pages."""
+        """Turn this step's verifications back into plain decodes (the step computes prompt
+        logprobs, whose logits rows leave no room for them), giving back the proposals'
+        budget and pages."""
         for seq in batch.seqs:
             k = len(seq.spec)
             if not k:
