@@ -257,7 +257,7 @@ def test_speculation_with_preemption_stops_and_a_prefix_cache_keeps_greedy_outpu
     opts = dict(num_pages=25, max_num_seqs=6)
     plain = _llm().with_options(**opts)
     spec = _llm().with_options(speculative_config=NGRAM, **opts)
-    prompts = PROMPTS + [[5, 6, 7, 8] * 3, [3, 4] * 4]
+    prompts = [*PROMPTS, [5, 6, 7, 8] * 3, [3, 4] * 4]
     first = plain.generate(prompts[:1], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     stop_at = first.token_ids[20]  # a token the first request meets mid-run
     params = [

@@ -85,7 +85,9 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig):
         if config.method != "ngram":
-            raise ValueError(f"the host speculator proposes for method='ngram', got {config.method!r}")
+            raise ValueError(
+                f"the host speculator proposes for method='ngram', got {config.method!r}"
+            )
         self.config = config
 
     @staticmethod

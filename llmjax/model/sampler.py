@@ -111,7 +111,7 @@ def verify_proposals(
     the same key plain sampling uses, so a row without proposals (k_i = 0) samples the very
     token `sample` would."""
     S, K = proposals.shape
-    R, V = logits.shape
+    R, _V = logits.shape
     j = jnp.arange(K + 1, dtype=jnp.int32)
     rows = jnp.minimum(first_rows[:, None] + j[None, :], R - 1).reshape(-1)  # [S * (K + 1)]
     x = logits[rows]
