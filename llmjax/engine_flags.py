@@ -2,8 +2,9 @@ r"""The absl flags every script shares for building an engine, in one place.
 
 Short flags for what researchers set most: `--model`, `--load_format`, `--tokenizer`, `--dtype`,
 `--quantization`, `--max_model_len`, `--page_size`, `--num_pages`, `--max_num_seqs`,
-`--max_num_batched_tokens`, `--precompile`, the step's kernels (`--attention_backend`,
-`--flash_prefill`, `--pallas_kernel`, `--kernel_options`, `--layer_loop`), parallelism (`--tp`,
+`--max_num_batched_tokens`, `--precompile`, `--speculative_config`, the step's kernels
+(`--attention_backend`, `--flash_prefill`, `--pallas_kernel`, `--kernel_options`,
+`--layer_loop`), parallelism (`--tp`,
 `--pp`, `--pad_heads`, `--balance_micro_batches`, `--check_lockstep`) and a multi-process launch
 (`--coordinator_address`, `--num_processes`, `--process_id`), and a simulated device
 (`--device sim` with `--hardware`, `--cost_model`, `--cost_profile`, `--memory_utilization`;
@@ -68,7 +69,7 @@ CONFIG_FLAG = "config"
 
 # EngineConfig's sub-configs that validate on their own (the top-level fields are checked against
 # the model once it is loaded).
-_SUB_CONFIGS = ("cache", "scheduler", "parallel", "sparse_kv", "kv_store")
+_SUB_CONFIGS = ("cache", "scheduler", "parallel", "sparse_kv", "kv_store", "speculative")
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -130,6 +131,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         False,
         "Compile every step shape when the engine starts (EngineConfig.precompile), so that "
         "serving never compiles; JAX's persistent cache makes later starts fast.",
+        **f,
+    )
+    flags.DEFINE_string(
+        "speculative_config",
+        None,
+        "Speculative decoding as vLLM's --speculative-config, a JSON object, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+        "(llmjax.config.SpeculativeConfig; or --config.speculative.<field>).",
         **f,
     )
     _define_kernel_flags(f)
@@ -511,6 +520,16 @@ def llm_kwargs(values: flags.FlagValues) -> dict:
         balance_micro_batches=values.balance_micro_batches,
         check_lockstep=values.check_lockstep,
     )
+    if values.speculative_config:
+        import json
+
+        from llmjax.config import SpeculativeConfig
+
+        try:
+            spec = json.loads(values.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative_config is not JSON: {e}") from None
+        kwargs["speculative_config"] = SpeculativeConfig.coerce(spec)
     if values.device == "sim":
         from llmjax.sim import SimConfig
 

@@ -89,3 +89,30 @@ def test_script_help_lists_the_fields_and_a_bad_value_stops_it():
     )
     assert bad.returncode != 0
     assert "unknown self.admission_order='random'" in bad.stderr
+
+
+def test_speculative_config_from_json_and_by_path():
+    from llmjax import LLM
+
+    values = _flag_values(
+        "--model=tiny",
+        "--load_format=dummy",
+        "--max_model_len=64",
+        '--speculative_config={"method": "ngram", "num_speculative_tokens": 2}',
+        "--config.compilation_cache_dir=",
+    )
+    llm = LLM(values.model, **engine_flags.llm_kwargs(values))
+    spec = llm.engine.config.speculative
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 2)
+    assert llm.engine.speculator is not None
+    values = _flag_values(
+        "--config.speculative.method=ngram", "--config.speculative.prompt_lookup_max=6"
+    )
+    assert engine_flags.config_overrides(values) == {
+        "speculative.method": "ngram",
+        "speculative.prompt_lookup_max": 6,
+    }
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        engine_flags.llm_kwargs(_flag_values('--speculative_config={"method": "ngram", "k": 2}'))
+    with pytest.raises(ValueError, match="not JSON"):
+        engine_flags.llm_kwargs(_flag_values("--speculative_config=ngram"))

@@ -158,3 +158,28 @@ def test_buckets_and_prefix():
     assert build_1_2_5_buckets(4096)[-1] == 2000
     assert metric_prefix("vllm") == "vllm:" and metric_prefix("llmjax:") == "llmjax:"
     assert metric_prefix("my_") == "my_"
+
+
+def test_speculative_decoding_counters(llm):
+    spec = llm.with_options(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    engine = spec.engine
+    metrics = ServingMetrics(
+        "tiny", engine.config, engine.block_manager.num_pages, prefix="vllm", stats=engine.stats
+    )
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    requests = {f"s{i}": ([5, 6, 7, 8] * (3 + i), params) for i in range(3)}
+    outputs = _run(engine, metrics, requests)
+    stats = engine.stats
+    assert stats.num_spec_accepted_tokens > 0
+    got = _samples(metrics)
+    assert got[("vllm:spec_decode_num_drafts_total", ())] == stats.num_spec_drafts
+    assert got[("vllm:spec_decode_num_draft_tokens_total", ())] == stats.num_spec_draft_tokens
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", ())] == (
+        stats.num_spec_accepted_tokens
+    )
+    assert got[("vllm:generation_tokens_total", ())] == 3 * 30  # several tokens a step, counted
+    done = [o for o in outputs if o.finished]
+    per_step = sorted(o.metrics.spec_decode.tokens_per_decode_step for o in done)
+    assert got[("vllm:request_spec_tokens_per_decode_step_count", ())] == 3
+    assert got[("vllm:request_spec_tokens_per_decode_step_sum", ())] == pytest.approx(sum(per_step))
+    assert per_step[-1] > 1

@@ -23,6 +23,10 @@ timestamps. Nothing is timed again in the HTTP layer.
 | request_prompt_tokens / _generation_tokens  | histogram | lengths of finished requests           |
 | iteration_tokens_total                      | histogram | tokens per engine step                 |
 | step_duration_seconds (llmjax only)         | histogram | wall time of one `LLMEngine.step`      |
+| spec_decode_num_drafts_total                | counter   | EngineStats.num_spec_drafts            |
+| spec_decode_num_draft_tokens_total          | counter   | EngineStats.num_spec_draft_tokens      |
+| spec_decode_num_accepted_tokens_total       | counter   | EngineStats.num_spec_accepted_tokens   |
+| request_spec_tokens_per_decode_step (llmjax)| histogram | SpecState.tokens_per_decode_step       |
 | program_calls_total (llmjax only)           | counter   | calls submitted to /v1/programs        |
 | program_tasks_total{state} (llmjax only)    | counter   | tasks ended: done, failed, cancelled   |
 | engine_config_info (llmjax), cache_config_info | gauge = 1 | policy, cache, budget as labels |
@@ -87,14 +91,20 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
-def _counts(stats: EngineStats) -> tuple[int, int, int, int]:
+def _counts(stats: EngineStats) -> tuple[int, ...]:
     """The EngineStats counters the metrics take deltas of."""
     return (
         stats.num_preemptions,
         stats.num_batched_tokens,
         stats.num_cached_prefill_tokens,
         stats.num_prefill_tokens,
+        stats.num_spec_drafts,
+        stats.num_spec_draft_tokens,
+        stats.num_spec_accepted_tokens,
     )
+
+
+_NO_COUNTS = (0,) * 7
 
 
 def metric_prefix(prefix: str) -> str:
@@ -145,6 +155,20 @@ class ServingMetrics:
             "prefix_cache_hits", "Prefill tokens taken from the prefix cache."
         )
         self.num_preemptions = counter("num_preemptions", "Preemptions (by recomputation).")
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Speculative decoding: decodes that verified proposals."
+        )
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens verified."
+        )
+        self.spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."
+        )
+        self.spec_tokens_per_step = histogram(
+            "request_spec_tokens_per_decode_step",
+            "Per request with speculative decoding: generated tokens per decode step.",
+            [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0],
+        )
         success = Counter(
             p + "request_success",
             "Finished requests, by finish reason.",
@@ -238,7 +262,7 @@ class ServingMetrics:
             p + "cache_config_info", "The KV cache's configuration.", list(cache_info), **reg
         ).labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
         self._stats = stats
-        self._last = _counts(stats) if stats is not None else (0, 0, 0, 0)
+        self._last = _counts(stats) if stats is not None else _NO_COUNTS
         self._num_seen: dict[str, int] = {}  # tokens already counted, per unfinished request
 
     # ------------------------------------------------------------------------------------------
@@ -254,10 +278,16 @@ class ServingMetrics:
     ) -> None:
         """One `LLMEngine.step` that returned `outputs`, and took `step_seconds`."""
         if stats is not self._stats:  # a new stats object (reset_stats): count from zero
-            self._stats, self._last = stats, (0, 0, 0, 0)
+            self._stats, self._last = stats, _NO_COUNTS
         now = _counts(stats)
-        preempted, batched, cached, computed = (a - b for a, b in zip(now, self._last, strict=True))
+        preempted, batched, cached, computed, drafts, drafted, accepted = (
+            a - b for a, b in zip(now, self._last, strict=True)
+        )
         self._last = now
+        if drafts:
+            self.spec_drafts.inc(drafts)
+            self.spec_draft_tokens.inc(drafted)
+            self.spec_accepted_tokens.inc(accepted)
         if preempted:
             self.num_preemptions.inc(preempted)
         if cached or computed:
@@ -304,6 +334,9 @@ class ServingMetrics:
             self.inference_time.observe(last - m.first_scheduled_time)
         self.decode_time.observe(last - m.first_token_time)
         self.tpot.observe(m.tpot)
+        spec = m.spec_decode
+        if spec is not None and spec.tokens_per_decode_step is not None:
+            self.spec_tokens_per_step.observe(spec.tokens_per_decode_step)
 
     def record_abort(self, request_id: str) -> None:
         """A request aborted before it finished (its client went away, or the server stops)."""
