@@ -572,7 +572,8 @@ class SpeculativeConfig:
               longest n in [`prompt_lookup_min`, `prompt_lookup_max`] that occurs (host only).
       draft   the target's own first `num_draft_layers` layers, its final norm and its LM head
               (early exit: no second checkpoint) propose greedily, one token per draft pass
-              over the same KV pages (those layers' KV of the context is the target's).
+              over the same KV pages (those layers' KV of the context is the target's); with
+              all the layers the draft is the target (every proposal accepted: a check).
     Each decoding request proposes up to `num_speculative_tokens` (k) tokens; one step verifies
     them and samples one more (k + 1 rows of the request, like a short prefill chunk), so a
     request gains up to k + 1 tokens a step. Greedy rows keep the leading proposals equal to the
@@ -896,10 +897,10 @@ class EngineConfig:
                 why.append("a real device (the simulator computes no logits to verify)")
             if why:
                 raise ValueError("speculative decoding needs " + ", ".join(why))
-            if spec.method == "draft" and spec.num_draft_layers >= self.model.num_layers:
+            if spec.method == "draft" and spec.num_draft_layers > self.model.num_layers:
                 raise ValueError(
-                    f"speculative num_draft_layers={spec.num_draft_layers} must be fewer than "
-                    f"the model's {self.model.num_layers} layers"
+                    f"speculative num_draft_layers={spec.num_draft_layers} exceeds the model's "
+                    f"{self.model.num_layers} layers"
                 )
         kv = self.kv_store
         if kv.enabled:

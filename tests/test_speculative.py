@@ -450,3 +450,69 @@ def test_speculation_compiles_one_more_variant_per_bucket_and_never_again():
     assert (runner.num_compiles, runner.num_sample_compiles) == (compiles, sample_compiles)
     spec.generate(PROMPTS[::-1], params)  # may meet new buckets, each at most twice
     assert runner.num_compiles <= 2 * len(spec.engine.buckets.shapes())
+
+
+# ---- the early-exit draft --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+def test_the_first_layers_forward_equals_a_model_cut_to_them(layer_loop):
+    """forward(num_layers=d) = the same weights cut to d layers (final norm and head kept), and
+    the other layers' KV pages are untouched."""
+    from llmjax.model.kv_cache import allocate_kv_pages
+    from llmjax.model.llama import forward
+    from llmjax.model.params import stack_layers, unstack_layers
+    from tests.helpers import make_step
+
+    config = TINY.replace(num_layers=3)
+    params = unstack_layers(init_params(config, jax.random.key(7)))
+    cut = dict(params, layers=params["layers"][:2])
+    stacked = layer_loop == "scan"
+    if stacked:
+        params, cut = stack_layers(params), stack_layers(cut)
+    step = make_step([([5, 9, 3, 7], 0, [1, 2]), ([11, 4], 0, [3])], 4, num_tokens=8)
+    kv = allocate_kv_pages(config, 8, 4, jnp.float32, stacked=stacked)
+    kv_cut = allocate_kv_pages(config.replace(num_layers=2), 8, 4, jnp.float32, stacked=stacked)
+    got, kv_after = forward(params, kv, step, config, num_layers=2)
+    want, _ = forward(cut, kv_cut, step, config.replace(num_layers=2))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    if stacked:  # layer 2's pages are the last third of the stacked cache: still zeros
+        assert not np.asarray(kv_after[0][16:]).any() and np.asarray(kv_after[0][:16]).any()
+    else:
+        assert not np.asarray(kv_after[2][0]).any() and np.asarray(kv_after[1][0]).any()
+
+
+DRAFT = {"method": "draft", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+def test_a_draft_with_every_layer_is_the_target_and_always_accepted(layer_loop):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = _llm().with_options(layer_loop=layer_loop)
+    full = _llm().with_options(
+        layer_loop=layer_loop, speculative_config=dict(DRAFT, num_draft_layers=TINY.num_layers)
+    )
+    _same_outputs(plain.generate(PROMPTS, params), full.generate(PROMPTS, params))
+    assert full.engine.stats.spec_acceptance_rate == 1.0
+    assert full.engine.stats.spec_mean_accepted_length > 3
+
+
+def test_an_early_exit_draft_keeps_greedy_outputs_with_preemption():
+    opts = dict(num_pages=25, max_num_seqs=6)
+    prompts = [*PROMPTS, [5, 6, 7, 8] * 3, [3, 4] * 4]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = _llm().with_options(**opts).generate(prompts, params)
+    spec = _llm().with_options(speculative_config=dict(DRAFT, num_draft_layers=1), **opts)
+    got = spec.generate(prompts, params)
+    _same_outputs(want, got)
+    stats = spec.engine.stats
+    assert stats.num_preemptions > 0 and stats.num_spec_draft_tokens > 0
+    assert 0 < stats.spec_acceptance_rate < 1
+    runner = spec.engine.runner
+    compiles = (runner.num_compiles, runner.num_sample_compiles, runner.num_draft_compiles)
+    spec.engine.reset_prefix_cache()
+    spec.generate(prompts, params)
+    assert (runner.num_compiles, runner.num_sample_compiles, runner.num_draft_compiles) == compiles
+    bm = spec.engine.block_manager
+    bm.check_invariants()
+    assert bm.num_available_pages == bm.num_usable_pages

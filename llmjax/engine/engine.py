@@ -159,9 +159,9 @@ class LLMEngine:
         self.kv_tiers = None  # the KV tiers below the device pages (llmjax/engine/kv_tiers.py)
         self.speculator = None  # speculative decoding (llmjax/engine/speculative.py)
         if config.speculative.enabled:
-            from llmjax.engine.speculative import Speculator
+            from llmjax.engine.speculative import make_speculator
 
-            self.speculator = Speculator(config.speculative)
+            self.speculator = make_speculator(config.speculative)
             self.scheduler.speculator = self.speculator
         if kv_store is not None or config.kv_store.enabled:
             self._attach_kv_store(kv_store)
@@ -476,6 +476,9 @@ class LLMEngine:
             return outputs
         if batch.num_spec_tokens and any(map(_blocks_speculation, batch.seqs)):
             self.scheduler.drop_speculation(batch)
+        if batch.num_spec_tokens and self.speculator.drafts_on_device:
+            with trace("llmjax.draft"):
+                self._draft(batch)
         with trace("llmjax.pack"):
             step_input, sampling = pack(
                 batch,
@@ -531,6 +534,27 @@ class LLMEngine:
             tiers.prefetch(self.scheduler.waiting)  # disk reads for the next admissions
         self._record(batch, t_start, t_run, t_update, c_update - c_run)
         return outputs
+
+    def _draft(self, batch) -> None:
+        """The early-exit draft (SpeculativeConfig.method 'draft'): the device drafts the
+        proposals the scheduler reserved, which replace the placeholders."""
+        seqs = [s for s in batch.seqs if s.spec]
+        ps = self.block_manager.page_size
+        tables = self.block_manager.page_tables
+        max_pages = max(pages_needed(s.start + s.num_new_tokens, ps) for s in seqs)
+        _, S, P = self.buckets.shape_for(len(seqs), len(seqs), max_pages)
+        tokens, positions, num = (np.zeros(S, np.int32) for _ in range(3))
+        pages = np.zeros((S, P), np.int32)
+        for i, seq in enumerate(seqs):
+            table = tables[seq.request.request_id]
+            used = pages_needed(seq.start + seq.num_new_tokens, ps)
+            tokens[i] = seq.request.token_ids_slice(seq.start, seq.start + 1)[0]
+            positions[i] = seq.start
+            pages[i, :used] = table[:used]
+            num[i] = len(seq.spec)
+        proposals = self.runner.draft(tokens, positions, pages, num)
+        for i, seq in enumerate(seqs):
+            seq.spec = tuple(int(t) for t in proposals[i, : num[i]])
 
     def _verified(self, batch, new_tokens: list) -> None:
         """Speculative decoding: each verifying sequence's new tokens (its accepted proposals

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from llmjax.config import EngineConfig
 from llmjax.engine.batch import SamplingInput, SpecInput, spec_rows, step_shape
 from llmjax.model.attention import make_attention_fn, resolve_attention_backend
+from llmjax.model.draft import draft_proposals
 from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
 from llmjax.model.params import Params, stack_layers, unstack_layers
@@ -212,6 +213,31 @@ class ModelRunner:
             verify_impl, out_shardings=None if self.mesh is None else replicated(self.mesh)
         )
         self.last_spec = None  # the last step's (tokens [S, K + 1], accepted [S]), numpy
+        spec = config.speculative
+        self.num_draft_compiles = 0
+        if spec.method == "draft":  # the early-exit draft (llmjax/model/draft.py)
+
+            def draft_impl(params, kv_pages, tokens, positions, page_indices, num_proposals):
+                self.num_draft_compiles += 1  # runs only while tracing
+                return draft_proposals(
+                    params,
+                    kv_pages,
+                    tokens,
+                    positions,
+                    page_indices,
+                    num_proposals,
+                    self.model_config,
+                    attention_fn,
+                    num_layers=spec.num_draft_layers,
+                    max_proposals=spec.num_speculative_tokens,
+                    page_size=page_size,
+                )
+
+            self._draft = jax.jit(
+                draft_impl,
+                donate_argnames=("kv_pages",),
+                out_shardings=None if out_shardings is None else out_shardings[1:],
+            )
         # Compiling ahead (`compile_ahead`): one background thread, one device, one process.
         if config.compile_ahead and self.mesh is None and jax.process_count() == 1:
             self._ahead_pool = concurrent.futures.ThreadPoolExecutor(
@@ -481,6 +507,17 @@ class ModelRunner:
             check_lockstep(next_ids, self.num_steps)
         return next_ids
 
+    def draft(self, tokens, positions, page_indices, num_proposals) -> np.ndarray:
+        """Speculative decoding's early-exit draft (`SpeculativeConfig.method == 'draft'`):
+        each row's last token, its position, its page table (with pages for the drafted
+        tokens) and how many tokens to draft -> proposals [S, K] (-1 past each row's count).
+        Writes the first `num_draft_layers` layers' KV of the drafted positions."""
+        args = (tokens, positions, page_indices, num_proposals)
+        if self.mesh is not None:
+            args = tuple(place(np.asarray(x), replicated(self.mesh)) for x in args)
+        proposals, self.kv_pages = self._draft(self.params, self.kv_pages, *args)
+        return to_host(proposals)
+
     def _processed(self, logits, sampling: SamplingInput, sampling_args):
         """The processed sampler over `logits` [S, V] (one row per sequence): next ids (on the
         device); `last_logprobs` set if the step wants logprobs."""
@@ -699,7 +736,7 @@ class ModelRunner:
         if self.pipelined:
             self._precompile_pipeline(shapes, progress)
             return
-        sampled = set()
+        sampled, drafted = set(), set()
         K = self.config.speculative.num_speculative_tokens
         for T, S, P in shapes:
             sampling = _greedy_sampling(S)
@@ -714,6 +751,10 @@ class ModelRunner:
                 )
                 rows = np.zeros(spec_rows(T, S, K), np.int32)
                 self.run(step._replace(logits_indices=rows), sampling)
+                if self.config.speculative.method == "draft" and (S, P) not in drafted:
+                    drafted.add((S, P))  # nothing drafted: every write lands in page 0
+                    zeros = np.zeros(S, np.int32)
+                    self.draft(zeros, zeros, np.zeros((S, P), np.int32), zeros)
             progress()
 
     def _precompile_pipeline(self, shapes: list[tuple[int, int, int]], progress) -> None:

@@ -13,6 +13,10 @@ Methods (`SpeculativeConfig.method`):
          an earlier occurrence of its last n tokens, the longest n in [prompt_lookup_min,
          prompt_lookup_max] that occurs; the tokens that followed its latest occurrence are the
          proposals.
+  draft  the target's first `num_draft_layers` layers, final norm and LM head (early exit,
+         llmjax/model/draft.py): the scheduler reserves k proposals per decode, then the
+         engine has the device draft them greedily, one pass per token over the same KV pages,
+         before the step verifies them.
 
 A request stops speculating for `acceptance_window` decode steps when fewer than
 `min_acceptance_rate` of its last `acceptance_window` proposed tokens were accepted (free chat
@@ -81,13 +85,13 @@ def ngram_proposals(tokens, min_n: int, max_n: int, k: int) -> list[int]:
 
 
 class Speculator:
-    """Proposals for decoding requests, and the auto-off rule (module doc)."""
+    """Proposals for decoding requests, and the auto-off rule (module doc). Subclasses say how
+    a request's next tokens are proposed (`_propose`)."""
+
+    # The proposals are placeholders that the device drafts after scheduling (LLMEngine._draft)
+    drafts_on_device = False
 
     def __init__(self, config: SpeculativeConfig):
-        if config.method != "ngram":
-            raise ValueError(
-                f"the host speculator proposes for method='ngram', got {config.method!r}"
-            )
         self.config = config
 
     @staticmethod
@@ -101,22 +105,18 @@ class Speculator:
 
     def propose(self, req, max_k: int) -> list[int]:
         """Up to `max_k` proposals for `req`'s next tokens ([] while it is off)."""
-        state = req.metrics.spec_decode
-        if state is None:
-            state = req.metrics.spec_decode = SpecState()
+        state = _state(req)
         if state.off_steps > 0 or max_k <= 0 or not self.eligible(req):
             return []
-        cfg = self.config
-        k = min(max_k, cfg.num_speculative_tokens)
-        tokens = req.token_ids_slice(0, req.num_tokens)
-        return ngram_proposals(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+        return self._propose(req, min(max_k, self.config.num_speculative_tokens))
+
+    def _propose(self, req, k: int) -> list[int]:
+        raise NotImplementedError
 
     def record(self, req, num_proposed: int, num_accepted: int, num_tokens: int) -> None:
         """One decode step of `req`: it proposed `num_proposed` tokens, `num_accepted` of them
         were accepted, and it gained `num_tokens` tokens."""
-        state = req.metrics.spec_decode
-        if state is None:
-            state = req.metrics.spec_decode = SpecState()
+        state = _state(req)
         state.num_decode_steps += 1
         state.num_decode_tokens += num_tokens
         if state.off_steps > 0:
@@ -134,3 +134,40 @@ class Speculator:
             if rate < cfg.min_acceptance_rate:
                 state.off_steps = cfg.acceptance_window
             state.window_draft_tokens = state.window_accepted_tokens = 0
+
+
+class NgramSpeculator(Speculator):
+    """Prompt lookup (`ngram_proposals`) over the request's own tokens, on the host."""
+
+    def _propose(self, req, k: int) -> list[int]:
+        cfg = self.config
+        tokens = req.token_ids_slice(0, req.num_tokens)
+        return ngram_proposals(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+
+
+DRAFT_PLACEHOLDER = -1  # a proposal the device drafts after scheduling
+
+
+class DraftSpeculator(Speculator):
+    """The early-exit draft (llmjax/model/draft.py): the scheduler reserves k proposals (budget
+    and pages) as placeholders; the engine has the device draft them before the step."""
+
+    drafts_on_device = True
+
+    def _propose(self, req, k: int) -> list[int]:
+        return [DRAFT_PLACEHOLDER] * k
+
+
+def make_speculator(config: SpeculativeConfig) -> Speculator:
+    """The speculator for `config.method`."""
+    kinds = {"ngram": NgramSpeculator, "draft": DraftSpeculator}
+    if config.method not in kinds:
+        raise ValueError(f"no speculator for method {config.method!r}")
+    return kinds[config.method](config)
+
+
+def _state(req) -> SpecState:
+    state = req.metrics.spec_decode
+    if state is None:
+        state = req.metrics.spec_decode = SpecState()
+    return state

@@ -109,16 +109,32 @@ def scan_layers(
     sin: jax.Array,
     config: ModelConfig,
     attention_fn: AttentionFn,
+    num_layers: int | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The decoder layers as one `lax.scan` over stacked weights -> (x [T, D], kv_pages). The
-    whole cache is the scan's carry (updated in place)."""
+    whole cache is the scan's carry (updated in place). `num_layers`: only the first that many
+    (a loop that reads each layer's weights in place: an early-exit draft)."""
     k_pages, v_pages = kv_pages
-    num_layers = jax.tree.leaves(layers)[0].shape[0]
-    num_pages, page_size = k_pages.shape[0] // num_layers, k_pages.shape[1]
+    total = jax.tree.leaves(layers)[0].shape[0]
+    num_pages, page_size = k_pages.shape[0] // total, k_pages.shape[1]
     # Packed weights stay whole (loop-invariant) and each step views its layer in them: their
     # C++ kernels read it in place, where scanning over them would copy every layer's slice.
     packed = {name: w for name, w in layers.items() if is_packed(w)}
     sliced = {name: w for name, w in layers.items() if not is_packed(w)}
+    if num_layers is not None and num_layers < total:
+
+        def first_layers(i, carry):
+            x, k, v = carry
+            layer = {
+                n: jax.lax.dynamic_index_in_dim(w, i, keepdims=False) for n, w in sliced.items()
+            }
+            layer |= {name: w.at_layer(i) for name, w in packed.items()}
+            at = layer_step(step, i, num_pages, page_size)
+            x, (k, v) = decoder_layer(layer, x, (k, v), at, cos, sin, config, attention_fn)
+            return x, k, v
+
+        x, k, v = jax.lax.fori_loop(0, num_layers, first_layers, (x, k_pages, v_pages))
+        return x, (k, v)
 
     def body(carry, layer):
         x, k, v, i = carry
@@ -135,9 +151,7 @@ def scan_layers(
         )
         return (x, k, v, i + 1), None
 
-    (x, k, v, _), _ = jax.lax.scan(
-        body, (x, k_pages, v_pages, jnp.int32(0)), sliced, length=num_layers
-    )
+    (x, k, v, _), _ = jax.lax.scan(body, (x, k_pages, v_pages, jnp.int32(0)), sliced, length=total)
     return x, (k, v)
 
 
@@ -163,24 +177,27 @@ def forward(
     step: StepInput,
     config: ModelConfig,
     attention_fn: AttentionFn = reference_attention,
+    num_layers: int | None = None,
 ) -> tuple[jax.Array, KVPages]:
     """One model step -> (logits [L, V] float32, updated kv_pages), with the layers unrolled or
     scanned as `params` and `kv_pages` are laid out (see the module doc). `attention_fn`: see
     llmjax/model/attention.py (`make_attention_fn` picks one by backend name). The pipeline-
-    parallel step (llmjax/parallel/pipeline.py) runs the same pieces split over stages."""
+    parallel step (llmjax/parallel/pipeline.py) runs the same pieces split over stages.
+    `num_layers`: run only the first that many layers, then the final norm and the LM head (an
+    early exit, speculative decoding's draft; the other layers' KV pages are untouched)."""
     x = embed_tokens(params, step.token_ids)  # [T, D]
     cos, sin = rope_cos_sin(step.positions, config)  # [T, H/2]
     if layers_stacked(params):
         with jax.named_scope("layers"):
             x, new_kv_pages = scan_layers(
-                params["layers"], kv_pages, x, step, cos, sin, config, attention_fn
+                params["layers"], kv_pages, x, step, cos, sin, config, attention_fn, num_layers
             )
     else:
-        new_kv_pages = []
-        for i, layer in enumerate(params["layers"]):
+        new_kv_pages = list(kv_pages)
+        for i, layer in enumerate(params["layers"][:num_layers]):
             with jax.named_scope(f"layer_{i}"):
                 x, kv = decoder_layer(layer, x, kv_pages[i], step, cos, sin, config, attention_fn)
-                new_kv_pages.append(kv)
+                new_kv_pages[i] = kv
     with jax.named_scope("lm_head"):
         logits = lm_head(params, x[step.logits_indices], config)  # [L, V]
     return logits, new_kv_pages
