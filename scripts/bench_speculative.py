@@ -55,7 +55,8 @@ FUNCTIONS = [
         "entries",
         "def count_words(text):\n    items = {}\n    for word in text.split():\n"
         "        items[word] = items.get(word, 0) + 1\n    return items\n\n\n"
-        "def top_word(text):\n    items = count_words(text)\n    return max(items, key=items.get)\n",
+        "def top_word(text):\n    items = count_words(text)\n"
+        "    return max(items, key=items.get)\n",
     ),
     (
         "name",
@@ -215,7 +216,7 @@ def main(argv):
             f"{r['workload']:>10} {r['batch']:>5} {r['plain_tokens_per_s']:>8.1f} "
             f"{r['spec_tokens_per_s']:>8.1f} {r['speedup']:>7.2f} "
             f"{fmt(r['acceptance_rate']):>6} {fmt(r['mean_accepted_length']):>8} "
-            f"{r['tokens_per_decode_step']:>8.2f} {str(r['identical_outputs']):>5}"
+            f"{r['tokens_per_decode_step']:>8.2f} {r['identical_outputs']!s:>5}"
         )
     if FLAGS.json_out:
         os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
