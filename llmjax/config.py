@@ -585,7 +585,11 @@ class SpeculativeConfig:
     A request stops speculating for `acceptance_window` decode steps when fewer than
     `min_acceptance_rate` of its last `acceptance_window` proposed tokens were accepted (then it
     tries again), and nobody speculates while more than `disable_by_batch_size` requests run
-    (None: no bound; vLLM's). Requests with logits processing, logprobs or structured outputs
+    (None: no bound; vLLM's). `adaptive`: each step verifies the proposals worth their cost:
+    the engine measures what decode steps cost per (padded) token count and estimates each
+    request's acceptance, and keeps the proposals that maximize expected tokens per second
+    (the likeliest requests first, capped per request; `Speculator.select`); off: every
+    proposal is verified. Requests with logits processing, logprobs or structured outputs
     decode one token a step beside the others' verifications; a step that computes prompt
     logprobs verifies nothing.
     """
@@ -598,6 +602,7 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.2
     acceptance_window: int = 32
     disable_by_batch_size: int | None = None
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:

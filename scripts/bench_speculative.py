@@ -9,14 +9,16 @@ Workloads (greedy, chat-templated, `--max_tokens` each):
   repetitive  code editing (rename a variable in a function, give the whole code back) and
               document QA that quotes its document (repeat a paragraph, quote a sentence).
   free_chat   open questions whose answers do not copy the prompt.
-For each workload and batch size the requests run `batch` at a time, first plain then with
-speculation (`--method`, `--num_speculative_tokens`, `--prompt_lookup_min/max`) on the same
-weights; each variant runs once untimed (compiling its shapes) and then `--repeats` times
-timed, with the prefix cache emptied before each run. The table gives decode tokens/s (tokens
-generated after every request of the batch had its first one, over the time that took; the
-median over repeats), the speedup, the acceptance rate and mean accepted length, the tokens per
-decode step and whether the greedy outputs are identical. Measured on the machine it runs on:
-this script does no simulation.
+For each workload and batch size the requests run `batch` at a time, plain, then with
+speculation (`--method`, `--num_speculative_tokens`, `--prompt_lookup_min/max`,
+`--num_draft_layers`) verifying every proposal ('all', adaptive=False) and choosing them by the
+measured step cost ('adaptive', the default), on the same weights; each variant runs once
+untimed (measuring step costs; every step shape is compiled before, `--precompile`) and then
+`--repeats` times timed, with the prefix cache emptied before each run. The table gives decode
+tokens/s (tokens generated after every request of the batch had its first one, over the time
+that took; the median over repeats), the speedup, the acceptance rate and mean accepted length,
+the tokens per decode step and whether the greedy outputs are identical. Measured on the
+machine it runs on: this script does no simulation.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf file or che
 flags.DEFINE_string("dtype", "float32", "Weights and KV dtype.")
 flags.DEFINE_list("batch_sizes", ["1", "8"], "Requests decoding together.")
 flags.DEFINE_list("workloads", ["repetitive", "free_chat"], "Workloads.")
-flags.DEFINE_enum("method", "ngram", ["ngram"], "Speculative method.")
+flags.DEFINE_enum("method", "ngram", ["ngram", "draft"], "Speculative method.")
+flags.DEFINE_integer("num_draft_layers", 4, "draft: the early exit's layers.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Proposals per decode (k).")
 flags.DEFINE_integer("prompt_lookup_min", 2, "ngram: shortest suffix looked up.")
 flags.DEFINE_integer("prompt_lookup_max", 4, "ngram: longest suffix looked up.")
 flags.DEFINE_integer("max_tokens", 128, "Tokens generated per request.")
 flags.DEFINE_integer("num_requests", 8, "Requests per workload (a multiple of each batch).")
 flags.DEFINE_integer("repeats", 2, "Timed runs per variant (the median is reported).")
+flags.DEFINE_bool("precompile", True, "Compile every step shape before timing.")
 flags.DEFINE_string("json_out", "out/bench_speculative.json", "Where to write the results.")
 FLAGS = flags.FLAGS
 
@@ -147,7 +151,9 @@ def main(argv):
         dtype=FLAGS.dtype,
         max_model_len=1024,
         num_pages=batch * 1024 // 16 + 1,  # no preemption: every request's tokens fit
-        compilation_cache_dir="",
+        # every step shape compiled before timing (the adaptive choice meets new shapes in
+        # any run); JAX's persistent cache makes the next variants' compiles loads
+        precompile=FLAGS.precompile,
     )
     tok = base.get_tokenizer()
     spec_config = {
@@ -155,6 +161,7 @@ def main(argv):
         "num_speculative_tokens": FLAGS.num_speculative_tokens,
         "prompt_lookup_min": FLAGS.prompt_lookup_min,
         "prompt_lookup_max": FLAGS.prompt_lookup_max,
+        "num_draft_layers": FLAGS.num_draft_layers,
     }
     messages = {"repetitive": repetitive_messages(), "free_chat": FREE_CHAT}
     params = SamplingParams(max_tokens=FLAGS.max_tokens)
@@ -166,10 +173,10 @@ def main(argv):
         ]
         for batch in map(int, FLAGS.batch_sizes):
             result = {}
-            for variant in ("plain", "speculative"):
+            for variant in ("plain", "all", "adaptive"):
                 opts = dict(max_num_seqs=batch)
-                if variant == "speculative":
-                    opts["speculative_config"] = spec_config
+                if variant != "plain":
+                    opts["speculative_config"] = dict(spec_config, adaptive=variant == "adaptive")
                 llm = base.with_options(**opts)
                 run(llm, prompts, params, batch)  # compiles its shapes
                 llm.engine.reset_stats()
@@ -187,33 +194,42 @@ def main(argv):
                     "mean_accepted_length": stats.spec_mean_accepted_length,
                     "tokens_per_decode_step": float(np.mean(per_step)) if per_step else 1.0,
                 }
-            plain, spec = result["plain"], result["speculative"]
-            rows.append(
-                {
-                    "workload": workload,
-                    "batch": batch,
-                    "plain_tokens_per_s": plain["tokens_per_s"],
-                    "spec_tokens_per_s": spec["tokens_per_s"],
-                    "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
-                    "acceptance_rate": spec["acceptance_rate"],
-                    "mean_accepted_length": spec["mean_accepted_length"],
-                    "tokens_per_decode_step": spec["tokens_per_decode_step"],
-                    "identical_outputs": plain["outputs"] == spec["outputs"],
-                }
-            )
+            plain = result["plain"]
+            for variant in ("all", "adaptive"):
+                spec = result[variant]
+                rows.append(
+                    {
+                        "workload": workload,
+                        "batch": batch,
+                        "variant": variant,
+                        "plain_tokens_per_s": plain["tokens_per_s"],
+                        "spec_tokens_per_s": spec["tokens_per_s"],
+                        "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
+                        "acceptance_rate": spec["acceptance_rate"],
+                        "mean_accepted_length": spec["mean_accepted_length"],
+                        "tokens_per_decode_step": spec["tokens_per_decode_step"],
+                        "identical_outputs": plain["outputs"] == spec["outputs"],
+                    }
+                )
     print(
         f"{FLAGS.model} ({FLAGS.dtype}), {FLAGS.method} k={FLAGS.num_speculative_tokens} "
-        f"lookup {FLAGS.prompt_lookup_min}..{FLAGS.prompt_lookup_max}, greedy, "
+        + (
+            f"lookup {FLAGS.prompt_lookup_min}..{FLAGS.prompt_lookup_max}"
+            if FLAGS.method == "ngram"
+            else f"{FLAGS.num_draft_layers} draft layers"
+        )
+        + ", greedy, "
         f"{FLAGS.max_tokens} tokens: decode tokens/s (median of {FLAGS.repeats})"
     )
     print(
-        f"{'workload':>10} {'batch':>5} {'plain':>8} {'spec':>8} {'speedup':>7} {'accept':>6} "
-        f"{'mean len':>8} {'tok/step':>8} {'same':>5}"
+        f"{'workload':>10} {'batch':>5} {'variant':>8} {'plain':>8} {'spec':>8} {'speedup':>7} "
+        f"{'accept':>6} {'mean len':>8} {'tok/step':>8} {'same':>5}"
     )
     fmt = lambda x: "-" if x is None else f"{x:.2f}"
     for r in rows:
         print(
-            f"{r['workload']:>10} {r['batch']:>5} {r['plain_tokens_per_s']:>8.1f} "
+            f"{r['workload']:>10} {r['batch']:>5} {r['variant']:>8} "
+            f"{r['plain_tokens_per_s']:>8.1f} "
             f"{r['spec_tokens_per_s']:>8.1f} {r['speedup']:>7.2f} "
             f"{fmt(r['acceptance_rate']):>6} {fmt(r['mean_accepted_length']):>8} "
             f"{r['tokens_per_decode_step']:>8.2f} {r['identical_outputs']!s:>5}"

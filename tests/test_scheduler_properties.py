@@ -133,6 +133,7 @@ class Scenario:
             speculative=SpeculativeConfig(
                 method="ngram" if self.num_speculative_tokens else "none",
                 num_speculative_tokens=max(1, self.num_speculative_tokens),
+                adaptive=False,
             ),
         )
 
@@ -181,6 +182,15 @@ class OracleSpeculator(Speculator):
                 t = (t + 1 + int(rng.integers(0, self.vocab_size - 1))) % self.vocab_size
             out.append(t)
         return out
+
+    def select(self, offers, num_tokens, num_decodes):
+        """Keep a hash-drawn number of each request's proposals (the adaptive choice keeps
+        any prefix of them)."""
+        out = []
+        for req, proposals in offers:
+            tokens = req.token_ids_slice(0, req.num_tokens)
+            out.append(next_token(tokens, 1 << 20) % (len(proposals) + 2))
+        return [min(k, len(p)) for k, (_, p) in zip(out, offers, strict=True)]
 
 
 def _output_alone(spec: RequestSpec, max_model_len: int, vocab_size: int) -> list[int]:

@@ -161,7 +161,9 @@ def test_buckets_and_prefix():
 
 
 def test_speculative_decoding_counters(llm):
-    spec = llm.with_options(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec = llm.with_options(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    )
     engine = spec.engine
     metrics = ServingMetrics(
         "tiny", engine.config, engine.block_manager.num_pages, prefix="vllm", stats=engine.stats

@@ -162,21 +162,27 @@ QUOTED = (
 
 
 def test_greedy_with_ngram_speculation_matches_hf_and_plain_decoding(llm, golden):
-    """Speculation (prompt lookup) changes no greedy token: the five HF golden continuations,
-    and a long answer that quotes its prompt (where most proposals are accepted)."""
+    """Speculation changes no greedy token: the five HF golden continuations with prompt lookup
+    and with an early-exit draft, and a long answer that quotes its prompt (where most of prompt
+    lookup's proposals are accepted)."""
     from llmjax import SamplingParams
 
     npz, _ = golden
     spec = llm.with_options(
         max_model_len=512,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     )
     prompts = [
         ids[:n].tolist() for ids, n in zip(npz["prompt_ids"], npz["prompt_lens"], strict=True)
     ]
     params = SamplingParams(max_tokens=npz["greedy_ids"].shape[1], ignore_eos=True)
-    for out, want in zip(spec.generate(prompts, params), npz["greedy_ids"], strict=True):
-        assert out.token_ids == want.tolist()
+    draft = llm.with_options(
+        speculative_config={"method": "draft", "num_draft_layers": 26, "adaptive": False}
+    )
+    for engine in (spec, draft):  # prompt lookup, and the first 26 of 30 layers as a draft
+        for out, want in zip(engine.generate(prompts, params), npz["greedy_ids"], strict=True):
+            assert out.token_ids == want.tolist()
+    assert draft.engine.stats.num_spec_accepted_tokens > 0
     chat = [{"role": "user", "content": "Repeat this text word for word:\n\n" + QUOTED}]
     params = SamplingParams(max_tokens=120)
     plain = llm.with_options(max_model_len=512).chat(chat, params)[0]

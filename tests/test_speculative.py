@@ -77,6 +77,23 @@ def _layout(ks, K):
     return first, sum(k + 1 for k in ks)
 
 
+def _verify(logits, ks, proposals, *sampling):
+    """verify_proposals over `logits` rows laid out as `_layout` says (rows past them pad)."""
+    K = proposals.shape[1]
+    first, _ = _layout(list(ks), K)
+    R = logits.shape[0]
+    row_seq = np.zeros(R, np.int32)
+    row_pos = np.full(R, K + 1, np.int32)
+    for i, k in enumerate(ks):
+        row_seq[first[i] : first[i] + k + 1] = i
+        row_pos[first[i] : first[i] + k + 1] = np.arange(k + 1)
+    tokens, accepted = verify_proposals(
+        jnp.asarray(logits), None, first, row_seq, row_pos, proposals,
+        np.asarray(ks, np.int32), *sampling,
+    )  # fmt: skip
+    return np.asarray(tokens), np.asarray(accepted)
+
+
 @pytest.mark.parametrize("V, K, ks", [(16, 3, [3, 0, 2, 1]), (97, 4, [4, 4]), (300, 1, [1, 0, 1])])
 def test_greedy_verification_equals_numpy(V, K, ks):
     rng = np.random.default_rng(V)
@@ -91,12 +108,10 @@ def test_greedy_verification_equals_numpy(V, K, ks):
             t = argmax[first[i] + j]
             proposals[i, j] = t if j < right else (t + 1 + rng.integers(0, V - 1)) % V
     zeros = np.zeros(S, np.float32)
-    tokens, accepted = verify_proposals(
-        jnp.asarray(logits), first, proposals, np.array(ks, np.int32), zeros,
-        zeros.astype(np.int32), zeros + 1, np.arange(S, dtype=np.uint32), zeros.astype(np.int32),
-        True,
+    tokens, accepted = _verify(
+        logits, ks, proposals, zeros, zeros.astype(np.int32), zeros + 1,
+        np.arange(S, dtype=np.uint32), zeros.astype(np.int32), True,
     )  # fmt: skip
-    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
     for i, k in enumerate(ks):
         a = 0
         while a < k and proposals[i, a] == argmax[first[i] + a]:
@@ -147,18 +162,16 @@ def test_sampled_verification_keeps_the_target_distribution(case):
         x = [int(np.argsort(rows[0])[2]), int(np.argmin(rows[1]))]
         top_k = 3 if case == "proposal outside top_k" else 0
     p0, p1, p2 = (_probs(r, temperature, top_k) for r in rows)
-    logits = jnp.asarray(np.tile(rows, (N, 1)))  # sequence i's rows at 3i .. 3i + 2
-    first = np.arange(N, dtype=np.int32) * 3
+    logits = np.tile(rows, (N, 1))  # sequence i's rows at 3i .. 3i + 2
     proposals = np.tile(np.array(x, np.int32), (N, 1))
     temp = np.full(N, temperature, np.float32)
     if case == "greedy rows mixed":
         temp[::7] = 0.0  # every 7th sequence greedy: argmax, whatever the seed
     counters = np.full(N, 5, np.int32)
-    tokens, accepted = verify_proposals(
-        logits, first, proposals, np.full(N, K, np.int32), temp, np.full(N, top_k, np.int32),
+    tokens, accepted = _verify(
+        logits, [K] * N, proposals, temp, np.full(N, top_k, np.int32),
         np.ones(N, np.float32), np.arange(N, dtype=np.uint32), counters, False,
     )  # fmt: skip
-    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
     random = temp > 0
     if case == "greedy rows mixed":
         g = ~random
@@ -190,12 +203,12 @@ def test_rows_without_proposals_sample_exactly_as_the_plain_sampler():
     seeds = rng.integers(0, 2**32, S).astype(np.uint32)
     counters = rng.integers(0, 100, S).astype(np.int32)
     want = sample(jnp.asarray(logits), temperature, top_k, top_p, seeds, counters, False)
-    tokens, accepted = verify_proposals(
-        jnp.asarray(logits), np.arange(S, dtype=np.int32), np.full((S, K), -1, np.int32),
-        np.zeros(S, np.int32), temperature, top_k, top_p, seeds, counters, False,
+    tokens, accepted = _verify(
+        logits, [0] * S, np.full((S, K), -1, np.int32), temperature, top_k, top_p, seeds,
+        counters, False,
     )  # fmt: skip
-    assert np.asarray(tokens)[:, 0].tolist() == np.asarray(want).tolist()
-    assert not np.asarray(accepted).any()
+    assert tokens[:, 0].tolist() == np.asarray(want).tolist()
+    assert not accepted.any()
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -214,7 +227,8 @@ def _llm():
     )
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+# adaptive=False: every proposal verified (the adaptive choice depends on measured step times)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
 # Repetitive prompts (the tiny random model soon repeats itself too), and one that is not.
 PROMPTS = [[5, 6, 7, 8] * 6, list(range(10, 40)), [3, 4] * 10, [9, 100, 17, 250, 31]]
 
@@ -389,7 +403,7 @@ def test_speculative_sampling_matches_the_model_distribution():
     weights = init_params(SMALL, jax.random.key(4))
     prompt = [3, 9, 4, 11, 5]
     temperature, N = 0.8, 4000
-    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=False)
     engine = _small_engine(cfg, weights)
     engine.speculator = engine.scheduler.speculator = _ArgmaxOracle(cfg, engine.runner.params)
     for i in range(N):
@@ -482,7 +496,7 @@ def test_the_first_layers_forward_equals_a_model_cut_to_them(layer_loop):
         assert not np.asarray(kv_after[2][0]).any() and np.asarray(kv_after[1][0]).any()
 
 
-DRAFT = {"method": "draft", "num_speculative_tokens": 3}
+DRAFT = {"method": "draft", "num_speculative_tokens": 3, "adaptive": False}
 
 
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
@@ -516,3 +530,102 @@ def test_an_early_exit_draft_keeps_greedy_outputs_with_preemption():
     bm = spec.engine.block_manager
     bm.check_invariants()
     assert bm.num_available_pages == bm.num_usable_pages
+
+
+# ---- the adaptive choice -----------------------------------------------------------------------
+
+
+def _selector(seconds: dict[int, float], acceptance: float) -> Speculator:
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    spec.token_bucket = lambda n: 1 << (n - 1).bit_length()  # powers of two, as the engine's
+    for T, s in seconds.items():
+        spec.cost.observe(T, s)
+    spec.cost.acceptance = acceptance
+    return spec
+
+
+class _Req:
+    def __init__(self, accepted: int, proposed: int):
+        from llmjax.engine.request import RequestMetrics
+        from llmjax.engine.speculative import SpecState
+
+        self.metrics = RequestMetrics(0.0)
+        self.metrics.spec_decode = SpecState(
+            num_draft_tokens=proposed, num_accepted_tokens=accepted
+        )
+
+
+def test_adaptive_selection_weighs_acceptance_against_the_measured_step_cost():
+    offers = [(_Req(30, 40), [1, 2, 3, 4]) for _ in range(8)]  # 8 decodes, acceptance ~0.7
+    flat = _selector({8: 1.0, 64: 1.0}, 0.7)  # verification rows cost nothing more
+    assert flat.select(offers, 8, 8) == [4] * 8
+    steep = _selector({8: 1.0, 16: 2.0, 32: 4.0, 64: 8.0}, 0.7)  # cost grows with every row
+    assert steep.select(offers, 8, 8) == [0] * 8
+    # a cheap next bucket: keep what fits in 16 rows, the likeliest requests first
+    bucket = _selector({8: 1.0, 16: 1.05, 32: 2.0, 64: 4.0}, 0.7)
+    offers[3] = (_Req(39, 40), [1, 2, 3, 4])  # this one is almost always right
+    kept = bucket.select(offers, 8, 8)
+    assert 0 < sum(kept) <= 8 and kept[3] == max(kept)
+    # poor acceptance: nothing is worth even a cheap bucket
+    poor = [(_Req(1, 40), [1, 2, 3, 4]) for _ in range(8)]
+    assert _selector({8: 1.0, 16: 1.2, 32: 2.0}, 0.05).select(poor, 8, 8) == [0] * 8
+    # one decode at batch 1 on a memory-bound device: speculate
+    assert _selector({1: 1.0, 8: 1.1}, 0.5).select(offers[:1], 1, 1) == [4]
+    # before two sizes are measured, steps alternate between all and nothing
+    fresh = _selector({}, 0.5)
+    assert [fresh.select(offers, 8, 8) for _ in range(2)] == [[4] * 8, [0] * 8]
+    fresh.cost.observe(8, 1.0)
+    assert not fresh.cost.fitted
+    fresh.config = fresh.config.__class__(method="ngram", adaptive=False)
+    assert fresh.select(offers, 8, 8) == [4] * 8
+
+
+def test_speculation_with_tensor_parallelism_equals_one_device():
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = _llm().generate(PROMPTS, params)
+    for config in (NGRAM, dict(DRAFT, num_draft_layers=1)):
+        sharded = LLM(
+            "tiny",
+            load_format="dummy",
+            tp=2,
+            page_size=4,
+            max_num_batched_tokens=32,
+            max_num_seqs=8,
+            max_model_len=128,
+            compilation_cache_dir="",
+            speculative_config=config,
+        )
+        _same_outputs(want, sharded.generate(PROMPTS, params))
+        assert sharded.engine.stats.num_spec_accepted_tokens > 0
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=50),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    k=st.integers(1, 5),
+    steps=st.lists(st.integers(1, 4), min_size=1, max_size=8),
+)
+def test_the_incremental_ngram_index_equals_the_plain_search(tokens, min_n, extra, k, steps):
+    """As a request's tokens grow a few at a time (a verification appends several), every
+    lookup equals the plain search over all of them."""
+    from llmjax.engine.speculative import NgramIndex
+
+    class _Growing:
+        def __init__(self, ids):
+            self.ids = ids
+
+        @property
+        def num_tokens(self):
+            return len(self.ids)
+
+        def token_ids_slice(self, a, b):
+            return self.ids[a:b]
+
+    index = NgramIndex(min_n, min_n + extra)
+    n = 1
+    for grow in [0, *steps]:
+        n = min(len(tokens), n + grow)
+        req = _Growing(tokens[:n])
+        assert index.propose(req, k) == _plain_lookup(tokens[:n], min_n, min_n + extra, k)

@@ -154,6 +154,23 @@ class SpecInput:
     first_rows: np.ndarray  # [S] int32
     proposals: np.ndarray  # [S, K] int32
     num_proposals: np.ndarray  # [S] int32
+    row_seq: np.ndarray  # [R] int32: each logits row's sequence
+    row_pos: np.ndarray  # [R] int32: its index among the sequence's rows (K + 1: padding)
+
+    def arrays(self) -> tuple:
+        """verify_proposals' arguments after the logits and greedy ids."""
+        return (self.first_rows, self.row_seq, self.row_pos, self.proposals, self.num_proposals)
+
+    @classmethod
+    def empty(cls, S: int, K: int, R: int) -> SpecInput:
+        """No proposals: one padding row per logits row."""
+        return cls(
+            first_rows=np.zeros(S, np.int32),
+            proposals=np.full((S, K), -1, np.int32),
+            num_proposals=np.zeros(S, np.int32),
+            row_seq=np.zeros(R, np.int32),
+            row_pos=np.full(R, K + 1, np.int32),
+        )
 
 
 def spec_rows(T: int, S: int, K: int) -> int:
@@ -323,12 +340,9 @@ def pack(
         if not 0 < max(len(s.spec) for s in seqs) <= num_speculative_tokens:
             raise ValueError(f"proposals exceed {num_speculative_tokens=}")
         K = num_speculative_tokens
-        rows = np.zeros(spec_rows(T, S, K), np.int32)
-        spec = SpecInput(
-            first_rows=np.zeros(S, np.int32),
-            proposals=np.full((S, K), -1, np.int32),
-            num_proposals=np.zeros(S, np.int32),
-        )
+        R = spec_rows(T, S, K)
+        rows = np.zeros(R, np.int32)
+        spec = SpecInput.empty(S, K, R)
         r = 0
         for i, seq in enumerate(seqs):
             k = len(seq.spec)
@@ -336,6 +350,8 @@ def pack(
             spec.num_proposals[i] = k
             spec.proposals[i, :k] = seq.spec
             rows[r : r + k + 1] = np.arange(cu_q_lens[i + 1] - k - 1, cu_q_lens[i + 1])
+            spec.row_seq[r : r + k + 1] = i
+            spec.row_pos[r : r + k + 1] = np.arange(k + 1)
             r += k + 1
         step = step._replace(logits_indices=rows)
         sampling.spec = spec

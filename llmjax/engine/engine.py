@@ -162,6 +162,7 @@ class LLMEngine:
             from llmjax.engine.speculative import make_speculator
 
             self.speculator = make_speculator(config.speculative)
+            self.speculator.token_bucket = lambda n: self.buckets.shape_for(n, 1, 1)[0]
             self.scheduler.speculator = self.speculator
         if kv_store is not None or config.kv_store.enabled:
             self._attach_kv_store(kv_store)
@@ -476,9 +477,13 @@ class LLMEngine:
             return outputs
         if batch.num_spec_tokens and any(map(_blocks_speculation, batch.seqs)):
             self.scheduler.drop_speculation(batch)
+        draft_s, observe = 0.0, None
+        compiles = self._compile_counts()
         if batch.num_spec_tokens and self.speculator.drafts_on_device:
             with trace("llmjax.draft"):
+                t = time.perf_counter()
                 self._draft(batch)
+                draft_s = time.perf_counter() - t
         with trace("llmjax.pack"):
             step_input, sampling = pack(
                 batch,
@@ -514,6 +519,9 @@ class LLMEngine:
         new_tokens = next_ids[: len(batch.seqs)].tolist()
         if self.speculator is not None:
             self._verified(batch, new_tokens)
+            # what decode steps cost, per size (not a step that compiled something)
+            if all(s.is_decode for s in batch.seqs) and self._compile_counts() == compiles:
+                observe = len(step_input.token_ids)
         with trace("llmjax.update"):
             for req in self.scheduler.update(batch, new_tokens):
                 self._live.discard(req.request_id)
@@ -533,7 +541,17 @@ class LLMEngine:
                 tiers.finish()  # idle: nothing to overlap with
             tiers.prefetch(self.scheduler.waiting)  # disk reads for the next admissions
         self._record(batch, t_start, t_run, t_update, c_update - c_run)
+        if observe is not None:  # the whole step's wall time, host work included
+            self.speculator.observe(observe, time.perf_counter() - t_start - draft_s, draft_s)
         return outputs
+
+    def _compile_counts(self) -> tuple:
+        r = self.runner
+        return (
+            r.num_compiles,
+            getattr(r, "num_sample_compiles", 0),
+            getattr(r, "num_draft_compiles", 0),
+        )
 
     def _draft(self, batch) -> None:
         """The early-exit draft (SpeculativeConfig.method 'draft'): the device drafts the

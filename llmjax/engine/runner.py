@@ -472,10 +472,10 @@ class ModelRunner:
         next_ids, logits, self.kv_pages = step_fn(self.params, self.kv_pages, step_arg)
         self.last_logprobs = self.last_prompt_logprobs = self.last_spec = None
         if sampling.spec is not None:  # verify proposals
-            spec = (sampling.spec.first_rows, sampling.spec.proposals, sampling.spec.num_proposals)
+            spec = sampling.spec.arrays()
             if self.mesh is not None:
                 spec = tuple(place(x, replicated(self.mesh)) for x in spec)
-            tokens, accepted = self._verify(logits, *spec, *sampling_args)
+            tokens, accepted = self._verify(logits, next_ids, *spec, *sampling_args)
             processed = None
             if sampling.processing is not None:  # rows without proposals process their logits
                 rows = jnp.take(logits, spec[0], axis=0)  # each sequence's first row
@@ -746,9 +746,7 @@ class ModelRunner:
             step = pipeline.pad_step(None, T, S, P)
             self.run(step, sampling)
             if self.config.speculative.enabled:  # the variant that verifies proposals
-                sampling.spec = SpecInput(
-                    np.zeros(S, np.int32), np.full((S, K), -1, np.int32), np.zeros(S, np.int32)
-                )
+                sampling.spec = SpecInput.empty(S, K, spec_rows(T, S, K))
                 rows = np.zeros(spec_rows(T, S, K), np.int32)
                 self.run(step._replace(logits_indices=rows), sampling)
                 if self.config.speculative.method == "draft" and (S, P) not in drafted:

@@ -74,11 +74,19 @@ class ScheduledBatch:
     num_cached_tokens: int = 0  # tokens that prefix-cache hits spared this step
     blocked: Request | None = None  # the waiting request admission stopped at (did not fit)
 
-    def add(self, request: Request, num_new_tokens: int, spec: tuple[int, ...] = ()) -> None:
-        n = num_new_tokens + len(spec)
-        self.seqs.append(ScheduledSeq(request, request.num_computed_tokens, n, tuple(spec)))
-        self.num_tokens += n
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
+        self.num_tokens += num_new_tokens
         if not request.is_latency:
+            self.num_other_tokens += num_new_tokens
+
+    def extend(self, seq: ScheduledSeq, spec: tuple[int, ...]) -> None:
+        """Give a scheduled decode proposals to verify (speculative decoding)."""
+        n = len(spec) - len(seq.spec)
+        seq.spec = spec
+        seq.num_new_tokens += n
+        self.num_tokens += n
+        if not seq.request.is_latency:
             self.num_other_tokens += n
 
     @property
@@ -200,30 +208,48 @@ class Scheduler:
             if req.request_id in self.in_flight or num_decodes >= cap:
                 continue
             if self._grow(req, req.num_tokens, batch):
-                proposals = self._proposals(req, batch) if spec is not None else ()
-                batch.add(req, 1, proposals)
+                batch.add(req, 1)
                 num_decodes += 1
+        if spec is not None:
+            self._speculate(batch)
 
-    def _proposals(self, req: Request, batch: ScheduledBatch) -> tuple[int, ...]:
-        """`req`'s proposals (speculative decoding), as many as the token budget left after its
-        decode token, its max_tokens and max_model_len, and the pages free beside the watermark
-        allow (taking those pages; never preempting or evicting for them)."""
-        params = req.sampling_params
-        max_k = min(
-            self._budget(batch, req) - 1,
-            params.max_tokens - len(req.output_token_ids) - 1,
-            self.max_model_len - req.num_tokens - 1,
+    def _speculate(self, batch: ScheduledBatch) -> None:
+        """Proposals for the step's decodes (speculative decoding): each decode is offered as
+        many as its max_tokens, max_model_len and the token budget leave; the speculator keeps
+        those worth verifying (`Speculator.select`), then each kept one gets pages as far as the
+        free ones beside the watermark allow (never preempting or evicting for them) and the
+        budget still left."""
+        offers = []
+        for seq in batch.seqs:
+            req = seq.request
+            if seq.num_new_tokens != 1 or req.num_uncomputed_tokens != 1:
+                continue
+            params = req.sampling_params
+            max_k = min(
+                self._budget(batch, req),
+                params.max_tokens - len(req.output_token_ids) - 1,
+                self.max_model_len - req.num_tokens - 1,
+            )
+            proposals = self.speculator.propose(req, max_k) if max_k > 0 else []
+            if proposals:
+                offers.append((seq, proposals))
+        if not offers:
+            return
+        num_decodes = sum(s.num_new_tokens == 1 for s in batch.seqs)
+        counts = self.speculator.select(
+            [(s.request, p) for s, p in offers], batch.num_tokens, num_decodes
         )
-        proposals = self.speculator.propose(req, max_k) if max_k > 0 else []
         bm = self.block_manager
-        k = len(proposals)
-        while k and bm.num_missing_pages(req.request_id, req.num_tokens + k) > max(
-            0, bm.num_free_pages - self.watermark_pages
-        ):
-            k -= 1
-        if k:
-            bm.allocate(req.request_id, req.num_tokens + k)
-        return tuple(proposals[:k])
+        for (seq, proposals), k in zip(offers, counts, strict=True):
+            req = seq.request
+            k = min(k, self._budget(batch, req))
+            while k and bm.num_missing_pages(req.request_id, req.num_tokens + k) > max(
+                0, bm.num_free_pages - self.watermark_pages
+            ):
+                k -= 1
+            if k > 0:
+                bm.allocate(req.request_id, req.num_tokens + k)
+                batch.extend(seq, tuple(proposals[:k]))
 
     def drop_speculation(self, batch: ScheduledBatch) -> None:
         """Turn this step's verifications back into plain decodes (the step computes prompt

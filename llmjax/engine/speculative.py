@@ -44,6 +44,7 @@ class SpecState:
     window_draft_tokens: int = 0  # since the window started
     window_accepted_tokens: int = 0
     off_steps: int = 0  # decode steps left with speculation off (acceptance was low)
+    ngram: object = dataclasses.field(default=None, repr=False)  # NgramIndex (method ngram)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -84,6 +85,54 @@ def ngram_proposals(tokens, min_n: int, max_n: int, k: int) -> list[int]:
     return []
 
 
+PRIOR_TOKENS = 8  # proposals' worth of weight the pooled acceptance has in a request's
+# Proposals are verified only if that is predicted to raise the step's tokens per second by this
+# factor: the acceptance estimates are optimistic for requests about to diverge, and near
+# break-even the host's work per proposal decides (measured on free chat at batch 8 on a CPU).
+SELECT_MARGIN = 1.1
+
+
+class StepCost:
+    """What a decode-only step costs, measured: seconds per padded token count T (an
+    exponential moving average per T seen), predicted for an unseen T by a least-squares line
+    through the seen ones (`fitted` once there are two); the seconds of a draft (method
+    'draft'), and the acceptance rate pooled over requests (a moving average)."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.seconds: dict[int, float] = {}
+        self.draft_s = 0.0
+        self.acceptance = 0.5  # before any verification
+        self.explore = False
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        old = self.seconds.get(num_tokens)
+        self.seconds[num_tokens] = seconds if old is None else (
+            self.decay * old + (1 - self.decay) * seconds
+        )  # fmt: skip
+
+    def observe_draft(self, seconds: float) -> None:
+        self.draft_s = seconds if not self.draft_s else (
+            self.decay * self.draft_s + (1 - self.decay) * seconds
+        )  # fmt: skip
+
+    def observe_acceptance(self, rate: float) -> None:
+        self.acceptance = 0.95 * self.acceptance + 0.05 * rate
+
+    @property
+    def fitted(self) -> bool:
+        return len(self.seconds) >= 2
+
+    def predict(self, num_tokens: int) -> float:
+        if num_tokens in self.seconds:
+            return self.seconds[num_tokens]
+        t = np.array(list(self.seconds), np.float64)
+        y = np.array(list(self.seconds.values()), np.float64)
+        slope, intercept = np.polyfit(t, y, 1)
+        floor = min(y)  # a step never costs less than the cheapest one seen
+        return max(float(intercept + slope * num_tokens), floor)
+
+
 class Speculator:
     """Proposals for decoding requests, and the auto-off rule (module doc). Subclasses say how
     a request's next tokens are proposed (`_propose`)."""
@@ -93,6 +142,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        self.cost = StepCost()
 
     @staticmethod
     def eligible(req) -> bool:
@@ -113,9 +163,71 @@ class Speculator:
     def _propose(self, req, k: int) -> list[int]:
         raise NotImplementedError
 
+    # ---- which proposals a step verifies ------------------------------------------------------
+
+    token_bucket = staticmethod(lambda n: n)  # the step's padded token count (the engine's)
+
+    def observe(self, num_tokens: int, seconds: float, draft_seconds: float = 0.0) -> None:
+        """A decode-only step of `num_tokens` padded tokens took `seconds` (the whole step,
+        host work included), plus `draft_seconds` drafting (method 'draft')."""
+        self.cost.observe(num_tokens, seconds)
+        if draft_seconds:
+            self.cost.observe_draft(draft_seconds)
+
+    def acceptance(self, req) -> float:
+        """`req`'s estimated chance that a proposal is accepted: its own accepted / proposed,
+        shrunk towards every request's (`PRIOR_TOKENS` proposals' worth)."""
+        state = _state(req)
+        prior = self.cost.acceptance
+        return (state.num_accepted_tokens + PRIOR_TOKENS * prior) / (
+            state.num_draft_tokens + PRIOR_TOKENS
+        )
+
+    def select(
+        self, offers: list[tuple[object, list[int]]], num_tokens: int, num_decodes: int
+    ) -> list[int]:
+        """How many of each offered request's proposals to verify this step, for a step that
+        has `num_tokens` tokens, `num_decodes` of them decodes, without them. Not `adaptive`:
+        all. Adaptive: the choice that
+        maximizes expected tokens per second, under the measured step cost (`StepCost`) of the
+        padded token count and each request's estimated acceptance a (k proposals give
+        a + a^2 + ... + a^k tokens more, if each is accepted with chance a after the ones
+        before): the requests most likely accepted first, each with at most c proposals, over
+        every count of requests and every cap c, if it beats verifying nothing by
+        `SELECT_MARGIN`. Until the cost is known at two sizes the steps alternate between
+        verifying everything and nothing (exploration)."""
+        counts = [len(p) for _, p in offers]
+        if not self.config.adaptive:
+            return counts
+        cost = self.cost
+        if not cost.fitted:
+            cost.explore = not cost.explore
+            return counts if cost.explore else [0] * len(counts)
+        alphas = [min(self.acceptance(req), 0.999) for req, _ in offers]
+        order = sorted(range(len(offers)), key=lambda i: -alphas[i])
+        plain = cost.predict(self.token_bucket(num_tokens))
+        best, best_rate = [0] * len(offers), SELECT_MARGIN * num_decodes / plain
+        for cap in range(1, max(counts) + 1):
+            gain, extra, chosen = 0.0, 0, []
+            for i in order:
+                k = min(counts[i], cap)
+                a = alphas[i]
+                gain += a * (1 - a**k) / (1 - a)
+                extra += k
+                chosen.append((i, k))
+                seconds = cost.predict(self.token_bucket(num_tokens + extra)) + cost.draft_s
+                rate = (num_decodes + gain) / seconds
+                if rate > best_rate:
+                    best_rate, best = rate, [0] * len(offers)
+                    for j, kj in chosen:
+                        best[j] = kj
+        return best
+
     def record(self, req, num_proposed: int, num_accepted: int, num_tokens: int) -> None:
         """One decode step of `req`: it proposed `num_proposed` tokens, `num_accepted` of them
         were accepted, and it gained `num_tokens` tokens."""
+        if num_proposed:
+            self.cost.observe_acceptance(num_accepted / num_proposed)
         state = _state(req)
         state.num_decode_steps += 1
         state.num_decode_tokens += num_tokens
@@ -136,13 +248,43 @@ class Speculator:
             state.window_draft_tokens = state.window_accepted_tokens = 0
 
 
+class NgramIndex:
+    """`ngram_proposals` kept up to date as a request's tokens grow: for every n in [min_n,
+    max_n], the end of each n-gram's latest occurrence that ends before the last token, so a
+    lookup is one dict probe per n (a request's tokens only ever grow; preemption keeps them)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in
+
+    def propose(self, req, k: int) -> list[int]:
+        L = req.num_tokens
+        if L < 2 or k <= 0:
+            return []
+        lo = max(0, self.indexed - self.max_n + 1)
+        window = req.token_ids_slice(lo, L)  # the new n-grams' tokens, and the suffix
+        for end in range(self.indexed, L - 1):  # n-grams ending at end (<= L - 2)
+            at = end - lo
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                self.last_end[tuple(window[at - n + 1 : at + 1])] = end
+        self.indexed = max(self.indexed, L - 1)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            end = self.last_end.get(tuple(window[len(window) - n :]))
+            if end is not None:
+                return req.token_ids_slice(end + 1, min(end + 1 + k, L))
+        return []
+
+
 class NgramSpeculator(Speculator):
-    """Prompt lookup (`ngram_proposals`) over the request's own tokens, on the host."""
+    """Prompt lookup (`ngram_proposals`) over the request's own tokens, on the host, through an
+    incremental index per request (`NgramIndex`)."""
 
     def _propose(self, req, k: int) -> list[int]:
-        cfg = self.config
-        tokens = req.token_ids_slice(0, req.num_tokens)
-        return ngram_proposals(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+        state = _state(req)
+        if state.ngram is None:
+            state.ngram = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        return state.ngram.propose(req, k)
 
 
 DRAFT_PLACEHOLDER = -1  # a proposal the device drafts after scheduling

@@ -86,7 +86,10 @@ ACCEPT_SALT = 0x5EC0  # folded into a row's key for its acceptance test (not its
 
 def verify_proposals(
     logits: jax.Array,  # [R, V]: the step's logits rows (StepInput.logits_indices)
+    greedy: jax.Array | None,  # [R] int32: their argmax (the step's own), or None
     first_rows: jax.Array,  # [S] int32: each sequence's first row in `logits`
+    row_seq: jax.Array,  # [R] int32: the sequence of each row
+    row_pos: jax.Array,  # [R] int32: its index j within the sequence's rows (> K: padding)
     proposals: jax.Array,  # [S, K] int32: proposed tokens; -1 pads
     num_proposals: jax.Array,  # [S] int32: k_i <= K (0: a plain row)
     temperature: jax.Array,
@@ -109,43 +112,44 @@ def verify_proposals(
     removed, renormalized. Either way the token at that position has distribution p (Leviathan
     et al., 2023, with q = one-hot(x)). Row j's randomness is keyed by output index counter + j,
     the same key plain sampling uses, so a row without proposals (k_i = 0) samples the very
-    token `sample` would."""
-    S, K = proposals.shape
-    R, _V = logits.shape
-    j = jnp.arange(K + 1, dtype=jnp.int32)
-    rows = jnp.minimum(first_rows[:, None] + j[None, :], R - 1).reshape(-1)  # [S * (K + 1)]
-    x = logits[rows]
-    greedy = greedy_ids(x).reshape(S, K + 1)
-    is_proposal = j[None, :] < num_proposals[:, None]  # [S, K + 1]
-    padded = jnp.concatenate([proposals, jnp.full((S, 1), -1, jnp.int32)], axis=1)
-    draft = jnp.where(is_proposal, padded, -1)
+    token `sample` would. The work is per logits row (R of them, no more); an all-greedy step
+    only compares the step's argmax with the proposals."""
+    K = proposals.shape[1]
+    R = logits.shape[0]
+    if greedy is None:
+        greedy = greedy_ids(logits)
+    has_draft = row_pos < num_proposals[row_seq]
+    draft_r = jnp.where(has_draft, proposals[row_seq, jnp.minimum(row_pos, K - 1)], -1)
 
     def greedy_only():
-        return greedy, draft == greedy
+        return greedy, draft_r == greedy
 
     def with_sampling():
-        rep = lambda a: jnp.repeat(a, K + 1, axis=0)
-        temp = rep(temperature)
-        order, sorted_logits = _truncated(x, temp, rep(top_k), rep(top_p))
+        temp = temperature[row_seq]
+        order, sorted_logits = _truncated(logits, temp, top_k[row_seq], top_p[row_seq])
         probs = jax.nn.softmax(sorted_logits, axis=-1)
-        is_draft = order == draft.reshape(-1)[:, None]
+        is_draft = order == draft_r[:, None]
         p_draft = jnp.sum(jnp.where(is_draft, probs, 0.0), axis=-1)
         residual = jnp.where(is_draft, -jnp.inf, sorted_logits)
-        keys = _keys(rep(seeds), (counters[:, None] + j[None, :]).reshape(-1))
+        keys = _keys(seeds[row_seq], counters[row_seq] + row_pos)
         choice = jax.vmap(jax.random.categorical)(keys, residual)
         sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
         u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT_SALT)))(keys)
         nothing_left = ~jnp.any(jnp.isfinite(residual), axis=-1)  # p(x) = 1
         accept = (u < p_draft) | nothing_left
-        is_random = (temp > 0).reshape(S, K + 1)
-        token = jnp.where(is_random, sampled.reshape(S, K + 1), greedy)
-        accept = jnp.where(is_random, accept.reshape(S, K + 1), draft == greedy)
-        return token, accept
+        is_random = temp > 0
+        return (
+            jnp.where(is_random, sampled, greedy),
+            jnp.where(is_random, accept, draft_r == greedy),
+        )
 
-    token, accept = jax.lax.cond(all_greedy, greedy_only, with_sampling)
-    accept = accept & is_proposal
+    token_r, accept_r = jax.lax.cond(all_greedy, greedy_only, with_sampling)
+    j = jnp.arange(K + 1, dtype=jnp.int32)
+    rows = jnp.minimum(first_rows[:, None] + j[None, :], R - 1)  # [S, K + 1]
+    is_proposal = j[None, :] < num_proposals[:, None]
+    accept = accept_r[rows] & is_proposal
     num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
-    tokens = jnp.where(accept, draft, token)
+    tokens = jnp.where(accept, draft_r[rows], token_r[rows])
     return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)
 
 
