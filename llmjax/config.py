@@ -647,7 +647,8 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-SPARSE_KV_MODES = ("none", "offload", "infinigen")
+SPARSE_KV_MODES = ("none", "offload", "infinigen", "oracle", "quest")
+SELECTIVE_MODES = ("infinigen", "oracle", "quest")  # decode steps attend to a selection
 SPARSE_GRANULARITIES = ("token", "page")
 POOL_MEMORIES = ("auto", "pinned_host", "device")
 EVICTION_POLICIES = ("counter", "lru", "fifo")  # the host pool's (llmjax/sparse/host_pool.py)
@@ -668,12 +669,21 @@ class SparseKVConfig:
                  columns) and a device-resident partial key cache; only those tokens' KV is
                  fetched. Steps with prefill tokens and the first `num_dense_layers` layers
                  attend fully (fetching everything), as InfiniGen's prefill and layer 0 do.
-    Selection (per query token and kv head): tokens whose speculated logit is within `alpha` of
-    the maximum (5 for Llama in InfiniGen); the count is averaged over kv heads and capped at
-    `max_num_kv` (None: no cap); the first `num_sink_tokens` and the last `num_recent_tokens`
-    (the new token included) are always fetched. `granularity` 'token' gathers single tokens
-    through the page table; 'page' scores a page by its best token and fetches whole pages
-    (`max_num_kv` // page_size of them).
+      oracle     the same pool and steps, but each sparse layer selects by the exact attention
+                 logits of its own query against every key: the best `max_num_kv` tokens (or
+                 pages), an upper bound on any selection at that budget. It reads every key, so
+                 it saves no bytes (the bytes reported are its selection's).
+      quest      Quest (Tang et al., ICML'24): each page's element-wise key min and max are kept
+                 on the device; a sparse layer scores a page by the upper bound sum over dims of
+                 max(q * min, q * max) with its own query and fetches the best `max_num_kv` //
+                 page_size pages (always page-granular; `alpha` unused).
+    InfiniGen's selection (per query token and kv head): tokens whose speculated logit is within
+    `alpha` of the maximum (5 for Llama in InfiniGen); the count is averaged over kv heads and
+    capped at `max_num_kv` (None: no cap). Every selective mode always fetches the first
+    `num_sink_tokens` and the last `num_recent_tokens` (the new token included) besides, and
+    leaves the first `num_dense_layers` layers dense. `granularity` 'token' gathers single
+    tokens through the page table; 'page' scores a page by its best token and fetches whole
+    pages (`max_num_kv` // page_size of them).
     `pool_memory`: 'pinned_host' (a JAX host memory kind, gathers run on the host via
     `compute_on`), 'device' (the pool in device memory: the same algorithm, for comparing), 'auto'
     (pinned_host where the backend has it).
@@ -729,6 +739,11 @@ class SparseKVConfig:
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def selective(self) -> bool:
+        """Decode-only steps attend to a selection of the KV (infinigen, oracle, quest)."""
+        return self.mode in SELECTIVE_MODES
 
 
 @dataclasses.dataclass(frozen=True)

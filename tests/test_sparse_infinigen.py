@@ -387,7 +387,7 @@ def test_engine_evicts_within_capacity_and_keeps_serving():
 
 def test_errors(model):
     with pytest.raises(ValueError, match="unknown sparse_kv mode"):
-        SparseKVConfig(mode="quest")
+        SparseKVConfig(mode="streamingllm")
     with pytest.raises(ValueError, match="capacity"):
         SparseKVConfig(mode="infinigen", capacity=1.5)
     with pytest.raises(ValueError, match="num_recent_tokens"):
@@ -407,14 +407,16 @@ def test_errors(model):
         LLMEngine(config, params, 20)
 
 
+@pytest.mark.parametrize("mode", ["infinigen", "oracle", "quest"])
 @pytest.mark.parametrize("pool_memory", ["pinned_host"])  # "device" gave the same HLO copies
-def test_compiled_step_updates_pool_and_partial_keys_in_place(pool_memory):
+def test_compiled_step_updates_pool_and_partial_keys_in_place(pool_memory, mode):
     """The step reads layer i+1's pool pages and partial keys (speculation and fetch, during
     layer i) before layer i+1 writes them; XLA must not copy them to do that (it copied both
-    every step until the writes were ordered after the reads)."""
+    every step until the writes were ordered after the reads). Oracle and Quest read a layer's
+    pages (and Quest its bounds) after writing them; no copies either."""
     from llmjax.engine.batch import pack
 
-    sparse = SparseKVConfig(mode="infinigen", num_dense_layers=1, pool_memory=pool_memory)
+    sparse = SparseKVConfig(mode=mode, num_dense_layers=1, pool_memory=pool_memory)
     llm = _llm(sparse, num_pages=50)
     engine = llm.engine
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=4))

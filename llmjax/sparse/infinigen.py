@@ -107,12 +107,16 @@ def allocate_pool(
 def allocate_partial_keys(
     config: ModelConfig, sparse: SparseKVConfig, num_pages: int, page_size: int, dtype
 ) -> list[jax.Array | None]:
-    """Device-resident skewed partial keys [num_pages, G, K, c] of every speculated layer (None
-    for dense layers): `partial_weight_ratio` of the key cache, as in InfiniGen."""
+    """The device-resident selection metadata of every selective layer (None for dense layers
+    and other modes): 'infinigen', the skewed partial keys [num_pages, G, K, c]
+    (`partial_weight_ratio` of the key cache, as in InfiniGen); 'quest', each page's
+    element-wise key min and max [num_pages, 2, K, H] float32 (2 / G of the key cache's rows)."""
     c = partial_columns(np.zeros((1, 1, config.head_dim)), sparse.partial_weight_ratio).shape[-1]
     shape = (num_pages, page_size, config.num_kv_heads, c)
     out = [None] * config.num_layers
-    if sparse.mode == "infinigen":
+    if sparse.mode == "quest":
+        shape, dtype = (num_pages, 2, config.num_kv_heads, config.head_dim), jnp.float32
+    if sparse.mode in ("infinigen", "quest"):
         # Committed to the device like the step's outputs: an uncommitted first input made the
         # second call of the same bucket compile again (same trace, other shardings).
         device = jax.devices()[0]
@@ -126,10 +130,10 @@ def speculation_weights(
 ) -> list[jax.Array | None]:
     """Per layer, the skew's kept columns A[:, :, idx] [K, H, c] (None for dense layers): q_rope
     @ it is the partial skewed query, k_rope @ it the partial skewed key."""
-    idx = partial_columns(energy, sparse.partial_weight_ratio)  # [L, K, c]
     out: list[jax.Array | None] = [None] * config.num_layers
     if sparse.mode != "infinigen":
         return out
+    idx = partial_columns(energy, sparse.partial_weight_ratio)  # [L, K, c]
     for i in range(sparse.num_dense_layers, config.num_layers):
         cols = np.take_along_axis(skew[i], idx[i][:, None, :], axis=-1)  # [K, H, c]
         out[i] = jnp.asarray(cols, jnp.float32)
@@ -208,15 +212,82 @@ def speculate(
     T, N, H = q_next.shape
     _, G, K, c = partial_pages.shape
     Q = N // K
-    P = step.page_indices.shape[1]
-    C = P * G
-    pos = step.positions[:T]  # the step's first T tokens (its decodes)
+    C = step.page_indices.shape[1] * G
     qp = jnp.einsum(
         "tkqh,khc->tkqc", q_next.reshape(T, K, Q, H).astype(jnp.float32), a_part
     )  # partial skewed query
     keys = partial_pages[step.page_indices[seq_ids]].reshape(T, C, K, c)
     s = jnp.einsum("tkqc,tjkc->tkqj", qp, keys.astype(jnp.float32)) * sm_scale
     s = s.max(axis=2)  # [T, K, C]: the group's best query head
+    return select_rows(s, None, step, seq_ids, sparse, G, window, alpha=sparse.alpha)
+
+
+def oracle_scores(q: jax.Array, k_pages: jax.Array, step: StepInput, seq_ids, host: bool):
+    """The exact attention logits (unscaled) of each query token [T, N, H] against every key of
+    its sequence, the group's best query head per kv head -> [T, K, C]. Reads every key of the
+    layer (the oracle saves no bytes)."""
+    T, N, H = q.shape
+    _, G, K, _ = k_pages.shape
+    P = step.page_indices.shape[1]
+    keys = fetch_pages(k_pages, step.page_indices[seq_ids], host).reshape(T, P * G, K, H)
+    s = jnp.einsum(
+        "tkqh,tjkh->tkqj",
+        q.reshape(T, K, N // K, H).astype(jnp.float32),
+        keys.astype(jnp.float32),
+    )
+    return s.max(axis=2)
+
+
+def quest_update(
+    bounds: jax.Array,  # [num_pages, 2, K, H] float32: each page's element-wise key min, max
+    k: jax.Array,  # [T, K, H] the step's new keys (as stored in the pool)
+    slot_mapping: jax.Array,  # [T]
+    G: int,
+) -> jax.Array:
+    """Quest's page metadata after the step's key writes: a page whose first slot is written
+    starts afresh (pages fill in order from their first slot, so a reused page is reset), then
+    each new key widens its page's min and max."""
+    page, first = slot_mapping // G, slot_mapping % G == 0
+    kf = k.astype(jnp.float32)
+    fresh = jnp.where(first, page, bounds.shape[0])  # out of range: dropped
+    lo = bounds[:, 0].at[fresh].set(jnp.inf, mode="drop").at[page].min(kf)
+    hi = bounds[:, 1].at[fresh].set(-jnp.inf, mode="drop").at[page].max(kf)
+    return jnp.stack([lo, hi], axis=1)
+
+
+def quest_page_scores(q: jax.Array, bounds: jax.Array, step: StepInput, seq_ids) -> jax.Array:
+    """Quest's upper bound of each page's attention logits (unscaled) -> [T, K, P]: sum over
+    dims of max(q * min, q * max), the group's best query head per kv head. Never below the
+    true logit of any key written to the page."""
+    T, N, H = q.shape
+    K = bounds.shape[2]
+    b = bounds[step.page_indices[seq_ids]]  # [T, P, 2, K, H]
+    qg = q.reshape(T, K, N // K, H).astype(jnp.float32)
+    lo = jnp.einsum("tkqh,tpkh->tkqph", qg, b[:, :, 0])
+    hi = jnp.einsum("tkqh,tpkh->tkqph", qg, b[:, :, 1])
+    return jnp.maximum(lo, hi).sum(axis=-1).max(axis=2)
+
+
+def select_rows(
+    s: jax.Array | None,  # [T, K, C] token scores (None: pages only)
+    page_scores: jax.Array | None,  # [T, K, P] page scores (None: the best token's per page)
+    step: StepInput,
+    seq_ids: jax.Array,  # [T]
+    sparse: SparseKVConfig,
+    G: int,
+    window: int | None,
+    alpha: float | None,
+) -> tuple[jax.Array, jax.Array]:
+    """The rows a decode token attends to besides itself -> (positions [T, K, M], valid): the
+    sinks, the recent tokens, and up to the cap (`max_num_kv` tokens, or that many // G pages
+    with granularity 'page' or page scores) of the others, the best scored first. `alpha`:
+    keep only those within alpha of the best (InfiniGen's count, averaged over kv heads);
+    None keeps the cap (exact top-k)."""
+    T = seq_ids.shape[0]
+    P = step.page_indices.shape[1]
+    C = P * G
+    K = (s if s is not None else page_scores).shape[1]
+    pos = step.positions[:T]  # the step's first T tokens (its decodes)
     key_pos = jnp.arange(C, dtype=jnp.int32)
     n_sink, n_recent = sparse.num_sink_tokens, sparse.num_recent_tokens
     table = step.page_indices[seq_ids]  # [T, P]
@@ -228,24 +299,30 @@ def speculate(
     )
     if window is not None:  # a sliding-window model never attends further back
         candidate &= key_pos[None] > pos[:, None] - window
-    s = jnp.where(candidate[:, None, :], s, -jnp.inf)
     cap = C if sparse.max_num_kv is None else min(sparse.max_num_kv, C)
-    if sparse.granularity == "page":
-        page_scores = s.reshape(T, K, P, G).max(axis=-1)  # [T, K, P]
-        n_sel = _count(page_scores, sparse.alpha, max(cap // G, 1))
-        top_val, top_page = jax.lax.top_k(page_scores, max(cap // G, 1))
-        rank = jnp.arange(top_page.shape[-1])
-        page_ok = (rank[None, None] < n_sel[:, None, None]) & (top_val > -jnp.inf)
+    if s is not None:
+        s = jnp.where(candidate[:, None, :], s, -jnp.inf)
+    if page_scores is not None or sparse.granularity == "page":
+        has = candidate.reshape(T, 1, P, G).any(axis=-1)
+        if page_scores is None:
+            page_scores = s.reshape(T, K, P, G).max(axis=-1)  # [T, K, P]
+        page_scores = jnp.where(has, page_scores, -jnp.inf)
+        n_pages = max(cap // G, 1)
+        top_val, top_page = jax.lax.top_k(page_scores, n_pages)
+        rank = jnp.arange(n_pages)
+        page_ok = top_val > -jnp.inf
+        if alpha is not None:
+            page_ok &= rank[None, None] < _count(page_scores, alpha, n_pages)[:, None, None]
         top_pos = (top_page[..., None] * G + jnp.arange(G)).reshape(T, K, -1)
         ok = jnp.repeat(page_ok, G, axis=-1)
         ok &= jnp.take_along_axis(
             jnp.broadcast_to(candidate[:, None, :], (T, K, C)), top_pos, axis=-1
         )
     else:
-        n_sel = _count(s, sparse.alpha, cap)
         top_val, top_pos = jax.lax.top_k(s, cap)  # [T, K, cap]
-        rank = jnp.arange(cap)
-        ok = (rank[None, None] < n_sel[:, None, None]) & (top_val > -jnp.inf)
+        ok = top_val > -jnp.inf
+        if alpha is not None:
+            ok &= jnp.arange(cap)[None, None] < _count(s, alpha, cap)[:, None, None]
     sink = jnp.broadcast_to(jnp.arange(n_sink, dtype=jnp.int32), (T, K, n_sink))
     sink_ok = sink <= pos[:, None, None] - n_recent  # older than the recent window
     recent = pos[:, None, None] - jnp.arange(1, n_recent, dtype=jnp.int32)  # the token: own row
@@ -425,7 +502,8 @@ def sparse_forward(
     # A decode-only step has one token per sequence, so its tokens are the first D = S rows
     # (S <= T): speculation, fetch buffers and sparse attention are sized for them.
     D = S
-    use_sparse = decode_only(step) if sparse.mode == "infinigen" else jnp.bool_(False)
+    use_sparse = decode_only(step) if sparse.selective else jnp.bool_(False)
+    in_layer = sparse.mode in ("oracle", "quest")  # selection by the layer's own query
     x = embed_tokens(params, step.token_ids)
     cos, sin = rope_cos_sin(step.positions, config)
     rows = jnp.zeros(T, jnp.int32)
@@ -444,7 +522,10 @@ def sparse_forward(
             k_pages = write_pool(pool[i][0], k, step.slot_mapping, host)
             v_pages = write_pool(pool[i][1], v, step.slot_mapping, host)
             new_pool.append((k_pages, v_pages))
-            if partial_keys[i] is not None:
+            if partial_keys[i] is not None and sparse.mode == "quest":
+                stored = k.astype(k_pages.dtype)  # the bounds of the keys as the pool holds them
+                new_partial[i] = quest_update(new_partial[i], stored, step.slot_mapping, G)
+            elif partial_keys[i] is not None:
                 kp = jnp.einsum("tkh,khc->tkc", k.astype(jnp.float32), weights[i])
                 slots = step.slot_mapping
                 new_partial[i] = (
@@ -456,6 +537,13 @@ def sparse_forward(
                     q, k_pages, v_pages, step, host, scale, window, pallas, implementation
                 )
 
+            if in_layer and i >= sparse.num_dense_layers:
+                fetched, n_rows, top = _select_in_layer(
+                    q, k_pages, v_pages, new_partial[i], step, seq_ids, sparse, host, use_sparse,
+                    scale, window, D, G, config.num_kv_heads,
+                )  # fmt: skip
+                rows = rows.at[:D].add(n_rows)
+                hits = hits.at[seq_ids[:D, None, None], top[0] // G].add(top[1])
             if fetched is None:
                 o = dense()
             else:
@@ -525,10 +613,42 @@ def sparse_forward(
     return logits, new_pool, new_partial, SparseStats(use_sparse, rows, hits)
 
 
+def _select_in_layer(
+    q, k_pages, v_pages, bounds, step, seq_ids, sparse, host, use_sparse, scale, window, D, G, K
+):
+    """Oracle and Quest: the rows this layer's decode tokens attend to, chosen with the layer's
+    own query (exact scores over every key, or Quest's page bounds) and fetched from the pool
+    -> ((k_rows, v_rows, valid), rows fetched per token [D], (positions, selected [D, K, M])
+    for the page-hit counts). The fetch runs outside the condition, as speculate's does."""
+    P = step.page_indices.shape[1]
+
+    def select(q=q):
+        if sparse.mode == "oracle":
+            s = oracle_scores(q[:D], k_pages, step, seq_ids[:D], host) * scale
+            return select_rows(s, None, step, seq_ids[:D], sparse, G, window, alpha=None)
+        pages = quest_page_scores(q[:D], bounds, step, seq_ids[:D])
+        return select_rows(None, pages, step, seq_ids[:D], sparse, G, window, alpha=None)
+
+    def none():
+        shape = (D, K, fetch_buffer_rows(sparse, P * G, G))
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool)
+
+    positions, valid = jax.lax.cond(use_sparse, select, none)
+    slots = _page_of(step, seq_ids[:D], positions, G) * G + positions % G
+    slots = jnp.where(valid, slots, 0)
+    k_rows = fetch_rows(k_pages, slots, host)
+    v_rows = fetch_rows(v_pages, slots, host)
+    real = seq_ids[:D] < step.num_seqs[0]
+    valid_real = valid & real[:, None, None]
+    n_rows = jnp.where(use_sparse, valid_real.sum(axis=(1, 2)) + real * K, 0)
+    top = valid_real.at[:, :, : sparse.num_sink_tokens + sparse.num_recent_tokens - 1].set(False)
+    return (k_rows, v_rows, valid), n_rows, (positions, top.astype(jnp.int32))
+
+
 def fetch_buffer_rows(sparse: SparseKVConfig, C: int, G: int) -> int:
     """M: the fetch buffer's rows per (token, kv head): sinks, recent tokens but the token
     itself, and the speculated ones (`cap` tokens, or `cap // G` whole pages)."""
     cap = C if sparse.max_num_kv is None else min(sparse.max_num_kv, C)
-    if sparse.granularity == "page":
+    if sparse.granularity == "page" or sparse.mode == "quest":
         cap = max(cap // G, 1) * G
     return sparse.num_sink_tokens + sparse.num_recent_tokens - 1 + cap

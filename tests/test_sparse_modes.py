@@ -1,0 +1,199 @@
+"""Sparse KV's alternatives to InfiniGen on the same pool, page tables and fetch path
+(llmjax/sparse/infinigen.py): the exact top-k `oracle` and `quest`'s page bounds.
+
+- With a budget that keeps everything, each mode's logits equal full attention (the paged
+  reference) under chunked prefill and decodes, the pool in host memory, and the engine's greedy
+  outputs equal `sparse_kv='none'`.
+- The selection rules on random and hand-made inputs: the oracle picks the true top-k per kv
+  head (and the best pages at page granularity); Quest's page bound is never below a page's
+  true best logit, its metadata is exactly the element-wise min and max of what each page holds
+  (reset when a page is reused), and it fetches the pages with the highest bounds.
+- A small budget fetches fewer rows than full attention and keeps serving.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import configs
+from llmjax import SamplingParams
+from llmjax.config import SparseKVConfig
+from llmjax.sparse import infinigen as ig
+from tests.helpers import make_step
+from tests.test_sparse_infinigen import CFG, _base_llm, _run_both, _steps
+
+EVERYTHING = dict(max_num_kv=None, num_dense_layers=1)
+MODES = [("oracle", "token"), ("oracle", "page"), ("quest", "page")]
+
+
+@pytest.fixture(scope="module")
+def params():
+    from llmjax.model.params import init_params
+
+    return init_params(CFG, jax.random.key(0))
+
+
+@pytest.mark.parametrize("mode, granularity", MODES)
+def test_selecting_everything_equals_full_attention(params, mode, granularity):
+    sparse = SparseKVConfig(mode=mode, granularity=granularity, **EVERYTHING)
+    skew = (None, None)  # unused: these modes need no calibration
+    out = _run_both(params, skew, sparse, _steps(np.random.default_rng(1), 4), 4, 30, True)
+    assert [s for *_, s, _ in out] == [False, False] + [True] * 3  # prefill steps attend fully
+    for logits, ref, *_ in out:
+        np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def _one_token_step(kv_len, page_size, rng):
+    """A one-token decode at position kv_len - 1 on shuffled pages, and its page table."""
+    P = -(-kv_len // page_size)
+    table = (rng.permutation(P) + 1).tolist()
+    return make_step([([5], kv_len - 1, table)], page_size), table
+
+
+def _selected(positions, valid):
+    pos, ok = np.asarray(positions)[0], np.asarray(valid)[0]
+    return [set(pos[k][ok[k]].tolist()) for k in range(pos.shape[0])]
+
+
+@pytest.mark.parametrize("kv_len, cap, K, Q", [(37, 5, 2, 2), (64, 12, 1, 3), (20, 30, 2, 1)])
+def test_oracle_picks_the_true_top_k(kv_len, cap, K, Q):
+    rng = np.random.default_rng(kv_len)
+    G, H = 4, 8
+    step, table = _one_token_step(kv_len, G, rng)
+    pages = rng.standard_normal((len(table) + 1, G, K, H)).astype(np.float32)
+    q = rng.standard_normal((1, K * Q, H)).astype(np.float32)
+    sparse = SparseKVConfig(mode="oracle", max_num_kv=cap, num_sink_tokens=1, num_recent_tokens=3)
+    seq = jnp.zeros(1, jnp.int32)
+    s = ig.oracle_scores(jnp.asarray(q), jnp.asarray(pages), step, seq, host=False)
+    got = _selected(*ig.select_rows(s, None, step, seq, sparse, G, None, alpha=None))
+    keys = np.stack([pages[table[j // G], j % G] for j in range(kv_len)])  # [C, K, H]
+    pos = kv_len - 1
+    for k in range(K):
+        true = np.einsum("qh,jh->qj", q[0].reshape(K, Q, H)[k], keys[:, k]).max(axis=0)
+        always = {0} | {pos - 1, pos - 2}  # the sink and the recent tokens (not itself)
+        others = [j for j in range(1, pos - 2)]
+        best = sorted(others, key=lambda j: -true[j])[:cap]
+        assert got[k] == always | set(best), k
+
+
+def test_oracle_at_page_granularity_picks_the_pages_with_the_best_token():
+    rng = np.random.default_rng(3)
+    G, K, H, kv_len = 4, 1, 4, 32
+    step, table = _one_token_step(kv_len, G, rng)
+    pages = rng.standard_normal((len(table) + 1, G, K, H)).astype(np.float32) * 0.1
+    q = np.ones((1, 1, H), np.float32)
+    for j, v in [(9, 5.0), (21, 3.0), (13, 1.0)]:  # pages 2, 5, 3 by their best token
+        pages[table[j // G], j % G, 0] = v
+    sparse = SparseKVConfig(
+        mode="oracle", granularity="page", max_num_kv=8, num_sink_tokens=0, num_recent_tokens=1
+    )
+    seq = jnp.zeros(1, jnp.int32)
+    s = ig.oracle_scores(jnp.asarray(q), jnp.asarray(pages), step, seq, host=False)
+    (got,) = _selected(*ig.select_rows(s, None, step, seq, sparse, G, None, alpha=None))
+    assert got == set(range(8, 12)) | set(range(20, 24))  # 8 // 4 = 2 pages
+
+
+def _write_in_chunks(bounds, pool, keys, table, G, rng):
+    """Write keys [n, K, H] at positions 0..n-1 of a sequence on `table`, in random chunks, to
+    both the bounds (quest_update) and a plain pool."""
+    n, done = len(keys), 0
+    while done < n:
+        m = int(rng.integers(1, 7))
+        pos = np.arange(done, min(n, done + m))
+        slots = np.array([table[p // G] * G + p % G for p in pos], np.int32)
+        bounds = ig.quest_update(bounds, jnp.asarray(keys[pos]), jnp.asarray(slots), G)
+        pool[slots // G, slots % G] = keys[pos]
+        done += len(pos)
+    return bounds
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quest_bounds_hold_each_pages_min_and_max_and_never_underestimate(seed):
+    rng = np.random.default_rng(seed)
+    G, K, Q, H, n = 4, 2, 2, 8, 29
+    num_pages = 12
+    bounds = jnp.zeros((num_pages, 2, K, H), jnp.float32)
+    pool = np.zeros((num_pages, G, K, H), np.float32)
+    table = (rng.permutation(num_pages - 1)[: -(-n // G)] + 1).tolist()
+    # pages first filled with large keys by another sequence, then reused: bounds start afresh
+    bounds = _write_in_chunks(bounds, pool, 50 + rng.random((n, K, H)), table, G, rng)
+    keys = rng.standard_normal((n, K, H)).astype(np.float32)
+    bounds = _write_in_chunks(bounds, pool, keys, table, G, rng)
+    b = np.asarray(bounds)
+    for p, page in enumerate(table):
+        held = keys[p * G : (p + 1) * G]
+        np.testing.assert_array_equal(b[page, 0], held.min(axis=0))
+        np.testing.assert_array_equal(b[page, 1], held.max(axis=0))
+    step = make_step([([5], n, table)], G)
+    for _ in range(5):
+        q = rng.standard_normal((1, K * Q, H)).astype(np.float32)
+        bound = np.asarray(
+            ig.quest_page_scores(jnp.asarray(q), bounds, step, jnp.zeros(1, jnp.int32))
+        )[0]  # [K, P]
+        for p in range(len(table)):
+            held = keys[p * G : (p + 1) * G]  # [m, K, H]
+            true = np.einsum("kqh,mkh->kqm", q[0].reshape(K, Q, H), held).max(axis=(1, 2))
+            assert (bound[:, p] >= true - 1e-5).all()
+
+
+def test_quest_fetches_the_pages_with_the_highest_bounds():
+    rng = np.random.default_rng(5)
+    G, K, H, kv_len = 4, 1, 4, 40
+    step, table = _one_token_step(kv_len, G, rng)
+    bounds = np.zeros((len(table) + 1, 2, K, H), np.float32)
+    bounds[:, 0], bounds[:, 1] = -0.1, 0.1
+    for page_index, v in [(3, 4.0), (7, 2.0), (1, 3.0), (5, -9.0)]:
+        bounds[table[page_index], 1, 0, 0] = v  # max of dim 0: bound = v (+ 0.1 * 3 others)
+    q = np.ones((1, 1, H), np.float32)
+    sparse = SparseKVConfig(mode="quest", max_num_kv=12, num_sink_tokens=0, num_recent_tokens=1)
+    seq = jnp.zeros(1, jnp.int32)
+    scores = ig.quest_page_scores(jnp.asarray(q), jnp.asarray(bounds), step, seq)
+    (got,) = _selected(*ig.select_rows(None, scores, step, seq, sparse, G, None, alpha=None))
+    assert got == set(range(12, 16)) | set(range(4, 8)) | set(range(28, 32))  # pages 3, 1, 7
+
+
+# ---- the engine ----------------------------------------------------------------------------
+
+
+def _llm(sparse):
+    return _base_llm().with_options(sparse_kv=sparse)
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, rng.integers(20, 60)).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def dense_outputs():
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    return [o.token_ids for o in _llm("none").generate(_prompts(5), params)]
+
+
+@pytest.mark.parametrize("mode", ["oracle", "quest"])
+def test_engine_selecting_everything_equals_dense_and_a_budget_fetches_less(dense_outputs, mode):
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    llm = _llm(SparseKVConfig(mode=mode, **EVERYTHING))
+    assert [o.token_ids for o in llm.generate(_prompts(5), params)] == dense_outputs
+    assert llm.engine.stats.num_sparse_steps > 0
+    full = _llm(SparseKVConfig(mode="offload"))
+    full.generate(_prompts(5), params)
+    small = _llm(SparseKVConfig(mode=mode, max_num_kv=8, num_recent_tokens=4, num_dense_layers=1))
+    outs = small.generate(_prompts(5), params)
+    assert all(len(o.token_ids) == 10 for o in outs)
+    assert small.engine.stats.h2d_bytes < 0.8 * full.engine.stats.h2d_bytes
+    compiles = small.engine.num_compiles
+    small.reset_prefix_cache()
+    small.generate(_prompts(5), params)
+    assert small.engine.num_compiles == compiles
+
+
+def test_quest_metadata_is_a_fraction_of_the_key_cache():
+    sparse = SparseKVConfig(mode="quest", num_dense_layers=1)
+    cfg = configs.TINY
+    bounds = ig.allocate_partial_keys(cfg, sparse, 10, 16, jnp.float32)
+    assert bounds[0] is None and bounds[1].shape == (10, 2, cfg.num_kv_heads, cfg.head_dim)
+    assert bounds[1].dtype == jnp.float32  # 2 rows per page of 16: 1/8 of the key cache
