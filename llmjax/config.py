@@ -647,8 +647,8 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-SPARSE_KV_MODES = ("none", "offload", "infinigen", "oracle", "quest")
-SELECTIVE_MODES = ("infinigen", "oracle", "quest")  # decode steps attend to a selection
+SPARSE_KV_MODES = ("none", "offload", "infinigen", "oracle", "quest", "h2o")
+SELECTIVE_MODES = ("infinigen", "oracle", "quest", "h2o")  # decode steps attend to a selection
 SPARSE_GRANULARITIES = ("token", "page")
 POOL_MEMORIES = ("auto", "pinned_host", "device")
 EVICTION_POLICIES = ("counter", "lru", "fifo")  # the host pool's (llmjax/sparse/host_pool.py)
@@ -677,6 +677,10 @@ class SparseKVConfig:
                  on the device; a sparse layer scores a page by the upper bound sum over dims of
                  max(q * min, q * max) with its own query and fetches the best `max_num_kv` //
                  page_size pages (always page-granular; `alpha` unused).
+      h2o        H2O (Zhang et al., NeurIPS'23): each token's attention received so far is
+                 accumulated on the device; a decode step keeps the `max_num_kv` heavy hitters
+                 (per kv head) and evicts the rest for good, where the other modes choose again
+                 every step (llmjax/sparse/h2o.py; needs prefix caching off).
     InfiniGen's selection (per query token and kv head): tokens whose speculated logit is within
     `alpha` of the maximum (5 for Llama in InfiniGen); the count is averaged over kv heads and
     capped at `max_num_kv` (None: no cap). Every selective mode always fetches the first
@@ -742,7 +746,7 @@ class SparseKVConfig:
 
     @property
     def selective(self) -> bool:
-        """Decode-only steps attend to a selection of the KV (infinigen, oracle, quest)."""
+        """Decode-only steps attend to a selection of the KV (infinigen, oracle, quest, h2o)."""
         return self.mode in SELECTIVE_MODES
 
 
@@ -893,6 +897,11 @@ class EngineConfig:
                 raise ValueError(
                     f"sparse_kv.num_dense_layers={self.sparse_kv.num_dense_layers} exceeds the "
                     f"model's {self.model.num_layers} layers"
+                )
+            if self.sparse_kv.mode == "h2o" and self.cache.prefix_cache != "none":
+                raise ValueError(
+                    "sparse_kv='h2o' evicts tokens from the pages a request owns, so its pages "
+                    f"cannot be shared: set prefix_cache='none' (got {self.cache.prefix_cache!r})"
                 )
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"unknown {self.layer_loop=}; choose one of {LAYER_LOOPS}")

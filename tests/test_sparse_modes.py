@@ -159,7 +159,8 @@ def test_quest_fetches_the_pages_with_the_highest_bounds():
 
 
 def _llm(sparse):
-    return _base_llm().with_options(sparse_kv=sparse)
+    extra = {"prefix_cache": "none"} if sparse != "none" and sparse.mode == "h2o" else {}
+    return _base_llm().with_options(sparse_kv=sparse, **extra)
 
 
 def _prompts(n, seed=0):
@@ -173,7 +174,7 @@ def dense_outputs():
     return [o.token_ids for o in _llm("none").generate(_prompts(5), params)]
 
 
-@pytest.mark.parametrize("mode", ["oracle", "quest"])
+@pytest.mark.parametrize("mode", ["oracle", "quest", "h2o"])
 def test_engine_selecting_everything_equals_dense_and_a_budget_fetches_less(dense_outputs, mode):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     llm = _llm(SparseKVConfig(mode=mode, **EVERYTHING))
@@ -197,3 +198,111 @@ def test_quest_metadata_is_a_fraction_of_the_key_cache():
     bounds = ig.allocate_partial_keys(cfg, sparse, 10, 16, jnp.float32)
     assert bounds[0] is None and bounds[1].shape == (10, 2, cfg.num_kv_heads, cfg.head_dim)
     assert bounds[1].dtype == jnp.float32  # 2 rows per page of 16: 1/8 of the key cache
+
+
+# ---- H2O -----------------------------------------------------------------------------------
+
+
+def _h2o_reference(q, k, v, n0, sparse, scale):
+    """H2O in numpy for one sequence: q, k, v [n, K, Q|1, H] for positions 0..n-1, a prefill of
+    n0 tokens then one decode per position -> (outputs [n, K, Q, H], acc [n, K], evicted [n, K])."""
+    n, K, Q, H = q.shape
+    acc = np.zeros((n, K))
+    evicted = np.zeros((n, K), bool)
+    out = np.zeros((n, K, Q, H))
+    cap = n if sparse.max_num_kv is None else sparse.max_num_kv
+    for t in range(n):
+        for h in range(K):
+            if t < n0:
+                keys = list(range(t + 1))
+            else:
+                recent = set(range(max(0, t - sparse.num_recent_tokens + 1), t + 1))
+                sinks = {j for j in range(sparse.num_sink_tokens) if j not in recent and j < t}
+                cand = [
+                    j
+                    for j in range(sparse.num_sink_tokens, t - sparse.num_recent_tokens + 1)
+                    if not evicted[j, h]
+                ]
+                keep = sorted(cand, key=lambda j: -acc[j, h])[:cap]
+                for j in cand:
+                    evicted[j, h] |= j not in keep
+                keys = sorted(sinks | recent | set(keep))
+            s = np.einsum("qh,jh->qj", q[t, h], k[keys, h, 0]) * scale
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            out[t, h] = p @ v[keys, h, 0]
+            acc[keys, h] += p.sum(axis=0)
+    return out, acc, evicted
+
+
+@pytest.mark.parametrize("cap, n0, n", [(3, 9, 22), (6, 5, 25), (None, 7, 15)])
+def test_h2o_matches_a_numpy_h2o(cap, n0, n):
+    """A prefill, then decodes: the step functions (as sparse_forward runs them) give the
+    outputs, accumulated attention and evictions of a plain H2O."""
+    from llmjax.model.attention import token_seq_ids
+    from llmjax.sparse import h2o
+
+    rng = np.random.default_rng(n)
+    K, Q, H, G = 2, 2, 8, 4
+    sparse = SparseKVConfig(mode="h2o", max_num_kv=cap, num_sink_tokens=1, num_recent_tokens=3)
+    q = rng.standard_normal((n, K, Q, H)).astype(np.float32)
+    k = rng.standard_normal((n, K, 1, H)).astype(np.float32)
+    v = rng.standard_normal((n, K, 1, H)).astype(np.float32)
+    want, want_acc, want_evicted = _h2o_reference(q, k, v, n0, sparse, H**-0.5)
+    P = -(-n // G)
+    table = (rng.permutation(P + 2)[:P] + 1).tolist()
+    num_pages = P + 3
+    kp = jnp.zeros((num_pages, G, K, H))
+    vp = jnp.zeros((num_pages, G, K, H))
+    acc = jnp.zeros((num_pages, G, K))
+    got = []
+    for start, stop in [(0, n0)] + [(t, t + 1) for t in range(n0, n)]:
+        step = make_step([([5] * (stop - start), start, table)], G, max_pages=P)
+        slots = step.slot_mapping[: stop - start]
+        kp = kp.reshape(-1, K, H).at[slots].set(k[start:stop, :, 0]).reshape(kp.shape)
+        vp = vp.reshape(-1, K, H).at[slots].set(v[start:stop, :, 0]).reshape(vp.shape)
+        acc = h2o.reset(acc, jnp.asarray(step.slot_mapping))
+        qt = jnp.asarray(q[start:stop].reshape(stop - start, K * Q, H))
+        T = len(step.token_ids)
+        seq_ids = token_seq_ids(jnp.asarray(step.cu_q_lens), T)
+        if start == 0:
+            k_all = kp[jnp.asarray(step.page_indices).reshape(-1)]
+            v_all = vp[jnp.asarray(step.page_indices).reshape(-1)]
+            o, acc = h2o.dense_attention(qt, k_all, v_all, acc, step, seq_ids, H**-0.5, None)
+        else:
+            positions, valid, acc = h2o.select(acc, step, seq_ids[:1], sparse, None)
+            table_row = jnp.asarray(step.page_indices)[0]
+            row_slots = jnp.where(valid, table_row[positions // G] * G + positions % G, 0)
+            k_rows = kp.reshape(-1, K, H)[row_slots, jnp.arange(K)[None, :, None]]
+            v_rows = vp.reshape(-1, K, H)[row_slots, jnp.arange(K)[None, :, None]]
+            o, probs = ig.sparse_attention(
+                qt, k_rows, v_rows, valid, jnp.asarray(k[start:stop, :, 0]),
+                jnp.asarray(v[start:stop, :, 0]), H**-0.5, with_probs=True,
+            )  # fmt: skip
+            own = jnp.broadcast_to(jnp.asarray(slots)[:, None, None], (1, K, 1))
+            acc = h2o.accumulate(
+                acc, probs, jnp.concatenate([row_slots, own], -1), jnp.ones(1, bool)
+            )
+        got.append(np.asarray(o)[: stop - start])
+    got = np.concatenate(got).reshape(n, K, Q, H)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    flat = np.asarray(acc).reshape(-1, K)
+    slots = np.array([table[j // G] * G + j % G for j in range(n)])
+    np.testing.assert_array_equal(np.isneginf(flat[slots]), want_evicted)
+    kept = ~want_evicted
+    np.testing.assert_allclose(flat[slots][kept], want_acc[kept], rtol=1e-4, atol=1e-5)
+    if cap is not None:
+        assert want_evicted.any()  # the budget bit: something was evicted
+
+
+def test_h2o_selecting_everything_equals_full_attention(params):
+    sparse = SparseKVConfig(mode="h2o", **EVERYTHING)
+    out = _run_both(params, (None, None), sparse, _steps(np.random.default_rng(4), 4), 4, 30, True)
+    assert [s for *_, s, _ in out] == [False, False] + [True] * 3
+    for logits, ref, *_ in out:
+        np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_h2o_needs_unshared_pages():
+    with pytest.raises(ValueError, match="prefix_cache='none'"):
+        _base_llm().with_options(sparse_kv=SparseKVConfig(mode="h2o"))

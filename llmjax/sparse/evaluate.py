@@ -13,6 +13,9 @@ It returns each scored position's negative log-likelihood of the next given toke
 - Greedy agreement: feed the full-attention model's own greedy continuation; the share of
   positions where the sparse setting's greedy token is the same (teacher-forced, so one early
   difference does not make every later position disagree).
+- Free-running agreement: each setting generates greedily on its own (`greedy_continuations`
+  with `sparse`); how many tokens equal full attention's before the first that differs
+  (`agreed_prefix`).
 """
 
 from __future__ import annotations
@@ -140,26 +143,46 @@ def teacher_forced(
     )
 
 
-def greedy_continuations(params, config: ModelConfig, prompts, num_tokens: int, page_size=16):
-    """Full attention's greedy continuation of each prompt ([B, n] token ids) -> [B, n +
-    num_tokens]: the sequences on which greedy agreement is measured."""
+def greedy_continuations(
+    params,
+    config: ModelConfig,
+    prompts,
+    num_tokens: int,
+    page_size: int = 16,
+    sparse: SparseKVConfig | None = None,
+    skew=None,
+):
+    """The greedy continuation of each prompt ([B, n] token ids) -> [B, n + num_tokens]: under
+    full attention by default (the sequences on which greedy agreement is measured), or
+    free-running under `sparse` (`skew`: (A, energy) for 'infinigen'), each token fed back as
+    a server would."""
     prompts = np.asarray(prompts)
     B, n = prompts.shape
     seqs = np.concatenate([prompts, np.zeros((B, num_tokens), prompts.dtype)], axis=1)
-    full = SparseKVConfig(mode="offload", pool_memory="device")
+    if sparse is None:
+        sparse = SparseKVConfig(mode="offload", pool_memory="device")
     dtype = params["final_norm"].dtype  # the activations' (weights may be packed)
     num_pages = 1 + B * -(-seqs.shape[1] // page_size)
-    pool = infinigen.allocate_pool(config, num_pages, page_size, dtype, None)
-    partial = [None] * config.num_layers
-    step_fn = jax.jit(
-        functools.partial(infinigen.sparse_forward, config=config, sparse=full, host=False),
-        donate_argnums=(1, 2),
-    )
+    kind = infinigen.pool_memory_kind(sparse.pool_memory)
+    pool = infinigen.allocate_pool(config, num_pages, page_size, dtype, kind)
+    partial = infinigen.allocate_partial_keys(config, sparse, num_pages, page_size, dtype)
+    weights = [None] * config.num_layers
+    if sparse.mode == "infinigen":
+        weights = infinigen.speculation_weights(*skew, config, sparse)
+    step_fn = _step_fn(config, sparse, kind is not None)
     steps = _steps(seqs, n, page_size)
     for i in range(num_tokens):
         step = next(steps)
         if i > 0:  # the decode step feeds the token chosen last
             step = step._replace(token_ids=seqs[:, n - 1 + i].astype(np.int32))
-        logits, pool, partial, _ = step_fn(params, pool, partial, partial, step)
+        logits, pool, partial, _ = step_fn(params, pool, partial, weights, step)
         seqs[:, n + i] = np.asarray(jnp.argmax(logits, axis=-1))[:B]
     return seqs
+
+
+def agreed_prefix(run: np.ndarray, reference: np.ndarray, prompt_len: int) -> np.ndarray:
+    """Free-running agreement: per sequence, how many generated tokens of `run` ([B, n]) equal
+    `reference`'s before the first that differs (all of them if none does)."""
+    a, b = np.asarray(run)[:, prompt_len:], np.asarray(reference)[:, prompt_len:]
+    same = a == b
+    return np.where(same.all(axis=1), same.shape[1], np.argmin(same, axis=1))

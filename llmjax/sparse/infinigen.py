@@ -54,6 +54,7 @@ from llmjax.model.llama import _project, embed_tokens, lm_head
 from llmjax.model.params import Params, unstack_layers
 from llmjax.model.quant import linear
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
+from llmjax.sparse import h2o
 from llmjax.sparse.skew import partial_columns
 
 HOST_MEMORY_KIND = "pinned_host"
@@ -116,7 +117,9 @@ def allocate_partial_keys(
     out = [None] * config.num_layers
     if sparse.mode == "quest":
         shape, dtype = (num_pages, 2, config.num_kv_heads, config.head_dim), jnp.float32
-    if sparse.mode in ("infinigen", "quest"):
+    if sparse.mode == "h2o":
+        shape, dtype = (num_pages, page_size, config.num_kv_heads), jnp.float32
+    if sparse.mode in ("infinigen", "quest", "h2o"):
         # Committed to the device like the step's outputs: an uncommitted first input made the
         # second call of the same bucket compile again (same trace, other shardings).
         device = jax.devices()[0]
@@ -268,6 +271,25 @@ def quest_page_scores(q: jax.Array, bounds: jax.Array, step: StepInput, seq_ids)
     return jnp.maximum(lo, hi).sum(axis=-1).max(axis=2)
 
 
+def candidates(step: StepInput, seq_ids, sparse: SparseKVConfig, G: int, window) -> jax.Array:
+    """[T, C]: the key positions a decode token's selection chooses among (resident, neither a
+    sink nor in the recent window, inside a sliding window)."""
+    T = seq_ids.shape[0]
+    C = step.page_indices.shape[1] * G
+    pos = step.positions[:T]
+    key_pos = jnp.arange(C, dtype=jnp.int32)
+    table = step.page_indices[seq_ids]  # [T, P]
+    resident = jnp.repeat(table != RESERVED_PAGE, G, axis=1)  # [T, C]
+    candidate = (
+        (key_pos[None] < pos[:, None] - (sparse.num_recent_tokens - 1))  # older than recent
+        & (key_pos[None] >= sparse.num_sink_tokens)
+        & resident
+    )
+    if window is not None:  # a sliding-window model never attends further back
+        candidate &= key_pos[None] > pos[:, None] - window
+    return candidate
+
+
 def select_rows(
     s: jax.Array | None,  # [T, K, C] token scores (None: pages only)
     page_scores: jax.Array | None,  # [T, K, P] page scores (None: the best token's per page)
@@ -288,17 +310,8 @@ def select_rows(
     C = P * G
     K = (s if s is not None else page_scores).shape[1]
     pos = step.positions[:T]  # the step's first T tokens (its decodes)
-    key_pos = jnp.arange(C, dtype=jnp.int32)
     n_sink, n_recent = sparse.num_sink_tokens, sparse.num_recent_tokens
-    table = step.page_indices[seq_ids]  # [T, P]
-    resident = jnp.repeat(table != RESERVED_PAGE, G, axis=1)  # [T, C]
-    candidate = (
-        (key_pos[None] < pos[:, None] - (n_recent - 1))  # older than the recent window
-        & (key_pos[None] >= n_sink)
-        & resident
-    )
-    if window is not None:  # a sliding-window model never attends further back
-        candidate &= key_pos[None] > pos[:, None] - window
+    candidate = candidates(step, seq_ids, sparse, G, window)
     cap = C if sparse.max_num_kv is None else min(sparse.max_num_kv, C)
     if s is not None:
         s = jnp.where(candidate[:, None, :], s, -jnp.inf)
@@ -357,8 +370,11 @@ def sparse_attention(
     k_new: jax.Array,  # [T, K, H] each token's own key and value
     v_new: jax.Array,
     sm_scale: float,
+    with_probs: bool = False,
 ) -> jax.Array:
-    """Each token over its fetched rows and itself -> [T, N, H] (float32 softmax)."""
+    """Each token over its fetched rows and itself -> [T, N, H] (float32 softmax); with
+    `with_probs`, also each row's probability summed over the kv head's queries [T, K, M + 1]
+    (the token's own row last)."""
     T, N, H = q.shape
     K = k_rows.shape[1]
     k = jnp.concatenate([k_rows, k_new[:, :, None].astype(k_rows.dtype)], axis=2)
@@ -368,9 +384,10 @@ def sparse_attention(
     qg = q.reshape(T, K, N // K, H)
     s = jnp.einsum("tkqh,tkmh->tkqm", qg, k, preferred_element_type=jnp.float32) * sm_scale
     s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("tkqm,tkmh->tkqh", p, v, preferred_element_type=jnp.float32)
-    return o.reshape(T, N, H).astype(q.dtype)
+    p32 = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("tkqm,tkmh->tkqh", p32.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = o.reshape(T, N, H).astype(q.dtype)
+    return (o, p32.sum(axis=2)) if with_probs else o
 
 
 def sparse_attention_pallas(
@@ -503,7 +520,8 @@ def sparse_forward(
     # (S <= T): speculation, fetch buffers and sparse attention are sized for them.
     D = S
     use_sparse = decode_only(step) if sparse.selective else jnp.bool_(False)
-    in_layer = sparse.mode in ("oracle", "quest")  # selection by the layer's own query
+    in_layer = sparse.mode in ("oracle", "quest", "h2o")  # selection by the layer's own query
+    K = config.num_kv_heads
     x = embed_tokens(params, step.token_ids)
     cos, sin = rope_cos_sin(step.positions, config)
     rows = jnp.zeros(T, jnp.int32)
@@ -522,7 +540,9 @@ def sparse_forward(
             k_pages = write_pool(pool[i][0], k, step.slot_mapping, host)
             v_pages = write_pool(pool[i][1], v, step.slot_mapping, host)
             new_pool.append((k_pages, v_pages))
-            if partial_keys[i] is not None and sparse.mode == "quest":
+            if partial_keys[i] is not None and sparse.mode == "h2o":
+                new_partial[i] = h2o.reset(new_partial[i], step.slot_mapping)
+            elif partial_keys[i] is not None and sparse.mode == "quest":
                 stored = k.astype(k_pages.dtype)  # the bounds of the keys as the pool holds them
                 new_partial[i] = quest_update(new_partial[i], stored, step.slot_mapping, G)
             elif partial_keys[i] is not None:
@@ -532,32 +552,48 @@ def sparse_forward(
                     new_partial[i].at[slots // G, slots % G].set(kp.astype(new_partial[i].dtype))
                 )
 
-            def dense(q=q, k_pages=k_pages, v_pages=v_pages):
-                return dense_attention(
+            heavy = sparse.mode == "h2o" and i >= sparse.num_dense_layers
+
+            def dense(q=q, k_pages=k_pages, v_pages=v_pages, acc=new_partial[i], heavy=heavy):
+                if heavy:  # H2O: evicted tokens masked, every query's probabilities added
+                    k_all = fetch_pages(k_pages, step.page_indices, host)
+                    v_all = fetch_pages(v_pages, step.page_indices, host)
+                    return h2o.dense_attention(q, k_all, v_all, acc, step, seq_ids, scale, window)
+                o = dense_attention(
                     q, k_pages, v_pages, step, host, scale, window, pallas, implementation
                 )
+                return o, acc
 
+            row_slots = None
             if in_layer and i >= sparse.num_dense_layers:
-                fetched, n_rows, top = _select_in_layer(
+                fetched, n_rows, top, new_partial[i], row_slots = _select_in_layer(
                     q, k_pages, v_pages, new_partial[i], step, seq_ids, sparse, host, use_sparse,
                     scale, window, D, G, config.num_kv_heads,
                 )  # fmt: skip
                 rows = rows.at[:D].add(n_rows)
                 hits = hits.at[seq_ids[:D, None, None], top[0] // G].add(top[1])
             if fetched is None:
-                o = dense()
+                o, new_partial[i] = dense()
             else:
                 k_rows, v_rows, valid = fetched
 
-                def sparse_path(q=q, k=k, v=v, k_rows=k_rows, v_rows=v_rows, valid=valid):
+                def sparse_path(
+                    q=q, k=k, v=v, k_rows=k_rows, v_rows=v_rows, valid=valid,
+                    acc=new_partial[i], heavy=heavy, row_slots=row_slots,
+                ):  # fmt: skip
                     args = (q[:D], k_rows, v_rows, valid, k[:D], v[:D], scale)
-                    if pallas:
+                    if heavy:
+                        o, probs = sparse_attention(*args, with_probs=True)
+                        own = jnp.broadcast_to(step.slot_mapping[:D, None, None], (D, K, 1))
+                        slots = jnp.concatenate([row_slots, own], axis=-1)
+                        acc = h2o.accumulate(acc, probs, slots, seq_ids[:D] < step.num_seqs[0])
+                    elif pallas:
                         o = sparse_attention_pallas(*args, implementation=implementation)
                     else:
                         o = sparse_attention(*args)
-                    return jnp.concatenate([o, jnp.zeros((T - D, *o.shape[1:]), o.dtype)])
+                    return jnp.concatenate([o, jnp.zeros((T - D, *o.shape[1:]), o.dtype)]), acc
 
-                o = jax.lax.cond(use_sparse, sparse_path, dense)
+                o, new_partial[i] = jax.lax.cond(use_sparse, sparse_path, dense)
             x = x + linear(o, layer["wo"])
             fetched = None
             if i + 1 < L and weights[i + 1] is not None:
@@ -616,24 +652,34 @@ def sparse_forward(
 def _select_in_layer(
     q, k_pages, v_pages, bounds, step, seq_ids, sparse, host, use_sparse, scale, window, D, G, K
 ):
-    """Oracle and Quest: the rows this layer's decode tokens attend to, chosen with the layer's
-    own query (exact scores over every key, or Quest's page bounds) and fetched from the pool
-    -> ((k_rows, v_rows, valid), rows fetched per token [D], (positions, selected [D, K, M])
-    for the page-hit counts). The fetch runs outside the condition, as speculate's does."""
+    """Oracle, Quest and H2O: the rows this layer's decode tokens attend to, chosen with the
+    layer's own query (exact scores over every key, Quest's page bounds) or its accumulated
+    attention (H2O, which evicts the rest) and fetched from the pool -> ((k_rows, v_rows, valid),
+    rows fetched per token [D], (positions, selected [D, K, M]) for the page-hit counts, the
+    layer's state (bounds or accumulated attention), the rows' slots). The fetch runs outside
+    the condition, as speculate's does."""
     P = step.page_indices.shape[1]
 
     def select(q=q):
         if sparse.mode == "oracle":
             s = oracle_scores(q[:D], k_pages, step, seq_ids[:D], host) * scale
-            return select_rows(s, None, step, seq_ids[:D], sparse, G, window, alpha=None)
+            return (
+                *select_rows(s, None, step, seq_ids[:D], sparse, G, window, alpha=None),
+                bounds,
+            )
+        if sparse.mode == "h2o":
+            return h2o.select(bounds, step, seq_ids[:D], sparse, window)
         pages = quest_page_scores(q[:D], bounds, step, seq_ids[:D])
-        return select_rows(None, pages, step, seq_ids[:D], sparse, G, window, alpha=None)
+        return (
+            *select_rows(None, pages, step, seq_ids[:D], sparse, G, window, alpha=None),
+            bounds,
+        )
 
     def none():
         shape = (D, K, fetch_buffer_rows(sparse, P * G, G))
-        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool), bounds
 
-    positions, valid = jax.lax.cond(use_sparse, select, none)
+    positions, valid, bounds = jax.lax.cond(use_sparse, select, none)
     slots = _page_of(step, seq_ids[:D], positions, G) * G + positions % G
     slots = jnp.where(valid, slots, 0)
     k_rows = fetch_rows(k_pages, slots, host)
@@ -642,7 +688,7 @@ def _select_in_layer(
     valid_real = valid & real[:, None, None]
     n_rows = jnp.where(use_sparse, valid_real.sum(axis=(1, 2)) + real * K, 0)
     top = valid_real.at[:, :, : sparse.num_sink_tokens + sparse.num_recent_tokens - 1].set(False)
-    return (k_rows, v_rows, valid), n_rows, (positions, top.astype(jnp.int32))
+    return (k_rows, v_rows, valid), n_rows, (positions, top.astype(jnp.int32)), bounds, slots
 
 
 def fetch_buffer_rows(sparse: SparseKVConfig, C: int, G: int) -> int:
