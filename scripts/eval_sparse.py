@@ -14,7 +14,8 @@ first --num_dense_layers layers attend fully), on SmolLM2-135M-Instruct by defau
   fetched    KV rows fetched per scored token, relative to full attention (1.0); the oracle
              reads every key to select, so its figure is its selection's, not a saving
 Modes: oracle (exact top-k by the true logits: the upper bound at a budget), infinigen
-(--alphas x --ratios x --granularities), quest (page bounds; whole pages). Each context length of
+(--alphas x --ratios x --granularities), quest (page bounds; whole pages), h2o (heavy hitters
+by accumulated attention, evicting the rest for good). Each context length of
 --context_lens runs the whole grid. The skewing matrices are calibrated on the first
 --calibration_tokens tokens of the text (the held-out segments come after them). Prints a table,
 writes JSON to --out.
@@ -40,7 +41,7 @@ flags.DEFINE_list("context_lens", ["1024"], "Tokens prefilled before scoring sta
 flags.DEFINE_integer("score_len", 128, "Tokens scored per segment, one decode step each.")
 flags.DEFINE_integer("gen_len", 64, "Tokens of full attention's greedy continuation compared.")
 flags.DEFINE_integer("calibration_tokens", 2048, "Tokens for the offline skewing.")
-flags.DEFINE_list("modes", ["oracle", "infinigen", "quest"], "Selection modes besides full.")
+flags.DEFINE_list("modes", ["oracle", "infinigen", "quest", "h2o"], "Selection modes besides full.")
 flags.DEFINE_list(
     "budgets",
     ["0.05", "0.1", "0.2", "0.4"],
@@ -72,8 +73,8 @@ def settings_for(n: int) -> list[tuple[str, object]]:
         cap = max(1, int(float(b) * n)) if float(b) > 0 else None
         tag = f"{float(b):.0%}" if cap else "all"
         for mode in FLAGS.modes:
-            if mode == "quest":
-                out.append((f"quest {tag}", SparseKVConfig(mode=mode, max_num_kv=cap, **common)))
+            if mode in ("quest", "h2o"):
+                out.append((f"{mode} {tag}", SparseKVConfig(mode=mode, max_num_kv=cap, **common)))
                 continue
             for g in FLAGS.granularities:
                 if mode == "oracle":
@@ -102,6 +103,7 @@ def main(argv):
     from llmjax.bench.texts import public_domain_text
     from llmjax.sparse.evaluate import (
         agreed_prefix,
+        clear_compiled,
         fetched_fraction,
         greedy_agreement,
         greedy_continuations,
@@ -110,8 +112,8 @@ def main(argv):
     from llmjax.sparse.skew import calibrate
 
     for m in FLAGS.modes:
-        if m not in ("oracle", "infinigen", "quest"):
-            raise app.UsageError(f"--modes: unknown {m!r}; choose from oracle, infinigen, quest")
+        if m not in ("oracle", "infinigen", "quest", "h2o"):
+            raise app.UsageError(f"--modes: unknown {m!r}; choose oracle, infinigen, quest, h2o")
     llm = LLM(FLAGS.model, load_format=FLAGS.load_format, num_pages=4, max_model_len=64)
     config, params, tok = llm.model_config, llm.params, llm.tokenizer
     text = public_domain_text()
@@ -151,7 +153,11 @@ def main(argv):
                 "alpha": sparse.alpha,
                 "partial_weight_ratio": sparse.partial_weight_ratio,
                 "max_num_kv": sparse.max_num_kv,
-                "budget": None if sparse.max_num_kv is None else sparse.max_num_kv / n,
+                "budget": (
+                    None
+                    if sparse.max_num_kv is None or not sparse.selective
+                    else sparse.max_num_kv / n
+                ),
                 "perplexity": ppl_run.perplexity,
                 "greedy_agreement": greedy_agreement(gen_run, full[1]),
                 "free_running_agreement": float(agreed.mean()),
@@ -165,6 +171,9 @@ def main(argv):
             }
             rows.append(row)
             logging.info("%s: %s", name, row)
+            # Each setting compiles its own steps; dropping them keeps a long grid from running
+            # out of executable memory (LLVM's section mappings).
+            clear_compiled()
 
     print(
         f"\n{FLAGS.model}: {B} segments x (context + {FLAGS.score_len} scored), gen "

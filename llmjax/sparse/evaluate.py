@@ -89,6 +89,13 @@ def _step_fn(config: ModelConfig, sparse: SparseKVConfig, host: bool):
     )
 
 
+def clear_compiled() -> None:
+    """Drop every setting's compiled steps (a long grid of settings otherwise runs out of
+    executable memory: LLVM's section mappings)."""
+    _step_fn.cache_clear()
+    jax.clear_caches()
+
+
 @jax.jit
 def _score(logits, targets):
     logp = jax.nn.log_softmax(logits, axis=-1)

@@ -48,6 +48,7 @@ from llmjax.viz import new_axes, pyplot
 
 Q_COLOR, K_COLOR = "tab:blue", "tab:orange"
 GRANULARITY_COLORS = {"token": "tab:blue", "page": "tab:green"}
+MODE_COLORS = {"oracle": "0.3", "infinigen": "tab:blue", "quest": "tab:green", "h2o": "tab:orange"}
 SELECTED_COLOR, OTHER_COLOR = "tab:red", "0.6"
 
 
@@ -584,6 +585,30 @@ def plot_accuracy_vs_bytes(rows: Sequence[Mapping], metric: str = "perplexity", 
                 fontsize=7,
                 color=color,
             )
+    ax.set_xlabel("KV bytes fetched / full attention's")
+    ax.set_ylabel({"greedy_agreement": "greedy agreement"}.get(metric, metric))
+    ax.legend(frameon=False, fontsize=8)
+    return ax
+
+
+def plot_modes_vs_bytes(rows: Sequence[Mapping], metric: str = "perplexity", ax=None):
+    """`metric` against the fraction of KV bytes fetched for each selection mode at several
+    budgets (`accuracy_row`s of modes oracle / infinigen / quest / h2o and full attention): one
+    line per mode through its budgets, full attention as a black star. The oracle's line is
+    dashed: it reads every key to select, so its bytes are its selection's, not a saving.
+    Returns the Axes."""
+    ax = new_axes(ax)
+    for row in rows:
+        if row["mode"] == "offload":
+            ax.plot(row["fetched_fraction"], row[metric], "k*", markersize=12, label="full")
+    for mode, color in MODE_COLORS.items():
+        pts = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["fetched_fraction"])
+        if not pts:
+            continue
+        label = "oracle (reads every key)" if mode == "oracle" else mode
+        style = "o--" if mode == "oracle" else "o-"
+        x = [r["fetched_fraction"] for r in pts]
+        ax.plot(x, [r[metric] for r in pts], style, color=color, label=label)
     ax.set_xlabel("KV bytes fetched / full attention's")
     ax.set_ylabel({"greedy_agreement": "greedy agreement"}.get(metric, metric))
     ax.legend(frameon=False, fontsize=8)
