@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from llmjax.model.step_input import StepInput
@@ -93,3 +95,21 @@ def run_benchmark_script(args: list[str]) -> None:
         bench.main([])
     finally:
         bench.FLAGS.unparse_flags()
+
+
+@functools.cache
+def tiny_llm(max_model_len: int = 96):
+    """The tiny model's random weights on a small engine (4-token pages, a 32-token budget, 8
+    sequences), loaded once per process and length; tests build their engines over it with
+    `LLM.with_options`."""
+    from llmjax import LLM
+
+    return LLM(
+        "tiny",
+        load_format="dummy",
+        page_size=4,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=max_model_len,
+        compilation_cache_dir="",
+    )

@@ -6,8 +6,6 @@ the errors; bounded compilation."""
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from configs.tiny import TINY
 from llmjax import LLM, SamplingParams
 from llmjax.model.sampler import process_logits, sample_processed
-from tests.helpers import full_logits
+from tests.helpers import full_logits, tiny_llm
 
 # ---- the definitions, in numpy (vLLM's apply_penalties, logit_bias, min_p) --------------------
 
@@ -145,17 +143,8 @@ def test_logprobs_are_the_raw_log_softmax_with_ranks():
 # ---- through the engine -----------------------------------------------------------------------
 
 
-@functools.cache
 def _llm():
-    return LLM(
-        "tiny",
-        load_format="dummy",
-        page_size=4,
-        max_num_batched_tokens=32,
-        max_num_seqs=8,
-        max_model_len=96,
-        compilation_cache_dir="",
-    )
+    return tiny_llm(96)
 
 
 def _reference_decode(prompt, params: SamplingParams, n: int):

@@ -3,24 +3,14 @@ prompt's KV pages through the prefix cache; one RequestOutput with n CompletionO
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from llmjax import LLM, SamplingParams
+from llmjax import SamplingParams
+from tests.helpers import tiny_llm
 
 
-@functools.cache
 def _llm():
-    return LLM(
-        "tiny",
-        load_format="dummy",
-        page_size=4,
-        max_num_batched_tokens=32,
-        max_num_seqs=8,
-        max_model_len=96,
-        compilation_cache_dir="",
-    )
+    return tiny_llm(96)
 
 
 PROMPT = list(range(10, 50))  # 40 tokens: 10 full pages

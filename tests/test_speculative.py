@@ -32,7 +32,7 @@ from llmjax.engine.engine import LLMEngine
 from llmjax.engine.speculative import Speculator, ngram_proposals
 from llmjax.model.params import init_params
 from llmjax.model.sampler import sample, verify_proposals
-from tests.helpers import full_logits
+from tests.helpers import full_logits, tiny_llm
 
 # ---- prompt lookup --------------------------------------------------------------------------
 
@@ -214,17 +214,8 @@ def test_rows_without_proposals_sample_exactly_as_the_plain_sampler():
 # ---- the engine ----------------------------------------------------------------------------------
 
 
-@functools.cache
 def _llm():
-    return LLM(
-        "tiny",
-        load_format="dummy",
-        page_size=4,
-        max_num_batched_tokens=32,
-        max_num_seqs=8,
-        max_model_len=128,
-        compilation_cache_dir="",
-    )
+    return tiny_llm(128)
 
 
 # adaptive=False: every proposal verified (the adaptive choice depends on measured step times)
