@@ -20,7 +20,7 @@ by accumulated attention, evicting the rest for good). Each context length of
 --calibration_tokens tokens of the text (the held-out segments come after them). Prints a table,
 writes JSON to --out.
 
-    python scripts/eval_sparse.py                       # 1k context, 4 budgets, ~25 min on 2 cores
+    python scripts/eval_sparse.py --score_len 64 --gen_len 32   # 4 modes x 4 budgets: ~35 min
     python scripts/eval_sparse.py --context_lens 1024,2048 --budgets 0.1,0.2
     python scripts/eval_sparse.py --modes infinigen --alphas 1,3,5,9 --granularities token,page
 """

@@ -306,3 +306,17 @@ def test_h2o_selecting_everything_equals_full_attention(params):
 def test_h2o_needs_unshared_pages():
     with pytest.raises(ValueError, match="prefix_cache='none'"):
         _base_llm().with_options(sparse_kv=SparseKVConfig(mode="h2o"))
+
+
+def test_free_running_agreement_counts_tokens_before_the_first_difference(params):
+    from llmjax.sparse.evaluate import agreed_prefix, greedy_continuations
+
+    ref = np.array([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5]])
+    run = np.array([[1, 2, 3, 4, 5], [1, 2, 9, 4, 5], [1, 2, 3, 9, 9]])
+    assert agreed_prefix(run, ref, 2).tolist() == [3, 0, 1]  # after a 2-token prompt
+    prompts = np.random.default_rng(7).integers(3, 256, (2, 20))
+    full = greedy_continuations(params, CFG, prompts, 6, page_size=4)
+    keep_all = SparseKVConfig(mode="oracle", pool_memory="device", **EVERYTHING)
+    free = greedy_continuations(params, CFG, prompts, 6, page_size=4, sparse=keep_all)
+    np.testing.assert_array_equal(free, full)
+    assert agreed_prefix(free, full, 20).tolist() == [6, 6]

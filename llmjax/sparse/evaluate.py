@@ -89,6 +89,20 @@ def _step_fn(config: ModelConfig, sparse: SparseKVConfig, host: bool):
     )
 
 
+def _setup(params, config: ModelConfig, sparse: SparseKVConfig, skew, B: int, n: int, G: int):
+    """The jitted step of `sparse` and a fresh pool for B sequences of n tokens on pages of G
+    -> (step_fn, pool, partial keys or bounds, speculation weights)."""
+    dtype = params["final_norm"].dtype  # the activations' (weights may be packed)
+    num_pages = 1 + B * -(-n // G)
+    kind = infinigen.pool_memory_kind(sparse.pool_memory)
+    pool = infinigen.allocate_pool(config, num_pages, G, dtype, kind)
+    partial = infinigen.allocate_partial_keys(config, sparse, num_pages, G, dtype)
+    weights = [None] * config.num_layers
+    if sparse.mode == "infinigen":
+        weights = infinigen.speculation_weights(*skew, config, sparse)
+    return _step_fn(config, sparse, kind is not None), pool, partial, weights
+
+
 def clear_compiled() -> None:
     """Drop every setting's compiled steps (a long grid of settings otherwise runs out of
     executable memory: LLVM's section mappings)."""
@@ -118,15 +132,7 @@ def teacher_forced(
     B, n = sequences.shape
     if not 0 < prefix_len < n:
         raise ValueError(f"{prefix_len=} must be in (0, {n}) for sequences of {n} tokens")
-    dtype = params["final_norm"].dtype  # the activations' (weights may be packed)
-    num_pages = 1 + B * -(-n // page_size)
-    kind = infinigen.pool_memory_kind(sparse.pool_memory)
-    pool = infinigen.allocate_pool(config, num_pages, page_size, dtype, kind)
-    partial = infinigen.allocate_partial_keys(config, sparse, num_pages, page_size, dtype)
-    weights = [None] * config.num_layers
-    if sparse.mode == "infinigen":
-        weights = infinigen.speculation_weights(*skew, config, sparse)
-    step_fn = _step_fn(config, sparse, kind is not None)
+    step_fn, pool, partial, weights = _setup(params, config, sparse, skew, B, n, page_size)
     score = _score
     nll, argmax, rows = [], [], []
     sparse_steps = 0
@@ -168,15 +174,9 @@ def greedy_continuations(
     seqs = np.concatenate([prompts, np.zeros((B, num_tokens), prompts.dtype)], axis=1)
     if sparse is None:
         sparse = SparseKVConfig(mode="offload", pool_memory="device")
-    dtype = params["final_norm"].dtype  # the activations' (weights may be packed)
-    num_pages = 1 + B * -(-seqs.shape[1] // page_size)
-    kind = infinigen.pool_memory_kind(sparse.pool_memory)
-    pool = infinigen.allocate_pool(config, num_pages, page_size, dtype, kind)
-    partial = infinigen.allocate_partial_keys(config, sparse, num_pages, page_size, dtype)
-    weights = [None] * config.num_layers
-    if sparse.mode == "infinigen":
-        weights = infinigen.speculation_weights(*skew, config, sparse)
-    step_fn = _step_fn(config, sparse, kind is not None)
+    step_fn, pool, partial, weights = _setup(
+        params, config, sparse, skew, B, seqs.shape[1], page_size
+    )
     steps = _steps(seqs, n, page_size)
     for i in range(num_tokens):
         step = next(steps)
