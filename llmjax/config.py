@@ -649,6 +649,8 @@ class SpeculativeConfig:
 
 SPARSE_KV_MODES = ("none", "offload", "infinigen", "oracle", "quest", "h2o")
 SELECTIVE_MODES = ("infinigen", "oracle", "quest", "h2o")  # decode steps attend to a selection
+QUERY_SOURCES = ("previous_layer", "own_layer")  # InfiniGen's speculated query
+PAGE_RESIDUALS = ("none", "page_mid", "page_upper")  # InfiniGen's cut columns, page-bounded
 SPARSE_GRANULARITIES = ("token", "page")
 POOL_MEMORIES = ("auto", "pinned_host", "device")
 EVICTION_POLICIES = ("counter", "lru", "fifo")  # the host pool's (llmjax/sparse/host_pool.py)
@@ -682,10 +684,21 @@ class SparseKVConfig:
                  (per kv head) and evicts the rest for good, where the other modes choose again
                  every step (llmjax/sparse/h2o.py; needs prefix caching off).
     InfiniGen's selection (per query token and kv head): tokens whose speculated logit is within
-    `alpha` of the maximum (5 for Llama in InfiniGen); the count is averaged over kv heads and
-    capped at `max_num_kv` (None: no cap). Every selective mode always fetches the first
-    `num_sink_tokens` and the last `num_recent_tokens` (the new token included) besides, and
-    leaves the first `num_dense_layers` layers dense. `granularity` 'token' gathers single
+    `alpha` of the maximum (5 for Llama in InfiniGen; inf: always fill the cap); the count is
+    averaged over kv heads and capped at `max_num_kv` (None: no cap).
+    InfiniGen's variants (each measured against the others by scripts/eval_sparse.py):
+    `query_source` 'previous_layer' (InfiniGen: layer i's attention input predicts layer i+1's
+    query, so the fetch overlaps layer i) or 'own_layer' (each sparse layer scores with its own
+    query against its partial keys and fetches after: the same partial keys with the cross-layer
+    prediction taken out, and no overlap; a diagnostic). `page_residual` adds to each token's
+    partial score an estimate of the skewed columns the cut left out, from Quest-style bounds:
+    each page's element-wise min and max of its keys in those columns, kept on the device
+    ([num_pages, 2, K, H - c] float32, 2 / page_size of those columns' rows); 'page_mid' adds
+    the midpoint of the interval [sum min(q*lo, q*hi), sum max(q*lo, q*hi)] over the left-out
+    columns, 'page_upper' its upper end (Quest's bound), 'none' nothing (InfiniGen).
+    Every selective mode always fetches the first `num_sink_tokens` and the last
+    `num_recent_tokens` (the new token included) besides, and leaves the first
+    `num_dense_layers` layers dense. `granularity` 'token' gathers single
     tokens through the page table; 'page' scores a page by its best token and fetches whole
     pages (`max_num_kv` // page_size of them).
     `pool_memory`: 'pinned_host' (a JAX host memory kind, gathers run on the host via
@@ -715,6 +728,8 @@ class SparseKVConfig:
     capacity: float = 1.0
     eviction: str = "counter"
     skew_dir: str | None = None
+    query_source: str = "previous_layer"
+    page_residual: str = "none"
 
     def __post_init__(self):
         if self.mode not in SPARSE_KV_MODES:
@@ -727,6 +742,10 @@ class SparseKVConfig:
             raise ValueError(f"unknown {self.pool_memory=}; choose one of {POOL_MEMORIES}")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"unknown {self.eviction=}; choose one of {EVICTION_POLICIES}")
+        if self.query_source not in QUERY_SOURCES:
+            raise ValueError(f"unknown {self.query_source=}; choose one of {QUERY_SOURCES}")
+        if self.page_residual not in PAGE_RESIDUALS:
+            raise ValueError(f"unknown {self.page_residual=}; choose one of {PAGE_RESIDUALS}")
         _check_positive(self, "max_num_kv", "num_dense_layers")
         if not 0 < self.partial_weight_ratio <= 1:
             raise ValueError(f"{self.partial_weight_ratio=} must be in (0, 1]")
@@ -748,6 +767,14 @@ class SparseKVConfig:
     def selective(self) -> bool:
         """Decode-only steps attend to a selection of the KV (infinigen, oracle, quest, h2o)."""
         return self.mode in SELECTIVE_MODES
+
+    @property
+    def selects_in_layer(self) -> bool:
+        """Each sparse layer selects with its own query or state after its key write (oracle,
+        quest, h2o; infinigen with query_source='own_layer'), rather than one layer ahead."""
+        return self.mode in ("oracle", "quest", "h2o") or (
+            self.mode == "infinigen" and self.query_source == "own_layer"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

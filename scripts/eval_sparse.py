@@ -14,19 +14,23 @@ first --num_dense_layers layers attend fully), on SmolLM2-135M-Instruct by defau
   fetched    KV rows fetched per scored token, relative to full attention (1.0); the oracle
              reads every key to select, so its figure is its selection's, not a saving
 Modes: oracle (exact top-k by the true logits: the upper bound at a budget), infinigen
-(--alphas x --ratios x --granularities), quest (page bounds; whole pages), h2o (heavy hitters
-by accumulated attention, evicting the rest for good). Each context length of
---context_lens runs the whole grid. The skewing matrices are calibrated on the first
---calibration_tokens tokens of the text (the held-out segments come after them). Prints a table,
-writes JSON to --out.
+(--alphas x --ratios x --granularities x --query_sources x --page_residuals; setting names end
+in 'own' for query_source own_layer and 'mid' / 'upper' for the page residuals), quest (page
+bounds; whole pages), h2o (heavy hitters by accumulated attention, evicting the rest for
+good). Each context length of --context_lens runs the whole grid. The skewing matrices are
+calibrated on the first --calibration_tokens tokens of the text (the held-out segments come
+after them). Prints a table, writes JSON to --out.
 
     python scripts/eval_sparse.py --score_len 64 --gen_len 32   # 4 modes x 4 budgets: ~35 min
     python scripts/eval_sparse.py --context_lens 1024,2048 --budgets 0.1,0.2
     python scripts/eval_sparse.py --modes infinigen --alphas 1,3,5,9 --granularities token,page
+    python scripts/eval_sparse.py --modes infinigen --budgets 0.2 --query_sources \
+        previous_layer,own_layer --page_residuals none,page_mid   # where InfiniGen loses
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -50,6 +54,16 @@ flags.DEFINE_list(
 flags.DEFINE_list("alphas", ["5"], "InfiniGen's alpha values.")
 flags.DEFINE_list("ratios", ["0.2"], "InfiniGen's partial_weight_ratio values.")
 flags.DEFINE_list("granularities", ["token"], "InfiniGen's and the oracle's granularities.")
+flags.DEFINE_list(
+    "query_sources",
+    ["previous_layer"],
+    "InfiniGen's speculated query: previous_layer (InfiniGen's) and/or own_layer (diagnostic).",
+)
+flags.DEFINE_list(
+    "page_residuals",
+    ["none"],
+    "InfiniGen's estimate of the left-out columns: none, page_mid, page_upper.",
+)
 flags.DEFINE_integer("num_dense_layers", 2, "Leading layers that attend fully.")
 flags.DEFINE_integer("num_recent_tokens", 16, "Recent tokens always fetched (the token included).")
 flags.DEFINE_integer("num_sink_tokens", 1, "Leading tokens always fetched.")
@@ -81,17 +95,24 @@ def settings_for(n: int) -> list[tuple[str, object]]:
                     s = SparseKVConfig(mode=mode, max_num_kv=cap, granularity=g, **common)
                     out.append((f"oracle {g} {tag}", s))
                     continue
-                for r in FLAGS.ratios:
-                    for a in FLAGS.alphas:
-                        s = SparseKVConfig(
-                            mode=mode,
-                            alpha=float(a),
-                            partial_weight_ratio=float(r),
-                            max_num_kv=cap,
-                            granularity=g,
-                            **common,
-                        )
-                        out.append((f"infinigen {g} a={a} r={r} {tag}", s))
+                variants = itertools.product(
+                    FLAGS.ratios, FLAGS.alphas, FLAGS.query_sources, FLAGS.page_residuals
+                )
+                for r, a, source, residual in variants:
+                    s = SparseKVConfig(
+                        mode=mode,
+                        alpha=float(a),
+                        partial_weight_ratio=float(r),
+                        max_num_kv=cap,
+                        granularity=g,
+                        query_source=source,
+                        page_residual=residual,
+                        **common,
+                    )
+                    extra = (" own" if source == "own_layer" else "") + (
+                        f" {residual.removeprefix('page_')}" if residual != "none" else ""
+                    )
+                    out.append((f"infinigen {g} a={a} r={r}{extra} {tag}", s))
     return out
 
 
@@ -152,6 +173,8 @@ def main(argv):
                 "granularity": sparse.granularity,
                 "alpha": sparse.alpha,
                 "partial_weight_ratio": sparse.partial_weight_ratio,
+                "query_source": sparse.query_source,
+                "page_residual": sparse.page_residual,
                 "max_num_kv": sparse.max_num_kv,
                 "budget": (
                     None
@@ -180,11 +203,11 @@ def main(argv):
         f"{FLAGS.gen_len}, dense layers {FLAGS.num_dense_layers}, sinks {FLAGS.num_sink_tokens}, "
         f"recent {FLAGS.num_recent_tokens}, backend {jax.default_backend()}"
     )
-    print(f"{'context':>7}  {'setting':<30}{'ppl':>8}{'agree':>7}{'free':>6}{'fetched':>9}{'s':>6}")
+    print(f"{'context':>7}  {'setting':<36}{'ppl':>8}{'agree':>7}{'free':>6}{'fetched':>9}{'s':>6}")
     for r in rows:
         fetched = f"{r['fetched_fraction']:.3f}" + ("*" if r["reads_every_key"] else " ")
         print(
-            f"{r['context']:>7}  {r['setting']:<30}{r['perplexity']:8.3f}"
+            f"{r['context']:>7}  {r['setting']:<36}{r['perplexity']:8.3f}"
             f"{r['greedy_agreement']:7.3f}{r['free_running_agreement']:6.1f}{fetched:>9}"
             f"{r['seconds']:6.0f}"
         )

@@ -101,10 +101,18 @@ def _steps(rng, page_size):
 
 
 # pool in device memory: greedy_continuations below (exact full logits) and the HLO test
-@pytest.mark.parametrize("granularity, host", [("token", True), ("page", True)])
-def test_selecting_everything_equals_full_attention(model, granularity, host):
+@pytest.mark.parametrize(
+    "granularity, host, variant",
+    [
+        ("token", True, {}),
+        ("page", True, {}),
+        ("token", True, {"page_residual": "page_mid"}),
+        ("token", True, {"query_source": "own_layer", "page_residual": "page_upper"}),
+    ],
+)
+def test_selecting_everything_equals_full_attention(model, granularity, host, variant):
     params, skew = model
-    sparse = SparseKVConfig(mode="infinigen", granularity=granularity, **EVERYTHING)
+    sparse = SparseKVConfig(mode="infinigen", granularity=granularity, **EVERYTHING, **variant)
     out = _run_both(params, skew, sparse, _steps(np.random.default_rng(1), 4), 4, 30, host)
     assert [s for *_, s, _ in out] == [False, False] + [True] * 3  # prefill steps attend fully
     for logits, ref, *_ in out:
@@ -229,6 +237,56 @@ def test_count_is_averaged_over_kv_heads():
     assert set(pos[0][valid[0]]) == {3, 5, 7}  # mean count (4 + 2) / 2 = 3
     assert set(pos[1][valid[1]]) == {4, 6} | {int(pos[1][valid[1]][-1])}
     assert valid[1].sum() == 3
+
+
+@pytest.mark.parametrize("residual", ["none", "page_mid", "page_upper"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_speculated_scores_with_page_residuals_match_numpy(residual, seed):
+    """The partial keys and the left-out columns' page bounds, written in random chunks on
+    shuffled pages (write_partial), give InfiniGen's partial logits plus the page estimate of
+    the rest; 'page_upper' is never below a key's true logit (the skew is orthogonal)."""
+    rng = np.random.default_rng(seed)
+    G, K, Q, H, n = 4, 2, 3, 8, 27
+    c = 3
+    A = np.stack([np.linalg.qr(rng.standard_normal((H, H)))[0] for _ in range(K)])  # [K, H, H]
+    kept = np.stack([rng.permutation(H)[:c] for _ in range(K)])  # [K, c]
+    order = np.stack([np.concatenate([kp, np.setdiff1d(np.arange(H), kp)]) for kp in kept])
+    w = np.take_along_axis(A, order[:, None, :], axis=-1)  # kept columns first
+    if residual == "none":
+        w = w[..., :c]
+    P = -(-n // G)
+    num_pages = P + 3
+    table = (rng.permutation(num_pages - 1)[:P] + 1).tolist()
+    partial = jnp.zeros((num_pages, G, K, c))
+    state = partial if residual == "none" else (partial, jnp.zeros((num_pages, 2, K, H - c)))
+    keys = rng.standard_normal((n, K, H)).astype(np.float32)
+    done = 0
+    while done < n:
+        pos = np.arange(done, min(n, done + int(rng.integers(1, 6))))
+        slots = np.array([table[p // G] * G + p % G for p in pos], np.int32)
+        state = ig.write_partial(state, jnp.asarray(keys[pos]), jnp.asarray(w), slots, G)
+        done += len(pos)
+    q = rng.standard_normal((1, K * Q, H)).astype(np.float32)
+    step = make_step([([5], n - 1, table)], G)
+    seq = jnp.zeros(1, jnp.int32)
+    got = ig.speculated_scores(jnp.asarray(q), state, jnp.asarray(w), step, seq, residual)
+    got = np.asarray(got)[0, :, :n]
+    for k in range(K):
+        qs = q[0].reshape(K, Q, H)[k] @ A[k]  # [Q, H] skewed
+        ks = keys[:, k] @ A[k]  # [n, H]
+        rest = np.setdiff1d(np.arange(H), kept[k])
+        est = qs[:, kept[k]] @ ks[:, kept[k]].T  # [Q, n]
+        if residual != "none":
+            for j in range(n):
+                page = ks[(j // G) * G : min(n, (j // G + 1) * G)][:, rest]
+                lo, hi = page.min(axis=0), page.max(axis=0)
+                a, b = qs[:, rest] * lo, qs[:, rest] * hi
+                up, down = np.maximum(a, b).sum(-1), np.minimum(a, b).sum(-1)
+                est[:, j] += up if residual == "page_upper" else (up + down) / 2
+        np.testing.assert_allclose(got[k], est.max(axis=0), rtol=1e-4, atol=1e-4)
+        if residual == "page_upper":
+            true = (q[0].reshape(K, Q, H)[k] @ keys[:, k].T).max(axis=0)
+            assert (got[k] >= true - 1e-4).all()
 
 
 def test_evicted_pages_are_never_attended_or_selected():
@@ -407,9 +465,19 @@ def test_errors(model):
         LLMEngine(config, params, 20)
 
 
-@pytest.mark.parametrize("mode", ["infinigen", "oracle", "quest", "h2o"])
+@pytest.mark.parametrize(
+    "mode, variant",
+    [
+        ("infinigen", {}),
+        ("infinigen", {"page_residual": "page_mid"}),
+        ("infinigen", {"query_source": "own_layer"}),
+        ("oracle", {}),
+        ("quest", {}),
+        ("h2o", {}),
+    ],
+)
 @pytest.mark.parametrize("pool_memory", ["pinned_host"])  # "device" gave the same HLO copies
-def test_compiled_step_updates_pool_and_partial_keys_in_place(pool_memory, mode):
+def test_compiled_step_updates_pool_and_partial_keys_in_place(pool_memory, mode, variant):
     """The step reads layer i+1's pool pages and partial keys (speculation and fetch, during
     layer i) before layer i+1 writes them; XLA must not copy them to do that (it copied both
     every step until the writes were ordered after the reads). Oracle, Quest and H2O read a
@@ -417,7 +485,7 @@ def test_compiled_step_updates_pool_and_partial_keys_in_place(pool_memory, mode)
     accumulated attention (carried through a condition and a scan: XLA copies it)."""
     from llmjax.engine.batch import pack
 
-    sparse = SparseKVConfig(mode=mode, num_dense_layers=1, pool_memory=pool_memory)
+    sparse = SparseKVConfig(mode=mode, num_dense_layers=1, pool_memory=pool_memory, **variant)
     llm = _llm(sparse, num_pages=50, prefix_cache="none" if mode == "h2o" else "radix")
     engine = llm.engine
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=4))

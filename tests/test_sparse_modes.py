@@ -174,15 +174,30 @@ def dense_outputs():
     return [o.token_ids for o in _llm("none").generate(_prompts(5), params)]
 
 
-@pytest.mark.parametrize("mode", ["oracle", "quest", "h2o"])
-def test_engine_selecting_everything_equals_dense_and_a_budget_fetches_less(dense_outputs, mode):
+@pytest.mark.parametrize(
+    "mode, variant",
+    [
+        ("oracle", {}),
+        ("quest", {}),
+        ("h2o", {}),
+        ("infinigen", {"page_residual": "page_mid", "query_source": "own_layer", "alpha": 1e9}),
+    ],
+)
+def test_engine_selecting_everything_equals_dense_and_a_budget_fetches_less(
+    dense_outputs, mode, variant
+):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    llm = _llm(SparseKVConfig(mode=mode, **EVERYTHING))
+    llm = _llm(SparseKVConfig(mode=mode, **EVERYTHING, **variant))
     assert [o.token_ids for o in llm.generate(_prompts(5), params)] == dense_outputs
     assert llm.engine.stats.num_sparse_steps > 0
     full = _llm(SparseKVConfig(mode="offload"))
     full.generate(_prompts(5), params)
-    small = _llm(SparseKVConfig(mode=mode, max_num_kv=8, num_recent_tokens=4, num_dense_layers=1))
+    small = _llm(
+        SparseKVConfig(
+            mode=mode, max_num_kv=8, num_recent_tokens=4, num_dense_layers=1,
+            **{k: v for k, v in variant.items() if k != "alpha"},
+        )
+    )  # fmt: skip
     outs = small.generate(_prompts(5), params)
     assert all(len(o.token_ids) == 10 for o in outs)
     assert small.engine.stats.h2d_bytes < 0.8 * full.engine.stats.h2d_bytes
@@ -320,3 +335,40 @@ def test_free_running_agreement_counts_tokens_before_the_first_difference(params
     free = greedy_continuations(params, CFG, prompts, 6, page_size=4, sparse=keep_all)
     np.testing.assert_array_equal(free, full)
     assert agreed_prefix(free, full, 20).tolist() == [6, 6]
+
+
+def test_eval_sparse_script_compares_modes_and_infinigen_variants(tmp_path):
+    """scripts/eval_sparse.py on the tiny random model: one row per setting with its figures; a
+    budget fetches less than full attention; the InfiniGen variants reach the configs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "eval.json"
+    cmd = [
+        sys.executable, os.path.join(root, "scripts", "eval_sparse.py"), "--model=tiny",
+        "--load_format=dummy", "--num_segments=2", "--context_lens=48", "--score_len=4",
+        "--gen_len=3", "--calibration_tokens=64", "--modes=oracle,infinigen", "--budgets=0.25",
+        "--num_dense_layers=1", "--num_recent_tokens=4", "--page_residuals=page_mid",
+        "--query_sources=previous_layer,own_layer", f"--out={out}",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["setting"]: r for r in json.load(open(out))["results"]}
+    assert set(rows) == {
+        "full",
+        "oracle token 25%",
+        "infinigen token a=5 r=0.2 mid 25%",
+        "infinigen token a=5 r=0.2 own mid 25%",
+    }
+    assert rows["full"]["fetched_fraction"] == 1.0 and rows["full"]["greedy_agreement"] == 1.0
+    own = rows["infinigen token a=5 r=0.2 own mid 25%"]
+    assert (own["query_source"], own["page_residual"]) == ("own_layer", "page_mid")
+    for name, r in rows.items():
+        assert np.isfinite(r["perplexity"]) and 0 <= r["free_running_agreement"] <= 3
+        if name != "full":
+            assert r["fetched_fraction"] < 1.0, name
+        assert name in proc.stdout

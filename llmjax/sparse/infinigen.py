@@ -110,21 +110,28 @@ def allocate_partial_keys(
 ) -> list[jax.Array | None]:
     """The device-resident selection metadata of every selective layer (None for dense layers
     and other modes): 'infinigen', the skewed partial keys [num_pages, G, K, c]
-    (`partial_weight_ratio` of the key cache, as in InfiniGen); 'quest', each page's
-    element-wise key min and max [num_pages, 2, K, H] float32 (2 / G of the key cache's rows)."""
-    c = partial_columns(np.zeros((1, 1, config.head_dim)), sparse.partial_weight_ratio).shape[-1]
-    shape = (num_pages, page_size, config.num_kv_heads, c)
+    (`partial_weight_ratio` of the key cache, as in InfiniGen), with `page_residual` a pair
+    (those, each page's min and max of the left-out skewed columns [num_pages, 2, K, H - c]
+    float32); 'quest', each page's element-wise key min and max [num_pages, 2, K, H] float32
+    (2 / G of the key cache's rows); 'h2o', each slot's accumulated attention."""
+    K, H = config.num_kv_heads, config.head_dim
+    c = partial_columns(np.zeros((1, 1, H)), sparse.partial_weight_ratio).shape[-1]
+    shape = (num_pages, page_size, K, c)
     out = [None] * config.num_layers
     if sparse.mode == "quest":
-        shape, dtype = (num_pages, 2, config.num_kv_heads, config.head_dim), jnp.float32
+        shape, dtype = (num_pages, 2, K, H), jnp.float32
     if sparse.mode == "h2o":
-        shape, dtype = (num_pages, page_size, config.num_kv_heads), jnp.float32
+        shape, dtype = (num_pages, page_size, K), jnp.float32
     if sparse.mode in ("infinigen", "quest", "h2o"):
         # Committed to the device like the step's outputs: an uncommitted first input made the
         # second call of the same bucket compile again (same trace, other shardings).
         device = jax.devices()[0]
+        zeros = lambda shape, dtype: jax.device_put(np.zeros(shape, jnp.dtype(dtype)), device)
         for i in range(sparse.num_dense_layers, config.num_layers):
-            out[i] = jax.device_put(np.zeros(shape, jnp.dtype(dtype)), device)
+            out[i] = zeros(shape, dtype)
+            if sparse.mode == "infinigen" and sparse.page_residual != "none":
+                # (partial keys, the left-out columns' page bounds as quest_update keeps them)
+                out[i] = (out[i], zeros((num_pages, 2, K, H - c), jnp.float32))
     return out
 
 
@@ -132,15 +139,36 @@ def speculation_weights(
     skew: np.ndarray, energy: np.ndarray, config: ModelConfig, sparse: SparseKVConfig
 ) -> list[jax.Array | None]:
     """Per layer, the skew's kept columns A[:, :, idx] [K, H, c] (None for dense layers): q_rope
-    @ it is the partial skewed query, k_rope @ it the partial skewed key."""
+    @ it is the partial skewed query, k_rope @ it the partial skewed key. With `page_residual`
+    the whole skew [K, H, H], the kept columns first and the left-out ones after them."""
     out: list[jax.Array | None] = [None] * config.num_layers
     if sparse.mode != "infinigen":
         return out
     idx = partial_columns(energy, sparse.partial_weight_ratio)  # [L, K, c]
+    H = skew.shape[-1]
     for i in range(sparse.num_dense_layers, config.num_layers):
-        cols = np.take_along_axis(skew[i], idx[i][:, None, :], axis=-1)  # [K, H, c]
+        if sparse.page_residual != "none":
+            rest = np.stack([np.setdiff1d(np.arange(H), kept) for kept in idx[i]])
+            order = np.concatenate([idx[i], rest], axis=-1)  # [K, H]
+        else:
+            order = idx[i]
+        cols = np.take_along_axis(skew[i], order[:, None, :], axis=-1)  # [K, H, c or H]
         out[i] = jnp.asarray(cols, jnp.float32)
     return out
+
+
+def write_partial(state, k: jax.Array, weights: jax.Array, slot_mapping: jax.Array, G: int):
+    """InfiniGen's device-resident state after the step's key writes: the new keys [T, K, H]
+    skewed, their kept columns into the partial key cache, and (with `page_residual`) the
+    left-out columns widening their pages' bounds."""
+    partial, bounds = state if isinstance(state, tuple) else (state, None)
+    c = partial.shape[-1]
+    skewed = jnp.einsum("tkh,khc->tkc", k.astype(jnp.float32), weights)
+    slots = slot_mapping
+    partial = partial.at[slots // G, slots % G].set(skewed[..., :c].astype(partial.dtype))
+    if bounds is None:
+        return partial
+    return partial, quest_update(bounds, skewed[..., c:], slots, G)
 
 
 def _on_host(fn, *args, host: bool):
@@ -211,18 +239,45 @@ def speculate(
 ) -> tuple[jax.Array, jax.Array]:
     """InfiniGen's speculation for decode tokens -> (positions [T, K, M], valid [T, K, M]) of the
     rows the next layer attends to besides the token itself: the sink tokens, the recent ones,
-    and the speculated ones (M = num_sink + num_recent - 1 + the cap)."""
-    T, N, H = q_next.shape
-    _, G, K, c = partial_pages.shape
+    and the speculated ones (M = num_sink + num_recent - 1 + the cap). `partial_pages` and
+    `a_part` as `allocate_partial_keys` and `speculation_weights` give them (pairs and the whole
+    skew with `page_residual`)."""
+    s = speculated_scores(q_next, partial_pages, a_part, step, seq_ids, sparse.page_residual)
+    G = (partial_pages[0] if isinstance(partial_pages, tuple) else partial_pages).shape[1]
+    return select_rows(s * sm_scale, None, step, seq_ids, sparse, G, window, alpha=sparse.alpha)
+
+
+def speculated_scores(
+    q: jax.Array,  # [T, N, H] post-RoPE queries
+    state,  # partial keys [num_pages, G, K, c], or (those, bounds [num_pages, 2, K, H - c])
+    weights: jax.Array,  # [K, H, c], or [K, H, H] (kept columns first) with the bounds
+    step: StepInput,
+    seq_ids: jax.Array,  # [T]
+    page_residual: str = "none",
+) -> jax.Array:
+    """InfiniGen's speculated logits (unscaled) of each query token against every key position
+    of its sequence, the group's best query head per kv head -> [T, K, C]: the partial skewed
+    query times the partial keys, plus, with `page_residual`, the estimate of the left-out
+    columns from the key's page bounds (the interval's midpoint, 'page_mid', or its upper end,
+    'page_upper')."""
+    partial, bounds = state if isinstance(state, tuple) else (state, None)
+    T, N, H = q.shape
+    _, G, K, c = partial.shape
     Q = N // K
-    C = step.page_indices.shape[1] * G
-    qp = jnp.einsum(
-        "tkqh,khc->tkqc", q_next.reshape(T, K, Q, H).astype(jnp.float32), a_part
-    )  # partial skewed query
-    keys = partial_pages[step.page_indices[seq_ids]].reshape(T, C, K, c)
-    s = jnp.einsum("tkqc,tjkc->tkqj", qp, keys.astype(jnp.float32)) * sm_scale
-    s = s.max(axis=2)  # [T, K, C]: the group's best query head
-    return select_rows(s, None, step, seq_ids, sparse, G, window, alpha=sparse.alpha)
+    P = step.page_indices.shape[1]
+    table = step.page_indices[seq_ids]  # [T, P]
+    qs = jnp.einsum("tkqh,khc->tkqc", q.reshape(T, K, Q, H).astype(jnp.float32), weights)
+    keys = partial[table].reshape(T, P * G, K, c)
+    s = jnp.einsum("tkqc,tjkc->tkqj", qs[..., :c], keys.astype(jnp.float32))
+    if bounds is not None and page_residual != "none":
+        b = bounds[table]  # [T, P, 2, K, H - c]
+        qr = qs[..., c:]
+        lo = jnp.einsum("tkqr,tpkr->tkqpr", qr, b[:, :, 0])
+        hi = jnp.einsum("tkqr,tpkr->tkqpr", qr, b[:, :, 1])
+        upper = jnp.maximum(lo, hi).sum(axis=-1)  # [T, K, Q, P]
+        est = upper if page_residual == "page_upper" else (upper + jnp.minimum(lo, hi).sum(-1)) / 2
+        s = s + jnp.repeat(est, G, axis=-1)
+    return s.max(axis=2)  # [T, K, C]: the group's best query head
 
 
 def oracle_scores(q: jax.Array, k_pages: jax.Array, step: StepInput, seq_ids, host: bool):
@@ -520,7 +575,7 @@ def sparse_forward(
     # (S <= T): speculation, fetch buffers and sparse attention are sized for them.
     D = S
     use_sparse = decode_only(step) if sparse.selective else jnp.bool_(False)
-    in_layer = sparse.mode in ("oracle", "quest", "h2o")  # selection by the layer's own query
+    in_layer = sparse.selects_in_layer  # selection by the layer's own query or state
     K = config.num_kv_heads
     x = embed_tokens(params, step.token_ids)
     cos, sin = rope_cos_sin(step.positions, config)
@@ -546,11 +601,7 @@ def sparse_forward(
                 stored = k.astype(k_pages.dtype)  # the bounds of the keys as the pool holds them
                 new_partial[i] = quest_update(new_partial[i], stored, step.slot_mapping, G)
             elif partial_keys[i] is not None:
-                kp = jnp.einsum("tkh,khc->tkc", k.astype(jnp.float32), weights[i])
-                slots = step.slot_mapping
-                new_partial[i] = (
-                    new_partial[i].at[slots // G, slots % G].set(kp.astype(new_partial[i].dtype))
-                )
+                new_partial[i] = write_partial(new_partial[i], k, weights[i], step.slot_mapping, G)
 
             heavy = sparse.mode == "h2o" and i >= sparse.num_dense_layers
 
@@ -568,7 +619,7 @@ def sparse_forward(
             if in_layer and i >= sparse.num_dense_layers:
                 fetched, n_rows, top, new_partial[i], row_slots = _select_in_layer(
                     q, k_pages, v_pages, new_partial[i], step, seq_ids, sparse, host, use_sparse,
-                    scale, window, D, G, config.num_kv_heads,
+                    scale, window, D, G, config.num_kv_heads, weights[i],
                 )  # fmt: skip
                 rows = rows.at[:D].add(n_rows)
                 hits = hits.at[seq_ids[:D, None, None], top[0] // G].add(top[1])
@@ -596,7 +647,7 @@ def sparse_forward(
                 o, new_partial[i] = jax.lax.cond(use_sparse, sparse_path, dense)
             x = x + linear(o, layer["wo"])
             fetched = None
-            if i + 1 < L and weights[i + 1] is not None:
+            if i + 1 < L and weights[i + 1] is not None and not in_layer:
                 # Speculate layer i+1 from this layer's attention input and issue its fetch
                 # now, so the copy can overlap the rest of this layer. Only the selection is
                 # conditional: a fetch inside lax.cond made XLA copy the whole pool layer to
@@ -650,11 +701,13 @@ def sparse_forward(
 
 
 def _select_in_layer(
-    q, k_pages, v_pages, bounds, step, seq_ids, sparse, host, use_sparse, scale, window, D, G, K
-):
-    """Oracle, Quest and H2O: the rows this layer's decode tokens attend to, chosen with the
-    layer's own query (exact scores over every key, Quest's page bounds) or its accumulated
-    attention (H2O, which evicts the rest) and fetched from the pool -> ((k_rows, v_rows, valid),
+    q, k_pages, v_pages, bounds, step, seq_ids, sparse, host, use_sparse, scale, window, D, G, K,
+    weights=None,
+):  # fmt: skip
+    """Oracle, Quest, H2O and InfiniGen with query_source='own_layer': the rows this layer's
+    decode tokens attend to, chosen with the layer's own query (exact scores over every key,
+    Quest's page bounds, InfiniGen's partial keys) or its accumulated attention (H2O, which
+    evicts the rest) and fetched from the pool -> ((k_rows, v_rows, valid),
     rows fetched per token [D], (positions, selected [D, K, M]) for the page-hit counts, the
     layer's state (bounds or accumulated attention), the rows' slots). The fetch runs outside
     the condition, as speculate's does."""
@@ -669,6 +722,11 @@ def _select_in_layer(
             )
         if sparse.mode == "h2o":
             return h2o.select(bounds, step, seq_ids[:D], sparse, window)
+        if sparse.mode == "infinigen":
+            return (
+                *speculate(q[:D], bounds, weights, step, seq_ids[:D], sparse, scale, window),
+                bounds,
+            )
         pages = quest_page_scores(q[:D], bounds, step, seq_ids[:D])
         return (
             *select_rows(None, pages, step, seq_ids[:D], sparse, G, window, alpha=None),
