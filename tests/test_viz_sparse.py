@@ -244,6 +244,27 @@ def test_accuracy_rows_and_plots():
         {line.get_label(): line for line in ax.lines}["pages"].get_ydata(), [1 / 3, 2 / 3]
     )
 
+    modes = rows[:1]
+    for i, (mode, variant) in enumerate(
+        [
+            ("oracle", {}),
+            ("quest", {}),
+            ("infinigen", {}),
+            ("infinigen", {"page_residual": "page_mid"}),
+        ]
+    ):
+        for fetched in ([2, 2, 2], [4, 4, 4]):
+            sparse = SparseKVConfig(mode=mode, **variant)
+            p = _run([[100, *fetched]], [[1, 2, 3, 4]], [[1.0 + i, 1.0, 1.0, 1.0]])
+            modes.append(viz.accuracy_row(mode, sparse, p, p, full_p, full_g))
+    assert modes[-1]["selection"] == "infinigen+mid" and modes[1]["selection"] == "oracle"
+    ax = viz.plot_modes_vs_bytes(modes, "perplexity")
+    lines = {line.get_label(): line for line in ax.lines}
+    assert set(lines) == {"full", "oracle (reads every key)", "quest", "infinigen", "infinigen+mid"}
+    np.testing.assert_allclose(lines["infinigen+mid"].get_xdata(), [0.2, 0.4])
+    np.testing.assert_allclose(lines["quest"].get_ydata(), [np.exp(5 / 4)] * 2)  # nll 2, 1, 1, 1
+    assert lines["oracle (reads every key)"].get_linestyle() == "--"
+
     class Stats:
         def __init__(self, b):
             self.h2d_bytes_per_decode_token = b

@@ -20,6 +20,13 @@ Per layer i of a step:
   Which of the two a step takes is decided at run time (`lax.cond` on "every sequence decodes one
   token"), so each shape bucket compiles once.
 
+Variants (SparseKVConfig): `query_source='own_layer'` selects inside each sparse layer with its
+own query against its partial keys (`_select_in_layer`, as the oracle, Quest and H2O do), so the
+fetch no longer overlaps the previous layer; `page_residual` keeps, beside the partial keys, each
+page's min and max of the skewed columns the cut leaves out (`write_partial`, `quest_update`)
+and adds that interval's midpoint or upper end to each token's partial score
+(`speculated_scores`).
+
 Selection is per query token and *kv head* (GQA: a token is fetched for a kv head when any of its
 query heads' speculated logits is within `alpha` of that head's best; with one query per kv head
 this is InfiniGen's per-head rule). Fetch units are rows [H] of K and V per (token, kv head).

@@ -49,6 +49,21 @@ from llmjax.viz import new_axes, pyplot
 Q_COLOR, K_COLOR = "tab:blue", "tab:orange"
 GRANULARITY_COLORS = {"token": "tab:blue", "page": "tab:green"}
 MODE_COLORS = {"oracle": "0.3", "infinigen": "tab:blue", "quest": "tab:green", "h2o": "tab:orange"}
+VARIANT_COLORS = ("tab:purple", "tab:cyan", "tab:brown", "tab:pink", "tab:olive")
+
+
+def selection_name(sparse) -> str:
+    """A SparseKVConfig's selection as the plots' lines name it: the mode, with InfiniGen's
+    variants appended ('infinigen+own+mid': query_source own_layer, page_residual page_mid)."""
+    name = sparse.mode
+    if sparse.mode == "infinigen":
+        if sparse.query_source == "own_layer":
+            name += "+own"
+        if sparse.page_residual != "none":
+            name += "+" + sparse.page_residual.removeprefix("page_")
+    return name
+
+
 SELECTED_COLOR, OTHER_COLOR = "tab:red", "0.6"
 
 
@@ -550,6 +565,7 @@ def accuracy_row(setting: str, sparse, ppl_run, gen_run, full_ppl, full_gen) -> 
     return {
         "setting": setting,
         "mode": sparse.mode,
+        "selection": selection_name(sparse),
         "granularity": sparse.granularity,
         "alpha": sparse.alpha,
         "perplexity": ppl_run.perplexity,
@@ -592,21 +608,26 @@ def plot_accuracy_vs_bytes(rows: Sequence[Mapping], metric: str = "perplexity", 
 
 
 def plot_modes_vs_bytes(rows: Sequence[Mapping], metric: str = "perplexity", ax=None):
-    """`metric` against the fraction of KV bytes fetched for each selection mode at several
-    budgets (`accuracy_row`s of modes oracle / infinigen / quest / h2o and full attention): one
-    line per mode through its budgets, full attention as a black star. The oracle's line is
-    dashed: it reads every key to select, so its bytes are its selection's, not a saving.
-    Returns the Axes."""
+    """`metric` against the fraction of KV bytes fetched for each selection at several budgets
+    (`accuracy_row`s of modes oracle / infinigen / quest / h2o, InfiniGen's variants, and full
+    attention): one line per selection (`selection_name`) through its budgets, full attention as
+    a black star. The oracle's line is dashed: it reads every key to select, so its bytes are its
+    selection's, not a saving. Returns the Axes."""
     ax = new_axes(ax)
     for row in rows:
         if row["mode"] == "offload":
             ax.plot(row["fetched_fraction"], row[metric], "k*", markersize=12, label="full")
-    for mode, color in MODE_COLORS.items():
-        pts = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["fetched_fraction"])
-        if not pts:
-            continue
-        label = "oracle (reads every key)" if mode == "oracle" else mode
-        style = "o--" if mode == "oracle" else "o-"
+    names = [m for m in MODE_COLORS if any(r.get("selection", r["mode"]) == m for r in rows)]
+    names += sorted(
+        {r["selection"] for r in rows if r["mode"] != "offload"} - set(MODE_COLORS)
+    )  # InfiniGen's variants
+    variants = iter(VARIANT_COLORS * len(names))
+    for name in names:
+        color = MODE_COLORS.get(name) or next(variants)
+        pts = [r for r in rows if r.get("selection", r["mode"]) == name]
+        pts.sort(key=lambda r: r["fetched_fraction"])
+        label = "oracle (reads every key)" if name == "oracle" else name
+        style = "o--" if name == "oracle" else "o-"
         x = [r["fetched_fraction"] for r in pts]
         ax.plot(x, [r[metric] for r in pts], style, color=color, label=label)
     ax.set_xlabel("KV bytes fetched / full attention's")
