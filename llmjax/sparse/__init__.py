@@ -8,7 +8,8 @@ same pool at the same budget. Switched on with `EngineConfig.sparse_kv` (`Sparse
                  skewed column (which ones the speculation keeps); stored beside a checkpoint
   infinigen.py   the model step over a host-memory KV pool: full fetches ('offload'), or
                  speculation of layer i+1's tokens from layer i's input against a device-resident
-                 partial key cache, a gather of only those rows, attention over them ('infinigen');
+                 partial key cache, a gather of only those rows, attention over them ('infinigen';
+                 its variants: per-page bounds of the cut columns, the layer's own query);
                  the exact top-k by each layer's own logits ('oracle', reads every key) and
                  Quest's page bounds from per-page key min/max ('quest'), chosen in the layer
   h2o.py         H2O: accumulated attention per token on the device, heavy hitters kept and the
