@@ -23,7 +23,9 @@ from llmjax.kvstore import ROOT_KEY, MooncakeTier, chain_keys
 from llmjax.kvstore.mooncake_master import free_port, start_master
 from tests.test_kvstore_host_tier import SALT, SHAPE, _block, ops, run_operations
 
-pytest.importorskip("mooncake.store", reason="needs the mooncake extra and libibverbs1")
+pytest.importorskip(
+    "mooncake.store", reason="needs the mooncake extra and libibverbs1", exc_type=ImportError
+)  # the wheel is there, its native module needs libibverbs.so.1
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = (30, 2, 16, 3, 64)  # one 16-token SmolLM2-135M page: layers, k/v, tokens, kv heads, dim
