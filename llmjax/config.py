@@ -769,6 +769,18 @@ class SparseKVConfig:
         return self.mode in SELECTIVE_MODES
 
     @property
+    def selection(self) -> str:
+        """The selection's name in tables and plots: the mode, with InfiniGen's variants
+        appended ('infinigen+own+mid': query_source own_layer, page_residual page_mid)."""
+        name = self.mode
+        if self.mode == "infinigen":
+            if self.query_source == "own_layer":
+                name += "+own"
+            if self.page_residual != "none":
+                name += "+" + self.page_residual.removeprefix("page_")
+        return name
+
+    @property
     def selects_in_layer(self) -> bool:
         """Each sparse layer selects with its own query or state after its key write (oracle,
         quest, h2o; infinigen with query_source='own_layer'), rather than one layer ahead."""

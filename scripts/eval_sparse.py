@@ -109,9 +109,7 @@ def settings_for(n: int) -> list[tuple[str, object]]:
                         page_residual=residual,
                         **common,
                     )
-                    extra = (" own" if source == "own_layer" else "") + (
-                        f" {residual.removeprefix('page_')}" if residual != "none" else ""
-                    )
+                    extra = "".join(f" {v}" for v in s.selection.split("+")[1:])  # own, mid
                     out.append((f"infinigen {g} a={a} r={r}{extra} {tag}", s))
     return out
 
@@ -122,6 +120,7 @@ def main(argv):
 
     from llmjax import LLM
     from llmjax.bench.texts import public_domain_text
+    from llmjax.config import PAGE_RESIDUALS, QUERY_SOURCES
     from llmjax.sparse.evaluate import (
         agreed_prefix,
         clear_compiled,
@@ -132,9 +131,15 @@ def main(argv):
     )
     from llmjax.sparse.skew import calibrate
 
-    for m in FLAGS.modes:
-        if m not in ("oracle", "infinigen", "quest", "h2o"):
-            raise app.UsageError(f"--modes: unknown {m!r}; choose oracle, infinigen, quest, h2o")
+    allowed = {
+        "modes": ("oracle", "infinigen", "quest", "h2o"),
+        "query_sources": QUERY_SOURCES,
+        "page_residuals": PAGE_RESIDUALS,
+    }
+    for flag, choices in allowed.items():  # before the model loads
+        for v in FLAGS[flag].value:
+            if v not in choices:
+                raise app.UsageError(f"--{flag}: unknown {v!r}; choose from {', '.join(choices)}")
     llm = LLM(FLAGS.model, load_format=FLAGS.load_format, num_pages=4, max_model_len=64)
     config, params, tok = llm.model_config, llm.params, llm.tokenizer
     text = public_domain_text()

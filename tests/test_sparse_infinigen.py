@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -287,6 +288,39 @@ def test_speculated_scores_with_page_residuals_match_numpy(residual, seed):
         if residual == "page_upper":
             true = (q[0].reshape(K, Q, H)[k] @ keys[:, k].T).max(axis=0)
             assert (got[k] >= true - 1e-4).all()
+    # speculate ranks by these scores: SparseKVConfig.page_residual reaches them
+    cap = 6
+    sparse = SparseKVConfig(
+        mode="infinigen", page_residual=residual, alpha=float("inf"), max_num_kv=cap,
+        num_sink_tokens=0, num_recent_tokens=1,
+    )  # fmt: skip
+    pos, valid = ig.speculate(jnp.asarray(q), state, jnp.asarray(w), step, seq, sparse, 1.0)
+    for k in range(K):
+        chosen = set(np.asarray(pos)[0, k][np.asarray(valid)[0, k]].tolist())
+        assert chosen == set(np.argsort(-got[k][: n - 1])[:cap].tolist())
+
+
+def test_own_layer_query_with_every_column_selects_as_the_oracle(model):
+    """query_source='own_layer' with every skewed column kept (the skew is orthogonal, so the
+    partial logits are the exact ones) and the budget filled picks what the oracle picks: the
+    same logits at a budget that leaves most tokens out. InfiniGen's one-layer-ahead query
+    picks otherwise."""
+    params, skew = model
+    common = dict(max_num_kv=3, num_dense_layers=1, num_recent_tokens=2, num_sink_tokens=1)
+    own = SparseKVConfig(
+        mode="infinigen", query_source="own_layer", partial_weight_ratio=1.0,
+        alpha=float("inf"), **common,
+    )  # fmt: skip
+    ahead = dataclasses.replace(own, query_source="previous_layer")
+    oracle = SparseKVConfig(mode="oracle", **common)
+    runs = [
+        _run_both(params, skew, s, _steps(np.random.default_rng(5), 4), 4, 30, False)
+        for s in (own, oracle, ahead)
+    ]
+    for (got, *_), (want, *_) in zip(runs[0], runs[1], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    pairs = zip(runs[2], runs[1], strict=True)
+    assert any(not np.allclose(a[0], o[0], rtol=1e-5, atol=1e-5) for a, o in pairs)
 
 
 def test_evicted_pages_are_never_attended_or_selected():

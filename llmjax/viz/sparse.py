@@ -50,20 +50,6 @@ Q_COLOR, K_COLOR = "tab:blue", "tab:orange"
 GRANULARITY_COLORS = {"token": "tab:blue", "page": "tab:green"}
 MODE_COLORS = {"oracle": "0.3", "infinigen": "tab:blue", "quest": "tab:green", "h2o": "tab:orange"}
 VARIANT_COLORS = ("tab:purple", "tab:cyan", "tab:brown", "tab:pink", "tab:olive")
-
-
-def selection_name(sparse) -> str:
-    """A SparseKVConfig's selection as the plots' lines name it: the mode, with InfiniGen's
-    variants appended ('infinigen+own+mid': query_source own_layer, page_residual page_mid)."""
-    name = sparse.mode
-    if sparse.mode == "infinigen":
-        if sparse.query_source == "own_layer":
-            name += "+own"
-        if sparse.page_residual != "none":
-            name += "+" + sparse.page_residual.removeprefix("page_")
-    return name
-
-
 SELECTED_COLOR, OTHER_COLOR = "tab:red", "0.6"
 
 
@@ -565,7 +551,7 @@ def accuracy_row(setting: str, sparse, ppl_run, gen_run, full_ppl, full_gen) -> 
     return {
         "setting": setting,
         "mode": sparse.mode,
-        "selection": selection_name(sparse),
+        "selection": sparse.selection,
         "granularity": sparse.granularity,
         "alpha": sparse.alpha,
         "perplexity": ppl_run.perplexity,
@@ -610,9 +596,9 @@ def plot_accuracy_vs_bytes(rows: Sequence[Mapping], metric: str = "perplexity", 
 def plot_modes_vs_bytes(rows: Sequence[Mapping], metric: str = "perplexity", ax=None):
     """`metric` against the fraction of KV bytes fetched for each selection at several budgets
     (`accuracy_row`s of modes oracle / infinigen / quest / h2o, InfiniGen's variants, and full
-    attention): one line per selection (`selection_name`) through its budgets, full attention as
-    a black star. The oracle's line is dashed: it reads every key to select, so its bytes are its
-    selection's, not a saving. Returns the Axes."""
+    attention): one line per selection (`SparseKVConfig.selection`) through its budgets, full
+    attention as a black star. The oracle's line is dashed: it reads every key to select, so its
+    bytes are its selection's, not a saving. Returns the Axes."""
     ax = new_axes(ax)
     for row in rows:
         if row["mode"] == "offload":
