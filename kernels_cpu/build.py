@@ -9,6 +9,12 @@ concurrent ones (test workers) build it once (a lock file; the library is rename
 complete). `LLMJAX_CPU_KERNELS=0` turns the kernels off; `CXX` picks the compiler. When no
 compiler works, `load()` raises `KernelsUnavailable` with the reason, and callers fall back to
 the plain-jnp paths.
+
+`engines()` names the code paths the library was compiled with for this CPU. The matmul kernels
+are written for AVX-512 (VNNI, bf16 dots, AMX); on a CPU without it (AVX2 only: AMD Zen 2/3,
+Intel before Skylake-SP) they take portable scalar loops that run 3-25x slower than XLA's own
+dot (scripts/bench_dense_matmul.py, bench_qmatmul.py), so the model then keeps XLA's dot
+(llmjax/model/quant.py). The attention kernel's portable path still beats the jnp reference.
 """
 
 from __future__ import annotations
@@ -30,6 +36,14 @@ SOURCES = ("ragged_paged_attention.cc", "qmatmul.cc", "dense_matmul.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 LIBRARY = "libllmjax_cpu.so"
 # FFI handler symbols in the library -> the XLA custom-call target names they are registered as.
+# The engines each kernel may be compiled with, by the number its `<symbol>Engine()` returns.
+ENGINES = {
+    "dense_matmul": (
+        "LlmjaxDenseMatmulEngine",
+        ("portable", "avx512", "avx512_bf16", "amx", "avx2"),
+    ),
+    "qmatmul": ("LlmjaxQmatmulEngine", ("portable", "avx512", "avx512_vnni", "amx")),
+}
 TARGETS = {
     "LlmjaxRaggedPagedAttention": "llmjax_cpu_ragged_paged_attention",
     "LlmjaxQmatmul": "llmjax_cpu_qmatmul",
@@ -110,16 +124,36 @@ def build() -> str:
 def load() -> str:
     """Build (if needed), load and register the kernels once per process; returns the library's
     path. Raises KernelsUnavailable (every call, after one attempt)."""
-    path, error = _load_once()
+    path, _, error = _load_once()
     if error is not None:
         raise KernelsUnavailable(error)
     return path
 
 
+def engines() -> dict[str, str]:
+    """The engine each matmul kernel was compiled with here (ENGINES' names, e.g.
+    {'dense_matmul': 'avx512_bf16', 'qmatmul': 'amx'}); raises KernelsUnavailable."""
+    load()
+    return dict(_load_once()[1])
+
+
+def vectorized(kernel: str) -> bool:
+    """Whether `kernel` ('dense_matmul' or 'qmatmul') loads here with a vector engine (not the
+    portable scalar loops)."""
+    try:
+        return engines()[kernel] != "portable"
+    except KernelsUnavailable:
+        return False
+
+
+def _engine_name(names: tuple[str, ...], number: int) -> str:
+    return names[number] if 0 <= number < len(names) else f"unknown-{number}"
+
+
 @functools.cache
-def _load_once() -> tuple[str | None, str | None]:
+def _load_once() -> tuple[str | None, tuple, str | None]:
     if os.environ.get("LLMJAX_CPU_KERNELS", "1") == "0":
-        return None, "turned off by LLMJAX_CPU_KERNELS=0"
+        return None, (), "turned off by LLMJAX_CPU_KERNELS=0"
     import ctypes
 
     import jax
@@ -130,9 +164,14 @@ def _load_once() -> tuple[str | None, str | None]:
         for symbol, target in TARGETS.items():
             capsule = jax.ffi.pycapsule(getattr(library, symbol))
             jax.ffi.register_ffi_target(target, capsule, "cpu")
+        found = tuple(
+            (kernel, _engine_name(names, getattr(library, symbol)()))
+            for kernel, (symbol, names) in ENGINES.items()
+        )
     except (KernelsUnavailable, OSError, AttributeError) as e:
-        return None, str(e)
-    return path, None
+        return None, (), str(e)
+    logger.info("CPU kernels loaded from %s: %s", path, dict(found))
+    return path, found, None
 
 
 def available() -> bool:

@@ -230,13 +230,26 @@ def test_bad_shapes_are_refused_clearly():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dense_weights_take_the_cpu_kernel_at_decode_sizes_and_xla_above(dtype):
-    """float32: the kernel up to DENSE_KERNEL_MAX_TOKENS, XLA's GEMM above; bf16: the kernel at
-    every size (its AMX path is as fast as XLA's there and reads a scanned layer in place)."""
+    """With AVX-512, float32: the kernel up to DENSE_KERNEL_MAX_TOKENS, XLA's GEMM above; bf16:
+    the kernel at every size (its AMX path is as fast as XLA's there and reads a scanned layer
+    in place). With the AVX2 engine, AVX2_DENSE_KERNEL_TOKENS; without a vector engine, never."""
     w = quant.pack_dense(_random_weight(np.random.default_rng(0), (64, 96)).astype(dtype))
     w = jax.tree.map(jnp.asarray, w)
-    kernel = quant._cpu_dense_kernel() is not None
-    big = kernel and dtype == jnp.bfloat16
-    for T, want_kernel in ((1, kernel), (quant.DENSE_KERNEL_MAX_TOKENS, kernel), (128, big)):
+    lo, hi = quant.dense_kernel_tokens(dtype)
+    if quant._cpu_dense_kernel() is not None:
+        from kernels_cpu import build
+
+        if build.engines()["dense_matmul"] == "avx2":  # a narrower range (quant's table)
+            assert (lo, hi) == quant.AVX2_DENSE_KERNEL_TOKENS[jnp.dtype(dtype)]
+        else:
+            assert (lo, hi) == (
+                1,
+                quant.DENSE_KERNEL_MAX_TOKENS if dtype == jnp.float32 else 1 << 62,
+            )
+    else:
+        assert lo > hi
+    for T in (1, 2, 32, 33, 64, 128):
+        want_kernel = lo <= T <= hi
         x = jnp.asarray(_random_weight(np.random.default_rng(T), (T, 64)), dtype)
         text = jax.jit(quant.qdot).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
         assert ("llmjax_cpu_dense_matmul" in text) == want_kernel, T

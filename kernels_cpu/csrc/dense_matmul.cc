@@ -29,6 +29,11 @@
 // whole row (a last single token tile: 2 x 1, with two sets of A / B tiles taking alternate
 // steps, as tile registers are not renamed), transposed on the way out. Outputs past the last
 // multiple of 16 go through the AVX-512 engine.
+//
+// The AVX2 engine (CPUs without AVX-512; below, beside the others) works as the AVX-512 one on
+// 8-lane vectors; bfloat16 weights are widened exactly and multiplied with the activations'
+// bfloat16 values in float32 (no vdpbf16ps there). Without AVX2 either, the portable engine's
+// scalar dot products run far slower than XLA's dot, and the model does not call the kernel.
 
 #include <vector>
 
@@ -38,6 +43,13 @@
 #define LLMJAX_DENSE_AVX512 1
 #else
 #define LLMJAX_DENSE_AVX512 0
+#endif
+
+#if !LLMJAX_DENSE_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#define LLMJAX_DENSE_AVX2 1
+#include <immintrin.h>
+#else
+#define LLMJAX_DENSE_AVX2 0
 #endif
 
 #if LLMJAX_DENSE_AVX512 && defined(__AVX512BF16__)
@@ -529,7 +541,137 @@ void amx_dots(ffi::ThreadPool& pool, const uint16_t* w, int64_t in, int64_t out,
 
 #endif  // LLMJAX_DENSE_AMX
 
-#if !LLMJAX_DENSE_AVX512
+#if LLMJAX_DENSE_AVX2
+
+// The AVX2 engine (CPUs without AVX-512: AMD Zen 2/3, Intel Haswell to Comet Lake). Register tiles
+// of M tokens x N outputs hold M * N vectors of 8 float32 partial sums along `in` (1 x 8 for
+// T = 1, else 2 x 4: with the M activation vectors and one weight vector, within the 16 ymm
+// registers), 8 elements of each weight row per step (float32, or bfloat16 widened exactly, with
+// activations already rounded to bfloat16 values), reduced once at the end; the elements past
+// the last multiple of 8 are added in scalar code. Token blocks and output parts go over the
+// pool as in the AVX-512 engine, and the token tiles over a tile of rows share the prefetches
+// of the next tile's lines.
+
+#define LLMJAX_AVX2_UNROLL _Pragma("GCC unroll 8")
+
+struct Avx2F32 {
+  using W = float;
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static float at(const float* p) { return *p; }
+};
+
+struct Avx2Bf16 {
+  using W = uint16_t;
+  static __m256 load(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static float at(const uint16_t* p) { return bf16_to_f32(*p); }
+};
+
+// Lane i of the result: the sum of v[i]'s 8 lanes, for i < n (n <= 8; lanes from n on are 0).
+[[gnu::always_inline]] inline __m256 reduce8(const __m256* v, int n) {
+  __m256 a[8];
+  LLMJAX_AVX2_UNROLL
+  for (int i = 0; i < 8; ++i) a[i] = i < n ? v[i] : _mm256_setzero_ps();
+  // per 128-bit lane: the sums of that lane's 4 elements of a[0..3] (u0) and a[4..7] (u1)
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// M tokens (x, x_stride apart) x N outputs (weight rows w, `in` apart) into y (y_stride apart).
+// `next` (or null): the next tile's rows, whose cache lines with index % period == phase this
+// tile prefetches.
+template <class K, int M, int N>
+void avx2_tile(const typename K::W* w, int64_t in, const float* x, int64_t x_stride, float* y,
+               int64_t y_stride, const typename K::W* next, int64_t phase, int64_t period) {
+  static_assert(M * N <= 8, "the accumulators fit one reduction");
+  constexpr int64_t kLine = 64 / sizeof(typename K::W);  // elements per cache line
+  __m256 acc[M * N];
+  LLMJAX_AVX2_UNROLL
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  const int64_t full = in - in % 8;
+  for (int64_t k = 0; k < full; k += 8) {
+    if (next != nullptr && k % kLine == 0 && (k / kLine) % period == phase) {
+      LLMJAX_AVX2_UNROLL
+      for (int n = 0; n < N; ++n)
+        _mm_prefetch(reinterpret_cast<const char*>(next + n * in + k), _MM_HINT_T1);
+    }
+    __m256 xv[M];
+    LLMJAX_AVX2_UNROLL
+    for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(x + m * x_stride + k);
+    LLMJAX_AVX2_UNROLL
+    for (int n = 0; n < N; ++n) {
+      const __m256 wv = K::load(w + n * in + k);
+      LLMJAX_AVX2_UNROLL
+      for (int m = 0; m < M; ++m) acc[m * N + n] = _mm256_fmadd_ps(xv[m], wv, acc[m * N + n]);
+    }
+  }
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, reduce8(acc, M * N));
+  for (int m = 0; m < M; ++m) {
+    for (int n = 0; n < N; ++n) {
+      float s = sums[m * N + n];
+      for (int64_t k = full; k < in; ++k) s += x[m * x_stride + k] * K::at(w + n * in + k);
+      y[m * y_stride + n] = s;
+    }
+  }
+}
+
+// Outputs [o0, o1) for tokens [t0, t1): tiles of N rows (the rest one row at a time) x up to M
+// tokens (M <= 2). w is the layer's [out, in], x [T, in], y [T, out].
+template <class K, int N, int M>
+void avx2_part(const typename K::W* w, int64_t in, int64_t out, const float* x, int64_t t0,
+               int64_t t1, int64_t o0, int64_t o1, float* y) {
+  static_assert(M <= 2, "one smaller token tile at most");
+  const int64_t full = o0 + (o1 - o0) / N * N, passes = ceil_div(t1 - t0, M);
+  for (int64_t o = o0; o < o1;) {
+    const int n = o < full ? N : 1;
+    const typename K::W* next = o + n + N <= full ? w + (o + n) * in : nullptr;
+    int64_t phase = 0;
+    for (int64_t t = t0; t < t1; t += M, ++phase) {
+      const typename K::W* wo = w + o * in;
+      const float* xt = x + t * in;
+      float* yt = y + t * out + o;
+      const bool one = t1 - t < M;  // the last, smaller token tile
+      if (n == N && !one) avx2_tile<K, M, N>(wo, in, xt, in, yt, out, next, phase, passes);
+      else if (n == N) avx2_tile<K, 1, N>(wo, in, xt, in, yt, out, next, phase, passes);
+      else if (!one) avx2_tile<K, M, 1>(wo, in, xt, in, yt, out, nullptr, 0, 1);
+      else avx2_tile<K, 1, 1>(wo, in, xt, in, yt, out, nullptr, 0, 1);
+    }
+    o += n;
+  }
+}
+
+template <class K, int N, int M>
+void avx2_run(ffi::ThreadPool& pool, const typename K::W* w, int64_t in, int64_t out,
+              const float* x, int64_t T, float* y) {
+  const int64_t blocks = ceil_div(T, kTokenBlock), tiles = ceil_div(out, N);
+  const double work = work_of(out * in * sizeof(typename K::W), T);
+  const int64_t rows = units_per_part(pool, tiles, blocks, work) * N;
+  const int64_t parts = ceil_div(out, rows);
+  parallel_for(pool, blocks * parts, 1, [&](int64_t i) {
+    const int64_t t0 = (i / parts) * kTokenBlock, p0 = (i % parts) * rows;
+    avx2_part<K, N, M>(w, in, out, x, t0, std::min(T, t0 + kTokenBlock), p0,
+                       std::min(out, p0 + rows), y);
+  });
+}
+
+// The AVX2 engine, with the tile shape for T. x float32 [T, in] (bfloat16 weights: its values
+// rounded to bfloat16), y [T, out].
+template <class K>
+void avx2_dots(ffi::ThreadPool& pool, const typename K::W* w, int64_t in, int64_t out,
+               const float* x, int64_t T, float* y) {
+  if (T == 1)
+    avx2_run<K, 8, 1>(pool, w, in, out, x, T, y);
+  else
+    avx2_run<K, 4, 2>(pool, w, in, out, x, T, y);
+}
+
+#endif  // LLMJAX_DENSE_AVX2
+
+#if !LLMJAX_DENSE_AVX512 && !LLMJAX_DENSE_AVX2
 // The portable engine: one dot product per output (common.h's dot), outputs over the pool.
 template <typename W>
 void portable_dots(ffi::ThreadPool& pool, const W* w, int64_t in, int64_t out, const float* x,
@@ -580,6 +722,8 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     }
 #if LLMJAX_DENSE_AVX512
     avx512_dots<F32Kernel>(pool, wp, in, out, xf, in, T, 0, out, yp);
+#elif LLMJAX_DENSE_AVX2
+    avx2_dots<Avx2F32>(pool, wp, in, out, xf, T, yp);
 #else
     portable_dots(pool, wp, in, out, xf, T, yp);
 #endif
@@ -613,6 +757,8 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     to_f32(pool, xf, T, in, true, buf);
 #if LLMJAX_DENSE_AVX512
   avx512_dots<Bf16Kernel>(pool, wp, in, out, buf, in, T, done, out, yp);
+#elif LLMJAX_DENSE_AVX2
+  avx2_dots<Avx2Bf16>(pool, wp, in, out, buf, T, yp);
 #else
   portable_dots(pool, wp, in, out, buf, T, yp);
 #endif
@@ -623,6 +769,17 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 }  // namespace
 
 }  // namespace llmjax_cpu
+
+// The engine compiled for this CPU (kernels_cpu/build.py's `engines()`): 0 portable (scalar dot
+// products, far slower than XLA's dot: the model then uses XLA's), 1 AVX-512, 2 AVX-512 with
+// vdpbf16ps, 3 that and AMX tiles for bfloat16 weights, 4 AVX2 with FMA.
+extern "C" int LlmjaxDenseMatmulEngine() {
+  return LLMJAX_DENSE_AMX      ? 3
+         : LLMJAX_DENSE_BF16DOT ? 2
+         : LLMJAX_DENSE_AVX512  ? 1
+         : LLMJAX_DENSE_AVX2    ? 4
+                                : 0;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxDenseMatmul, llmjax_cpu::DenseMatmul,
                               xla::ffi::Ffi::Bind()

@@ -901,6 +901,12 @@ ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values
 
 }  // namespace llmjax_cpu
 
+// The engine compiled for this CPU (kernels_cpu/build.py's `engines()`): 0 portable (scalar),
+// 1 AVX-512, 2 AVX-512 VNNI, 3 that and AMX tiles.
+extern "C" int LlmjaxQmatmulEngine() {
+  return LLMJAX_AMX ? 3 : LLMJAX_VNNI ? 2 : LLMJAX_AVX512 ? 1 : 0;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxQmatmul, llmjax_cpu::Qmatmul,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()

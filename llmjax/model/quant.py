@@ -369,14 +369,16 @@ def dequantized_dot(x, w: PackedWeight):
     )
 
 
-def _cpu_kernel():
-    """kernels_cpu.qmatmul when the C++ kernels build here (else None)."""
+def _cpu_kernel(vectorized: bool = True):
+    """kernels_cpu.qmatmul when the C++ kernels build here with a vector engine (else None);
+    `vectorized=False`: with any engine, the portable scalar one included."""
     try:
         from kernels_cpu import build
         from kernels_cpu.qmatmul import qmatmul
     except ImportError:
         return None
-    return qmatmul if build.available() else None
+    usable = build.vectorized("qmatmul") if vectorized else build.available()
+    return qmatmul if usable else None
 
 
 CPU_KERNEL_FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
@@ -386,26 +388,51 @@ CPU_KERNEL_FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
 # for [576, 1536] at T = 512) and reads a scanned layer in place, where XLA's dot needs the layer
 # sliced out of the stacked weights first (22 ms of copies per 512-token bf16 step).
 DENSE_KERNEL_MAX_TOKENS = 64
+# The kernel's AVX2 engine (a CPU without AVX-512) wins over XLA's dot only in a narrower range
+# (2-core AMD EPYC, [576, 1536] and [1536, 576], weights cold): float32 from 2 tokens (at 1,
+# XLA's dot streams faster: 143 against 213 us) to 32 (16: 488 against 703 us; 64: 1799 against
+# 1409); bfloat16 from 1 token (XLA widens the weight: 1796 against 109 us) to 32.
+# (lo, hi) token counts per weight dtype.
+AVX2_DENSE_KERNEL_TOKENS = {jnp.dtype(jnp.float32): (2, 32), jnp.dtype(jnp.bfloat16): (1, 32)}
 # int8 weights likewise (scripts/bench_qmatmul.py: the kernel wins to ~64 tokens); the GGUF block
 # formats take the kernel at every size (XLA has no form for them but dequantizing).
 INT8_KERNEL_MAX_TOKENS = 64
+# Where the kernels have only their portable scalar loops (a CPU without AVX-512: kernels_cpu/
+# build.py's `engines()`), XLA's dot is 3-25x faster at every size but one: int8 weights at one
+# token (W8A8 decode at batch 1: 102 us for [576, 1536] against 488 for XLA's int8 dot, measured
+# on a 2-core AMD EPYC with AVX2, scripts/bench_qmatmul.py).
+PORTABLE_INT8_MAX_TOKENS = 1
 
 
 def _cpu_dense_kernel():
+    """kernels_cpu.dense_matmul when the C++ kernels build here with a vector engine (their
+    portable loops lose to XLA's dot at every size), else None."""
     try:
         from kernels_cpu import build
         from kernels_cpu.dense_matmul import dense_matmul
     except ImportError:
         return None
-    return dense_matmul if build.available() else None
+    return dense_matmul if build.vectorized("dense_matmul") else None
+
+
+def dense_kernel_tokens(dtype) -> tuple[int, int]:
+    """The token counts (lo, hi) at which dense weights of `dtype` take the C++ kernel on this
+    CPU ((1, 0): never), by the engine it was compiled with (see DENSE_KERNEL_MAX_TOKENS)."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in AVX2_DENSE_KERNEL_TOKENS or _cpu_dense_kernel() is None:
+        return (1, 0)
+    from kernels_cpu import build
+
+    if build.engines()["dense_matmul"] == "avx2":
+        return AVX2_DENSE_KERNEL_TOKENS[dtype]
+    return (1, DENSE_KERNEL_MAX_TOKENS if dtype == jnp.float32 else 1 << 62)
 
 
 def cpu_dot(x, w: PackedWeight):
-    if w.fmt == "dense" and (
-        x.shape[0] <= DENSE_KERNEL_MAX_TOKENS or w.values.dtype == jnp.bfloat16
-    ):
-        kernel = _cpu_dense_kernel()
-        if kernel is not None and w.values.dtype in (jnp.float32, jnp.bfloat16):
+    if w.fmt == "dense":
+        lo, hi = dense_kernel_tokens(w.values.dtype)
+        kernel = _cpu_dense_kernel() if lo <= x.shape[0] <= hi else None
+        if kernel is not None:
             try:
                 return kernel(x.astype(w.values.dtype), w.values, layer=w.layer)
             except ValueError as e:  # a shape the kernel does not take (checked while tracing)
@@ -413,6 +440,8 @@ def cpu_dot(x, w: PackedWeight):
     kernel = _cpu_kernel() if w.fmt in CPU_KERNEL_FORMATS else None
     if w.fmt == "int8" and x.shape[0] > INT8_KERNEL_MAX_TOKENS:
         kernel = None  # XLA's int8 GEMM (oneDNN) is faster at prefill sizes
+    elif kernel is None and w.fmt == "int8" and x.shape[0] <= PORTABLE_INT8_MAX_TOKENS:
+        kernel = _cpu_kernel(vectorized=False)
     if kernel is not None:
         try:
             return kernel(x, w.values, w.scales, w.mins, fmt=w.fmt, layer=w.layer)

@@ -30,6 +30,27 @@ def test_the_kernels_build_and_load():
     assert kernels_cpu.available()
 
 
+def test_the_engines_compiled_follow_the_cpu_and_decide_the_models_matmul():
+    """The matmul kernels report the engine -march=native gave them (portable without AVX-512),
+    and the model takes them only with a vector engine (their scalar loops lose to XLA's dot)."""
+    from kernels_cpu import build
+    from llmjax.model import quant
+
+    engines = build.engines()
+    assert set(engines) == set(build.ENGINES)
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    for kernel, (_, names) in build.ENGINES.items():
+        assert engines[kernel] in names
+        assert engines[kernel].startswith(("avx512", "amx")) == ("avx512f" in flags), engines
+    avx2 = "avx512f" not in flags and {"avx2", "fma"} <= set(flags)
+    assert (engines["dense_matmul"] == "avx2") == avx2, engines
+    assert (engines["qmatmul"] == "portable") == ("avx512f" not in flags), engines
+    assert (quant._cpu_dense_kernel() is not None) == build.vectorized("dense_matmul")
+    assert (quant._cpu_kernel() is not None) == build.vectorized("qmatmul")
+    assert quant._cpu_kernel(vectorized=False) is not None
+
+
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 
 
