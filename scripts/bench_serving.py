@@ -221,28 +221,46 @@ def stop_server(proc) -> None:
 
 
 HISTOGRAMS = {"time_to_first_token_seconds": "ttft", "inter_token_latency_seconds": "itl"}
+# llmjax's step histograms and counters (other servers have none: their rows stay empty)
+STEP_HISTOGRAMS = ("iteration_tokens_total", "step_duration_seconds")
+STEP_COUNTERS = ("padded_tokens",)
 
 
 def server_latency(base_url: str, headers) -> dict:
-    """{histogram: (sum, count)} of the server's own TTFT and ITL (GET /metrics, any prefix)."""
+    """{histogram: (sum, count)} of the server's own TTFT, ITL and (llmjax) step histograms,
+    {counter: (value, 0)} of its padded-token counter (GET /metrics, any prefix)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(base_url + "/metrics", headers=headers, timeout=60).text
     out = {}
     for family in text_string_to_metric_families(text):
-        name = next((h for h in HISTOGRAMS if family.name.endswith(h)), None)
+        name = next((h for h in (*HISTOGRAMS, *STEP_HISTOGRAMS) if family.name.endswith(h)), None)
         if name is not None:
             values = {s.name.rsplit("_", 1)[1]: s.value for s in family.samples}
             out[name] = (values.get("sum", 0.0), values.get("count", 0.0))
+        elif family.type == "counter" and family.name.endswith(STEP_COUNTERS):
+            out[family.name.rsplit(":", 1)[-1]] = (sum(s.value for s in family.samples), 0.0)
     return out
 
 
 def _server_means(before: dict, after: dict) -> dict:
-    """The mean TTFT / ITL the server measured between two /metrics reads."""
+    """What the server measured between two /metrics reads: mean TTFT / ITL, and llmjax's
+    steps (count, real and padded tokens per step, ms per step)."""
     means = {}
+    delta = {
+        name: tuple(b - a for a, b in zip(before.get(name, (0.0, 0.0)), after[name], strict=True))
+        for name in after
+    }
     for name, key in HISTOGRAMS.items():
-        (s0, n0), (s1, n1) = before.get(name, (0.0, 0.0)), after.get(name, (0.0, 0.0))
-        means[f"server_mean_{key}_ms"] = 1000 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
+        s, n = delta.get(name, (0.0, 0.0))
+        means[f"server_mean_{key}_ms"] = 1000 * s / n if n else None
+    tokens, steps = delta.get("iteration_tokens_total", (0.0, 0.0))
+    if steps:
+        means["server_num_steps"] = int(steps)
+        means["server_tokens_per_step"] = tokens / steps
+        means["server_ms_per_step"] = 1000 * delta["step_duration_seconds"][0] / steps
+        padded = delta.get("padded_tokens", (0.0, 0.0))[0]
+        means["server_padded_tokens_per_step"] = padded / steps if padded else None
     return means
 
 
@@ -358,6 +376,10 @@ def table(runs: dict, percentiles) -> str:
     rows += [
         ("server_mean_ttft_ms", "server /metrics mean TTFT (ms)", "{:.2f}"),
         ("server_mean_itl_ms", "server /metrics mean ITL (ms)", "{:.2f}"),
+        ("server_num_steps", "server steps", "{}"),
+        ("server_tokens_per_step", "server tokens per step", "{:.1f}"),
+        ("server_padded_tokens_per_step", "server padded tokens per step", "{:.1f}"),
+        ("server_ms_per_step", "server ms per step", "{:.1f}"),
     ]
     names = list(runs)
     body = []

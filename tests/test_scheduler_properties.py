@@ -111,6 +111,8 @@ class Scenario:
     # Speculative decoding: up to this many proposals per decode (0: off), from an oracle
     # that gets a random number of leading tokens right (`OracleSpeculator`).
     num_speculative_tokens: int = 0
+    # EngineConfig.token_buckets_per_octave: the token counts steps are packed to
+    token_buckets_per_octave: int = 4
 
     def config(self) -> EngineConfig:
         return EngineConfig(
@@ -129,6 +131,7 @@ class Scenario:
                 balance_micro_batches=self.balance_micro_batches,
             ),
             max_model_len=self.max_model_len,
+            token_buckets_per_octave=self.token_buckets_per_octave,
             compilation_cache_dir="",
             speculative=SpeculativeConfig(
                 method="ngram" if self.num_speculative_tokens else "none",
@@ -295,6 +298,7 @@ def scenarios(draw, policy: str, prefix_cache: str = "none", admission_order: st
         pipeline_depth=(depth := draw(st.sampled_from([1, 1, 2, 3]), label="pipeline depth")),
         balance_micro_batches=depth > 1 and draw(st.booleans(), label="balance micro-batches"),
         num_speculative_tokens=0 if depth > 1 else draw(st.sampled_from([0, 0, 1, 3])),
+        token_buckets_per_octave=draw(st.sampled_from([1, 2, 4]), label="token buckets"),
     )
 
 
@@ -336,7 +340,12 @@ def run_scenario(sc: Scenario) -> Result:
     K = sc.num_speculative_tokens
     if K:
         sched.speculator = OracleSpeculator(config.speculative, sc.vocab_size)
-    buckets = Buckets.create(sc.max_num_batched_tokens, sc.max_num_seqs, pages_needed(mml, ps))
+    buckets = Buckets.create(
+        sc.max_num_batched_tokens,
+        sc.max_num_seqs,
+        pages_needed(mml, ps),
+        per_octave=config.token_buckets_per_octave,
+    )
     model = FakePagedModel(sc.num_pages, ps, sc.vocab_size)
     # for validate_request (no tokenizer: these requests have no stop strings)
     engine_like = types.SimpleNamespace(config=config, block_manager=bm, tokenizer=None)

@@ -1,8 +1,12 @@
 """Pack a `ScheduledBatch` into numpy arrays padded to a shape bucket (the only host -> array seam).
 
 Three bucketed dimensions keep the number of compiled step variants small: tokens T, sequences S
-and pages per sequence P, each rounded up to a power of two within [min, max]. Padded tokens write
-to the reserved page 0; padded sequences have empty queries and an all-zero page table.
+and pages per sequence P. P rounds up to a power of two; T to one of `per_octave` steps between
+powers of two (`token_buckets`: 4 per octave gives 64, 80, 96, 112, 128, 160, ..., so a step
+pays at most 25 % padding, where powers of two alone pay up to 100 %: 16 decodes beside a
+128-token prefill chunk are 144 tokens, run as 160 instead of 256); S follows from T. Padded
+tokens write to the reserved page 0; padded sequences have empty queries and an all-zero page
+table.
 """
 
 from __future__ import annotations
@@ -26,6 +30,25 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+TOKEN_ALIGN = 8  # a token bucket that is not a power of two is a multiple of this
+
+
+def token_buckets(max_tokens: int, per_octave: int = 1) -> tuple[int, ...]:
+    """The token counts steps are padded to, up to `max_tokens`: the powers of two and, between
+    each pair, `per_octave - 1` steps of b / per_octave rounded up to a multiple of
+    TOKEN_ALIGN (fewer where the octave is too narrow for them). In/Out: (512, 4) -> 1, 2, 4,
+    8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512;
+    (512, 1) -> 1, 2, 4, ..., 512."""
+    if per_octave < 1:
+        raise ValueError(f"{per_octave=} must be >= 1")
+    out, b = [], 1
+    while b < max_tokens:
+        step = -(-b // (per_octave * TOKEN_ALIGN)) * TOKEN_ALIGN if b >= TOKEN_ALIGN else b
+        out += [v for v in range(b, 2 * b, step) if v < max_tokens]
+        b *= 2
+    return (*out, max_tokens)
+
+
 def _round_up(n: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if n <= b:
@@ -35,9 +58,10 @@ def _round_up(n: int, buckets: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """Padded step shapes: T tokens and P pages per sequence round up to powers of two; the
-    sequence rows S = min(T, max_num_seqs) follow from T (a step never has more sequences than
-    tokens), so the compiled variants are |token_buckets| x |page_buckets|."""
+    """Padded step shapes: T tokens round up to `token_buckets` (powers of two and
+    `per_octave` steps between them), P pages per sequence to powers of two; the sequence rows
+    S = min(T, max_num_seqs) follow from T (a step never has more sequences than tokens), so
+    the compiled variants are |token_buckets| x |page_buckets|."""
 
     token_buckets: tuple[int, ...]
     page_buckets: tuple[int, ...]
@@ -50,13 +74,15 @@ class Buckets:
         max_num_seqs: int,
         max_pages_per_seq: int,
         ragged_pages: bool = False,
+        per_octave: int = 1,
     ) -> Buckets:
         """`ragged_pages`: the attention reads only each sequence's `kv_lens` worth of its page
         table (the CPU kernel), so one P, the longest table, serves every step: no variants
-        per context length."""
+        per context length. `per_octave`: token buckets per power of two (`token_buckets`;
+        EngineConfig.token_buckets_per_octave)."""
         pages = (max_pages_per_seq,) if ragged_pages else None
         return cls(
-            token_buckets=_pow2_buckets(1, max_num_batched_tokens),
+            token_buckets=token_buckets(max_num_batched_tokens, per_octave),
             page_buckets=pages or _pow2_buckets(min(4, max_pages_per_seq), max_pages_per_seq),
             max_num_seqs=max_num_seqs,
         )

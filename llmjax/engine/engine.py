@@ -139,6 +139,7 @@ class LLMEngine:
             config.scheduler.max_num_seqs,
             pages_needed(config.max_model_len, page_size),
             ragged_pages=self.runner.ragged_page_tables,
+            per_octave=config.token_buckets_per_octave,
         )
         self._ids = itertools.count()
         self._num_step_calls = 0
@@ -540,7 +541,7 @@ class LLMEngine:
             if not self.scheduler.has_unfinished():
                 tiers.finish()  # idle: nothing to overlap with
             tiers.prefetch(self.scheduler.waiting)  # disk reads for the next admissions
-        self._record(batch, t_start, t_run, t_update, c_update - c_run)
+        self._record(batch, t_start, t_run, t_update, c_update - c_run, len(step_input.token_ids))
         if observe is not None:  # the whole step's wall time, host work included
             self.speculator.observe(observe, time.perf_counter() - t_start - draft_s, draft_s)
         return outputs
@@ -636,10 +637,17 @@ class LLMEngine:
             del self._pool_tables[rid]
 
     def _record(
-        self, batch, t_start: float, t_run: float, t_update: float, device_s: float
+        self,
+        batch,
+        t_start: float,
+        t_run: float,
+        t_update: float,
+        device_s: float,
+        num_padded_tokens: int | None = None,
     ) -> None:
         """Host seconds in wall time (the engine's own work, also when simulated); the device's
-        on the engine's clock (wall time, or a simulated device's modeled step)."""
+        on the engine's clock (wall time, or a simulated device's modeled step);
+        `num_padded_tokens`, the step's token bucket."""
         bm = self.block_manager
         self.stats.record_step(
             batch,
@@ -648,6 +656,7 @@ class LLMEngine:
             num_used_pages=bm.num_used_pages,
             num_cached_pages=bm.prefix_cache.num_cached_pages,
             num_evictions=bm.prefix_cache.num_evictions,
+            num_padded_tokens=num_padded_tokens,
         )
 
     def _pipelined_step(self, t_start: float) -> list[RequestOutput]:

@@ -23,6 +23,9 @@ class EngineStats:
     num_pages: int  # usable KV pages
     num_steps: int = 0
     num_batched_tokens: int = 0
+    # the steps' token buckets: num_batched_tokens plus the padding each step ran as (the
+    # compiled shape's T; a simulated or pipelined step that knows none counts its real tokens)
+    num_padded_tokens: int = 0
     num_prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
     num_decode_tokens: int = 0  # steps' single-token decodes
     num_cached_prefill_tokens: int = 0  # prompt (and recomputed) tokens taken from the cache
@@ -64,7 +67,9 @@ class EngineStats:
         num_used_pages: int,
         num_cached_pages: int = 0,
         num_evictions: int = 0,
+        num_padded_tokens: int | None = None,
     ) -> None:
+        """`num_padded_tokens`: the tokens the step's shape bucket holds (None: no padding)."""
         self.num_steps += 1
         for seq in batch.seqs:
             if seq.is_decode:
@@ -72,6 +77,7 @@ class EngineStats:
             else:
                 self.num_prefill_tokens += seq.num_new_tokens
         self.num_batched_tokens += batch.num_tokens
+        self.num_padded_tokens += max(num_padded_tokens or 0, batch.num_tokens)
         self.num_cached_prefill_tokens += batch.num_cached_tokens
         self.num_preemptions += len(batch.preempted)
         self.num_used_pages = num_used_pages
@@ -153,6 +159,19 @@ class EngineStats:
         return self.num_batched_tokens / max(self.num_steps, 1)
 
     @property
+    def padded_tokens_per_step(self) -> float:
+        return self.num_padded_tokens / max(self.num_steps, 1)
+
+    @property
+    def padding_fraction(self) -> float:
+        """Of the tokens the steps ran (their buckets), the share that was padding."""
+        return (
+            1.0 - self.num_batched_tokens / self.num_padded_tokens
+            if self.num_padded_tokens
+            else 0.0
+        )
+
+    @property
     def page_usage(self) -> float:
         return self.num_used_pages / max(self.num_pages, 1)
 
@@ -167,6 +186,8 @@ class EngineStats:
         del d["evictions_base"]
         d |= {
             "tokens_per_step": self.tokens_per_step,
+            "padded_tokens_per_step": self.padded_tokens_per_step,
+            "padding_fraction": self.padding_fraction,
             "page_usage": self.page_usage,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "pipeline_bubble_fraction": self.pipeline_bubble_fraction,

@@ -101,10 +101,11 @@ def _counts(stats: EngineStats) -> tuple[int, ...]:
         stats.num_spec_drafts,
         stats.num_spec_draft_tokens,
         stats.num_spec_accepted_tokens,
+        stats.num_padded_tokens,
     )
 
 
-_NO_COUNTS = (0,) * 7
+_NO_COUNTS = (0,) * 8
 
 
 def metric_prefix(prefix: str) -> str:
@@ -155,6 +156,12 @@ class ServingMetrics:
             "prefix_cache_hits", "Prefill tokens taken from the prefix cache."
         )
         self.num_preemptions = counter("num_preemptions", "Preemptions (by recomputation).")
+        self.batched_tokens = counter("batched_tokens", "Tokens the steps computed.")
+        self.padded_tokens = counter(
+            "padded_tokens",
+            "Tokens the steps ran as: their shape buckets, padding included (padding share = "
+            "1 - batched_tokens / padded_tokens).",
+        )
         self.spec_drafts = counter(
             "spec_decode_num_drafts", "Speculative decoding: decodes that verified proposals."
         )
@@ -280,7 +287,7 @@ class ServingMetrics:
         if stats is not self._stats:  # a new stats object (reset_stats): count from zero
             self._stats, self._last = stats, _NO_COUNTS
         now = _counts(stats)
-        preempted, batched, cached, computed, drafts, drafted, accepted = (
+        preempted, batched, cached, computed, drafts, drafted, accepted, padded = (
             a - b for a, b in zip(now, self._last, strict=True)
         )
         self._last = now
@@ -295,6 +302,8 @@ class ServingMetrics:
             self.prefix_cache_hits.inc(cached)
         if batched:
             self.iteration_tokens.observe(batched)
+            self.batched_tokens.inc(batched)
+            self.padded_tokens.inc(padded)
         self.step_duration.observe(step_seconds)
         for out in outputs:
             self._record_output(out)

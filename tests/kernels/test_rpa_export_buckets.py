@@ -23,10 +23,17 @@ pytestmark = pytest.mark.slow
 
 
 def _engine_shapes():
-    """SmolLM2 as LLM() serves it by default: budget 512, 32 sequences, 4096 tokens, page 16."""
+    """SmolLM2 as LLM() serves it by default: budget 512, 32 sequences, 4096 tokens, page 16,
+    the default token buckets; every token bucket at the smallest and largest page bucket, and
+    every page bucket at the largest token bucket (T and P are independent in the kernels)."""
+    from llmjax.config import EngineConfig
+
     config = configs.get_preset("smollm2-135m-instruct")
-    buckets = Buckets.create(512, 32, pages_needed(4096, 16))
-    return config, buckets.shapes()
+    per_octave = EngineConfig(model=config).token_buckets_per_octave
+    buckets = Buckets.create(512, 32, pages_needed(4096, 16), per_octave=per_octave)
+    Ps, Ts = buckets.page_buckets, buckets.token_buckets
+    shapes = [s for s in buckets.shapes() if s[2] in (Ps[0], Ps[-1]) or s[0] == Ts[-1]]
+    return config, shapes
 
 
 def _args(config, T, S, P, num_pages=2048, page_size=16):
