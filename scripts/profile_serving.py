@@ -38,8 +38,9 @@ flags.DEFINE_integer("warmup", 1, "Unmeasured passes over other prompts first.")
 flags.DEFINE_multi_string(
     "compare",
     [],
-    "A configuration as name:field=value,... (EngineConfig overrides by dotted path, e.g. "
-    "pow2:token_buckets_per_octave=1); repeatable. None: the flags' engine alone.",
+    "A configuration as name:field=value,... (EngineConfig overrides by dotted path, values "
+    "as Python literals, e.g. pow2:token_buckets_per_octave=1); repeatable. None: the flags' "
+    "engine alone.",
 )
 flags.DEFINE_integer("seed", 0, "Prompt seed.")
 flags.DEFINE_string("out", "out/profile_serving.json", "Where to write the JSON ('' for none).")
@@ -56,31 +57,20 @@ COUNTERS = (
 
 
 def parse_compare(specs: list[str]) -> list[tuple[str, dict]]:
-    """['a:x=1,y.z=true'] -> [('a', {'x': 1, 'y.z': True})] (ints, floats, booleans, strings)."""
+    """['a:x=1,y.z=True'] -> [('a', {'x': 1, 'y.z': True})] (values as Python literals where
+    they parse, as bench_peers' configurations)."""
+    from llmjax.bench.peers import EngineSpec
+
     out = []
-    for spec in specs:
-        name, _, body = spec.partition(":")
-        if not name or not body:
-            raise app.UsageError(f"--compare wants name:field=value,..., got {spec!r}")
-        overrides = {}
-        for item in body.split(","):
-            key, eq, text = item.partition("=")
-            if not eq:
-                raise app.UsageError(f"--compare {spec!r}: {item!r} is not field=value")
-            overrides[key.strip()] = _value(text.strip())
-        out.append((name, overrides))
-    return out
-
-
-def _value(text: str):
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
+    for text in specs:
         try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+            spec = EngineSpec.parse(text, "llmjax")
+        except ValueError as e:
+            raise app.UsageError(f"--compare: {e}") from None
+        if not spec.kwargs:
+            raise app.UsageError(f"--compare {text!r}: want name:field=value,...")
+        out.append((spec.name, spec.kwargs))
+    return out
 
 
 def prompts(seed: int, vocab_size: int) -> list[list[int]]:

@@ -191,3 +191,24 @@ def test_reproduce_sarathi_prints_ours_beside_the_paper(tmp_path):
     (row,) = json.loads(out.read_text())["capacity"]
     assert row["capacity_qps"]["sarathi"] > 0 and row["tbt_slo"] == 0.5
     assert len(row["trials"]["sarathi"]) == 3
+
+
+def test_profile_serving_counts_real_and_padded_tokens_per_bucket(tmp_path):
+    """scripts/profile_serving.py on the tiny model, two token-bucket settings in one process:
+    every step accounted for (real tokens = prompts + decodes), padding only with the coarser
+    buckets' larger steps, and the per-bucket rows' steps summing to the timed ones."""
+    out = tmp_path / "profile.json"
+    stdout = _run(
+        "profile_serving.py", "--model=tiny", "--load_format=dummy", "--max_model_len=64",
+        "--num_prompts=6", "--input_len=21", "--output_len=4", "--concurrency=3",
+        "--max_num_batched_tokens=48", "--compare=pow2:token_buckets_per_octave=1",
+        "--compare=fine:token_buckets_per_octave=4", f"--out={out}",
+    ).stdout  # fmt: skip
+    results = json.loads(out.read_text())["results"]
+    assert "== pow2" in stdout and "== fine" in stdout
+    for r in results.values():
+        assert r["tokens_per_step"] * r["steps"] == 6 * (21 + 3)  # the last token is not computed
+        assert r["padded_tokens_per_step"] >= r["tokens_per_step"]
+        assert sum(b["steps"] for b in r["buckets"]) == r["steps"] - r["compiled_steps"]
+        assert all(b["real_tokens"] <= b["bucket"] for b in r["buckets"])
+    assert results["fine"]["padded_tokens_per_step"] < results["pow2"]["padded_tokens_per_step"]
