@@ -93,6 +93,9 @@ def test_counters_and_histograms_equal_the_engines_outputs(llm):
     assert got[("llmjax:prefix_cache_queries_total", ())] == hits + stats.num_prefill_tokens
     assert got[("llmjax:iteration_tokens_total_count", ())] == stats.num_steps
     assert got[("llmjax:iteration_tokens_total_sum", ())] == stats.num_batched_tokens
+    assert got[("llmjax:batched_tokens_total", ())] == stats.num_batched_tokens
+    padded = got[("llmjax:padded_tokens_total", ())]
+    assert padded == stats.num_padded_tokens > stats.num_batched_tokens
     assert got[("llmjax:step_duration_seconds_count", ())] == stats.num_steps
 
     assert got[("llmjax:time_to_first_token_seconds_count", ())] == len(every)
