@@ -187,8 +187,6 @@ def main(argv):
         llm.engine.reset_stats()
         results[name] = summarize(*serve(llm.engine, prompts(FLAGS.seed, vocab)))
         print_summary(name, results[name])
-        if llm is not base:
-            del llm
     if FLAGS.out:
         os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
         with open(FLAGS.out, "w") as f:
