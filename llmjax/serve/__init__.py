@@ -2,8 +2,10 @@
 
   async_engine.py  `AsyncEngine`: the engine thread that owns every JAX call, and the streams
                    that hand its outputs to the asyncio loop (merged per request).
-  protocol.py      the request bodies (pydantic), with the fields llmjax does not implement yet.
-  app.py           the FastAPI routes: completions, chat, models, health, metrics, tokenize.
+  protocol.py      the request bodies (pydantic), with the fields llmjax does not implement yet,
+                   and the response bodies the OpenAPI schema documents.
+  app.py           the FastAPI routes: completions, chat, models, health, metrics, tokenize;
+                   the OpenAPI schema (/openapi.json) of what each answers.
   programs.py      /v1/programs: semantic-variable programs on a `ProgramExecutor` that the
                    engine thread drives around the engine (sessions, waiters, expiry).
   metrics.py       `ServingMetrics`: Prometheus metrics with vLLM's names and buckets.

@@ -10,11 +10,18 @@
 Streaming is server-sent events (`data: {json}\\n\\n`, ending `data: [DONE]\\n\\n`); a chat stream's
 role arrives with its first token; `stream_options.include_usage` adds a usage chunk with empty
 choices. Errors have vLLM's shape `{"error": {"message", "type", "param", "code"}}`: 400 for bad
-parameters, malformed JSON, wrong types and prompts that cannot fit (`param` names the field), 404
-for an unknown model, 401 for a wrong or missing key when an api key is set (on /v1/*), 503 with
-Retry-After when more than `max_num_queued` requests wait (decided before anything is streamed),
-and an error event inside a stream that fails after it started. A client that disconnects aborts
-its requests before the engine's next step.
+parameters, malformed JSON, wrong types and prompts that cannot fit (`param` names the field; never
+FastAPI's 422), 404 for an unknown model, 401 for a wrong or missing key when an api key is set (on
+/v1/*), 503 with Retry-After when more than `max_num_queued` requests wait (decided before anything
+is streamed), 405 with Allow for a method a route does not take, and an error event inside a
+stream that fails after it started. A client that disconnects aborts its requests before the
+engine's next step.
+
+The OpenAPI schema (/openapi.json) says exactly this: each route's statuses with the error body's
+model (`ErrorResponse`), the success bodies (llmjax/serve/protocol.py) and the streams' events,
+/metrics as Prometheus text, /health's empty 200, the API key as a bearer security scheme on /v1/*,
+and the bounds that depend on the model (token ids below its vocabulary size, max_tokens below
+max_model_len). tests/test_serve_openapi.py fuzzes the server from it with schemathesis.
 
 Every JAX call happens on the engine thread (`AsyncEngine`); handlers tokenize, check, queue and
 format. Timestamps come from the engine's own request metrics; the request's arrival is stamped
@@ -34,7 +41,8 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import llmjax
@@ -50,12 +58,26 @@ from llmjax.serve.async_engine import (
 from llmjax.serve.logprobs import chat_logprobs, completion_logprobs
 from llmjax.serve.metrics import CONTENT_TYPE
 from llmjax.serve.protocol import (
+    CONTEXT_MAX,
+    VOCAB_MAX,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelList,
     OpenAIModel,
+    ProgramClosed,
     ProgramRequest,
+    ProgramResponse,
     TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from llmjax.tokenizer import TextStream
 
@@ -104,7 +126,8 @@ ERROR_TYPES = {
 
 def error_body(status: int, message: str, param: str | None = None, kind: str = "") -> dict:
     kind = kind or ERROR_TYPES.get(status, "InternalServerError")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    info = ErrorInfo(message=message, type=kind, param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -149,7 +172,8 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code)
+        # e.headers: a 405's Allow (the methods the route takes)
+        return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code, e.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
@@ -168,55 +192,195 @@ def build_app(
                     return JSONResponse(error_body(401, message), 401)
             return await call_next(request)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        responses=_generation_responses(CompletionResponse, CompletionChunk)
+        | _errors(400, 404, 503),
+    )
     async def completions(body: CompletionRequest, request: Request):
         return await handler.completions(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        responses=_generation_responses(ChatCompletionResponse, ChatCompletionChunk)
+        | _errors(400, 404, 503),
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await handler.chat(body, request)
 
-    @app.post("/v1/programs")
+    @app.post(
+        "/v1/programs",
+        responses={200: {"model": ProgramResponse, "description": "The variables asked for"}}
+        | _errors(400, 404, 501, 503),
+    )
     async def run_program(body: ProgramRequest, request: Request):
         handler._check_model(body.model)
         if programs is None:
             raise APIError(501, programs_unsupported)
         return await programs.post(body, request)
 
-    @app.delete("/v1/programs/{session_id}")
+    @app.delete(
+        "/v1/programs/{session_id}",
+        responses={200: {"model": ProgramClosed, "description": "Cancelled and closed"}}
+        | _errors(404, 501, 503),
+    )
     async def close_program(session_id: str):
         if programs is None:
             raise APIError(501, programs_unsupported)
         return await programs.delete(session_id)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList, "description": "The model"}})
     async def models():
         return handler.models()
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,  # no body: no content type (vLLM's)
+        responses={
+            200: {"description": "The engine thread is running (an empty body)"},
+            503: {"model": ErrorResponse, "description": "The engine thread stopped"},
+        },
+    )
     async def health():
         if async_engine.is_running:
             return Response(status_code=200)
         return JSONResponse(error_body(503, async_engine.error or "the engine is not running"), 503)
 
-    @app.get("/version")
+    @app.get("/version", responses={200: {"model": VersionResponse, "description": "llmjax's"}})
     async def version():
         return {"version": llmjax.__version__}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus' text exposition format"}},
+    )
     async def prometheus_metrics():
         body = metrics.exposition() if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize")
+    @app.post(
+        "/tokenize",
+        responses={200: {"model": TokenizeResponse, "description": "The token ids"}}
+        | _errors(400, 404),
+    )
     async def tokenize(body: TokenizeRequest):
         return handler.tokenize(body)
 
-    @app.post("/detokenize")
+    @app.post(
+        "/detokenize",
+        responses={200: {"model": DetokenizeResponse, "description": "The text"}}
+        | _errors(400, 404),
+    )
     async def detokenize(body: DetokenizeRequest):
         return handler.detokenize(body)
 
+    limits = {
+        VOCAB_MAX: handler.llm_engine.config.model.vocab_size - 1,
+        CONTEXT_MAX: handler.max_model_len - 1,
+    }
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = _openapi_schema(app, config, limits)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
+
+
+# ------------------------------------------------------------------------------------------------
+# The OpenAPI schema: what each route answers.
+
+ERROR_DESCRIPTIONS = {
+    400: "Bad parameters, malformed JSON, wrong types, or a prompt that cannot fit (param names "
+    "the field)",
+    401: "A wrong or missing API key (Authorization: Bearer <key>)",
+    404: "An unknown model (or program session)",
+    501: "This server does not run programs",
+    503: "Too many requests wait (max_num_queued), or the engine stopped",
+}
+REF = "#/components/schemas/"
+
+
+def _errors(*statuses: int) -> dict[int, dict]:
+    """Route responses: vLLM's error body for each status (a 503 asks to retry later)."""
+    out = {}
+    for status in statuses:
+        out[status] = {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]}
+        if status == 503:
+            retry = {"description": "seconds to wait", "schema": {"type": "integer"}}
+            out[status]["headers"] = {"Retry-After": {**retry, "required": True}}
+    return out
+
+
+def _generation_responses(body: type, chunk: type) -> dict[int, dict]:
+    """A generation route's 200: the JSON body, or with `stream: true` server-sent events, each
+    a `chunk` (or an error body if the stream fails after it started), then [DONE]."""
+    data = {
+        "type": "string",
+        "oneOf": [
+            {"const": "[DONE]"},
+            {
+                "contentMediaType": "application/json",
+                "contentSchema": {
+                    "anyOf": [{"$ref": REF + chunk.__name__}, {"$ref": REF + "ErrorResponse"}]
+                },
+            },
+        ],
+    }
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {
+        200: {
+            "model": body,
+            "description": "The completion; with stream: true, server-sent events",
+            "content": {"text/event-stream": {"itemSchema": event}},
+        }
+    }
+
+
+def _openapi_schema(app: FastAPI, config: ServerConfig, limits: dict[str, int]) -> dict:
+    """FastAPI's schema of `app`, made to say what the server answers: no 422 (validation
+    errors are 400s), the streams' chunk models, the model's bounds (`limits`: placeholder ->
+    maximum), and with an API key a bearer scheme and 401 on /v1/*."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {})
+    models = components.setdefault("schemas", {})
+    for model in (CompletionChunk, ChatCompletionChunk, ErrorResponse):
+        model_schema = model.model_json_schema(ref_template=REF + "{model}", mode="serialization")
+        for name, definition in model_schema.pop("$defs", {}).items():
+            models.setdefault(name, definition)
+        models.setdefault(model.__name__, model_schema)
+    models.pop("HTTPValidationError", None)
+    models.pop("ValidationError", None)
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+            if config.api_key and path.startswith("/v1"):  # as the middleware decides
+                operation["security"] = [{"APIKey": []}]
+                operation["responses"]["401"] = {
+                    "description": ERROR_DESCRIPTIONS[401],
+                    "content": {"application/json": {"schema": {"$ref": REF + "ErrorResponse"}}},
+                }
+    if config.api_key:
+        components["securitySchemes"] = {
+            "APIKey": {"type": "http", "scheme": "bearer", "description": "the server's api key"}
+        }
+    _fill_limits(schema, limits)
+    return schema
+
+
+def _fill_limits(node, limits: dict[str, int]) -> None:
+    """Replace each placeholder key (protocol.VOCAB_MAX, CONTEXT_MAX) with `maximum`."""
+    if isinstance(node, dict):
+        for key, value in limits.items():
+            if node.pop(key, None):
+                node["maximum"] = value
+        for child in node.values():
+            _fill_limits(child, limits)
+    elif isinstance(node, list):
+        for child in node:
+            _fill_limits(child, limits)
 
 
 def _validation_error(e: RequestValidationError) -> APIError:
@@ -379,9 +543,12 @@ class _Handlers:
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             messages = [m.as_template_message() for m in body.messages]
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt
-            )
+            try:
+                text = tok.apply_chat_template(
+                    messages, add_generation_prompt=body.add_generation_prompt
+                )
+            except Exception as e:  # as chat's: a template that refuses these messages
+                raise APIError(400, f"the chat template failed: {e}", "messages") from None
             tokens = tok.encode(text, add_special_tokens=body.add_special_tokens)
         else:
             tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)

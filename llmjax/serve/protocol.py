@@ -1,25 +1,74 @@
-"""The request bodies of the OpenAI-compatible API (pydantic), with vLLM's extras that llmjax
-implements (`top_k`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `seed`,
-`max_completion_tokens`).
+"""The wire models of the OpenAI-compatible API (pydantic): the request bodies, with vLLM's
+extras that llmjax implements (`top_k`, `ignore_eos`, `stop_token_ids`,
+`include_stop_str_in_output`, `seed`, `max_completion_tokens`), and the response bodies, which
+document the server's OpenAPI schema (the handlers build them as dicts; the error body is built
+from `ErrorResponse`).
 
 Fields that OpenAI or vLLM define and llmjax does not implement yet are declared with their
 defaults, so a request that sets one to anything else is answered 400 naming it
 (`unsupported()`), never silently ignored. Other unknown fields are ignored with a warning in the
 server's log, as vLLM does.
+
+Pydantic validates types and the bounds given with `Field(ge=..)`; the bounds given with
+`_checked(..)` are only documented, since the handler checks them itself (answering 400 with its
+own message that names the field, as vLLM's). `VOCAB_MAX` and `CONTEXT_MAX` mark bounds that
+depend on the served model: the app's schema replaces them with the model's (app.py).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from llmjax.sampling_params import SamplingParams, StructuredOutputsParams
+from llmjax.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+# Schema placeholders for bounds that depend on the served model (filled in by the app).
+VOCAB_MAX = "x-llmjax-vocab-max"  # maximum: the vocabulary's last token id
+CONTEXT_MAX = "x-llmjax-context-max"  # maximum: max_model_len - 1 (a prompt has >= 1 token)
 
 
-class OpenAIModel(BaseModel):
+def _checked(**schema: Any) -> Any:
+    """JSON Schema keywords for a bound the handler checks (not pydantic): documented only."""
+    return Field(json_schema_extra=schema)
+
+
+def _unsupported(*allowed: Any) -> Any:
+    """The schema of a field llmjax does not implement: only its `allowed` values."""
+    return WithJsonSchema(
+        {"enum": list(allowed), "description": "not implemented by llmjax yet: leave it out"}
+    )
+
+
+def _integral(value: Any) -> Any:
+    """An integral JSON number (5.0) as an int: JSON Schema's integers (strict mode refuses
+    floats; booleans and strings stay refused)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+TokenIds = list[Annotated[Int, Field(ge=0)]]
+# Token ids the server checks against the model's vocabulary (the prompt's, /detokenize's).
+VocabTokenIds = list[Annotated[Int, Field(ge=0), _checked(**{VOCAB_MAX: True})]]
+NonEmptyString = Annotated[str, _checked(minLength=1)]
+Logprobs = Annotated[Int, _checked(minimum=0, maximum=MAX_LOGPROBS)]
+
+
+class _Request(BaseModel):
+    """A request body, or a part of one: JSON's types as the schema says (no "1" for 1, no 0 for
+    false: a client that sends them learns it at once, as from the schema)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class OpenAIModel(_Request):
     model_config = ConfigDict(extra="allow")
     # field -> its default (or a tuple of the values that mean "off"): others are refused
     UNSUPPORTED: ClassVar[dict[str, Any]] = {}
@@ -39,7 +88,7 @@ class OpenAIModel(BaseModel):
         return None
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -50,25 +99,41 @@ class _Sampling(OpenAIModel):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM: -1 or 0 disables
-    seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
-    stop: str | list[str] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] = 0  # vLLM: -1 or 0 disables
+    seed: Annotated[Int, Field(ge=0, lt=2**32)] | None = None
+    stop: NonEmptyString | list[NonEmptyString] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     user: str | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    min_p: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object, json_schema
-    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar
+    n: Annotated[Int, _checked(minimum=1)] = 1
+    presence_penalty: Annotated[float, _checked(minimum=-2, maximum=2)] = 0.0
+    frequency_penalty: Annotated[float, _checked(minimum=-2, maximum=2)] = 0.0
+    repetition_penalty: Annotated[float, _checked(exclusiveMinimum=0)] = 1.0
+    min_tokens: Annotated[Int, _checked(minimum=0)] = Field(0, description="at most max_tokens")
+    min_p: Annotated[float, _checked(minimum=0, maximum=1)] = 0.0
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, _checked(minimum=-100, maximum=100)]],
+            _checked(maxProperties=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = Field(None, description="{token id (a decimal string): bias}")
+    prompt_logprobs: Logprobs | None = None
+    # OpenAI's: text, json_object, json_schema (with json_schema.schema, a JSON schema)
+    response_format: (
+        Annotated[
+            dict[str, Any],
+            _checked(
+                properties={"type": {"enum": ["text", "json_object", "json_schema"]}},
+            ),
+        ]
+        | None
+    ) = None
+    # vLLM's: exactly one of json, regex, choice, grammar, json_object
+    structured_outputs: dict[str, Any] | None = None
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {}
 
@@ -139,12 +204,19 @@ class _Sampling(OpenAIModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    best_of: int | None = None
+    prompt: (
+        str
+        | Annotated[list[str], _checked(minItems=1)]
+        | Annotated[VocabTokenIds, _checked(minItems=1)]
+        | Annotated[list[Annotated[VocabTokenIds, _checked(minItems=1)]], _checked(minItems=1)]
+    ) = Field(description="a text, texts, token ids, or lists of them: one choice each")
+    max_tokens: Annotated[Int, Field(ge=1), _checked(**{CONTEXT_MAX: True})] | None = Field(
+        16, description="prompt tokens + max_tokens must fit max_model_len (null: fill it)"
+    )
+    best_of: Annotated[Int | None, _unsupported(None, 1)] = None
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    logprobs: Logprobs | None = None
+    suffix: Annotated[str | None, _unsupported(None)] = None
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         **_Sampling.UNSUPPORTED,
@@ -158,8 +230,9 @@ class CompletionRequest(_Sampling):
 
     @property
     def requested_prompt_logprobs(self) -> int | None:
-        """echo with logprobs: the prompt's logprobs too (OpenAI's legacy completions)."""
-        if self.echo and self.logprobs is not None:
+        """echo with logprobs: the prompt's logprobs too (OpenAI's legacy completions). A
+        negative prompt_logprobs is kept, so that it is refused as without echo."""
+        if self.echo and self.logprobs is not None and (self.prompt_logprobs or 0) >= 0:
             return max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
 
@@ -173,12 +246,12 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class TextPart(BaseModel):
+class TextPart(_Request):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Request):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
 
     role: str
@@ -195,13 +268,25 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = Field(
+        None, description="deprecated: max_completion_tokens, if given, wins"
+    )
+    max_completion_tokens: Annotated[Int, Field(ge=1), _checked(**{CONTEXT_MAX: True})] | None = (
+        Field(None, description="prompt tokens + this must fit max_model_len (null: fill it)")
+    )
     add_generation_prompt: bool = True
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    top_logprobs: Logprobs | None = Field(None, description="needs logprobs: true")
+    tools: Annotated[
+        list[dict[str, Any]] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
+                "description": "not implemented by llmjax yet: leave it out",
+            }
+        ),
+    ] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, _unsupported(None, "none")] = None
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         **_Sampling.UNSUPPORTED,
@@ -225,6 +310,17 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(OpenAIModel):
+    """Exactly one of `prompt` (a text) and `messages` (rendered with the chat template)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        }
+    )
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -234,15 +330,15 @@ class TokenizeRequest(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: TokenIds
+    tokens: VocabTokenIds
 
 
-class ProgramVariable(BaseModel):
+class ProgramVariable(_Request):
     id: str
     content: str
 
 
-class ProgramGet(BaseModel):
+class ProgramGet(_Request):
     variables: list[str]
     criteria: str = "latency"  # checked by the handler (a 400 naming `get`)
 
@@ -259,3 +355,196 @@ class ProgramRequest(OpenAIModel):
     calls: list[dict[str, Any]] = []
     get: list[ProgramGet] = []
     keep_session: bool = False
+
+
+# ------------------------------------------------------------------------------------------------
+# Responses. The handlers build these bodies as dicts; the models document them (the OpenAPI
+# schema) and `ErrorResponse` builds the error body.
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = Field(description="BadRequestError, AuthenticationError, NotFoundError, ...")
+    param: str | None = Field(description="the request field at fault, if one is")
+    code: int = Field(description="the HTTP status")
+
+
+class ErrorResponse(BaseModel):
+    """vLLM's error body (a stream that fails after it started sends one as its last event)."""
+
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy format: per token its text, logprob, top alternatives, text offset."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatContentLogprob(ChatTokenLogprob):
+    top_logprobs: list[ChatTokenLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatContentLogprob]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: per prompt, per prompt token, null or {token id: PromptLogprob}
+PromptLogprobs = list[list[dict[str, PromptLogprob] | None] | None]
+
+
+class _Choice(BaseModel):
+    index: int = Field(description="prompt index x n + sample index")
+    token_ids: list[int] | None = Field(
+        None, description="only from a server whose model has no tokenizer (no text)"
+    )
+    finish_reason: str | None = Field(description="stop, length, abort, error; null mid-stream")
+    stop_reason: int | str | None = Field(description="the stop token id or string that ended it")
+
+
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: CompletionLogprobs | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="only if asked for")
+
+
+class CompletionChunk(BaseModel):
+    """One event of a completions stream (`choices` empty in the usage chunk)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, description="with stream_options' usage options")
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Choice):
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="only if asked for")
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, description="with the first token")
+    content: str
+
+
+class ChatChunkChoice(_Choice):
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a chat stream (`choices` empty in the usage chunk)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="with stream_options' usage options")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+    vocab_size: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ProgramVariableError(BaseModel):
+    message: str
+    function: str | None
+    placeholder: str | None
+
+
+class ProgramUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class ProgramResponse(BaseModel):
+    object: Literal["program"]
+    session_id: str
+    values: dict[str, str] = Field(description="{variable id: its text}")
+    errors: dict[str, ProgramVariableError] = Field(description="{variable id: why it failed}")
+    usage: ProgramUsage
+
+
+class ProgramClosed(BaseModel):
+    session_id: str
+    cancelled: int = Field(description="requests aborted")
