@@ -88,8 +88,8 @@ def _fuzz(server: Server, *, max_examples: int, phases: list[str], headers=None)
 
     @schema.hook
     def map_body(context, body):
-        """At most 2 samples per prompt: n has no upper bound (the engine runs them all), and
-        a fuzzer's n=10**6 would run for hours. Values the server refuses stay as they are."""
+        """At most 2 samples per prompt: the server takes up to 128 (OpenAI's maximum), and a
+        fuzzer's n=128 runs them all. Values the server refuses stay as they are."""
         n = body.get("n") if isinstance(body, dict) else None
         if context.operation.path in GENERATION and type(n) is int and n > 2:
             body = {**body, "n": 2}
@@ -194,6 +194,12 @@ def test_routes_document_the_statuses_they_answer(llm):
         _check(schema, client.post(chat, json={"messages": messages, "max_tokens": 1}), chat)
         _check(schema, client.post(chat, json={"messages": []}), chat)
         _check(schema, client.post(chat, json={"messages": messages, "n": True}), chat)
+        too_many = client.post(c, json={"prompt": "Hi", "max_tokens": 1, "n": 129})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+        assert (
+            schema["components"]["schemas"]["CompletionRequest"]["properties"]["n"]["maximum"]
+            == 128
+        )
 
         p = "/v1/programs"
         _check(schema, client.post(p, json={}), p)

@@ -29,6 +29,7 @@ from llmjax.sampling_params import (
 )
 
 # Schema placeholders for bounds that depend on the served model (filled in by the app).
+MAX_N = 128  # samples per request (`n`), as OpenAI bounds it
 VOCAB_MAX = "x-llmjax-vocab-max"  # maximum: the vocabulary's last token id
 CONTEXT_MAX = "x-llmjax-context-max"  # maximum: max_model_len - 1 (a prompt has >= 1 token)
 
@@ -108,7 +109,9 @@ class _Sampling(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     user: str | None = None
-    n: Annotated[Int, _checked(minimum=1)] = 1
+    # OpenAI's maximum: a server bounds the sequences one request may start (the library's
+    # SamplingParams does not)
+    n: Annotated[Int, _checked(minimum=1, maximum=MAX_N)] = 1
     presence_penalty: Annotated[float, _checked(minimum=-2, maximum=2)] = 0.0
     frequency_penalty: Annotated[float, _checked(minimum=-2, maximum=2)] = 0.0
     repetition_penalty: Annotated[float, _checked(exclusiveMinimum=0)] = 1.0
@@ -166,6 +169,8 @@ class _Sampling(OpenAIModel):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = self.stop if self.stop is not None else ()
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N} (OpenAI's maximum), got n={self.n}")
         bias = {}
         for key, value in (self.logit_bias or {}).items():
             try:
