@@ -124,7 +124,7 @@ def test_the_script_runs_end_to_end_and_writes_the_choice(tmp_path):
         sys.executable, os.path.join(ROOT, "scripts", "placement.py"), "--quick", "--compare",
         "--num_requests=24", "--max_rate=2", "--esp=0.5", "--tps=1,2", "--pps=1",
         "--sarathi_budgets=512", "--target_rate=2", "--compare_seeds=0,1",
-        "--curve_rates=0.5,1", "--slo_scales=0.5,2", f"--output_json={out}",
+        "--curve_rates=0.5,1", "--slo_scales=0.5,2", "--scale=0.25", f"--output_json={out}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
     assert "choice (simulated)" in proc.stdout and "7.4x" in proc.stdout

@@ -71,21 +71,31 @@ def test_every_engine_bucket_exports_for_cuda():
 
 @pytest.mark.parametrize("warp_specialized", [False, True])
 def test_every_engine_kernel_configuration_exports_for_cuda_mosaic_gpu(warp_specialized):
-    """Mosaic GPU's lowering (layout inference, SMEM sizing) is the slow part (~0.65 s a shape):
-    one bucket per kernel configuration the buckets produce (q block, KV step, split count,
-    consumer warpgroups), which is what changes the lowered kernel; the grid and array sizes
-    only scale it. Both variants of the kernel (warp-specialized or not)."""
+    """Mosaic GPU's lowering (layout inference, SMEM sizing) is the slow part (~2 s a shape
+    here): buckets until every value the buckets produce of each kernel parameter (q block, KV
+    step, split count, consumer warpgroups) has lowered, which is what changes the lowered
+    kernel (the q block sizes the tiles, the split count the grid and the combine), and a
+    split KV over blocks of several queries; the grid and array sizes only scale it. Both
+    variants of the kernel (warp-specialized or not)."""
     from kernels_pallas.ragged_paged_attention import kernel_mgpu
 
     config, shapes = _engine_shapes()
     K, Q, G = config.num_kv_heads, config.num_heads // config.num_kv_heads, 16
-    chosen = {}
+    chosen, seen, configs_ = {}, set(), set()
     for T, S, P in shapes:
         block_q, ppb = kernel_mgpu.default_block_sizes(T, S, Q, G)
         nc = kernel_mgpu.default_num_consumers(T, S, block_q) if warp_specialized else 1
         splits = kernel_mgpu.choose_num_kv_splits(T, S, K, P, G, nc * block_q, ppb)
-        chosen.setdefault((block_q, ppb, splits, nc), (T, S, P))
-    assert len(chosen) >= 4, chosen  # decode, chunked, split-KV configurations at least
+        config_ = (block_q, ppb, splits, nc)
+        configs_.add(config_)
+        # (parameter, value), and whether a split KV combines blocks of several queries
+        values = set(enumerate(config_)) | {("multi-query split", block_q > 1 and splits > 1)}
+        if not values <= seen:
+            seen |= values
+            chosen[config_] = (T, S, P)
+    # decode, chunked, split-KV configurations at least; every value of every parameter
+    assert len(chosen) >= 4 and ("multi-query split", True) in seen, chosen
+    assert seen >= {p for c in configs_ for p in enumerate(c)}
     fn = jax.jit(
         partial(
             ragged_paged_attention_mgpu,
@@ -98,4 +108,7 @@ def test_every_engine_kernel_configuration_exports_for_cuda_mosaic_gpu(warp_spec
         args = _args(config, T, S, P)
         kernel_testing.export_for_cuda(fn, args, custom_call=kernel_testing.MOSAIC_GPU_CALL)
     took = time.perf_counter() - t
-    print(f"{len(chosen)} of {len(shapes)} buckets, Mosaic GPU exports in {took:.1f} s")
+    print(
+        f"{len(chosen)} of {len(shapes)} buckets ({len(configs_)} configurations), Mosaic GPU "
+        f"exports in {took:.1f} s"
+    )
