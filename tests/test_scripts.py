@@ -31,15 +31,16 @@ def test_convert_checkpoint_then_serve_from_orbax(tmp_path):
     assert llm.generate([prompt], params)[0].token_ids == golden["greedy_ids"].tolist()
 
 
-def test_generate_script_help_and_run():
+def test_generate_script_help_and_run(smollm2_path):
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--help"]
     help_text = subprocess.run(cmd, capture_output=True, text=True, env=ENV).stdout
     assert "--temperature" in help_text and "--max_tokens" in help_text
     assert "--profile_dir" in help_text and "--pallas_kernel" in help_text
     assert "--kernel_options" in help_text
-    out = _run(
+    out = _run(  # SmolLM2's tokenizer and chat template on a random 2-layer body
         "generate.py",
-        "--model=smollm2-135m-instruct",
+        "--model=smollm2-tiny",
+        f"--tokenizer={smollm2_path}",
         "--load_format=dummy",
         "--chat",
         "--max_tokens=4",

@@ -24,7 +24,8 @@ def golden():
 def llm(smollm2_path):
     from llmjax import LLM
 
-    return LLM("smollm2-135m-instruct", max_model_len=256, compilation_cache_dir="")
+    # 512: the quoting chat of the speculation test fits (its plain decode runs on this engine)
+    return LLM("smollm2-135m-instruct", max_model_len=512, compilation_cache_dir="")
 
 
 def test_prompt_logits_match_hf(llm, golden):
@@ -69,12 +70,11 @@ def test_stream_yields_the_generated_text(llm):
     assert "".join(pieces) == llm.generate([prompt], params)[0].text
 
 
-@pytest.mark.parametrize("include", [False, True])
-def test_stop_strings_cut_the_text_and_stream_alike(llm, include):
+def test_stop_strings_cut_the_text_and_stream_alike(llm):
     """A stop string taken from the middle of a greedy continuation ends the same request there
     (text before it, or through it with include_stop_str_in_output; token ids a prefix of the
-    full run's ending with the token that completed it), batched beside a request without one,
-    and the streamed pieces join to the same text."""
+    full run's ending with the token that completed it), batched beside a request without one
+    (and beside each other), and the streamed pieces join to the same text."""
     from llmjax import SamplingParams
 
     prompt = "Once upon a time,"
@@ -82,24 +82,29 @@ def test_stop_strings_cut_the_text_and_stream_alike(llm, include):
     start = len(full.text) // 2
     stop = full.text[start : start + 4]
     index = full.text.find(stop)  # its first occurrence may come earlier
-    params = SamplingParams(
-        max_tokens=40,
-        ignore_eos=True,
-        stop=[stop, "never in this text"],
-        include_stop_str_in_output=include,
-    )
+    params = [
+        SamplingParams(
+            max_tokens=40,
+            ignore_eos=True,
+            stop=[stop, "never in this text"],
+            include_stop_str_in_output=include,
+        )
+        for include in (False, True)
+    ]
     other = "def fibonacci(n):"
-    outs = llm.generate([prompt, other], [params, SamplingParams(max_tokens=8, ignore_eos=True)])
-    out = outs[0]
-    end = index + len(stop) if include else index
-    assert out.finish_reason == "stop" and out.text == full.text[:end]
-    n = len(out.token_ids)
-    assert out.token_ids == full.token_ids[:n] and n < len(full.token_ids)
+    outs = llm.generate(
+        [prompt, prompt, other], [*params, SamplingParams(max_tokens=8, ignore_eos=True)]
+    )
     tok = llm.get_tokenizer()
-    assert stop in tok.decode(out.token_ids) and stop not in tok.decode(out.token_ids[:-1])
+    for include, out, p in zip((False, True), outs[:2], params, strict=True):
+        end = index + len(stop) if include else index
+        assert out.finish_reason == "stop" and out.text == full.text[:end]
+        n = len(out.token_ids)
+        assert out.token_ids == full.token_ids[:n] and n < len(full.token_ids)
+        assert stop in tok.decode(out.token_ids) and stop not in tok.decode(out.token_ids[:-1])
+        assert "".join(llm.stream(prompt, p)) == out.text
     alone = llm.generate([other], SamplingParams(max_tokens=8, ignore_eos=True))[0]
-    assert outs[1].token_ids == alone.token_ids and outs[1].finish_reason == "length"
-    assert "".join(llm.stream(prompt, params)) == out.text
+    assert outs[2].token_ids == alone.token_ids and outs[2].finish_reason == "length"
 
 
 def test_chats_sharing_a_system_prompt_reuse_its_pages_and_answer_the_same(llm):
@@ -169,8 +174,7 @@ def test_greedy_with_ngram_speculation_matches_hf_and_plain_decoding(llm, golden
 
     npz, _ = golden
     spec = llm.with_options(
-        max_model_len=512,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
     )
     prompts = [
         ids[:n].tolist() for ids, n in zip(npz["prompt_ids"], npz["prompt_lens"], strict=True)
@@ -185,7 +189,7 @@ def test_greedy_with_ngram_speculation_matches_hf_and_plain_decoding(llm, golden
     assert draft.engine.stats.num_spec_accepted_tokens > 0
     chat = [{"role": "user", "content": "Repeat this text word for word:\n\n" + QUOTED}]
     params = SamplingParams(max_tokens=120)
-    plain = llm.with_options(max_model_len=512).chat(chat, params)[0]
+    plain = llm.chat(chat, params)[0]
     quoted = spec.chat(chat, params)[0]
     assert quoted.token_ids == plain.token_ids
     state = quoted.metrics.spec_decode
