@@ -378,3 +378,39 @@ def test_eval_sparse_script_compares_modes_and_infinigen_variants(tmp_path):
         if name != "full":
             assert r["fetched_fraction"] < 1.0, name
         assert name in proc.stdout
+
+
+def test_sparse_divergence_script_reports_each_setting_per_prompt(tmp_path):
+    """scripts/sparse_divergence.py on the tiny random model: per prompt and setting the tokens
+    before the first difference, the agreement and KL against full attention; the oracle with a
+    budget that keeps everything never differs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "div.json"
+    cmd = [
+        sys.executable, os.path.join(root, "scripts", "sparse_divergence.py"), "--model=tiny",
+        "--load_format=dummy", "--num_prompts=2", "--context_len=40", "--gen_len=4",
+        "--max_num_kv=64", "--calibration_tokens=64", "--num_dense_layers=1",
+        "--num_recent_tokens=4", "--settings=oracle,infinigen:alpha=inf", f"--out={out}",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.load(open(out))["results"]
+    assert {(r["setting"], r["prompt"]) for r in rows} == {
+        (s, p) for s in ("oracle", "infinigen:alpha=inf") for p in (0, 1)
+    }
+    for r in rows:
+        assert 0 <= r["free"] <= 4 and 0 <= r["agree"] <= 1 and r["kl"] >= -1e-9
+        if r["setting"] == "oracle":  # 64 >= every cached token: full attention
+            assert r["free"] == 4 and r["agree"] == 1.0 and r["kl"] < 1e-6
+    assert "infinigen:alpha=inf" in proc.stdout
+    bad = subprocess.run(
+        [*cmd[:-2], "--settings=infinigen:alpha", f"--out={out}"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "not field=value" in bad.stderr
