@@ -104,7 +104,7 @@ def main(argv):
     from llmjax import LLM
     from llmjax.bench.texts import public_domain_text
     from llmjax.config import SparseKVConfig
-    from llmjax.sparse.evaluate import _setup, _steps, clear_compiled
+    from llmjax.sparse.evaluate import clear_compiled, decode
     from llmjax.sparse.skew import calibrate
 
     common = dict(
@@ -127,23 +127,11 @@ def main(argv):
 
     def run(sparse, prompt, forced=None):
         """Greedy (forced None) or teacher-forced on `forced` -> (tokens [GEN], logits)."""
-        seqs = np.concatenate([prompt, np.zeros(GEN + 1, prompt.dtype)])[None]
-        if forced is not None:
-            seqs[0, N : N + GEN] = forced
-        step_fn, pool, partial, weights = _setup(params, config, sparse, skew, 1, N + GEN + 1, 16)
-        steps = _steps(seqs, N, 16)
-        tokens, logits_out = [], []
-        for i in range(GEN):
-            step = next(steps)
-            if i > 0:  # the token chosen (or forced) last
-                step = step._replace(token_ids=seqs[:, N - 1 + i].astype(np.int32))
-            logits, pool, partial, _ = step_fn(params, pool, partial, weights, step)
-            row = np.asarray(logits[0], np.float64)
-            logits_out.append(row)
-            tokens.append(int(row.argmax()))
-            if forced is None:
-                seqs[0, N + i] = tokens[-1]
-        return np.array(tokens), np.stack(logits_out)
+        tokens, logits = decode(
+            params, config, prompt[None], GEN, sparse=sparse, skew=skew,
+            forced=None if forced is None else forced[None], keep_logits=True,
+        )  # fmt: skip
+        return tokens[0], logits[0].astype(np.float64)
 
     def log_softmax(x):
         x = x - x.max(-1, keepdims=True)

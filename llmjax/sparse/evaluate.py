@@ -16,6 +16,8 @@ It returns each scored position's negative log-likelihood of the next given toke
 - Free-running agreement: each setting generates greedily on its own (`greedy_continuations`
   with `sparse`); how many tokens equal full attention's before the first that differs
   (`agreed_prefix`).
+- `decode` is the loop under both, greedy or teacher-forced, keeping each step's logits if
+  asked (scripts/sparse_divergence.py's KL against full attention).
 """
 
 from __future__ import annotations
@@ -156,6 +158,47 @@ def teacher_forced(
     )
 
 
+def decode(
+    params,
+    config: ModelConfig,
+    prompts,
+    num_tokens: int,
+    page_size: int = 16,
+    sparse: SparseKVConfig | None = None,
+    skew=None,
+    forced=None,
+    keep_logits: bool = False,
+):
+    """Decode `num_tokens` after each prompt ([B, n] token ids) -> (tokens [B, num_tokens], the
+    next-token logits [B, num_tokens, V] float32 if `keep_logits`, else None): one prefill, then
+    one decode step per token, each fed back as a server would: greedily, or `forced` ([B,
+    num_tokens]: teacher forcing, the logits then scored against it). Under full attention by
+    default, else under `sparse` (`skew`: (A, energy) for 'infinigen')."""
+    prompts = np.asarray(prompts)
+    B, n = prompts.shape
+    seqs = np.concatenate([prompts, np.zeros((B, num_tokens), prompts.dtype)], axis=1)
+    if forced is not None:
+        seqs[:, n:] = forced
+    if sparse is None:
+        sparse = SparseKVConfig(mode="offload", pool_memory="device")
+    step_fn, pool, partial, weights = _setup(
+        params, config, sparse, skew, B, seqs.shape[1], page_size
+    )
+    steps = _steps(seqs, n, page_size)
+    tokens, logits_out = np.zeros((B, num_tokens), prompts.dtype), []
+    for i in range(num_tokens):
+        step = next(steps)
+        if i > 0:  # the decode step feeds the token chosen (or forced) last
+            step = step._replace(token_ids=seqs[:, n - 1 + i].astype(np.int32))
+        logits, pool, partial, _ = step_fn(params, pool, partial, weights, step)
+        tokens[:, i] = np.asarray(jnp.argmax(logits, axis=-1))[:B]
+        if keep_logits:
+            logits_out.append(np.asarray(logits[:B], np.float32))
+        if forced is None:
+            seqs[:, n + i] = tokens[:, i]
+    return tokens, np.stack(logits_out, axis=1) if keep_logits else None
+
+
 def greedy_continuations(
     params,
     config: ModelConfig,
@@ -170,21 +213,8 @@ def greedy_continuations(
     free-running under `sparse` (`skew`: (A, energy) for 'infinigen'), each token fed back as
     a server would."""
     prompts = np.asarray(prompts)
-    B, n = prompts.shape
-    seqs = np.concatenate([prompts, np.zeros((B, num_tokens), prompts.dtype)], axis=1)
-    if sparse is None:
-        sparse = SparseKVConfig(mode="offload", pool_memory="device")
-    step_fn, pool, partial, weights = _setup(
-        params, config, sparse, skew, B, seqs.shape[1], page_size
-    )
-    steps = _steps(seqs, n, page_size)
-    for i in range(num_tokens):
-        step = next(steps)
-        if i > 0:  # the decode step feeds the token chosen last
-            step = step._replace(token_ids=seqs[:, n - 1 + i].astype(np.int32))
-        logits, pool, partial, _ = step_fn(params, pool, partial, weights, step)
-        seqs[:, n + i] = np.asarray(jnp.argmax(logits, axis=-1))[:B]
-    return seqs
+    tokens, _ = decode(params, config, prompts, num_tokens, page_size, sparse, skew)
+    return np.concatenate([prompts, tokens], axis=1)
 
 
 def agreed_prefix(run: np.ndarray, reference: np.ndarray, prompt_len: int) -> np.ndarray:
