@@ -5,7 +5,7 @@ XLA:CPU's dot runs far below the memory bandwidth at decode-sized T (1-64 rows);
 streams each weight from memory once (register tiles of up to 4 tokens x 4-16 outputs,
 prefetching the next tile's rows, both cores over parts of the outputs), and for bfloat16
 weights from 8 tokens on uses the AMX tiles where the CPU and Linux allow them. On a CPU
-without AVX-512 it runs an AVX2 engine (8-lane tiles of up to 2 tokens x 4-8 outputs; bfloat16
+without AVX-512 it runs an AVX2 engine (8-lane tiles of up to 4 tokens x 3-8 outputs; bfloat16
 weights widened, no bf16 dot instruction); `kernels_cpu.build.engines()` names the engine.
 
 What it computes (any in >= 1, out >= 1; T >= 0):

@@ -374,6 +374,13 @@ class SchedulerConfig:
     flight. Off by default, as in Sarathi-Serve's code, where a micro-batch takes every decode
     not in flight: the split that the first admissions leave (say 6 + 2 decodes) then never
     changes, and every tick runs both stages at the size of the larger one.
+
+    `fit_to_buckets` (the chunking policies, sarathi and splitfuse): a step is padded to its
+    token bucket (`EngineConfig.token_buckets_per_octave`), and where work runs out below the
+    budget, the step's last prefill chunk is cut down to the bucket below when that defers
+    fewer tokens than the padding it saves (16 decodes + a 437-token chunk = 453 tokens, padded
+    to 512, runs as 448 and leaves 5 tokens for the next step). Off: the authors' chunking,
+    every chunk as long as the budget and the prompt allow.
     """
 
     policy: str = "sarathi"
@@ -384,6 +391,7 @@ class SchedulerConfig:
     in_batch_prefix_len: int = 32
     balance_micro_batches: bool = False
     latency_token_budget: int | None = None
+    fit_to_buckets: bool = True
 
     def __post_init__(self):
         _check_positive(

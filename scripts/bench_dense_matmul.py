@@ -12,6 +12,9 @@ Implementations, each y[T, out] float32 from x[T, in] float32:
   xla_f32       XLA's x @ w, w float32 [in, out]
   xla_f32_oi    XLA's dot_general(x, w, (((1,), (1,)), ((), ()))), w float32 [out, in]
   xla_bf16_oi   the same on bfloat16 x and w [out, in], preferred_element_type float32
+A kernel's name may end in @TILE to run the AVX2 engine with that register tile from 3 tokens on
+(tokens * 10 + outputs: 24, 42, 33, 34, 43; the library's default otherwise), e.g.
+--impls kernel_f32@24,kernel_f32@34 compares two tiles in one run.
 
 Cold (the default): one jitted program applies the matmul to `n` different weights in turn
 (separate arrays, the program unrolled, so that XLA reads each weight where it is, as the kernel
@@ -34,6 +37,7 @@ and the 1-minute load average while timing (other processes' share of the machin
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -65,6 +69,7 @@ def weight_spec(impl: str, n_in: int, out: int):
     """(shape, dtype) of the implementation's weight."""
     import jax.numpy as jnp
 
+    impl = impl.partition("@")[0]
     if impl == "xla_f32":
         return (n_in, out), jnp.float32
     return (out, n_in), jnp.bfloat16 if "bf16" in impl else jnp.float32
@@ -78,6 +83,7 @@ def apply_fn(impl: str):
     from kernels_cpu.dense_matmul import dense_matmul
 
     dims = (((1,), (1,)), ((), ()))
+    impl = impl.partition("@")[0]
     if impl in ("kernel_f32", "kernel_bf16"):
         return dense_matmul
     if impl == "xla_f32":
@@ -134,9 +140,16 @@ def main(argv):
 
     import kernels_cpu
 
-    kernels_cpu.load()
+    library = ctypes.cdll.LoadLibrary(kernels_cpu.load())
+
+    def set_tile(impl: str) -> None:  # the AVX2 engine's tile for this implementation's calls
+        tile = int(impl.partition("@")[2] or 0)
+        if not library.LlmjaxDenseMatmulSetAvx2Tile(tile) and tile:
+            raise app.UsageError(f"{impl}: this CPU's kernels have no AVX2 engine")
+
     for impl in FLAGS.impls:
         apply_fn(impl)  # unknown names fail now
+        set_tile(impl)
     tokens = [int(t) for t in FLAGS.tokens]
     results = []
     for shape in FLAGS.shapes:
@@ -150,12 +163,16 @@ def main(argv):
         rows = []
         for T in tokens:
             steps = {i: 20 if FLAGS.warm else counts[i] for i in FLAGS.impls}
-            runs = {i: chain_fn(i, weights[i], n_in, out, T, steps[i]) for i in FLAGS.impls}
+            runs = {}
+            for i in FLAGS.impls:
+                set_tile(i)
+                runs[i] = chain_fn(i, weights[i], n_in, out, T, steps[i])
             times = {i: [] for i in FLAGS.impls}
             load = []
             for _ in range(FLAGS.repeats):  # the implementations in turn: the same conditions
                 load.append(os.getloadavg()[0])
                 for impl, (run, xs) in runs.items():
+                    set_tile(impl)
                     for _ in range(FLAGS.settle):
                         run(xs, weights[impl]).block_until_ready()
                     t0 = time.perf_counter()

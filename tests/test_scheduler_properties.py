@@ -11,7 +11,9 @@ only running requests own pages, enough for their computed tokens; the batch res
 budget and `max_num_seqs`, schedules no request twice and every scheduled request has pages for its
 new tokens; preempted requests are the newest running ones and wait at the front of the queue with
 `num_computed_tokens == 0` and their generated tokens kept; per policy: `sarathi`/`splitfuse` skip
-no decode and leave budget unused only when nothing more can run, `prefill_first` steps are
+no decode and leave budget unused only when nothing more can run (or when `fit_to_buckets` cut
+the step's last prefill chunk to its token bucket: exactly when that defers fewer tokens than the
+padding it saves, never a decode, never to nothing), `prefill_first` steps are
 prefill-only or decode-only and prefer admissions, `decode_first` admits only when nothing runs.
 Each step's tokens are read back from the simulated cache exactly. In the speculative mode an
 oracle proposes a few of each decode's true next tokens and then wrong ones; the fake model
@@ -48,7 +50,7 @@ from llmjax.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from llmjax.engine.batch import Buckets, pack
+from llmjax.engine.batch import Buckets, pack, token_buckets
 from llmjax.engine.block_manager import BlockManager, pages_needed
 from llmjax.engine.engine import InvalidRequest, LLMEngine
 from llmjax.engine.policies import make_scheduler
@@ -113,6 +115,8 @@ class Scenario:
     num_speculative_tokens: int = 0
     # EngineConfig.token_buckets_per_octave: the token counts steps are packed to
     token_buckets_per_octave: int = 4
+    # SchedulerConfig.fit_to_buckets: the last prefill chunk cut to land on a token bucket
+    fit_to_buckets: bool = True
 
     def config(self) -> EngineConfig:
         return EngineConfig(
@@ -129,6 +133,7 @@ class Scenario:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 admission_order=self.admission_order,
                 balance_micro_batches=self.balance_micro_batches,
+                fit_to_buckets=self.fit_to_buckets,
             ),
             max_model_len=self.max_model_len,
             token_buckets_per_octave=self.token_buckets_per_octave,
@@ -299,6 +304,7 @@ def scenarios(draw, policy: str, prefix_cache: str = "none", admission_order: st
         balance_micro_batches=depth > 1 and draw(st.booleans(), label="balance micro-batches"),
         num_speculative_tokens=0 if depth > 1 else draw(st.sampled_from([0, 0, 1, 3])),
         token_buckets_per_octave=draw(st.sampled_from([1, 2, 4]), label="token buckets"),
+        fit_to_buckets=draw(st.sampled_from([True, True, False]), label="fit to buckets"),
     )
 
 
@@ -313,6 +319,7 @@ class Result:
     peak_running: int  # most requests running at once
     num_proposed: int = 0  # speculative decoding: proposals verified
     num_accepted: int = 0  # and accepted
+    num_fitted: int = 0  # steps cut to their token bucket (SchedulerConfig.fit_to_buckets)
 
 
 def max_steps(sc: Scenario) -> int:
@@ -352,7 +359,7 @@ def run_scenario(sc: Scenario) -> Result:
 
     requests: dict[str, Request] = {}
     order = sorted(range(len(sc.requests)), key=lambda i: (sc.requests[i].arrival, i))
-    num_preempted = peak_running = num_proposed = num_accepted = 0
+    num_preempted = peak_running = num_proposed = num_accepted = num_fitted = 0
     bound = max_steps(sc)
     pipeline: deque = deque()  # (batch, next_ids) in flight, newest first
     for step in range(bound):
@@ -408,6 +415,7 @@ def run_scenario(sc: Scenario) -> Result:
         check_batch(sc, sched, bm, batch, before)
         assert not {s.request.request_id for s in batch.seqs} & before.in_flight
         num_preempted += len(batch.preempted)
+        num_fitted += batch.num_deferred > 0
         peak_running = max(peak_running, len(sched.running))
 
         # 4. Pack, run the fake model, update.
@@ -462,7 +470,9 @@ def run_scenario(sc: Scenario) -> Result:
     assert sched.num_preemptions == num_preempted
     assert bm.prefix_cache.num_locked_pages == 0, "a finished request left its prefix locked"
     assert bm.num_available_pages == bm.num_usable_pages, "pages still held at the end"
-    return Result(requests, step, num_preempted, peak_running, num_proposed, num_accepted)
+    return Result(
+        requests, step, num_preempted, peak_running, num_proposed, num_accepted, num_fitted
+    )
 
 
 def cache_pages(bm: BlockManager) -> set[int]:
@@ -581,7 +591,8 @@ def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) ->
             assert not admitted, "decode_first admitted a request while others were running"
         elif before.waiting:
             assert before.head.request_id in admitted, "decode_first idles"
-    if sc.policy in CHUNKED and batch.num_tokens < cfg.max_num_batched_tokens:
+    check_fit(sc, sched, batch)
+    if sc.policy in CHUNKED and batch.num_tokens + batch.num_deferred < cfg.max_num_batched_tokens:
         # Budget left: nothing running was left out, and the queue's head could not be admitted.
         left_out = set(running_ids) - before.in_flight - set(ids)
         if capped:  # decodes past the share wait for the next micro-batch
@@ -597,6 +608,38 @@ def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) ->
             assert not fits(sched, head, sched.watermark_pages if running_ids else 0), (
                 f"{sc.policy} left budget while {head.request_id} could be admitted"
             )
+
+
+def check_fit(sc: Scenario, sched, batch) -> None:
+    """`fit_to_buckets`: a step lands on its token bucket by cutting its last prefill chunk
+    exactly when that leaves the chunk a token, defers fewer tokens than the padding it saves,
+    and grows a next step that the batch's other sequences make anyway (a token each) by less
+    than this step shrinks; and the chunk cut never reaches the end of its prompt."""
+    buckets = token_buckets(sc.max_num_batched_tokens, sc.token_buckets_per_octave)
+    full = batch.num_tokens + batch.num_deferred  # the step as scheduled before the cut
+    if not batch.seqs:
+        assert not batch.num_deferred
+        return
+    bucket = lambda n: next(b for b in buckets if b >= n)
+    lo = max((b for b in buckets if b < full), default=0)
+    hi, cut, others = bucket(full), full - lo, len(batch.seqs) - 1
+    last = batch.seqs[-1]
+    fits = (
+        sc.fit_to_buckets
+        and sc.policy in CHUNKED
+        and others >= 1
+        and hi != full
+        and not last.spec
+        and not last.is_decode
+        and cut < hi - full
+        and last.num_new_tokens + batch.num_deferred > cut
+        and bucket(others + cut) - bucket(others) < hi - lo
+    )
+    if not fits:
+        assert batch.num_deferred == 0, f"cut {batch.num_deferred} tokens off a step of {full}"
+        return
+    assert batch.num_deferred == cut and batch.num_tokens == lo, (full, lo, hi)
+    assert not last.samples, "a cut chunk reaches the end of its prompt"
 
 
 def check_state(sc, sched, bm, requests) -> None:
@@ -676,6 +719,7 @@ def test_random_workloads_keep_invariants_and_batch_invariance(
     for status in {r.status.value for r in result.requests.values()}:
         event(f"some {status}")
     event(f"steps <= {1 << result.num_steps.bit_length()}")
+    event("a step cut to its token bucket" if result.num_fitted else "no step cut to a bucket")
     if sc.num_speculative_tokens:
         event("proposals accepted" if result.num_accepted else "no proposal accepted")
         event(

@@ -35,6 +35,7 @@
 // bfloat16 values in float32 (no vdpbf16ps there). Without AVX2 either, the portable engine's
 // scalar dot products run far slower than XLA's dot, and the model does not call the kernel.
 
+#include <atomic>
 #include <vector>
 
 #include "common.h"
@@ -545,8 +546,8 @@ void amx_dots(ffi::ThreadPool& pool, const uint16_t* w, int64_t in, int64_t out,
 
 // The AVX2 engine (CPUs without AVX-512: AMD Zen 2/3, Intel Haswell to Comet Lake). Register tiles
 // of M tokens x N outputs hold M * N vectors of 8 float32 partial sums along `in` (1 x 8 for
-// T = 1, else 2 x 4: with the M activation vectors and one weight vector, within the 16 ymm
-// registers), 8 elements of each weight row per step (float32, or bfloat16 widened exactly, with
+// T = 1, 2 x 4 for T = 2, else 3 x 4 or 4 x 3: with the M activation vectors and one weight
+// vector, within the 16 ymm registers), 8 elements of each weight row per step (float32, or bfloat16 widened exactly, with
 // activations already rounded to bfloat16 values), reduced once at the end; the elements past
 // the last multiple of 8 are added in scalar code. Token blocks and output parts go over the
 // pool as in the AVX-512 engine, and the token tiles over a tile of rows share the prefetches
@@ -586,7 +587,7 @@ struct Avx2Bf16 {
 template <class K, int M, int N>
 void avx2_tile(const typename K::W* w, int64_t in, const float* x, int64_t x_stride, float* y,
                int64_t y_stride, const typename K::W* next, int64_t phase, int64_t period) {
-  static_assert(M * N <= 8, "the accumulators fit one reduction");
+  static_assert(M * N <= 12, "the accumulators, activations and a weight fit 16 registers");
   constexpr int64_t kLine = 64 / sizeof(typename K::W);  // elements per cache line
   __m256 acc[M * N];
   LLMJAX_AVX2_UNROLL
@@ -608,8 +609,9 @@ void avx2_tile(const typename K::W* w, int64_t in, const float* x, int64_t x_str
       for (int m = 0; m < M; ++m) acc[m * N + n] = _mm256_fmadd_ps(xv[m], wv, acc[m * N + n]);
     }
   }
-  alignas(32) float sums[8];
-  _mm256_store_ps(sums, reduce8(acc, M * N));
+  alignas(32) float sums[16];
+  _mm256_store_ps(sums, reduce8(acc, std::min(8, M * N)));
+  if constexpr (M * N > 8) _mm256_store_ps(sums + 8, reduce8(acc + 8, M * N - 8));
   for (int m = 0; m < M; ++m) {
     for (int n = 0; n < N; ++n) {
       float s = sums[m * N + n];
@@ -619,12 +621,21 @@ void avx2_tile(const typename K::W* w, int64_t in, const float* x, int64_t x_str
   }
 }
 
+// avx2_tile<K, m, N> for a run-time m <= M.
+template <class K, int N, int M>
+void avx2_tile_upto(int64_t m, const typename K::W* w, int64_t in, const float* x, float* y,
+                    int64_t out, const typename K::W* next, int64_t phase, int64_t period) {
+  if constexpr (M > 1) {
+    if (m < M) return avx2_tile_upto<K, N, M - 1>(m, w, in, x, y, out, next, phase, period);
+  }
+  avx2_tile<K, M, N>(w, in, x, in, y, out, next, phase, period);
+}
+
 // Outputs [o0, o1) for tokens [t0, t1): tiles of N rows (the rest one row at a time) x up to M
-// tokens (M <= 2). w is the layer's [out, in], x [T, in], y [T, out].
+// tokens. w is the layer's [out, in], x [T, in], y [T, out].
 template <class K, int N, int M>
 void avx2_part(const typename K::W* w, int64_t in, int64_t out, const float* x, int64_t t0,
                int64_t t1, int64_t o0, int64_t o1, float* y) {
-  static_assert(M <= 2, "one smaller token tile at most");
   const int64_t full = o0 + (o1 - o0) / N * N, passes = ceil_div(t1 - t0, M);
   for (int64_t o = o0; o < o1;) {
     const int n = o < full ? N : 1;
@@ -632,13 +643,11 @@ void avx2_part(const typename K::W* w, int64_t in, int64_t out, const float* x, 
     int64_t phase = 0;
     for (int64_t t = t0; t < t1; t += M, ++phase) {
       const typename K::W* wo = w + o * in;
-      const float* xt = x + t * in;
-      float* yt = y + t * out + o;
-      const bool one = t1 - t < M;  // the last, smaller token tile
-      if (n == N && !one) avx2_tile<K, M, N>(wo, in, xt, in, yt, out, next, phase, passes);
-      else if (n == N) avx2_tile<K, 1, N>(wo, in, xt, in, yt, out, next, phase, passes);
-      else if (!one) avx2_tile<K, M, 1>(wo, in, xt, in, yt, out, nullptr, 0, 1);
-      else avx2_tile<K, 1, 1>(wo, in, xt, in, yt, out, nullptr, 0, 1);
+      const int64_t m = std::min<int64_t>(M, t1 - t);
+      if (n == N)
+        avx2_tile_upto<K, N, M>(m, wo, in, x + t * in, y + t * out + o, out, next, phase, passes);
+      else
+        avx2_tile_upto<K, 1, M>(m, wo, in, x + t * in, y + t * out + o, out, nullptr, 0, 1);
     }
     o += n;
   }
@@ -658,15 +667,29 @@ void avx2_run(ffi::ThreadPool& pool, const typename K::W* w, int64_t in, int64_t
   });
 }
 
+// The register tile for T >= 3 tokens (tokens x outputs), 0 for the default; set only to compare
+// them (LlmjaxDenseMatmulSetAvx2Tile, scripts/bench_dense_matmul.py --avx2_tiles).
+std::atomic<int> g_avx2_tile{0};
+
 // The AVX2 engine, with the tile shape for T. x float32 [T, in] (bfloat16 weights: its values
 // rounded to bfloat16), y [T, out].
 template <class K>
 void avx2_dots(ffi::ThreadPool& pool, const typename K::W* w, int64_t in, int64_t out,
                const float* x, int64_t T, float* y) {
-  if (T == 1)
-    avx2_run<K, 8, 1>(pool, w, in, out, x, T, y);
-  else
-    avx2_run<K, 4, 2>(pool, w, in, out, x, T, y);
+  if (T == 1) return avx2_run<K, 8, 1>(pool, w, in, out, x, T, y);
+  if (T == 2) return avx2_run<K, 4, 2>(pool, w, in, out, x, T, y);
+  // By default 3 tokens x 4 outputs for float32 weights, 4 x 3 for bfloat16 ones (whose widening
+  // the extra token shares): scripts/bench_dense_matmul.py on a Zen 3, [576, 1536] at T = 16-32,
+  // 5-20 % faster than 2 x 4 (docs/cpu_performance.md).
+  int tile = g_avx2_tile.load(std::memory_order_relaxed);
+  if (tile == 0) tile = sizeof(typename K::W) == 4 ? 34 : 43;
+  switch (tile) {
+    case 24: return avx2_run<K, 4, 2>(pool, w, in, out, x, T, y);
+    case 42: return avx2_run<K, 2, 4>(pool, w, in, out, x, T, y);
+    case 33: return avx2_run<K, 3, 3>(pool, w, in, out, x, T, y);
+    case 43: return avx2_run<K, 3, 4>(pool, w, in, out, x, T, y);
+    default: return avx2_run<K, 4, 3>(pool, w, in, out, x, T, y);
+  }
 }
 
 #endif  // LLMJAX_DENSE_AVX2
@@ -779,6 +802,18 @@ extern "C" int LlmjaxDenseMatmulEngine() {
          : LLMJAX_DENSE_AVX512  ? 1
          : LLMJAX_DENSE_AVX2    ? 4
                                 : 0;
+}
+
+// The AVX2 engine's register tile for 3 tokens or more, as tokens * 10 + outputs (24, 42, 33,
+// 34, 43; 0 the default), for comparing them; returns whether this library has the AVX2 engine.
+extern "C" int LlmjaxDenseMatmulSetAvx2Tile(int tile) {
+#if LLMJAX_DENSE_AVX2
+  llmjax_cpu::g_avx2_tile.store(tile);
+  return 1;
+#else
+  (void)tile;
+  return 0;
+#endif
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxDenseMatmul, llmjax_cpu::DenseMatmul,

@@ -4,6 +4,7 @@ authors' loops; each `schedule()` below is that loop over the shared moves of `S
 from __future__ import annotations
 
 from llmjax.config import EngineConfig
+from llmjax.engine.batch import token_buckets
 from llmjax.engine.block_manager import BlockManager
 from llmjax.engine.clock import WALL_CLOCK, Clock
 from llmjax.engine.scheduler import ScheduledBatch, Scheduler
@@ -23,6 +24,7 @@ class SarathiScheduler(Scheduler):
         self._schedule_decodes(batch)
         self._schedule_prefill_chunks(batch, allocate_per_chunk=False)
         self._admit(batch, chunked=True, allocate_per_chunk=False)
+        self._fit_to_bucket(batch)
         return batch
 
 
@@ -71,6 +73,7 @@ class SplitFuseScheduler(Scheduler):
         self._schedule_decodes(batch)
         self._schedule_prefill_chunks(batch, allocate_per_chunk=True)
         self._admit(batch, chunked=True, allocate_per_chunk=True)
+        self._fit_to_bucket(batch)
         return batch
 
 
@@ -84,7 +87,7 @@ def make_scheduler(
     config: EngineConfig, block_manager: BlockManager, clock: Clock = WALL_CLOCK
 ) -> Scheduler:
     cls = SCHEDULERS[config.scheduler.policy]
-    return cls(
+    scheduler = cls(
         config.scheduler,
         block_manager,
         config.max_model_len,
@@ -92,3 +95,7 @@ def make_scheduler(
         num_micro_batches=config.parallel.pp,
         clock=clock,
     )
+    scheduler.token_buckets = token_buckets(
+        config.scheduler.max_num_batched_tokens, config.token_buckets_per_octave
+    )
+    return scheduler

@@ -18,6 +18,10 @@ request's new full pages go into the cache, so a second request can reuse a pref
 first finishes. The cache evicts (LRU) before anyone is preempted, and a preempted request's
 computed pages stay cached, so its recomputation is mostly a cache hit.
 
+Steps land on their token buckets (`SchedulerConfig.fit_to_buckets`, `_fit_to_bucket`): a step
+below the budget whose padding to the next bucket would cost more than moving a few of its last
+prefill chunk's tokens to the next step gives those tokens up; decodes are never cut.
+
 Admission order (`SchedulerConfig.admission_order`): FCFS, or longest-prefix-match with SGLang's
 guards (see `_admission_order`); running requests are never reordered.
 
@@ -73,6 +77,7 @@ class ScheduledBatch:
     num_other_tokens: int = 0  # of those, the tokens of requests not tagged LATENCY
     num_cached_tokens: int = 0  # tokens that prefix-cache hits spared this step
     blocked: Request | None = None  # the waiting request admission stopped at (did not fit)
+    num_deferred: int = 0  # tokens cut off the last prefill chunk to land on a token bucket
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
@@ -88,6 +93,13 @@ class ScheduledBatch:
         self.num_tokens += n
         if not seq.request.is_latency:
             self.num_other_tokens += n
+
+    def shrink(self, seq: ScheduledSeq, n: int) -> None:
+        """Take `n` tokens off the end of a scheduled prefill chunk (they run in a later step)."""
+        seq.num_new_tokens -= n
+        self.num_tokens -= n
+        if not seq.request.is_latency:
+            self.num_other_tokens -= n
 
     @property
     def num_spec_tokens(self) -> int:
@@ -144,6 +156,10 @@ class Scheduler:
         self._latency_active = False
         # Speculative decoding (llmjax/engine/speculative.py): proposals for decoding requests
         self.speculator = None
+        # The token counts the engine pads a step to (llmjax/engine/batch.py `token_buckets`);
+        # with `SchedulerConfig.fit_to_buckets`, `_fit_to_bucket` trims a step's last prefill
+        # chunk down to one of them where that defers fewer tokens than the padding it saves.
+        self.token_buckets: tuple[int, ...] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -278,6 +294,33 @@ class Scheduler:
             n = min(req.num_uncomputed_tokens, self._budget(batch, req))
             if not allocate_per_chunk or self._grow(req, req.num_computed_tokens + n, batch):
                 batch.add(req, n)
+
+    def _fit_to_bucket(self, batch: ScheduledBatch) -> None:
+        """Land the step on its token bucket where a prefill chunk can give way. A step of T
+        tokens between buckets lo < T < hi is padded to hi; its last prefill chunk's last
+        T - lo tokens move to the next step instead when (1) the chunk keeps a token, (2) that
+        defers fewer tokens than the padding it saves (T - lo < hi - T), and (3) there is a next
+        step anyway, which they grow by less than this one shrinks: another sequence of this step
+        runs again (a decode, or a chunk whose prompt ends now), and with one token for each of
+        them the next step's bucket grows by less than hi - lo. Decodes and proposals are never
+        cut, so the step stays stall-free; the cut chunk keeps its pages (the deferred tokens are
+        its request's next ones to compute)."""
+        buckets = self.token_buckets
+        if not (self.config.fit_to_buckets and buckets and len(batch.seqs) > 1):
+            return
+        T = batch.num_tokens
+        lo = max((b for b in buckets if b < T), default=0)
+        hi = min(b for b in buckets if b >= T)
+        seq = batch.seqs[-1]
+        cut = T - lo
+        if hi == T or seq.spec or seq.is_decode or seq.num_new_tokens <= cut or cut >= hi - T:
+            return
+        nxt = len(batch.seqs) - 1  # tokens of the next step at least: a decode per other sequence
+        bucket = lambda n: min(b for b in buckets if b >= n)
+        if bucket(nxt + cut) - bucket(nxt) >= hi - lo:
+            return
+        batch.shrink(seq, cut)
+        batch.num_deferred = cut
 
     def _admit(self, batch: ScheduledBatch, *, chunked: bool, allocate_per_chunk: bool) -> None:
         """Admit waiting requests in admission order while the budget, `max_num_seqs` and pages

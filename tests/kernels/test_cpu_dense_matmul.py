@@ -8,11 +8,14 @@ float32 weights, rounded to bfloat16 for bfloat16 weights):
                      |y - x @ w.T| <= 2^-8 |x| @ |w|.T + 1e-5 mag (x's rounding to bfloat16, 8
                      significant bits, to nearest: each element moves by at most half an ulp,
                      2^-8 of its magnitude).
-Shapes cover every engine (T = 1: 1x16 tiles, T = 2: 2x8, T >= 3: 4x4 with token tails; bfloat16
-weights from T = 8: AMX where the CPU grants it), `in` and `out` that are not multiples of the
-vector / tile sizes (masked tails, one-output tiles), the tied-embedding LM head (49152 x 576),
-the stacked-layer `layer` argument in a lax.scan (no slice copied), and the wrapper's errors."""
+Shapes cover every engine (AVX-512: T = 1: 1x16 tiles, T = 2: 2x8, T >= 3: 4x4 with token tails;
+bfloat16 weights from T = 8: AMX where the CPU grants it; AVX2: 1x8, 2x4, then the default tile
+and, on a CPU with that engine, each of its other tiles), `in` and `out` that are not multiples
+of the vector / tile sizes (masked tails, one-output tiles), the tied-embedding LM head
+(49152 x 576), the stacked-layer `layer` argument in a lax.scan (no slice copied), and the
+wrapper's errors."""
 
+import ctypes
 import re
 
 import jax
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_cpu.build import engines, load
 from kernels_cpu.dense_matmul import dense_matmul, dense_matmul_reference
 from tests.kernels.kernel_testing import no_cpu_compiler
 
@@ -85,6 +89,29 @@ def test_tails_of_in_and_out(T, n_in, out, w_dtype):
     rng = np.random.default_rng(T + 1000 * n_in + out)
     x, w = random_inputs(rng, T, n_in, out, w_dtype, jnp.float32)
     check(_jitted(x, w), x, w)
+
+
+AVX2_TILES = (24, 42, 33, 34, 43)  # tokens * 10 + outputs (dense_matmul.cc, avx2_dots)
+
+
+@pytest.mark.parametrize("tile", AVX2_TILES)
+def test_every_avx2_tile(tile):
+    """The AVX2 engine with each register tile it can take from 3 tokens on (the one it does not
+    take by default is set through LlmjaxDenseMatmulSetAvx2Tile, for comparing them), over
+    token counts and outputs that leave partial token tiles and one-output rows."""
+    if engines()["dense_matmul"] != "avx2":
+        pytest.skip("this CPU's dense matmul kernel is not the AVX2 engine")
+    library = ctypes.CDLL(load())
+    assert library.LlmjaxDenseMatmulSetAvx2Tile(tile) == 1
+    try:
+        for T in (3, 4, 5, 7, 13):
+            for n_in, out in [(31, 37), (576, 194)]:
+                for w_dtype in (jnp.float32, jnp.bfloat16):
+                    rng = np.random.default_rng(T + 100 * out + tile)
+                    x, w = random_inputs(rng, T, n_in, out, w_dtype, jnp.float32)
+                    check(_jitted(x, w), x, w)
+    finally:
+        library.LlmjaxDenseMatmulSetAvx2Tile(0)
 
 
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
