@@ -17,6 +17,9 @@ What it computes (any in >= 1, out >= 1; T >= 0):
                2^-8 sum_i |x_i| |w_i|  (x's rounding: bf16 keeps 8 significant bits)
                + the float32 summation error,
                and against x.astype(bfloat16) @ w.T only the float32 summation error.
+  w int8:      the codes widened to float32 (exact), x float32 (bfloat16 x widened), products
+               and sums in float32: weight-only int8, whose per-output scales the caller applies
+               to y (llmjax/model/quant.py's 'int8_wo').
 The summation order depends on T (tiles of 16 / 32 elements per lane, then a tree over the
 lanes; AMX: 32-element steps along `in`), so results for one row can differ in the last bits
 between calls with different T.
@@ -40,11 +43,12 @@ from kernels_cpu.build import load
 
 TARGET = "llmjax_cpu_dense_matmul"
 DTYPES = (jnp.float32, jnp.bfloat16)
+W_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
 
 def dense_matmul(x, w, *, layer=None) -> jax.Array:
-    """y[T, out] = x[T, in] @ w.T in float32 (x and w float32 or bfloat16; the module docstring
-    says what the bfloat16 weights compute).
+    """y[T, out] = x[T, in] @ w.T in float32 (x float32 or bfloat16, w float32, bfloat16 or int8;
+    the module docstring says what each computes).
 
     w is [out, in], or [L, out, in] with `layer` (an integer scalar, may be traced) picking one,
     clamped to [0, L). Raises ValueError for shapes or dtypes it does not take,
@@ -53,8 +57,8 @@ def dense_matmul(x, w, *, layer=None) -> jax.Array:
     x_dtype, w_dtype = jnp.dtype(x.dtype), jnp.dtype(w.dtype)
     if x.ndim != 2 or x_dtype not in DTYPES:
         raise ValueError(f"want x [T, in] of float32 or bfloat16: {x.shape=} {x.dtype=}")
-    if w_dtype not in DTYPES:
-        raise ValueError(f"want w of float32 or bfloat16: {w.dtype=}")
+    if w_dtype not in W_DTYPES:
+        raise ValueError(f"want w of float32, bfloat16 or int8: {w.dtype=}")
     T, n_in = x.shape
     if layer is None:
         if w.ndim != 2:

@@ -425,7 +425,7 @@ PREFIX_CACHES = ("none", "radix")  # implemented in llmjax/engine/radix_cache.py
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("jax", "sim")
-QUANTIZATIONS = ("none", "int8", "q8_0", "q4_0", "q4_1", "gguf")  # llmjax/model/quant.py
+QUANTIZATIONS = ("none", "int8", "int8_wo", "q8_0", "q4_0", "q4_1", "gguf")  # llmjax/model/quant.py
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "cpu")
 FLASH_PREFILL_MODES = ("auto", "on", "off")
 PALLAS_KERNELS = ("auto", "tpu", "gpu", "mgpu")
@@ -805,7 +805,8 @@ class EngineConfig:
     bf16 matrix-vector products run about 20x slower than f32 on x86 CPUs at small batch.
     `quantization` (QUANTIZATIONS; llmjax/model/quant.py): 'none'; 'int8', W8A8 dynamic (weights
     int8 per output channel, activations int8 per token at run time, int32 accumulation; norms,
-    biases and an untied embedding stay in `dtype`); 'q8_0', 'q4_0', 'q4_1', the float weights
+    biases and an untied embedding stay in `dtype`); 'int8_wo', weight-only int8 (the same
+    per-channel weights, activations kept in `dtype`, float32 sums); 'q8_0', 'q4_0', 'q4_1', the float weights
     quantized into those GGUF block formats as llama.cpp does; 'gguf', a GGUF checkpoint's Q8_0 /
     Q4_0 / Q4_1 tensors kept in their blocks as stored (the rest loaded in `dtype`). Activations
     and the KV cache stay in `dtype`.

@@ -106,7 +106,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "quantization",
         "none",
         list(QUANTIZATIONS),
-        "Weight quantization: 'int8' (W8A8 dynamic int8 matmuls), 'q8_0' / 'q4_0' / 'q4_1' (the "
+        "Weight quantization: 'int8' (W8A8 dynamic int8 matmuls), 'int8_wo' (weight-only int8, "
+        "per output channel), 'q8_0' / 'q4_0' / 'q4_1' (the "
         "weights quantized to those GGUF block formats), 'gguf' (a GGUF file's Q8_0/Q4_0/Q4_1 "
         "blocks kept as stored). Activations and the KV cache stay in --dtype.",
         **f,

@@ -149,7 +149,7 @@ class LLM:
 
     Weights: `model` (a preset, a .gguf file, an HF or orbax directory), `dtype` (of the weights,
     activations and KV cache), `quantization` ('none'; 'int8': W8A8 dynamic int8 matmuls;
-    'q8_0', 'q4_0', 'q4_1': the weights quantized to those GGUF block formats; 'gguf': a GGUF
+    'int8_wo': weight-only int8 (activations stay in `dtype`); 'q8_0', 'q4_0', 'q4_1': the weights quantized to those GGUF block formats; 'gguf': a GGUF
     file's Q8_0/Q4_0/Q4_1 blocks kept as stored; see EngineConfig and
     llmjax/model/quant.py), `tokenizer`, `load_format` ('dummy': random weights).
 
@@ -637,7 +637,8 @@ def _infinigen_skew(config: EngineConfig, params, tokenizer, num_tokens: int):
 
 def _pack_weights(params, quantization: str, dtype: str):
     """The loaded (list-layout, host) weights packed for `quantization` (llmjax/model/quant.py):
-    'int8', 'q8_0', 'q4_0', 'q4_1' quantize every matrix; 'gguf' came packed from the loader.
+    'int8', 'int8_wo', 'q8_0', 'q4_0', 'q4_1' quantize every matrix; 'gguf' came packed from the
+    loader.
     Unquantized weights on a CPU are packed [out, in] ('dense'): the C++ dense kernel
     (kernels_cpu/dense_matmul.py) takes them at decode-sized steps, and XLA:CPU's bf16 and f16
     dots run on their fast kernels only with both operands contracting their last dim."""

@@ -10,7 +10,7 @@ For each --precisions entry (name=dtype:quantization; the first is the reference
 Prints a table, writes JSON to --out.
 
     python scripts/eval_precision.py                       # ~3 min on 2 CPU cores
-    python scripts/eval_precision.py --precisions f32=float32:none,int8=float32:int8
+    python scripts/eval_precision.py --precisions f32=float32:none,int8=float32:int8,int8_wo=float32:int8_wo
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ flags.DEFINE_list(
         "f32=float32:none",
         "bf16=bfloat16:none",
         "int8=float32:int8",
+        "int8_wo=float32:int8_wo",
         "q8_0=float32:q8_0",
         "q4_1=float32:q4_1",
         "gguf=float32:gguf",

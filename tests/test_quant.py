@@ -112,7 +112,7 @@ def _activation_error_bound(x, w_dense, fmt):
     return 0.5 * step @ a.T * (1 + 1e-3) + rounding
 
 
-@pytest.mark.parametrize("fmt", ["dense", "int8", *BLOCK_FORMATS])
+@pytest.mark.parametrize("fmt", ["dense", "int8", "int8_wo", *BLOCK_FORMATS])
 @pytest.mark.parametrize("T", [1, 2, 7, 64])
 @pytest.mark.parametrize("n_in,n_out", [(64, 96), (192, 32)])
 def test_qdot_within_its_activation_quantization_error(fmt, T, n_in, n_out):
@@ -121,8 +121,8 @@ def test_qdot_within_its_activation_quantization_error(fmt, T, n_in, n_out):
     x = _random_weight(rng, (T, n_in))
     if fmt == "dense":
         packed = quant.pack_dense(w)
-    elif fmt == "int8":
-        packed = quant.quantize_int8(w)
+    elif fmt in ("int8", "int8_wo"):
+        packed = quant.quantize_int8(w, fmt=fmt)
     else:
         packed = quant.quantize_blocks(w, fmt)
     w_dense = quant.dequantize_matrix(packed, np.float32, np)  # [out, in], what was stored
@@ -132,7 +132,7 @@ def test_qdot_within_its_activation_quantization_error(fmt, T, n_in, n_out):
     exact = x.astype(np.float64) @ w_dense.T.astype(np.float64)
     bound = _activation_error_bound(x, w_dense, fmt)
     assert np.all(np.abs(y - exact) <= bound), np.abs(y - exact).max()
-    if fmt != "dense":  # and the activations really are quantized (the bound is not vacuous)
+    if fmt not in ("dense", "int8_wo"):  # the activations really are quantized (not vacuous)
         assert np.abs(y - exact).max() > 0
 
 
@@ -153,7 +153,7 @@ def _model(name="tiny"):
     return config, jax.tree.map(np.asarray, init_params(config, jax.random.key(2)))
 
 
-@pytest.mark.parametrize("method", ["dense", "int8", *BLOCK_FORMATS])
+@pytest.mark.parametrize("method", ["dense", "int8", "int8_wo", *BLOCK_FORMATS])
 @pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("name", ["tiny", "tiny-gqa1"])  # untied, tied embedding
 def test_model_over_packed_weights_matches_them_dequantized(method, stacked, name):
@@ -167,7 +167,7 @@ def test_model_over_packed_weights_matches_them_dequantized(method, stacked, nam
     ref = full_logits(dequantized, config, tokens)
     layout = stack_layers if stacked else (lambda p: p)
     got = full_logits(jax.tree.map(jnp.asarray, layout(packed)), config, tokens)
-    if method == "dense":
+    if method in ("dense", "int8_wo"):  # no activation quantization: float rounding alone
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
         return
     # What is left is the activations' quantization (int8 grids of 1/127 of each token's or
@@ -209,7 +209,7 @@ def test_packed_weight_indexes_its_layers_and_reports_its_bytes():
 
 def test_embedding_rows_of_a_packed_table():
     config, params = _model("tiny-gqa1")  # tied: the embedding is packed
-    for method in ("int8", "q8_0", "q4_1", "dense"):
+    for method in ("int8", "int8_wo", "q8_0", "q4_1", "dense"):
         packed = quant.quantize_params(params, method)["embed"]
         ids = jnp.asarray([5, 0, 5, config.vocab_size - 1])
         rows = np.asarray(quant.take_rows(jax.tree.map(jnp.asarray, packed), ids))
@@ -226,6 +226,26 @@ def test_bad_shapes_are_refused_clearly():
     stacked = dataclasses.replace(w, values=w.values[None], scales=w.scales[None])
     with pytest.raises(ValueError, match="one layer"):
         quant.qdot(jnp.ones((2, 64)), stacked)
+
+
+def test_weight_only_int8_takes_the_dense_kernel_at_decode_sizes():
+    """'int8_wo': the dense kernel on the int8 codes (then the scales) where it takes int8
+    weights (AVX2: AVX2_DENSE_KERNEL_TOKENS; AVX-512: up to DENSE_KERNEL_MAX_TOKENS), XLA's dot
+    over the widened codes elsewhere; the same products either way, float32 rounding apart."""
+    w = quant.quantize_int8(_random_weight(np.random.default_rng(0), (64, 96)), fmt="int8_wo")
+    w = jax.tree.map(jnp.asarray, w)
+    lo, hi = quant.dense_kernel_tokens(jnp.int8)
+    if quant._cpu_dense_kernel() is None:
+        assert lo > hi
+    w_dense = np.asarray(quant.dequantize_matrix(w, jnp.float32), np.float64)
+    for T in (1, 2, 32, 33, 65):
+        x = jnp.asarray(_random_weight(np.random.default_rng(T), (T, 64)))
+        text = jax.jit(quant.qdot).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+        assert ("llmjax_cpu_dense_matmul" in text) == (lo <= T <= hi), T
+        y = np.asarray(jax.jit(quant.qdot)(x, w))
+        x64 = np.asarray(x, np.float64)
+        tol = 1e-5 * (np.abs(x64) @ np.abs(w_dense).T)
+        assert (np.abs(y - x64 @ w_dense.T) <= tol).all(), T
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -104,6 +104,13 @@ inline float dot<uint16_t>(const float* a, const uint16_t* b, int64_t n) {
   return s;
 }
 
+template <>
+inline float dot<int8_t>(const float* a, const int8_t* b, int64_t n) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
+  return s;
+}
+
 // acc[i] += p * b[i] (b of type T).
 template <typename T>
 inline void axpy(float p, const T* b, float* acc, int64_t n);

@@ -187,6 +187,26 @@ struct Bf16Kernel {  // no vdpbf16ps: bfloat16 weights widened, activations floa
 };
 #endif
 
+struct I8Kernel {  // int8 weights (the caller scales the outputs), widened exactly; float32 x
+  using W = int8_t;
+  using X = float;
+  static constexpr int64_t kStep = 16;
+  static __m512 load_w(const W* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static __m512 load_x(const X* p) { return _mm512_loadu_ps(p); }
+  static __m512 load_w(const W* p, int64_t n) {
+    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1), p);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+  static __m512 load_x(const X* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  }
+  [[gnu::always_inline]] static void madd(__m512& acc, __m512 x, __m512 w) {
+    acc = _mm512_fmadd_ps(x, w, acc);
+  }
+};
+
 // What a tile prefetches of the next tile's rows (p, null for nothing): N lines (as many as a
 // step reads) at the steps s with s % period == phase, so that the token tiles over one tile of
 // rows (period of them, phases 0, 1, ...) share the next tile's lines evenly.
@@ -570,6 +590,15 @@ struct Avx2Bf16 {
   static float at(const uint16_t* p) { return bf16_to_f32(*p); }
 };
 
+struct Avx2I8 {  // int8 weights, widened exactly (the caller scales the outputs)
+  using W = int8_t;
+  static __m256 load(const int8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+  static float at(const int8_t* p) { return static_cast<float>(*p); }
+};
+
 // Lane i of the result: the sum of v[i]'s 8 lanes, for i < n (n <= 8; lanes from n on are 0).
 [[gnu::always_inline]] inline __m256 reduce8(const __m256* v, int n) {
   __m256 a[8];
@@ -682,7 +711,7 @@ void avx2_dots(ffi::ThreadPool& pool, const typename K::W* w, int64_t in, int64_
   // the extra token shares): scripts/bench_dense_matmul.py on a Zen 3, [576, 1536] at T = 16-32,
   // 5-20 % faster than 2 x 4 (docs/cpu_performance.md).
   int tile = g_avx2_tile.load(std::memory_order_relaxed);
-  if (tile == 0) tile = sizeof(typename K::W) == 4 ? 34 : 43;
+  if (tile == 0) tile = sizeof(typename K::W) == 4 ? 34 : 43;  // int8 weights as bfloat16 ones
   switch (tile) {
     case 24: return avx2_run<K, 4, 2>(pool, w, in, out, x, T, y);
     case 42: return avx2_run<K, 2, 4>(pool, w, in, out, x, T, y);
@@ -723,9 +752,11 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return ffi::Error::InvalidArgument("dense_matmul: want x [T, in], w [L, out, in]");
   const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
   const bool w_bf16 = w.element_type() == ffi::DataType::BF16;
+  const bool w_i8 = w.element_type() == ffi::DataType::S8;
   if (!(x_bf16 || x.element_type() == ffi::DataType::F32) ||
-      !(w_bf16 || w.element_type() == ffi::DataType::F32))
-    return ffi::Error::InvalidArgument("dense_matmul: x and w must be float32 or bfloat16");
+      !(w_bf16 || w_i8 || w.element_type() == ffi::DataType::F32))
+    return ffi::Error::InvalidArgument(
+        "dense_matmul: x must be float32 or bfloat16, w float32, bfloat16 or int8");
   const int64_t T = xd[0], in = xd[1], L = wd[0], out = wd[1];
   if (T == 0 || out == 0) return ffi::Error::Success();
   // the layer, clamped as dynamic_slice clamps
@@ -735,6 +766,23 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   const uint16_t* xh = static_cast<const uint16_t*>(x.untyped_data());
   thread_local std::vector<float> xf_scratch;  // reused by this thread's calls
   thread_local std::vector<uint16_t> xh_scratch;
+
+  if (w_i8) {  // int8 weights: x in float32 (exact), the products and sums in float32
+    const int8_t* wp = static_cast<const int8_t*>(w.untyped_data()) + l * out * in;
+    if (x_bf16) {
+      float* buf = aligned64(xf_scratch, T * in);
+      to_f32(pool, xh, T, in, false, buf);
+      xf = buf;
+    }
+#if LLMJAX_DENSE_AVX512
+    avx512_dots<I8Kernel>(pool, wp, in, out, xf, in, T, 0, out, yp);
+#elif LLMJAX_DENSE_AVX2
+    avx2_dots<Avx2I8>(pool, wp, in, out, xf, T, yp);
+#else
+    portable_dots(pool, wp, in, out, xf, T, yp);
+#endif
+    return ffi::Error::Success();
+  }
 
   if (!w_bf16) {
     const float* wp = static_cast<const float*>(w.untyped_data()) + l * out * in;

@@ -8,6 +8,9 @@ kernels of XLA:CPU) in one of these formats (`FORMATS`):
             both operands contracting their last dim)
     int8    values int8 [out, in], scales f32 [out]; W = values * scales[:, None]. Activations
             are quantized per token at run time: W8A8 dynamic, int32 accumulation (`quantize`)
+    int8_wo weight-only int8: values and scales as int8, activations stay float: y =
+            (x @ values.T) * scales, the codes widened exactly and the sums in float32 (on CPU
+            the dense kernel takes the int8 codes; elsewhere the dequantized matrix)
     q8_0    GGUF Q8_0: values int8 [out, in], scales f32 [out, in/32]; W = values * scale of its
             32-block
     q4_0    GGUF Q4_0: values uint8 [out, in/2], two 4-bit codes a byte, packed as GGUF packs a
@@ -41,7 +44,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("dense", "int8", "q8_0", "q4_0", "q4_1")
+FORMATS = ("dense", "int8", "int8_wo", "q8_0", "q4_0", "q4_1")
 BLOCK = 32  # the GGUF formats' block length along `in`
 
 # Weight matrices of the parameter tree (llmjax/model/params.py) and how many of their leading
@@ -168,8 +171,11 @@ def pack_dense(w, in_ndim: int = 1, out_first: bool = False) -> PackedWeight:
     )
 
 
-def quantize_int8(w, in_ndim: int = 1, out_first: bool = False) -> PackedWeight:
-    """A plain float weight -> int8 per output channel, symmetric: scale = max|row| / 127."""
+def quantize_int8(
+    w, in_ndim: int = 1, out_first: bool = False, fmt: str = "int8"
+) -> PackedWeight:
+    """A plain float weight -> int8 per output channel, symmetric: scale = max|row| / 127
+    (`fmt` 'int8': W8A8, 'int8_wo': weight-only; the same codes and scales)."""
     m = np.asarray(_as_out_in(np.asarray(w, np.float32), in_ndim, out_first), np.float32)
     amax = np.abs(m).max(axis=1)
     scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
@@ -177,7 +183,7 @@ def quantize_int8(w, in_ndim: int = 1, out_first: bool = False) -> PackedWeight:
     return PackedWeight(
         values,
         scales,
-        fmt="int8",
+        fmt=fmt,
         plain_shape=tuple(np.shape(w)),
         in_ndim=in_ndim,
         out_first=out_first,
@@ -227,7 +233,7 @@ def quantize_blocks(w, fmt: str, in_ndim: int = 1, out_first: bool = False) -> P
 
 def quantize_params(params, method: str):
     """Every weight matrix of a (list-layout) parameter tree packed by `method` ('int8':
-    W8A8 per-channel int8 of the float weights; 'q8_0', 'q4_0', 'q4_1': GGUF blocks, quantized
+    W8A8 per-channel int8 of the float weights; 'int8_wo': the same weights, weight-only; 'q8_0', 'q4_0', 'q4_1': GGUF blocks, quantized
     as llama.cpp does; 'dense': transposed, same dtype). The tied
     embedding is packed too (it is also the LM head: lookups dequantize their rows), an untied
     embedding is not (a lookup reads one row; `lm_head` is packed instead). Norms and biases stay
@@ -235,7 +241,11 @@ def quantize_params(params, method: str):
     if method in GGUF_BLOCK_BYTES:
         pack = lambda w, in_ndim, out_first: quantize_blocks(w, method, in_ndim, out_first)
     else:
-        pack = {"int8": quantize_int8, "dense": pack_dense}[method]
+        pack = {
+            "int8": quantize_int8,
+            "int8_wo": lambda w, i, o: quantize_int8(w, i, o, fmt="int8_wo"),
+            "dense": pack_dense,
+        }[method]
     if isinstance(params["layers"], dict):
         raise ValueError("quantize_params takes the list layout (stack the layers afterwards)")
 
@@ -268,7 +278,7 @@ def dequantize_matrix(w: PackedWeight, dtype=jnp.float32, xp=jnp):
     v = w.values
     if w.fmt == "dense":
         return v.astype(dtype)
-    if w.fmt == "int8":
+    if w.fmt in ("int8", "int8_wo"):
         return (v.astype(xp.float32) * w.scales[..., None]).astype(dtype)
     *lead, out = v.shape[:-1]
     if w.fmt == "q8_0":
@@ -349,15 +359,20 @@ def int8_dot_xla(x, w: PackedWeight):
     return acc.astype(jnp.float32) * sx[:, None] * w.scales[None, :]
 
 
-def dense_dot_xla(x, w: PackedWeight):
+def dense_dot_xla(x, w, scales=None):
+    """x @ w.T with XLA's dot, w [out, in] (a dense PackedWeight, or int8 codes with their
+    per-output `scales`: weight-only int8, the codes widened to x's dtype in the dot)."""
     T = x.shape[0]
+    values = w.values if is_packed(w) else w
+    if scales is not None:
+        values = values.astype(x.dtype)
     y = jax.lax.dot_general(
-        _pad_one_row(x.astype(w.values.dtype)),
-        w.values,
+        _pad_one_row(x.astype(values.dtype)),
+        values,
         (((1,), (1,)), ((), ())),
         preferred_element_type=jnp.float32,
     )
-    return y[:T]
+    return y[:T] if scales is None else y[:T] * scales[None, :]
 
 
 def dequantized_dot(x, w: PackedWeight):
@@ -389,11 +404,17 @@ CPU_KERNEL_FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
 # sliced out of the stacked weights first (22 ms of copies per 512-token bf16 step).
 DENSE_KERNEL_MAX_TOKENS = 64
 # The kernel's AVX2 engine (a CPU without AVX-512) wins over XLA's dot only in a narrower range
-# (2-core AMD EPYC, [576, 1536] and [1536, 576], weights cold): float32 from 2 tokens (at 1,
-# XLA's dot streams faster: 143 against 213 us) to 32 (16: 488 against 703 us; 64: 1799 against
-# 1409); bfloat16 from 1 token (XLA widens the weight: 1796 against 109 us) to 32.
-# (lo, hi) token counts per weight dtype.
-AVX2_DENSE_KERNEL_TOKENS = {jnp.dtype(jnp.float32): (2, 32), jnp.dtype(jnp.bfloat16): (1, 32)}
+# (2-core AMD EPYC, [576, 1536] and [1536, 576], weights cold): to 32 tokens (16: 390-410
+# against 550-700 us; 40-48 about even; 64: 1520 against 1160). At one token XLA's dot alone
+# streams a little faster (151 against 180 us), but not in the model: there the one row is
+# padded to two (`_pad_one_row`, 446 us), and a scanned layer loop slices each layer's weights
+# out for it (SmolLM2 float32 at batch 1: 83 ms a token with XLA's dot, 33 with the kernel).
+# bfloat16 likewise from 1 token (XLA widens the weight: 1796 against 109 us).
+AVX2_DENSE_KERNEL_TOKENS = {
+    jnp.dtype(jnp.float32): (1, 32),
+    jnp.dtype(jnp.bfloat16): (1, 32),
+    jnp.dtype(jnp.int8): (1, 32),
+}
 # int8 weights likewise (scripts/bench_qmatmul.py: the kernel wins to ~64 tokens); the GGUF block
 # formats take the kernel at every size (XLA has no form for them but dequantizing).
 INT8_KERNEL_MAX_TOKENS = 64
@@ -425,10 +446,22 @@ def dense_kernel_tokens(dtype) -> tuple[int, int]:
 
     if build.engines()["dense_matmul"] == "avx2":
         return AVX2_DENSE_KERNEL_TOKENS[dtype]
-    return (1, DENSE_KERNEL_MAX_TOKENS if dtype == jnp.float32 else 1 << 62)
+    return (1, 1 << 62 if dtype == jnp.bfloat16 else DENSE_KERNEL_MAX_TOKENS)
 
 
 def cpu_dot(x, w: PackedWeight):
+    if w.fmt == "int8_wo":  # weight-only int8: the dense kernel on the codes, then the scales
+        lo, hi = dense_kernel_tokens(jnp.int8)
+        kernel = _cpu_dense_kernel() if lo <= x.shape[0] <= hi else None
+        if kernel is not None:
+            try:
+                y = kernel(x.astype(jnp.float32), w.values, layer=w.layer)
+                scales = w.scales if w.layer is None else w.scales[w.layer]
+                return y * scales[None, :]
+            except ValueError as e:  # a shape the kernel does not take (checked while tracing)
+                logger.debug("dense kernel refused int8 %s: %s; XLA's dot instead", w.shape, e)
+        w = w.one_layer()
+        return dense_dot_xla(x.astype(jnp.float32), w.values, scales=w.scales)
     if w.fmt == "dense":
         lo, hi = dense_kernel_tokens(w.values.dtype)
         kernel = _cpu_dense_kernel() if lo <= x.shape[0] <= hi else None

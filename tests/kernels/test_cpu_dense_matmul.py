@@ -1,13 +1,14 @@
 """The CPU dense matmul (kernels_cpu/dense_matmul.py) against x @ w.T in float64.
 
 Bounds, with mag = |x_k| @ |w|.T (x_k the activations as the kernel takes them: float32 for
-float32 weights, rounded to bfloat16 for bfloat16 weights):
+float32 and int8 weights, rounded to bfloat16 for bfloat16 weights):
   float32 weights:   |y - x @ w.T| <= 1e-5 mag  (float32 summation: each lane sums in/16
                      terms, then a 16-lane tree: ~(in/16 + 4) 2^-24 < 1e-5 for these `in`)
   bfloat16 weights:  |y - x_bf16 @ w.T| <= 1e-5 mag (the summation, as above), and
                      |y - x @ w.T| <= 2^-8 |x| @ |w|.T + 1e-5 mag (x's rounding to bfloat16, 8
                      significant bits, to nearest: each element moves by at most half an ulp,
                      2^-8 of its magnitude).
+  int8 weights:      |y - x @ w.T| <= 1e-5 mag (codes widened exactly; the float32 summation).
 Shapes cover every engine (AVX-512: T = 1: 1x16 tiles, T = 2: 2x8, T >= 3: 4x4 with token tails;
 bfloat16 weights from T = 8: AMX where the CPU grants it; AVX2: 1x8, 2x4, then the default tile
 and, on a CPU with that engine, each of its other tiles), `in` and `out` that are not multiples
@@ -40,6 +41,8 @@ _jitted = jax.jit(dense_matmul)
 def random_inputs(rng, T, n_in, out, w_dtype, x_dtype):
     """Non-zero normal x [T, in] and w [out, in], rows of different scales."""
     x = rng.standard_normal((T, n_in)).astype(np.float32) * rng.uniform(0.5, 4, (T, 1))
+    if w_dtype == jnp.int8:  # weight-only int8 codes, the full range
+        return jnp.asarray(x, x_dtype), jnp.asarray(rng.integers(-127, 128, (out, n_in)), jnp.int8)
     w = rng.standard_normal((out, n_in)).astype(np.float32) * rng.uniform(0.01, 0.1, (out, 1))
     return jnp.asarray(x, x_dtype), jnp.asarray(w, w_dtype)
 
@@ -68,7 +71,11 @@ def check(y, x, w):
 SHAPES = [(64, 32), (576, 192), (1536, 576), (576, 1536)]  # (in, out)
 
 
-@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+W_DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8]
+W_IDS = ["f32", "bf16", "i8"]
+
+
+@pytest.mark.parametrize("w_dtype", W_DTYPES, ids=W_IDS)
 @pytest.mark.parametrize("n_in, out", SHAPES, ids=[f"{i}x{o}" for i, o in SHAPES])
 @pytest.mark.parametrize("T", [1, 2, 3, 5, 16, 33, 64, 200])
 def test_against_float64(T, n_in, out, w_dtype):
@@ -80,7 +87,7 @@ def test_against_float64(T, n_in, out, w_dtype):
 ODD = [(1, 1), (17, 37), (100, 40), (40, 48), (31, 200), (96, 17)]  # (in, out)
 
 
-@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("w_dtype", W_DTYPES, ids=W_IDS)
 @pytest.mark.parametrize("n_in, out", ODD, ids=[f"{i}x{o}" for i, o in ODD])
 @pytest.mark.parametrize("T", [1, 2, 3, 6, 9, 16, 35])
 def test_tails_of_in_and_out(T, n_in, out, w_dtype):
@@ -106,7 +113,7 @@ def test_every_avx2_tile(tile):
     try:
         for T in (3, 4, 5, 7, 13):
             for n_in, out in [(31, 37), (576, 194)]:
-                for w_dtype in (jnp.float32, jnp.bfloat16):
+                for w_dtype in W_DTYPES:
                     rng = np.random.default_rng(T + 100 * out + tile)
                     x, w = random_inputs(rng, T, n_in, out, w_dtype, jnp.float32)
                     check(_jitted(x, w), x, w)
@@ -142,14 +149,15 @@ def _stack_copies(hlo: str, stack_shape: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("w_dtype", W_DTYPES, ids=W_IDS)
 @pytest.mark.parametrize("T", [1, 5, 16])
 def test_stacked_layers_in_a_scan(T, w_dtype):
     """A lax.scan over layers passes the whole stack plus the index: the same results as one
     call per layer, with no slice of the stack copied (no dynamic-slice or copy of it)."""
     rng = np.random.default_rng(T)
     L, n_in, out = 3, 576, 192
-    w = jnp.asarray(rng.standard_normal((L, out, n_in)).astype(np.float32), w_dtype)
+    w = rng.standard_normal((L, out, n_in)).astype(np.float32)
+    w = jnp.asarray(np.clip(np.rint(w * 40), -127, 127) if w_dtype == jnp.int8 else w, w_dtype)
     x = jnp.asarray(rng.standard_normal((T, n_in)).astype(np.float32))
 
     def scanned(x, w):
@@ -162,7 +170,8 @@ def test_stacked_layers_in_a_scan(T, w_dtype):
         check(got[i], x, w[i])
     hlo = jax.jit(scanned).lower(x, w).compile().as_text()
     assert "dynamic-slice" not in hlo and "dynamic_slice" not in hlo
-    stack_shape = f"{'f32' if w_dtype == jnp.float32 else 'bf16'}[{L},{out},{n_in}]"
+    name = {jnp.float32: "f32", jnp.bfloat16: "bf16", jnp.int8: "s8"}[w_dtype]
+    stack_shape = f"{name}[{L},{out},{n_in}]"
     assert stack_shape in hlo
     assert not _stack_copies(hlo, stack_shape), _stack_copies(hlo, stack_shape)
 
@@ -191,8 +200,8 @@ def test_bad_inputs_name_what_is_wrong():
         dense_matmul(x[0], w)
     with pytest.raises(ValueError, match="want x"):
         dense_matmul(x.astype(jnp.float16), w)
-    with pytest.raises(ValueError, match="want w of float32 or bfloat16"):
-        dense_matmul(x, w.astype(jnp.int8))
+    with pytest.raises(ValueError, match="want w of float32, bfloat16 or int8"):
+        dense_matmul(x, w.astype(jnp.uint8))
     with pytest.raises(ValueError, match=r"want w \[out, in\] \(no layer given\)"):
         dense_matmul(x, w[None])
     with pytest.raises(ValueError, match=r"want w \[L, out, in\] \(layer given\)"):
