@@ -806,10 +806,10 @@ class EngineConfig:
     `quantization` (QUANTIZATIONS; llmjax/model/quant.py): 'none'; 'int8', W8A8 dynamic (weights
     int8 per output channel, activations int8 per token at run time, int32 accumulation; norms,
     biases and an untied embedding stay in `dtype`); 'int8_wo', weight-only int8 (the same
-    per-channel weights, activations kept in `dtype`, float32 sums); 'q8_0', 'q4_0', 'q4_1', the float weights
-    quantized into those GGUF block formats as llama.cpp does; 'gguf', a GGUF checkpoint's Q8_0 /
-    Q4_0 / Q4_1 tensors kept in their blocks as stored (the rest loaded in `dtype`). Activations
-    and the KV cache stay in `dtype`.
+    per-channel weights, activations kept in `dtype`, float32 sums); 'q8_0', 'q4_0', 'q4_1',
+    the float weights quantized into those GGUF block formats as llama.cpp does; 'gguf', a GGUF
+    checkpoint's Q8_0 / Q4_0 / Q4_1 tensors kept in their blocks as stored (the rest loaded in
+    `dtype`). Activations and the KV cache stay in `dtype`.
     `max_model_len` (prompt + generated tokens per request) defaults to the model's
     `max_position_embeddings`. `attention_backend` (ATTENTION_BACKENDS): 'reference' (plain jnp,
     llmjax/model/attention.py), 'pallas' (the ragged paged attention kernels of kernels_pallas/:

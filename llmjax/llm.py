@@ -149,9 +149,10 @@ class LLM:
 
     Weights: `model` (a preset, a .gguf file, an HF or orbax directory), `dtype` (of the weights,
     activations and KV cache), `quantization` ('none'; 'int8': W8A8 dynamic int8 matmuls;
-    'int8_wo': weight-only int8 (activations stay in `dtype`); 'q8_0', 'q4_0', 'q4_1': the weights quantized to those GGUF block formats; 'gguf': a GGUF
-    file's Q8_0/Q4_0/Q4_1 blocks kept as stored; see EngineConfig and
-    llmjax/model/quant.py), `tokenizer`, `load_format` ('dummy': random weights).
+    'int8_wo': weight-only int8 (activations stay in `dtype`); 'q8_0', 'q4_0', 'q4_1': the
+    weights quantized to those GGUF block formats; 'gguf': a GGUF file's Q8_0/Q4_0/Q4_1 blocks
+    kept as stored; see EngineConfig and llmjax/model/quant.py), `tokenizer`, `load_format`
+    ('dummy': random weights).
 
     Engine options: `max_model_len` (prompt + generated tokens per request; default the model's
     context, capped at 4096), `page_size`, `num_pages` (default: what the memory budget allows),

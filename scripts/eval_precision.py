@@ -10,7 +10,7 @@ For each --precisions entry (name=dtype:quantization; the first is the reference
 Prints a table, writes JSON to --out.
 
     python scripts/eval_precision.py                       # ~3 min on 2 CPU cores
-    python scripts/eval_precision.py --precisions f32=float32:none,int8=float32:int8,int8_wo=float32:int8_wo
+    python scripts/eval_precision.py --precisions f32=float32:none,int8_wo=float32:int8_wo
 """
 
 from __future__ import annotations

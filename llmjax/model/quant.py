@@ -171,9 +171,7 @@ def pack_dense(w, in_ndim: int = 1, out_first: bool = False) -> PackedWeight:
     )
 
 
-def quantize_int8(
-    w, in_ndim: int = 1, out_first: bool = False, fmt: str = "int8"
-) -> PackedWeight:
+def quantize_int8(w, in_ndim: int = 1, out_first: bool = False, fmt: str = "int8") -> PackedWeight:
     """A plain float weight -> int8 per output channel, symmetric: scale = max|row| / 127
     (`fmt` 'int8': W8A8, 'int8_wo': weight-only; the same codes and scales)."""
     m = np.asarray(_as_out_in(np.asarray(w, np.float32), in_ndim, out_first), np.float32)
@@ -233,8 +231,9 @@ def quantize_blocks(w, fmt: str, in_ndim: int = 1, out_first: bool = False) -> P
 
 def quantize_params(params, method: str):
     """Every weight matrix of a (list-layout) parameter tree packed by `method` ('int8':
-    W8A8 per-channel int8 of the float weights; 'int8_wo': the same weights, weight-only; 'q8_0', 'q4_0', 'q4_1': GGUF blocks, quantized
-    as llama.cpp does; 'dense': transposed, same dtype). The tied
+    W8A8 per-channel int8 of the float weights; 'int8_wo': the same weights, weight-only;
+    'q8_0', 'q4_0', 'q4_1': GGUF blocks, quantized as llama.cpp does; 'dense': transposed, same
+    dtype). The tied
     embedding is packed too (it is also the LM head: lookups dequantize their rows), an untied
     embedding is not (a lookup reads one row; `lm_head` is packed instead). Norms and biases stay
     plain. Already packed weights (GGUF blocks) are kept."""
