@@ -379,8 +379,11 @@ class SchedulerConfig:
     token bucket (`EngineConfig.token_buckets_per_octave`), and where work runs out below the
     budget, the step's last prefill chunk is cut down to the bucket below when that defers
     fewer tokens than the padding it saves (16 decodes + a 437-token chunk = 453 tokens, padded
-    to 512, runs as 448 and leaves 5 tokens for the next step). Off: the authors' chunking,
-    every chunk as long as the budget and the prompt allow.
+    to 512, runs as 448 and leaves 5 tokens for the next step). The chunk cut is the last of its
+    prompt (a chunk cut short by the budget leaves no padding), so its request's first token
+    comes a step later: only steps cut down to `fit_min_tokens` tokens or more are cut, where
+    the padding costs in proportion (below it a step's time hardly depends on its tokens).
+    Off: the authors' chunking, every chunk as long as the budget and the prompt allow.
     """
 
     policy: str = "sarathi"
@@ -392,10 +395,12 @@ class SchedulerConfig:
     balance_micro_batches: bool = False
     latency_token_budget: int | None = None
     fit_to_buckets: bool = True
+    fit_min_tokens: int = 128
 
     def __post_init__(self):
         _check_positive(
             self,
+            "fit_min_tokens",
             "max_num_seqs",
             "max_num_batched_tokens",
             "lpm_max_queue_len",

@@ -117,6 +117,8 @@ class Scenario:
     token_buckets_per_octave: int = 4
     # SchedulerConfig.fit_to_buckets: the last prefill chunk cut to land on a token bucket
     fit_to_buckets: bool = True
+    # SchedulerConfig.fit_min_tokens (drawn small: the default, 128, is past these budgets)
+    fit_min_tokens: int = 128
 
     def config(self) -> EngineConfig:
         return EngineConfig(
@@ -134,6 +136,7 @@ class Scenario:
                 admission_order=self.admission_order,
                 balance_micro_batches=self.balance_micro_batches,
                 fit_to_buckets=self.fit_to_buckets,
+                fit_min_tokens=self.fit_min_tokens,
             ),
             max_model_len=self.max_model_len,
             token_buckets_per_octave=self.token_buckets_per_octave,
@@ -305,6 +308,7 @@ def scenarios(draw, policy: str, prefix_cache: str = "none", admission_order: st
         num_speculative_tokens=0 if depth > 1 else draw(st.sampled_from([0, 0, 1, 3])),
         token_buckets_per_octave=draw(st.sampled_from([1, 2, 4]), label="token buckets"),
         fit_to_buckets=draw(st.sampled_from([True, True, False]), label="fit to buckets"),
+        fit_min_tokens=draw(st.sampled_from([1, 1, 1, 8]), label="fit min tokens"),
     )
 
 
@@ -612,7 +616,7 @@ def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) ->
 
 def check_fit(sc: Scenario, sched, batch) -> None:
     """`fit_to_buckets`: a step lands on its token bucket by cutting its last prefill chunk
-    exactly when that leaves the chunk a token, defers fewer tokens than the padding it saves,
+    exactly when the bucket below has at least `fit_min_tokens`, the cut leaves the chunk a token, defers fewer tokens than the padding it saves,
     and grows a next step that the batch's other sequences make anyway (a token each) by less
     than this step shrinks; and the chunk cut never reaches the end of its prompt."""
     buckets = token_buckets(sc.max_num_batched_tokens, sc.token_buckets_per_octave)
@@ -628,6 +632,7 @@ def check_fit(sc: Scenario, sched, batch) -> None:
         sc.fit_to_buckets
         and sc.policy in CHUNKED
         and others >= 1
+        and lo >= sc.fit_min_tokens
         and hi != full
         and not last.spec
         and not last.is_decode

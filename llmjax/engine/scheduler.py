@@ -298,7 +298,8 @@ class Scheduler:
     def _fit_to_bucket(self, batch: ScheduledBatch) -> None:
         """Land the step on its token bucket where a prefill chunk can give way. A step of T
         tokens between buckets lo < T < hi is padded to hi; its last prefill chunk's last
-        T - lo tokens move to the next step instead when (1) the chunk keeps a token, (2) that
+        T - lo tokens move to the next step instead when (0) lo >= `fit_min_tokens` (smaller
+        steps cost about the same padded or not), (1) the chunk keeps a token, (2) that
         defers fewer tokens than the padding it saves (T - lo < hi - T), and (3) there is a next
         step anyway, which they grow by less than this one shrinks: another sequence of this step
         runs again (a decode, or a chunk whose prompt ends now), and with one token for each of
@@ -313,7 +314,7 @@ class Scheduler:
         hi = min(b for b in buckets if b >= T)
         seq = batch.seqs[-1]
         cut = T - lo
-        if hi == T or seq.spec or seq.is_decode or seq.num_new_tokens <= cut or cut >= hi - T:
+        if lo < self.config.fit_min_tokens or hi == T or seq.spec or seq.is_decode or seq.num_new_tokens <= cut or cut >= hi - T:
             return
         nxt = len(batch.seqs) - 1  # tokens of the next step at least: a decode per other sequence
         bucket = lambda n: min(b for b in buckets if b >= n)
