@@ -314,7 +314,9 @@ class Scheduler:
         hi = min(b for b in buckets if b >= T)
         seq = batch.seqs[-1]
         cut = T - lo
-        if lo < self.config.fit_min_tokens or hi == T or seq.spec or seq.is_decode or seq.num_new_tokens <= cut or cut >= hi - T:
+        if lo < self.config.fit_min_tokens or hi == T or seq.spec or seq.is_decode:
+            return
+        if seq.num_new_tokens <= cut or cut >= hi - T:
             return
         nxt = len(batch.seqs) - 1  # tokens of the next step at least: a decode per other sequence
         bucket = lambda n: min(b for b in buckets if b >= n)
