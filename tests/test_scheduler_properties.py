@@ -616,9 +616,10 @@ def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) ->
 
 def check_fit(sc: Scenario, sched, batch) -> None:
     """`fit_to_buckets`: a step lands on its token bucket by cutting its last prefill chunk
-    exactly when the bucket below has at least `fit_min_tokens`, the cut leaves the chunk a token, defers fewer tokens than the padding it saves,
-    and grows a next step that the batch's other sequences make anyway (a token each) by less
-    than this step shrinks; and the chunk cut never reaches the end of its prompt."""
+    exactly when the bucket below has at least `fit_min_tokens` tokens, the cut leaves the chunk
+    a token, defers fewer tokens than the padding it saves, and grows a next step that the
+    batch's other sequences make anyway (a token each) by less than this step shrinks; and the
+    chunk cut never reaches the end of its prompt."""
     buckets = token_buckets(sc.max_num_batched_tokens, sc.token_buckets_per_octave)
     full = batch.num_tokens + batch.num_deferred  # the step as scheduled before the cut
     if not batch.seqs:
