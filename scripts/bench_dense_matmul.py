@@ -12,6 +12,9 @@ Implementations, each y[T, out] float32 from x[T, in] float32:
   xla_f32       XLA's x @ w, w float32 [in, out]
   xla_f32_oi    XLA's dot_general(x, w, (((1,), (1,)), ((), ()))), w float32 [out, in]
   xla_bf16_oi   the same on bfloat16 x and w [out, in], preferred_element_type float32
+  xla_bf16_f32_oi  bfloat16 x and w [out, in] widened to float32 in the program, then XLA's
+                float32 dot (what the model does for bf16 weights at prefill sizes on CPUs
+                without bf16 dot instructions)
 A kernel's name may end in @TILE to run the AVX2 engine with that register tile from 3 tokens on
 (tokens * 10 + outputs: 24, 42, 33, 34, 43; the library's default otherwise), e.g.
 --impls kernel_f32@24,kernel_f32@34 compares two tiles in one run.
@@ -47,7 +50,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-IMPLS = ("kernel_f32", "kernel_bf16", "xla_f32", "xla_f32_oi", "xla_bf16_oi")
+IMPLS = ("kernel_f32", "kernel_bf16", "xla_f32", "xla_f32_oi", "xla_bf16_oi", "xla_bf16_f32_oi")
 
 flags.DEFINE_list("shapes", ["576x1536", "1536x576", "576x49152"], "Weights as INxOUT.")
 flags.DEFINE_list("impls", list(IMPLS), f"Implementations, of {IMPLS}.")
@@ -90,6 +93,10 @@ def apply_fn(impl: str):
         return lambda x, w: x @ w
     if impl == "xla_f32_oi":
         return lambda x, w: jax.lax.dot_general(x, w, dims)
+    if impl == "xla_bf16_f32_oi":
+        return lambda x, w: jax.lax.dot_general(
+            x.astype(jnp.bfloat16).astype(jnp.float32), w.astype(jnp.float32), dims
+        )
     if impl == "xla_bf16_oi":
         return lambda x, w: jax.lax.dot_general(
             x.astype(jnp.bfloat16), w, dims, preferred_element_type=jnp.float32

@@ -252,7 +252,9 @@ def test_weight_only_int8_takes_the_dense_kernel_at_decode_sizes():
 def test_dense_weights_take_the_cpu_kernel_at_decode_sizes_and_xla_above(dtype):
     """With AVX-512, float32: the kernel up to DENSE_KERNEL_MAX_TOKENS, XLA's GEMM above; bf16:
     the kernel at every size (its AMX path is as fast as XLA's there and reads a scanned layer
-    in place). With the AVX2 engine, AVX2_DENSE_KERNEL_TOKENS; without a vector engine, never."""
+    in place). With the AVX2 engine, AVX2_DENSE_KERNEL_TOKENS, and above them bf16 weights
+    widened to float32 for XLA's GEMM from AVX2_BF16_WIDEN_TOKENS; without a vector engine,
+    never the kernel."""
     w = quant.pack_dense(_random_weight(np.random.default_rng(0), (64, 96)).astype(dtype))
     w = jax.tree.map(jnp.asarray, w)
     lo, hi = quant.dense_kernel_tokens(dtype)
@@ -268,11 +270,15 @@ def test_dense_weights_take_the_cpu_kernel_at_decode_sizes_and_xla_above(dtype):
             )
     else:
         assert lo > hi
-    for T in (1, 2, 32, 33, 64, 128):
+    for T in (1, 2, 32, 33, 64, 128, 256):
         want_kernel = lo <= T <= hi
         x = jnp.asarray(_random_weight(np.random.default_rng(T), (T, 64)), dtype)
         text = jax.jit(quant.qdot).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
         assert ("llmjax_cpu_dense_matmul" in text) == want_kernel, T
+        if not want_kernel and dtype == jnp.bfloat16:  # XLA's bf16 dot, or widened (AVX2)
+            dots = [line for line in text.splitlines() if "dot_general" in line]
+            widened = quant._widen_bf16(dtype, T)
+            assert dots and all(("bf16" in d) != widened for d in dots), (T, dots)
         y = np.asarray(jax.jit(quant.qdot)(x, w), np.float32)
         exact = np.asarray(x, np.float64) @ np.asarray(w.values, np.float64).T
         # bf16: x's rounding (2^-8 relative) and the output's (2^-9), of at most sum |x||w|.

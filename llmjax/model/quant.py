@@ -358,12 +358,13 @@ def int8_dot_xla(x, w: PackedWeight):
     return acc.astype(jnp.float32) * sx[:, None] * w.scales[None, :]
 
 
-def dense_dot_xla(x, w, scales=None):
-    """x @ w.T with XLA's dot, w [out, in] (a dense PackedWeight, or int8 codes with their
-    per-output `scales`: weight-only int8, the codes widened to x's dtype in the dot)."""
+def dense_dot_xla(x, w, scales=None, widen: bool = False):
+    """x @ w.T with XLA's dot, w [out, in] (a dense PackedWeight or its values); `widen`: the
+    values widened to x's dtype first (int8 codes, or bfloat16 weights for a float32 GEMM);
+    `scales`: per-output factors of the result (weight-only int8)."""
     T = x.shape[0]
     values = w.values if is_packed(w) else w
-    if scales is not None:
+    if widen:
         values = values.astype(x.dtype)
     y = jax.lax.dot_general(
         _pad_one_row(x.astype(values.dtype)),
@@ -414,6 +415,11 @@ AVX2_DENSE_KERNEL_TOKENS = {
     jnp.dtype(jnp.bfloat16): (1, 32),
     jnp.dtype(jnp.int8): (1, 32),
 }
+# Above the kernel's range on the AVX2 engine (no bf16 dot instructions), bfloat16 weights are
+# widened to float32 in the step from this many tokens on, for XLA's float32 GEMM: at 512 tokens
+# 6.6 ms for [576, 1536] against 8.6 for XLA's bf16 dot (the widening itself ~1.5 ms, so at 128
+# tokens it loses: 3.1 against 2.2; scripts/bench_dense_matmul.py --impls xla_bf16_f32_oi).
+AVX2_BF16_WIDEN_TOKENS = 256
 # int8 weights likewise (scripts/bench_qmatmul.py: the kernel wins to ~64 tokens); the GGUF block
 # formats take the kernel at every size (XLA has no form for them but dequantizing).
 INT8_KERNEL_MAX_TOKENS = 64
@@ -448,6 +454,17 @@ def dense_kernel_tokens(dtype) -> tuple[int, int]:
     return (1, 1 << 62 if dtype == jnp.bfloat16 else DENSE_KERNEL_MAX_TOKENS)
 
 
+def _widen_bf16(dtype, T: int) -> bool:
+    """Whether bfloat16 weights run as float32 at T tokens (AVX2_BF16_WIDEN_TOKENS)."""
+    if jnp.dtype(dtype) != jnp.bfloat16 or T < AVX2_BF16_WIDEN_TOKENS:
+        return False
+    if _cpu_dense_kernel() is None:
+        return False
+    from kernels_cpu import build
+
+    return build.engines()["dense_matmul"] == "avx2"
+
+
 def cpu_dot(x, w: PackedWeight):
     if w.fmt == "int8_wo":  # weight-only int8: the dense kernel on the codes, then the scales
         lo, hi = dense_kernel_tokens(jnp.int8)
@@ -460,7 +477,7 @@ def cpu_dot(x, w: PackedWeight):
             except ValueError as e:  # a shape the kernel does not take (checked while tracing)
                 logger.debug("dense kernel refused int8 %s: %s; XLA's dot instead", w.shape, e)
         w = w.one_layer()
-        return dense_dot_xla(x.astype(jnp.float32), w.values, scales=w.scales)
+        return dense_dot_xla(x.astype(jnp.float32), w.values, scales=w.scales, widen=True)
     if w.fmt == "dense":
         lo, hi = dense_kernel_tokens(w.values.dtype)
         kernel = _cpu_dense_kernel() if lo <= x.shape[0] <= hi else None
@@ -469,6 +486,9 @@ def cpu_dot(x, w: PackedWeight):
                 return kernel(x.astype(w.values.dtype), w.values, layer=w.layer)
             except ValueError as e:  # a shape the kernel does not take (checked while tracing)
                 logger.debug("dense kernel refused %s: %s; XLA's dot instead", w.shape, e)
+        if _widen_bf16(w.values.dtype, x.shape[0]):
+            w = w.one_layer()
+            return dense_dot_xla(x.astype(jnp.float32), w.values, widen=True)
     kernel = _cpu_kernel() if w.fmt in CPU_KERNEL_FORMATS else None
     if w.fmt == "int8" and x.shape[0] > INT8_KERNEL_MAX_TOKENS:
         kernel = None  # XLA's int8 GEMM (oneDNN) is faster at prefill sizes
