@@ -36,6 +36,7 @@
 // scalar dot products run far slower than XLA's dot, and the model does not call the kernel.
 
 #include <atomic>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -745,6 +746,23 @@ void to_f32(ffi::ThreadPool& pool, const E* x, int64_t T, int64_t in, bool round
   });
 }
 
+// Float32 or int8 weights (W) with float32 x: the products and sums in float32 (int8 codes
+// widened exactly; the caller scales the outputs), by the engine compiled for this CPU.
+template <typename W>
+void float_x_dots(ffi::ThreadPool& pool, const W* w, int64_t in, int64_t out, const float* x,
+                  int64_t T, float* y) {
+  static_assert(std::is_same_v<W, float> || std::is_same_v<W, int8_t>);
+#if LLMJAX_DENSE_AVX512
+  using K = std::conditional_t<std::is_same_v<W, float>, F32Kernel, I8Kernel>;
+  avx512_dots<K>(pool, w, in, out, x, in, T, 0, out, y);
+#elif LLMJAX_DENSE_AVX2
+  using K = std::conditional_t<std::is_same_v<W, float>, Avx2F32, Avx2I8>;
+  avx2_dots<K>(pool, w, in, out, x, T, y);
+#else
+  portable_dots(pool, w, in, out, x, T, y);
+#endif
+}
+
 ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
@@ -767,37 +785,17 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   thread_local std::vector<float> xf_scratch;  // reused by this thread's calls
   thread_local std::vector<uint16_t> xh_scratch;
 
-  if (w_i8) {  // int8 weights: x in float32 (exact), the products and sums in float32
-    const int8_t* wp = static_cast<const int8_t*>(w.untyped_data()) + l * out * in;
+  if (!w_bf16) {  // float32 or int8 weights: x in float32 (bfloat16 x widened, exact)
     if (x_bf16) {
       float* buf = aligned64(xf_scratch, T * in);
       to_f32(pool, xh, T, in, false, buf);
       xf = buf;
     }
-#if LLMJAX_DENSE_AVX512
-    avx512_dots<I8Kernel>(pool, wp, in, out, xf, in, T, 0, out, yp);
-#elif LLMJAX_DENSE_AVX2
-    avx2_dots<Avx2I8>(pool, wp, in, out, xf, T, yp);
-#else
-    portable_dots(pool, wp, in, out, xf, T, yp);
-#endif
-    return ffi::Error::Success();
-  }
-
-  if (!w_bf16) {
-    const float* wp = static_cast<const float*>(w.untyped_data()) + l * out * in;
-    if (x_bf16) {
-      float* buf = aligned64(xf_scratch, T * in);
-      to_f32(pool, xh, T, in, false, buf);
-      xf = buf;
-    }
-#if LLMJAX_DENSE_AVX512
-    avx512_dots<F32Kernel>(pool, wp, in, out, xf, in, T, 0, out, yp);
-#elif LLMJAX_DENSE_AVX2
-    avx2_dots<Avx2F32>(pool, wp, in, out, xf, T, yp);
-#else
-    portable_dots(pool, wp, in, out, xf, T, yp);
-#endif
+    const int64_t at = l * out * in;
+    if (w_i8)
+      float_x_dots(pool, static_cast<const int8_t*>(w.untyped_data()) + at, in, out, xf, T, yp);
+    else
+      float_x_dots(pool, static_cast<const float*>(w.untyped_data()) + at, in, out, xf, T, yp);
     return ffi::Error::Success();
   }
 
