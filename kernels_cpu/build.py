@@ -12,8 +12,9 @@ the plain-jnp paths.
 
 `engines()` names the code paths the library was compiled with for this CPU. The matmul kernels
 are written for AVX-512 (VNNI, bf16 dots, AMX); on a CPU without it (AVX2 only: AMD Zen 2/3,
-Intel before Skylake-SP) they take portable scalar loops that run 3-25x slower than XLA's own
-dot (scripts/bench_dense_matmul.py, bench_qmatmul.py), so the model then keeps XLA's dot
+Intel before Skylake-SP) the dense kernel runs its AVX2 engine, and the qmatmul kernel its
+portable scalar loops, 3-25x slower than XLA's own dot (scripts/bench_dense_matmul.py,
+bench_qmatmul.py), so the model takes each only where it measured faster
 (llmjax/model/quant.py). The attention kernel's portable path still beats the jnp reference.
 """
 
