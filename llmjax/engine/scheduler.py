@@ -37,6 +37,7 @@ leaves.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import deque
 
@@ -310,8 +311,9 @@ class Scheduler:
         if not (self.config.fit_to_buckets and buckets and len(batch.seqs) > 1):
             return
         T = batch.num_tokens
-        lo = max((b for b in buckets if b < T), default=0)
-        hi = min(b for b in buckets if b >= T)
+        bucket = lambda n: buckets[bisect.bisect_left(buckets, n)]  # n padded (sorted buckets)
+        i = bisect.bisect_left(buckets, T)
+        lo, hi = buckets[i - 1] if i else 0, buckets[i]
         seq = batch.seqs[-1]
         cut = T - lo
         if lo < self.config.fit_min_tokens or hi == T or seq.spec or seq.is_decode:
@@ -319,7 +321,6 @@ class Scheduler:
         if seq.num_new_tokens <= cut or cut >= hi - T:
             return
         nxt = len(batch.seqs) - 1  # tokens of the next step at least: a decode per other sequence
-        bucket = lambda n: min(b for b in buckets if b >= n)
         if bucket(nxt + cut) - bucket(nxt) >= hi - lo:
             return
         batch.shrink(seq, cut)

@@ -466,29 +466,21 @@ def _widen_bf16(dtype, T: int) -> bool:
 
 
 def cpu_dot(x, w: PackedWeight):
-    if w.fmt == "int8_wo":  # weight-only int8: the dense kernel on the codes, then the scales
-        lo, hi = dense_kernel_tokens(jnp.int8)
-        kernel = _cpu_dense_kernel() if lo <= x.shape[0] <= hi else None
-        if kernel is not None:
-            try:
-                y = kernel(x.astype(jnp.float32), w.values, layer=w.layer)
-                scales = w.scales if w.layer is None else w.scales[w.layer]
-                return y * scales[None, :]
-            except ValueError as e:  # a shape the kernel does not take (checked while tracing)
-                logger.debug("dense kernel refused int8 %s: %s; XLA's dot instead", w.shape, e)
-        w = w.one_layer()
-        return dense_dot_xla(x.astype(jnp.float32), w.values, scales=w.scales, widen=True)
-    if w.fmt == "dense":
+    if w.fmt in ("dense", "int8_wo"):  # the dense kernel (int8_wo: on the codes, then scaled)
+        wo = w.fmt == "int8_wo"
         lo, hi = dense_kernel_tokens(w.values.dtype)
         kernel = _cpu_dense_kernel() if lo <= x.shape[0] <= hi else None
         if kernel is not None:
             try:
-                return kernel(x.astype(w.values.dtype), w.values, layer=w.layer)
+                y = kernel(x.astype(jnp.float32 if wo else w.values.dtype), w.values, layer=w.layer)
+                if not wo:
+                    return y
+                return y * (w.scales if w.layer is None else w.scales[w.layer])[None, :]
             except ValueError as e:  # a shape the kernel does not take (checked while tracing)
                 logger.debug("dense kernel refused %s: %s; XLA's dot instead", w.shape, e)
-        if _widen_bf16(w.values.dtype, x.shape[0]):
+        if wo or _widen_bf16(w.values.dtype, x.shape[0]):  # XLA's f32 GEMM, values widened
             w = w.one_layer()
-            return dense_dot_xla(x.astype(jnp.float32), w.values, widen=True)
+            return dense_dot_xla(x.astype(jnp.float32), w.values, scales=w.scales, widen=True)
     kernel = _cpu_kernel() if w.fmt in CPU_KERNEL_FORMATS else None
     if w.fmt == "int8" and x.shape[0] > INT8_KERNEL_MAX_TOKENS:
         kernel = None  # XLA's int8 GEMM (oneDNN) is faster at prefill sizes
