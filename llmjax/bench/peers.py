@@ -449,12 +449,16 @@ def _engine_entry(p: EngineProcess, opts: Options) -> dict:
 
 
 def peer_weight_bytes(spec: EngineSpec, opts: Options) -> int:
-    """A peer's weight bytes: OpenVINO's stored IR weights; otherwise the HF directory's
+    """A peer's weight bytes: OpenVINO's stored IR weights (halved for a float32 IR run at
+    bfloat16); otherwise the HF directory's
     parameters at the width the engine computes with (ct2's int8 types: one byte)."""
     if spec.engine == "openvino":
         path = os.path.join(peer_engines.export_dir("openvino", spec.kwargs, opts.hf_dir),
                             "openvino_model.bin")  # fmt: skip
-        return os.path.getsize(path) if os.path.exists(path) else 0
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        # The CPU plugin repacks a float IR's matmul weights to the inference precision.
+        fmt = spec.kwargs.get("weight_format", "fp32")
+        return size // 2 if fmt == "fp32" and spec.dtype in ("bfloat16", "float16") else size
     dtype = spec.dtype
     if spec.engine == "ct2" and peer_engines.ct2_compute_type(spec.kwargs).startswith("int8"):
         dtype = "int8"

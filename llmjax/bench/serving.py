@@ -245,3 +245,29 @@ def summarize_serving(
         summary["goodput_slos_ms"] = {k: v * 1000.0 for k, v in goodput.items()}
     summary["errors"] = sorted({r.error for r in results if r.error})[:5]
     return summary
+
+
+# The servers' latency histograms scripts/bench_serving.py reads from /metrics (any prefix).
+HISTOGRAMS = {"time_to_first_token_seconds": "ttft", "inter_token_latency_seconds": "itl"}
+
+
+def server_means(before: dict, after: dict) -> dict:
+    """What the server measured between two /metrics reads: mean TTFT / ITL, and llmjax's
+    steps (count, real and padded tokens per step, ms per step)."""
+    means = {}
+    delta = {
+        name: tuple(b - a for a, b in zip(before.get(name, (0.0, 0.0)), after[name], strict=True))
+        for name in after
+    }
+    for name, key in HISTOGRAMS.items():
+        s, n = delta.get(name, (0.0, 0.0))
+        means[f"server_mean_{key}_ms"] = 1000 * s / n if n else None
+    tokens, steps = delta.get("iteration_tokens_total", (0.0, 0.0))
+    if steps:
+        means["server_num_steps"] = int(steps)
+        means["server_tokens_per_step"] = tokens / steps
+        duration = delta.get("step_duration_seconds")  # llmjax's; vLLM's server has none
+        means["server_ms_per_step"] = 1000 * duration[0] / steps if duration else None
+        padded = delta.get("padded_tokens", (0.0, 0.0))[0]
+        means["server_padded_tokens_per_step"] = padded / steps if padded else None
+    return means
