@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import httpx
 from absl import app, flags
 
 from llmjax import engine_flags
-from llmjax.bench.serving import HISTOGRAMS, server_means
+from llmjax.bench.serving import HISTOGRAMS, server_means, stop_server
 
 engine_flags.define_flags()  # for --launch_server and --offline: the engine to build
 flags.adopt_module_key_flags(engine_flags)
@@ -210,15 +209,6 @@ def launch_server():
                 f"the server did not answer /health in {FLAGS.server_startup_timeout} s"
             )
         time.sleep(0.5)
-
-
-def stop_server(proc) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 # llmjax's step histograms and counters (other servers have none: their rows stay empty)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from llmjax.bench.serving import stop_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVING_KINDS = ("llmjax", "vllm")
@@ -139,16 +140,6 @@ def start_server(spec, opts, workload: ServingWorkload, timeout: float = 900):
             stop_server(proc)
             raise RuntimeError(f"{spec.name}: no answer on /health in {timeout} s; {log_path}")
         time.sleep(0.5)
-
-
-def stop_server(proc) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _tail(path: str, n: int = 3000) -> str:

@@ -271,3 +271,18 @@ def server_means(before: dict, after: dict) -> dict:
         padded = delta.get("padded_tokens", (0.0, 0.0))[0]
         means["server_padded_tokens_per_step"] = padded / steps if padded else None
     return means
+
+
+def stop_server(proc, timeout: float = 60) -> None:
+    """Stop a server process as a user would (SIGINT: it drains and exits), killing it only if
+    it has not exited after `timeout` seconds."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
