@@ -363,6 +363,7 @@ def test_harness_end_to_end(tmp_path):
         "--serving_max_concurrency=2",
         "--serving_max_num_seqs=2",
         "--serving_clients=bench_serving",
+        "--serving_warmup=0",
     ]
     cmd += ["--max_model_len=128", "--bandwidth_mib=16", "--matmul_n=128", "--cold"]
     cmd += [f"--out={out}", f"--engine_log_dir={tmp_path / 'logs'}"]
