@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 from llmjax.bench.serving import stop_server
+from llmjax.kvstore.mooncake_master import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVING_KINDS = ("llmjax", "vllm")
@@ -40,12 +40,6 @@ class ServingWorkload:
         return (
             f"serve {self.num_prompts}x({self.input_len}+{self.output_len}) c{self.max_concurrency}"
         )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _flag(key: str, value, dash: str) -> list[str]:
@@ -117,7 +111,7 @@ def start_server(spec, opts, workload: ServingWorkload, timeout: float = 900):
     """(process, base URL, log path) once the server answers GET /health with 200."""
     import httpx
 
-    port = _free_port()
+    port = free_port()
     cmd = server_command(spec, opts, workload, port)
     log_path = os.path.join(opts.log_dir, f"serve-{spec.engine}-{spec.name}.log")
     env = dict(os.environ) | opts.envs.get(spec.engine, {})
@@ -149,7 +143,8 @@ def _tail(path: str, n: int = 3000) -> str:
 
 def llmjax_client(url: str, workload: ServingWorkload, vocab_size: int, out_dir: str) -> dict:
     """scripts/bench_serving.py against `url`: its "server" run (vLLM's metric names)."""
-    out = os.path.join(out_dir, f"bench_serving-{_free_port()}.json")
+    fd, out = tempfile.mkstemp(prefix="bench_serving-", suffix=".json", dir=out_dir)
+    os.close(fd)
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"), f"--base_url={url}",
            "--dataset=random", f"--num_prompts={workload.num_prompts}",
            f"--random_input_len={workload.input_len}",
@@ -170,7 +165,9 @@ def vllm_client(url: str, workload: ServingWorkload, opts, served_model: str, ou
     """`vllm bench serve` against `url` (warm-up passes with another seed first)."""
     result = {}
     for seed in [*(1000 + i for i in range(workload.warmup)), 0]:
-        name = f"vllm-bench-{_free_port()}.json"
+        fd, path = tempfile.mkstemp(prefix="vllm-bench-", suffix=".json", dir=out_dir)
+        os.close(fd)
+        name = os.path.basename(path)
         cmd = [*vllm_cli(opts), "bench", "serve", "--backend", "vllm", "--base-url", url,
                "--model", served_model, "--tokenizer", opts.hf_dir,
                "--dataset-name", "random", "--random-input-len", str(workload.input_len),
