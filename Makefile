@@ -48,7 +48,7 @@ lint: $(STAMP)
 
 # Wheels that the lent GPU machine lacks (it has no network): see scripts/device_check.sh.
 wheelhouse: $(STAMP)
-	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --dest .whl gguf==0.19.0
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --dest .whl gguf==0.19.0 ml_collections==1.1.0
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -234,7 +234,7 @@ def _define_kernel_flags(f: dict) -> None:
         list(LAYER_LOOPS),
         "How the step runs the decoder layers: 'scan' (lax.scan over stacked weights: compile "
         "time independent of depth), 'unroll' (one copy of the layer per layer in the program), "
-        "'auto' (scan, except with a sparse KV mode); see EngineConfig.layer_loop.",
+        "'auto' (scan; unrolled on GPUs and with a sparse KV mode); see EngineConfig.layer_loop.",
         **f,
     )
 

@@ -16,7 +16,8 @@ Implementations (--implementations):
   jax_gpu_mha      jax.experimental.pallas.ops.gpu.attention.mha, causal (CUDA; the prefill batch
                    only; K/V repeated to every query head, as it has no GQA)
   jax_gpu_fa3      jax.experimental.pallas.ops.gpu.attention_mgpu.attention, causal, GQA: JAX's
-                   FlashAttention-3 on Mosaic GPU (Hopper; bf16/f16; the prefill batch only)
+                   FlashAttention-3 on Mosaic GPU (Hopper; run in float16, the only dtype
+                   it lowers for in JAX 0.11.2; the prefill batch only)
   cudnn            jax.nn.dot_product_attention(implementation="cudnn"), causal, GQA (CUDA; the
                    prefill batch only): the vendor's flash attention, the bar for prefill
   flash_tpu, flash_gpu, flash_mgpu  kernels_pallas/flash_prefill: Mosaic TPU, Triton GPU,
@@ -297,9 +298,13 @@ def implementation(name: str, platform: str, case, args: list, scale: float, ker
                 return "JAX's Mosaic GPU attention takes bf16/f16 and a multiple of 128 tokens"
             tuning = dict(block_q=64, block_kv=64, max_concurrent_steps=2) | (kernel_kw or {})
             config = attention_mgpu.TuningConfig(**tuning, causal=True)
-            # No sm_scale argument: q is pre-scaled.
+            # No sm_scale argument: q is pre-scaled. JAX 0.11.2's kernel allocates its SMEM
+            # tiles as float16 whatever the inputs (bf16 fails to lower: "src had type bfloat16
+            # and dst had type float16", H200, 2026-12-04), so it is timed in float16: the same
+            # bytes and FLOPs.
+            f16 = [x.astype(jnp.float16) for x in (qn * scale, kd, vd)]
             fn = functools.partial(attention_mgpu.attention, config=config)
-            return jax.jit(fn), (qn * scale, kd, vd)
+            return jax.jit(lambda *a: fn(*a).astype(q.dtype)), tuple(f16)
         if name == "cudnn":
             fn = functools.partial(
                 jax.nn.dot_product_attention, scale=scale, is_causal=True, implementation="cudnn"

@@ -1,8 +1,8 @@
 #!/bin/bash
 # One prepared run for a lent NVIDIA GPU machine (sessions get ~15 minutes of device time in all).
 # It runs on that machine's own python3 (Python 3.12, jax 0.11.2 with CUDA, pytest, absl,
-# tokenizers, jinja2, ... already installed; no network): only `gguf` is missing, carried as a wheel
-# in .whl/ (`make wheelhouse` here first). From this machine:
+# tokenizers, jinja2, ... already installed; no network): only `gguf` and `ml_collections` are
+# missing, carried as wheels in .whl/ (`make wheelhouse` here first). From this machine:
 #
 #   make wheelhouse
 #   device run: command "bash scripts/device_check.sh", carry [".whl"], timeout_s 580
@@ -25,8 +25,8 @@
 #           (mgpu, gpu) against JAX's paged_attention, with variants
 #   serve   scripts/benchmark.py on SmolLM2 shapes (random weights): mgpu (also warp-specialized)
 #           and gpu kernels vs reference attention
-# The limits add up to ~830 s: one run of timeout_s 580 gets through prefill and part of decode;
-# serve needs a second run (STAGES=decode,serve).
+# The limits add up to ~930 s; 2026-12-04's run: tests, layers, bench and prefill took 435 s
+# (timeout_s 560, the machine's start not counted), decode 110 s; serve needs its own run.
 # Results land in $WORK (default /tmp/device_check) and, after every stage, in
 # $OUT/results.tgz (the tool brings back at most 8 files) beside $OUT/summary.txt.
 set -u
@@ -48,7 +48,7 @@ $PY -c "import jax; print(jax.__version__, jax.devices())" 2>&1 | tee -a "$OUT/s
 # JAX's FA3 refuses causal masking on CUDA 12.8.0-12.9.0 (a ptxas miscompilation): record it.
 $PY -c "from jax._src.lib import cuda_versions as c; print('cuda runtime', c and \
 c.cuda_runtime_get_version(), 'cudnn', c and c.cudnn_get_version())" 2>&1 | tee -a "$OUT/summary.txt"
-if ! $PY -c "import gguf" 2>/dev/null; then
+if ! $PY -c "import gguf, ml_collections" 2>/dev/null; then
   log "installing carried wheels from .whl/ into /tmp/site"
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -57,11 +57,15 @@ fi
 if want tests; then
   log "tests: kernels compiled on the GPU + the engine on the Pallas backend, 150 s at most"
   # Full float32 in XLA's matmuls too (the GPU default is TF32), so float32 references are exact.
-  JAX_PLATFORMS=$PLATFORM JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 $PY -m pytest -q \
-    -p no:cacheprovider --timeout 90 -m "gpu or not slow" ${TESTS:-tests/kernels/test_rpa_mgpu.py \
+  # SIGINT at the limit: pytest stops and still prints the failures so far (2026-12-04 a plain
+  # kill left only "..F.F....": two failures, no names). -v names each test as it ends.
+  JAX_PLATFORMS=$PLATFORM JAX_DEFAULT_MATMUL_PRECISION=highest timeout -s INT -k 15 150 \
+    $PY -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout 90 -m "gpu or not slow" ${TESTS:-tests/kernels/test_rpa_mgpu.py \
     tests/kernels/test_flash_prefill_mgpu.py tests/kernels/test_rpa_gpu.py tests/kernels/test_flash_prefill_gpu.py \
     tests/kernels/test_rpa_engine.py} \
     -k "not Interpret${TESTS_K:+ and $TESTS_K}" --durations=8 > "$WORK/kernel_tests.log" 2>&1
+  grep -E "PASSED|FAILED|ERROR" "$WORK/kernel_tests.log" | grep -v "^=" | sed 's/ *\[ *[0-9]*%\]//' \
+    | tail -60 | tee -a "$OUT/summary.txt"
   tail -25 "$WORK/kernel_tests.log" | tee -a "$OUT/summary.txt"
   save
 fi
@@ -128,14 +132,14 @@ fi
 
 if want serve; then
   log "serve: SmolLM2 shapes (random weights), mgpu (+ warp-specialized) / gpu kernels vs"
-  log "  reference attention, 200 s"
+  log "  reference attention (the workload rehearsed once, so compiles are not timed), 300 s"
   for name in mgpu mgpu_ws gpu reference; do
     backend=pallas kernel=${name%_ws} options=""
     [[ $name == reference ]] && backend=reference kernel=auto
     [[ $name == mgpu_ws ]] && options="warp_specialized=true"
-    JAX_PLATFORMS=$PLATFORM timeout 50 $PY scripts/benchmark.py --model smollm2-135m-instruct \
+    JAX_PLATFORMS=$PLATFORM timeout 75 $PY scripts/benchmark.py --model smollm2-135m-instruct \
       --load_format dummy --dtype bfloat16 --workload fixed --num_requests 16 --qps inf \
-      --prompt_len 256 --output_len 32 --policies sarathi --tbt_slo 0.1 --warmup 4 --norehearse \
+      --prompt_len 256 --output_len 32 --policies sarathi --tbt_slo 0.1 --warmup 4 --rehearse \
       --attention_backend $backend --pallas_kernel $kernel --kernel_options "$options" \
       --json_out "$WORK/serve_$name.json" \
       2>"$WORK/serve_$name.log" | tee "$WORK/serve_$name.txt" \

@@ -12,7 +12,7 @@ import pytest
 
 import configs
 from llmjax import LLM, SamplingParams
-from llmjax.config import EngineConfig, SparseKVConfig
+from llmjax.config import EngineConfig, SparseKVConfig, layer_loop_scans
 from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
 from llmjax.model.params import (
@@ -122,6 +122,11 @@ def test_layer_loop_config():
     assert not EngineConfig(model=config, layer_loop="unroll").scans_layers
     sparse = SparseKVConfig(mode="offload")
     assert not EngineConfig(model=config, sparse_kv=sparse).scans_layers  # auto: unrolled
+    assert layer_loop_scans("auto", False, platform="cpu")
+    assert layer_loop_scans("auto", False, platform="tpu")
+    assert not layer_loop_scans("auto", False, platform="cuda")  # measured faster unrolled
+    assert not layer_loop_scans("auto", True, platform="cpu")
+    assert layer_loop_scans("scan", False, platform="cuda")
     with pytest.raises(ValueError, match="layer_loop='scan' does not run with sparse_kv"):
         EngineConfig(model=config, sparse_kv=sparse, layer_loop="scan")
     with pytest.raises(ValueError, match=r"unknown self\.layer_loop=.while."):
