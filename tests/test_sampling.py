@@ -142,3 +142,112 @@ def test_counter_changes_the_draw():
     logits = _logits(rows=1, vocab=1000)
     draws = {int(_run(logits, 2.0, seed=3, counter=c)[0]) for c in range(20)}
     assert len(draws) > 5
+
+
+def _keep_reference(scaled, top_k, top_p, min_p):
+    """numpy, row by row: min_p, then top-k, then top-p over the renormalized rest, on the row
+    sorted descending with ties by token id (a stable sort)."""
+    S, V = scaled.shape
+    keep = np.zeros((S, V), bool)
+    for i in range(S):
+        x = scaled[i].astype(np.float64)
+        alive = x >= x.max() + np.log(min_p[i]) if min_p[i] > 0 else np.ones(V, bool)
+        order = np.argsort(-np.where(alive, x, -np.inf), kind="stable")
+        n = int(alive.sum()) if top_k[i] <= 0 else min(int(top_k[i]), int(alive.sum()))
+        top = order[:n]
+        p = np.exp(x[top] - x[top].max())
+        p /= p.sum()
+        before = np.cumsum(p) - p
+        keep[i, top[(before < top_p[i]) | (np.arange(n) == 0)]] = True
+    return keep
+
+
+@pytest.mark.parametrize("vocab", [50, 1000])
+def test_kept_tokens_by_the_cap_or_the_full_sort_equal_the_reference(vocab):
+    """Top-k / top-p rows whose kept tokens rank within TRUNCATE_CAP (found with lax.top_k) and
+    rows that keep more (a full argsort) keep exactly the reference's tokens, in one batch and
+    with min_p, ties and -inf logits among them."""
+    import jax
+
+    from llmjax.model.sampler import TRUNCATE_CAP, _keep
+
+    rng = np.random.default_rng(vocab)
+    S = 10
+    peaked = rng.normal(size=(S, vocab)).astype(np.float32) * np.linspace(0.2, 6, S)[:, None]
+    peaked[3, :40] = peaked[3].max()  # ties at the top
+    peaked[4, ::3] = -np.inf
+    top_k = np.array([0, 5, 0, 0, 2, vocab // 2, 0, TRUNCATE_CAP + 7, 1, 0], np.int32)
+    top_p = np.array([0.9, 1.0, 0.5, 0.95, 0.8, 0.9, 0.999, 1.0, 0.3, 1.0], np.float32)
+    min_p = np.array([0, 0, 0.05, 0, 0, 0, 0, 0, 0, 0.2], np.float32)
+    got = jax.jit(_keep)(peaked, top_k, top_p, min_p)
+    np.testing.assert_array_equal(np.asarray(got), _keep_reference(peaked, top_k, top_p, min_p))
+    # The flattest rows (top_p 0.999, or top_k above the cap) took the full sort at 1000 tokens:
+    assert vocab <= TRUNCATE_CAP or _keep_reference(peaked, top_k, top_p, min_p)[6].sum() > 256
+
+
+def test_a_row_draws_the_same_token_whether_its_batch_ranks_or_sorts():
+    """A row's token depends on its own logits, parameters, seed and counter only: alone, beside
+    rows without top-k/top-p (no ranking), beside a top-k row (lax.top_k) and beside a row that
+    needs the full sort, it draws the same tokens."""
+    vocab = 2000
+    rng = np.random.default_rng(5)
+    row = (rng.normal(size=(1, vocab)) * 4).astype(np.float32)
+    flat = rng.normal(size=(1, vocab)).astype(np.float32) * 0.1
+
+    def draw(others, temps, ks, ps, seed):
+        logits = np.concatenate([row, *others])
+        S = logits.shape[0]
+        out = sample(
+            jnp.asarray(logits),
+            jnp.array([0.8, *temps], jnp.float32),
+            jnp.array([0, *ks], jnp.int32),
+            jnp.array([0.9, *ps], jnp.float32),
+            jnp.array([seed] + [99] * (S - 1), jnp.uint32),
+            jnp.zeros(S, jnp.int32),
+            all_greedy=False,
+        )
+        return int(out[0])
+
+    for seed in range(6):
+        alone = draw([], [], [], [], seed)
+        assert draw([flat], [1.0], [0], [1.0], seed) == alone  # nothing to rank
+        assert draw([flat], [1.0], [3], [1.0], seed) == alone  # ranked within the cap
+        assert draw([flat], [1.0], [0], [0.99], seed) == alone  # the full sort
+        assert draw([flat, flat], [0.0, 1.0], [1, 0], [0.5, 0.999], seed) == alone
+
+
+def test_samples_follow_the_distribution_over_a_large_vocabulary():
+    """Frequencies of tokens drawn by the inverse CDF over 20000 seeds match the filtered
+    softmax at a vocabulary past TRUNCATE_CAP: top-k within the cap, top-p that needs the full
+    sort, and no filter."""
+    vocab, n = 600, 20000
+    rng = np.random.default_rng(2)
+    logits = np.full((1, vocab), -2.0, np.float32) + rng.normal(size=(1, vocab)) * 0.3
+    logits[0, :4] = [3.0, 2.5, 2.0, 1.0]
+    batch = np.repeat(logits, n, axis=0)
+    p = np.exp(logits[0] - logits[0].max())
+    p /= p.sum()
+
+    def frequencies(top_k, top_p):
+        out = sample(
+            jnp.asarray(batch),
+            jnp.ones(n),
+            jnp.full(n, top_k, jnp.int32),
+            jnp.full(n, top_p),
+            jnp.arange(n, dtype=jnp.uint32),
+            jnp.zeros(n, jnp.int32),
+            all_greedy=False,
+        )
+        return np.bincount(np.asarray(out), minlength=vocab) / n
+
+    f = frequencies(0, 1.0)
+    np.testing.assert_allclose(f[:4], p[:4], atol=0.015)
+    np.testing.assert_allclose(f[4:].sum(), p[4:].sum(), atol=0.015)
+    top3 = np.where(np.arange(vocab) < 3, p, 0) / p[:3].sum()
+    np.testing.assert_allclose(frequencies(3, 1.0), top3, atol=0.015)
+    f = frequencies(0, 0.995)  # keeps most of the tail: past the cap, the full sort
+    kept = _keep_reference(logits, np.zeros(1, np.int32), np.array([0.995], np.float32),
+                           np.zeros(1, np.float32))[0]  # fmt: skip
+    assert kept.sum() > 256 and f[~kept].sum() == 0
+    q = np.where(kept, p, 0) / p[kept].sum()
+    np.testing.assert_allclose(f[:4], q[:4], atol=0.015)
