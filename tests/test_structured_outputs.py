@@ -143,7 +143,15 @@ def test_smollm2_outputs_always_parse_and_validate(smollm2_path):
     params.append(SamplingParams(n=3, seed=5, temperature=1.0, max_tokens=120,
                                  structured_outputs=SO(json=SCHEMAS[0])))  # fmt: skip
     outs = llm.generate([prompt] * len(params), params)
-    for (kind, target, _, _), out in zip(cases, outs, strict=False):
+    for (kind, target, spec, _), out in zip(cases, outs, strict=False):
+        if kind == "json_object" and out.finish_reason == "length":
+            # Any JSON object is allowed, so a sampled one may run past max_tokens (at
+            # temperature 1 about half of them do): what it wrote must be a prefix the
+            # grammar accepts, token by token.
+            matcher = llm.engine.structured.matcher(spec)
+            assert all(matcher.consume_token(t) for t in out.token_ids), out.text
+            assert out.text.lstrip().startswith("{")
+            continue
         assert out.finish_reason == "stop", (kind, out.text)
         if kind == "json":
             jsonschema.validate(json.loads(out.text), target)
