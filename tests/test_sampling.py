@@ -163,10 +163,10 @@ def _keep_reference(scaled, top_k, top_p, min_p):
 
 
 @pytest.mark.parametrize("vocab", [50, 1000])
-def test_kept_tokens_by_the_cap_or_the_full_sort_equal_the_reference(vocab):
+def test_kept_tokens_by_the_cap_or_by_bisection_equal_the_reference(vocab):
     """Top-k / top-p rows whose kept tokens rank within TRUNCATE_CAP (found with lax.top_k) and
-    rows that keep more (a full argsort) keep exactly the reference's tokens, in one batch and
-    with min_p, ties and -inf logits among them."""
+    rows that keep more (thresholds found by bisection) keep exactly the reference's tokens, in
+    one batch and with min_p, ties and -inf logits among them."""
     import jax
 
     from llmjax.model.sampler import TRUNCATE_CAP, _keep
@@ -181,14 +181,14 @@ def test_kept_tokens_by_the_cap_or_the_full_sort_equal_the_reference(vocab):
     min_p = np.array([0, 0, 0.05, 0, 0, 0, 0, 0, 0, 0.2], np.float32)
     got = jax.jit(_keep)(peaked, top_k, top_p, min_p)
     np.testing.assert_array_equal(np.asarray(got), _keep_reference(peaked, top_k, top_p, min_p))
-    # The flattest rows (top_p 0.999, or top_k above the cap) took the full sort at 1000 tokens:
+    # The flattest rows (top_p 0.999, or top_k above the cap) went past the cap at 1000 tokens:
     assert vocab <= TRUNCATE_CAP or _keep_reference(peaked, top_k, top_p, min_p)[6].sum() > 256
 
 
 def test_a_row_draws_the_same_token_whether_its_batch_ranks_or_sorts():
     """A row's token depends on its own logits, parameters, seed and counter only: alone, beside
     rows without top-k/top-p (no ranking), beside a top-k row (lax.top_k) and beside a row that
-    needs the full sort, it draws the same tokens."""
+    goes past the cap (bisection), it draws the same tokens."""
     vocab = 2000
     rng = np.random.default_rng(5)
     row = (rng.normal(size=(1, vocab)) * 4).astype(np.float32)
@@ -212,7 +212,7 @@ def test_a_row_draws_the_same_token_whether_its_batch_ranks_or_sorts():
         alone = draw([], [], [], [], seed)
         assert draw([flat], [1.0], [0], [1.0], seed) == alone  # nothing to rank
         assert draw([flat], [1.0], [3], [1.0], seed) == alone  # ranked within the cap
-        assert draw([flat], [1.0], [0], [0.99], seed) == alone  # the full sort
+        assert draw([flat], [1.0], [0], [0.99], seed) == alone  # past the cap: bisection
         assert draw([flat, flat], [0.0, 1.0], [1, 0], [0.5, 0.999], seed) == alone
 
 
@@ -245,7 +245,7 @@ def test_samples_follow_the_distribution_over_a_large_vocabulary():
     np.testing.assert_allclose(f[4:].sum(), p[4:].sum(), atol=0.015)
     top3 = np.where(np.arange(vocab) < 3, p, 0) / p[:3].sum()
     np.testing.assert_allclose(frequencies(3, 1.0), top3, atol=0.015)
-    f = frequencies(0, 0.995)  # keeps most of the tail: past the cap, the full sort
+    f = frequencies(0, 0.995)  # keeps most of the tail: past the cap, by bisection
     kept = _keep_reference(logits, np.zeros(1, np.int32), np.array([0.995], np.float32),
                            np.zeros(1, np.float32))[0]  # fmt: skip
     assert kept.sum() > 256 and f[~kept].sum() == 0
