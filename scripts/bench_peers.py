@@ -54,6 +54,13 @@ flags.DEFINE_string("ct2_python", None, "Python of a virtualenv with ctranslate2
 flags.DEFINE_string("hf_python", None, "Python with torch + transformers for the float32 check "
                     "(default: --ct2_python, else --openvino_python; '' skips it).")  # fmt: skip
 flags.DEFINE_list("check", ["4", "32", "32"], "HF check: requests, prompt tokens, new tokens.")
+flags.DEFINE_enum(
+    "check_prompts",
+    "text",
+    ["text", "random"],
+    "HF check prompts: windows of "
+    "the bundled text, or random token ids (flat next-token distributions).",
+)
 flags.DEFINE_integer("threads", os.cpu_count() or 1, "Threads OpenVINO, CTranslate2 and HF use.")
 flags.DEFINE_string("hf_dir", "/tmp/smollm2-hf", "HF export of --model for the peers (made if "
                     "absent).")  # fmt: skip
@@ -186,6 +193,7 @@ def main(argv):
         envs={"vllm": vllm_env()} if has_vllm else {},
         threads=FLAGS.threads,
         check=check,
+        check_prompts=FLAGS.check_prompts,
         max_model_len=FLAGS.max_model_len,
         max_num_seqs=FLAGS.max_num_seqs,
         rounds=FLAGS.rounds,

@@ -352,6 +352,7 @@ def test_harness_end_to_end(tmp_path):
         f"--openvino_python={peer_python}",
         f"--ct2_python={peer_python}",
         "--check=2,5,3",
+        "--check_prompts=random",  # the tiny model's HF directory has no tokenizer
         "--threads=3",
     ]
     cmd += [
@@ -498,3 +499,27 @@ def test_worker_reports_errors(tmp_path):
     spec = peers.EngineSpec.parse("broken:", "vllm")
     with pytest.raises(RuntimeError, match="no such model"):
         peers.EngineProcess(spec, {"model": "x"}, sys.executable, env, str(tmp_path))
+
+
+def test_text_prompts_are_distinct_windows_of_the_bundled_text(tmp_path):
+    """--check_prompts=text: n windows of `length` tokens at distinct offsets of alice.txt,
+    tokenized by the HF directory's tokenizer.json, the same for the same seed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    data = os.path.join(os.path.dirname(peers.__file__), "data", "alice.txt")
+    tok.train([data], trainers.WordLevelTrainer(vocab_size=2000, special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ids = tok.encode(open(data, encoding="utf-8").read()).ids
+    got = peers.text_prompts(6, 40, str(tmp_path), (0, "x"))
+    assert got == peers.text_prompts(6, 40, str(tmp_path), (0, "x"))
+    assert got != peers.text_prompts(6, 40, str(tmp_path), (1, "x"))
+    starts = set()
+    for p in got:
+        assert len(p) == 40
+        start = next(i for i in range(0, len(ids), 40) if ids[i : i + 40] == p)
+        starts.add(start)
+    assert len(starts) == 6
+    with pytest.raises(ValueError, match="windows of"):
+        peers.text_prompts(len(ids), 40, str(tmp_path), (0, "x"))

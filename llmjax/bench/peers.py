@@ -165,6 +165,23 @@ def make_prompts(n: int, length: int, allowed_ids: np.ndarray, seed: tuple) -> l
     return rng.choice(allowed_ids, size=(n, length)).tolist()
 
 
+def text_prompts(n: int, length: int, hf_dir: str, seed: tuple) -> list[list[int]]:
+    """`n` windows of `length` tokens of the bundled text (llmjax/bench/data/alice.txt),
+    tokenized with `hf_dir`'s tokenizer.json, at distinct random offsets."""
+    from tokenizers import Tokenizer
+
+    path = os.path.join(os.path.dirname(__file__), "data", "alice.txt")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    ids = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).encode(text).ids
+    windows = len(ids) // length
+    if windows < n:
+        raise ValueError(f"the text has {windows} windows of {length} tokens, {n} asked")
+    rng = np.random.default_rng(_digest_seed(seed))
+    starts = np.sort(rng.choice(windows, size=n, replace=False)) * length
+    return [ids[s : s + length] for s in starts]
+
+
 def allowed_ids(vocab_size: int, special_ids) -> np.ndarray:
     return np.setdiff1d(np.arange(vocab_size), np.asarray(list(special_ids), np.int64))
 
@@ -263,7 +280,10 @@ class Options:
     """What every engine of a comparison shares. `pythons`: engine kind -> the Python of its
     virtualenv (llmjax runs under this one; 'hf' is the reference check's); `envs`: engine kind
     -> variables set for its workers; `threads`: the threads every peer is told to use;
-    `check`: (requests, prompt tokens, new tokens) of the check against HF float32."""
+    `check`: (requests, prompt tokens, new tokens) of the check against HF float32;
+    `check_prompts`: 'text' (windows of the bundled public-domain text, tokenized by the HF
+    directory's tokenizer: the next-token distributions of real text) or 'random' (random token
+    ids: flat distributions, where any rounding flips a token early)."""
 
     model: str = "smollm2-135m-instruct"
     hf_dir: str | None = None
@@ -271,6 +291,7 @@ class Options:
     envs: dict = dataclasses.field(default_factory=dict)
     threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     check: tuple = (4, 32, 32)
+    check_prompts: str = "text"
     max_model_len: int = 4096
     max_num_seqs: int = 32
     kv_cache_bytes: int = 1 << 30
@@ -421,7 +442,12 @@ def check_against_hf(procs: list[EngineProcess], opts: Options, ids: np.ndarray)
     if not opts.pythons.get(REFERENCE_KIND):
         return {}
     n, length, new = opts.check
-    prompts = make_prompts(n, length, ids, (opts.seed, "hf-check"))
+    if opts.check_prompts == "text":
+        prompts = text_prompts(n, length, opts.hf_dir, (opts.seed, "hf-check"))
+    elif opts.check_prompts == "random":
+        prompts = make_prompts(n, length, ids, (opts.seed, "hf-check"))
+    else:
+        raise ValueError(f"check_prompts={opts.check_prompts!r}: 'text' or 'random'")
     hf = launch(EngineSpec("hf-float32", REFERENCE_KIND, {}), opts)
     try:
         want = hf.run(prompts, new)["token_ids"]
@@ -531,7 +557,10 @@ def format_table(result: dict) -> str:
     check = result.get("hf_check") or {}
     if check:
         n, length, new = result["options"]["check"]
-        lines.append(f"greedy ids against HF transformers float32 ({n} x ({length} + {new})):")
+        kind = result["options"].get("check_prompts", "random")
+        lines.append(
+            f"greedy ids against HF transformers float32 ({n} x ({length} + {new}), {kind}):"
+        )
         for name, c in check.items():
             lines.append(
                 f"  {name:<12} tokens {c['token_agreement']:6.1%}  prefix "
