@@ -20,8 +20,9 @@ llmjax/bench/peer_engines.py lists (dtype, weight_format / quantization, ...), w
 precision set explicitly; they run from their own exports of --hf_dir (`optimum-cli export
 openvino`, `ct2-transformers-converter`, made once beside it) under --openvino_python /
 --ct2_python, with --threads threads. Before timing, every engine's greedy ids on --check
-prompts are compared with HF transformers' float32 ones (under --hf_python, by default the first
-of --ct2_python / --openvino_python given). vLLM runs under its own virtualenv (`--vllm_python`)
+prompts (windows of the bundled text, or random ids: --check_prompts) are compared with HF
+transformers' float32 ones (under --hf_python, by default the first of --ct2_python /
+--openvino_python given); `--workloads= --check_only` runs that check alone. vLLM runs under its own virtualenv (`--vllm_python`)
 with VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU set, and, as vLLM's CPU guide
 asks, tcmalloc and Intel's OpenMP preloaded where found (`--vllm_preload`). The HF directory is
 written from --model (llmjax.checkpoint.hf.save_hf) when it does not exist. Workloads, their
@@ -54,6 +55,12 @@ flags.DEFINE_string("ct2_python", None, "Python of a virtualenv with ctranslate2
 flags.DEFINE_string("hf_python", None, "Python with torch + transformers for the float32 check "
                     "(default: --ct2_python, else --openvino_python; '' skips it).")  # fmt: skip
 flags.DEFINE_list("check", ["4", "32", "32"], "HF check: requests, prompt tokens, new tokens.")
+flags.DEFINE_bool(
+    "check_only",
+    False,
+    "Load the engines and run the HF check only (with "
+    "--workloads= : nothing timed but the roofline).",
+)
 flags.DEFINE_enum(
     "check_prompts",
     "text",
@@ -204,8 +211,9 @@ def main(argv):
         matmul_n=FLAGS.matmul_n,
     )
     load_before = os.getloadavg()  # others' work on the machine contends with the figures
-    result = peers.run_comparison(specs, workloads, opts) if workloads else {}
-    if workloads:
+    offline = bool(workloads) or FLAGS.check_only
+    result = peers.run_comparison(specs, workloads, opts) if offline else {}
+    if offline:
         print(peers.format_table(result))
     if FLAGS.serving:
         import logging
