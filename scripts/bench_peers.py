@@ -22,9 +22,10 @@ openvino`, `ct2-transformers-converter`, made once beside it) under --openvino_p
 --ct2_python, with --threads threads. Before timing, every engine's greedy ids on --check
 prompts (windows of the bundled text, or random ids: --check_prompts) are compared with HF
 transformers' float32 ones (under --hf_python, by default the first of --ct2_python /
---openvino_python given); `--workloads= --check_only` runs that check alone. vLLM runs under its own virtualenv (`--vllm_python`)
-with VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU set, and, as vLLM's CPU guide
-asks, tcmalloc and Intel's OpenMP preloaded where found (`--vllm_preload`). The HF directory is
+--openvino_python given); `--workloads= --check_only` runs that check alone. vLLM runs under
+its own virtualenv (`--vllm_python`) with VLLM_CPU_OMP_THREADS_BIND /
+VLLM_CPU_NUM_OF_RESERVED_CPU set, and, as vLLM's CPU guide asks, tcmalloc and Intel's OpenMP
+preloaded where found (`--vllm_preload`). The HF directory is
 written from --model (llmjax.checkpoint.hf.save_hf) when it does not exist. Workloads, their
 rates and the bounds are described in llmjax/bench/peers.py. `--cold` also starts the
 --cold_engines (default: the first llmjax and the first vLLM configuration) in fresh processes
