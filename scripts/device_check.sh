@@ -23,8 +23,8 @@
 #           Triton) vs ragged vs cuDNN vs JAX's mha and FA3 (two block configs)
 #   decode  decode batches of several shapes (long contexts with few sequences: split-KV), ours
 #           (mgpu, gpu) against JAX's paged_attention, with variants
-#   serve   scripts/benchmark.py on SmolLM2 shapes (random weights): mgpu (also warp-specialized)
-#           and gpu kernels vs reference attention
+#   serve   scripts/benchmark.py on SmolLM2 shapes (random weights): gpu and mgpu kernels vs
+#           reference attention (SERVE_KERNELS="... mgpu_ws" adds the warp-specialized mgpu)
 # The limits add up to ~930 s; 2026-12-04's run: tests, layers, bench and prefill took 435 s
 # (timeout_s 560, the machine's start not counted), decode 110 s; serve needs its own run.
 # Results land in $WORK (default /tmp/device_check) and, after every stage, in
@@ -131,13 +131,14 @@ if want decode; then
 fi
 
 if want serve; then
-  log "serve: SmolLM2 shapes (random weights), mgpu (+ warp-specialized) / gpu kernels vs"
+  log "serve: SmolLM2 shapes (random weights), ${SERVE_KERNELS:-gpu mgpu reference} kernels,"
   log "  reference attention (the workload rehearsed once, so compiles are not timed), 300 s"
-  for name in mgpu mgpu_ws gpu reference; do
+  for name in ${SERVE_KERNELS:-gpu mgpu reference}; do  # mgpu_ws: the warp-specialized form
     backend=pallas kernel=${name%_ws} options=""
     [[ $name == reference ]] && backend=reference kernel=auto
     [[ $name == mgpu_ws ]] && options="warp_specialized=true"
-    JAX_PLATFORMS=$PLATFORM timeout 75 $PY scripts/benchmark.py --model smollm2-135m-instruct \
+    # (layers unrolled on GPUs by default since 2026-12-04: ~7 s a step shape to compile)
+    JAX_PLATFORMS=$PLATFORM timeout 100 $PY scripts/benchmark.py --model smollm2-135m-instruct \
       --load_format dummy --dtype bfloat16 --workload fixed --num_requests 16 --qps inf \
       --prompt_len 256 --output_len 32 --policies sarathi --tbt_slo 0.1 --warmup 4 --rehearse \
       --attention_backend $backend --pallas_kernel $kernel --kernel_options "$options" \
