@@ -132,7 +132,7 @@ fi
 
 if want serve; then
   log "serve: SmolLM2 shapes (random weights), ${SERVE_KERNELS:-gpu mgpu reference} kernels,"
-  log "  reference attention (the workload rehearsed once, so compiles are not timed), 300 s"
+  log "  the workload rehearsed once, so compiles are not timed; 300 s"
   for name in ${SERVE_KERNELS:-gpu mgpu reference}; do  # mgpu_ws: the warp-specialized form
     backend=pallas kernel=${name%_ws} options=""
     [[ $name == reference ]] && backend=reference kernel=auto
