@@ -212,6 +212,9 @@ def main(argv):
         matmul_n=FLAGS.matmul_n,
     )
     load_before = os.getloadavg()  # others' work on the machine contends with the figures
+    if FLAGS.check_only and not opts.pythons.get(peers.REFERENCE_KIND):
+        raise app.UsageError("--check_only needs HF transformers' Python (--hf_python, or a "
+                             "--ct2_python / --openvino_python to default to)")  # fmt: skip
     offline = bool(workloads) or FLAGS.check_only
     result = peers.run_comparison(specs, workloads, opts) if offline else {}
     if offline:

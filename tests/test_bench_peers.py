@@ -506,12 +506,15 @@ def test_text_prompts_are_distinct_windows_of_the_bundled_text(tmp_path):
     tokenized by the HF directory's tokenizer.json, the same for the same seed."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+    from llmjax.bench.texts import public_domain_text
+
+    text = public_domain_text("alice")
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    data = os.path.join(os.path.dirname(peers.__file__), "data", "alice.txt")
-    tok.train([data], trainers.WordLevelTrainer(vocab_size=2000, special_tokens=["[UNK]"]))
+    trainer = trainers.WordLevelTrainer(vocab_size=2000, special_tokens=["[UNK]"])
+    tok.train_from_iterator(text.splitlines(), trainer)
     tok.save(str(tmp_path / "tokenizer.json"))
-    ids = tok.encode(open(data, encoding="utf-8").read()).ids
+    ids = tok.encode(text).ids
     got = peers.text_prompts(6, 40, str(tmp_path), (0, "x"))
     assert got == peers.text_prompts(6, 40, str(tmp_path), (0, "x"))
     assert got != peers.text_prompts(6, 40, str(tmp_path), (1, "x"))
@@ -523,3 +526,13 @@ def test_text_prompts_are_distinct_windows_of_the_bundled_text(tmp_path):
     assert len(starts) == 6
     with pytest.raises(ValueError, match="windows of"):
         peers.text_prompts(len(ids), 40, str(tmp_path), (0, "x"))
+
+
+def test_check_only_without_an_hf_python_is_a_usage_error():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "bench_peers.py"), "--workloads=",
+         "--check_only", "--llmjax=f32:dtype=float32", "--hf_python="],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode != 0 and "--check_only needs HF transformers' Python" in res.stderr

@@ -170,9 +170,9 @@ def text_prompts(n: int, length: int, hf_dir: str, seed: tuple) -> list[list[int
     tokenized with `hf_dir`'s tokenizer.json, at distinct random offsets."""
     from tokenizers import Tokenizer
 
-    path = os.path.join(os.path.dirname(__file__), "data", "alice.txt")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    from llmjax.bench.texts import public_domain_text
+
+    text = public_domain_text("alice")
     ids = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).encode(text).ids
     windows = len(ids) // length
     if windows < n:

@@ -47,13 +47,19 @@ def sample_random(logits, temperature, top_k, top_p, seeds, counters) -> jax.Arr
 
 
 def _sample(logits, temperature, top_k, top_p, seeds, counters, greedy, min_p=None):
+    masked = _filtered(logits, temperature, top_k, top_p, min_p)
+    sampled = _draw(_keys(seeds, counters), masked)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+def _filtered(logits, temperature, top_k, top_p, min_p=None):
+    """The rows' logits over their temperature, the tokens min_p, top-k and top-p drop at -inf
+    ([S, V], token-id order; greedy rows are only scaled by 1)."""
     is_random = temperature > 0
     scaled = logits / jnp.where(is_random, temperature, 1.0)[:, None]
     # Greedy rows' top-k / top-p are moot: dropped, so that they never make the batch rank.
     top_k, top_p = jnp.where(is_random, top_k, 0), jnp.where(is_random, top_p, 1.0)
-    masked = jnp.where(_keep(scaled, top_k, top_p, min_p), scaled, -jnp.inf)
-    sampled = _draw(_keys(seeds, counters), masked)
-    return jnp.where(is_random, sampled, greedy)
+    return jnp.where(_keep(scaled, top_k, top_p, min_p), scaled, -jnp.inf)
 
 
 def _keys(seeds, counters):
@@ -214,10 +220,7 @@ def verify_proposals(
 
     def with_sampling():
         temp = temperature[row_seq]
-        scaled = logits / jnp.where(temp > 0, temp, 1.0)[:, None]
-        k = jnp.where(temp > 0, top_k[row_seq], 0)
-        p = jnp.where(temp > 0, top_p[row_seq], 1.0)
-        masked = jnp.where(_keep(scaled, k, p), scaled, -jnp.inf)
+        masked = _filtered(logits, temp, top_k[row_seq], top_p[row_seq])
         probs = jax.nn.softmax(masked, axis=-1)
         is_draft = jnp.arange(logits.shape[-1])[None, :] == draft_r[:, None]
         p_draft = jnp.sum(jnp.where(is_draft, probs, 0.0), axis=-1)
