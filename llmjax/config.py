@@ -824,8 +824,8 @@ class EngineConfig:
     `flash_prefill` (pallas backend only): a step whose batch is
     one fresh prompt (one sequence, nothing cached) attends with the flash prefill kernel instead
     of the ragged one: 'auto' where it was measured faster (token buckets from
-    kernels_pallas/flash_prefill/tuning.py ENGINE_MIN_TOKENS: GPU >= 2048 with either kernel, TPU never),
-    'on' in every bucket (for checking and measuring), 'off' never. `pallas_kernel`
+    kernels_pallas/flash_prefill/tuning.py ENGINE_MIN_TOKENS: GPU >= 2048 with either kernel,
+    TPU never), 'on' in every bucket (for checking and measuring), 'off' never. `pallas_kernel`
     (PALLAS_KERNELS, pallas backend only): which kernels (ragged paged attention and flash
     prefill), 'auto' the platform's (gpu on CUDA, tpu on TPU and, interpreted, on the CPU), or by
     name: 'tpu' (Mosaic TPU), 'gpu' (Triton), 'mgpu' (Mosaic GPU for Hopper: bfloat16/float16,
