@@ -7,7 +7,8 @@ outputs against plain greedy decoding, at batch 1 and 16, in one run.
 For each variant and batch size, `batch` requests decode together (prompts of --prompt_len
 tokens, --decode_steps timed steps after --warmup_steps untimed ones, which compile); the table
 gives the median step time, decode tokens/s and the ratio to plain greedy at the same batch.
-Variants: greedy (the fast path: argmax inside the step), sampling (temperature 1, top-p 0.9:
+Variants: greedy (the fast path: argmax inside the step), temperature (temperature 1, no
+top-k / top-p: what a client that sends no temperature gets), sampling (temperature 1, top-p 0.9:
 the separate sampler program), penalties (repetition 1.1, frequency 0.5: the processed
 sampler with the prompt and output history), logprobs (top 5 of the raw log-softmax),
 json (a JSON-schema grammar through llguidance: the host fills the token bitmask while the
@@ -27,7 +28,9 @@ flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf file or che
 flags.DEFINE_string("dtype", "float32", "Weights and KV dtype.")
 flags.DEFINE_list("batch_sizes", ["1", "16"], "Concurrent decoding requests.")
 flags.DEFINE_list(
-    "variants", ["greedy", "sampling", "penalties", "logprobs", "json", "regex"], "Variants."
+    "variants",
+    ["greedy", "temperature", "sampling", "penalties", "logprobs", "json", "regex"],
+    "Variants.",
 )
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per request.")
 flags.DEFINE_integer("decode_steps", 48, "Timed decode steps.")
@@ -52,6 +55,7 @@ def params_of(variant: str, max_tokens: int):
     kw = dict(max_tokens=max_tokens, ignore_eos=True)
     extra = {
         "greedy": {},
+        "temperature": dict(temperature=1.0, seed=0),
         "sampling": dict(temperature=1.0, top_p=0.9, seed=0),
         "penalties": dict(repetition_penalty=1.1, frequency_penalty=0.5),
         "logprobs": dict(logprobs=5),
