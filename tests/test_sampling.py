@@ -189,6 +189,9 @@ def test_a_row_draws_the_same_token_whether_its_batch_ranks_or_sorts():
     """A row's token depends on its own logits, parameters, seed and counter only: alone, beside
     rows without top-k/top-p (no ranking), beside a top-k row (lax.top_k) and beside a row that
     goes past the cap (bisection), it draws the same tokens."""
+    import jax
+
+    jitted_sample = jax.jit(sample, static_argnames="all_greedy")  # one compile per batch size
     vocab = 2000
     rng = np.random.default_rng(5)
     row = (rng.normal(size=(1, vocab)) * 4).astype(np.float32)
@@ -197,7 +200,7 @@ def test_a_row_draws_the_same_token_whether_its_batch_ranks_or_sorts():
     def draw(others, temps, ks, ps, seed):
         logits = np.concatenate([row, *others])
         S = logits.shape[0]
-        out = sample(
+        out = jitted_sample(
             jnp.asarray(logits),
             jnp.array([0.8, *temps], jnp.float32),
             jnp.array([0, *ks], jnp.int32),
