@@ -5,7 +5,9 @@ At batch 1 a decode step reads every weight once, so tokens/s is bounded by
 This script measures both in the same run (the bandwidth with a jitted reduction over a large
 array) and reports decode tokens/s and the fraction of the bound achieved, per layer loop, dtype
 and batch, with the seconds the first decode step took beyond the others (its compilation; 0 when
-the prefill already compiled its bucket; the persistent compilation cache is off here):
+the prefill already compiled its bucket; the persistent compilation cache is off here) and the
+milliseconds of the jitted step alone ("device ms": the same step's inputs run again, waited for;
+the rest of "step ms" is the host's scheduling, input building and sampling):
 `--layer_loops scan,unroll` compares EngineConfig.layer_loop's two loops.
 
     python scripts/bench_decode.py                       # SmolLM2, float32 and bfloat16, batch 1
@@ -83,20 +85,53 @@ def time_decode(llm, batch: int) -> dict:
     t = time.perf_counter()
     engine.step()  # the first decode step of this batch size: compiles its bucket
     first_s = time.perf_counter() - t
+    runner = engine.runner
+    captured = []
+    real_run = runner.run
+
+    def capturing_run(step, sampling):
+        captured[:] = [step, sampling]
+        return real_run(step, sampling)
+
+    runner.run = capturing_run
     times = []
-    for i in range(FLAGS.warmup_steps + FLAGS.decode_steps - 1):
-        t = time.perf_counter()
-        engine.step()
-        if i >= FLAGS.warmup_steps:
-            times.append(time.perf_counter() - t)
+    try:
+        for i in range(FLAGS.warmup_steps + FLAGS.decode_steps - 1):
+            t = time.perf_counter()
+            engine.step()
+            if i >= FLAGS.warmup_steps:
+                times.append(time.perf_counter() - t)
+    finally:
+        del runner.run
+    device_s = _device_step_seconds(runner, *captured)
     while engine.has_unfinished_requests():
         engine.step()
     step_s = float(np.median(times))
     return {
         "step_ms": 1e3 * step_s,
+        "device_ms": 1e3 * device_s,
         "tokens_per_s": batch / step_s,
         "compile_s": max(first_s - step_s, 0.0),
     }
+
+
+def _device_step_seconds(runner, step, sampling) -> float:
+    """Median seconds of the jitted model step alone (no scheduling, input building or sampling
+    on the host): the last decode step's inputs run again, each call waited for. Rerunning it
+    rewrites the same KV positions with the same values."""
+    import jax
+    import numpy as np
+
+    step_arg, _ = runner._inputs(step, sampling)
+    times = []
+    for i in range(FLAGS.warmup_steps + FLAGS.decode_steps):
+        t = time.perf_counter()
+        out = runner._step(runner.params, runner.kv_pages, step_arg)
+        jax.block_until_ready(out)
+        runner.kv_pages = out[2]
+        if i >= FLAGS.warmup_steps:
+            times.append(time.perf_counter() - t)
+    return float(np.median(times))
 
 
 def main(argv):
@@ -126,14 +161,15 @@ def main(argv):
                 rows += _rows(llm, dtype, layer_loop, bandwidth)
     header = f"{'loop':>6} {'attention':>9} {'dtype':>9} {'batch':>5} {'weights MB':>10} "
     header += f"{'compile s':>9} "
-    header += f"{'step ms':>8} {'tok/s':>8} {'bound tok/s':>11} {'of bound':>8}"
+    header += f"{'step ms':>8} {'device ms':>9} {'tok/s':>8} {'bound tok/s':>11} {'of bound':>8}"
     print(f"device: {jax.devices()[0].device_kind}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
     print(header)
     for r in rows:
         print(
             f"{r['layer_loop']:>6} {r['attention']:>9} {r['dtype']:>9} {r['batch']:>5} "
             f"{r['weight_mb']:>10.1f} "
-            f"{r['compile_s']:>9.2f} {r['step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} "
+            f"{r['compile_s']:>9.2f} {r['step_ms']:>8.2f} {r['device_ms']:>9.2f} "
+            f"{r['tokens_per_s']:>8.1f} "
             f"{r['roofline_tokens_per_s']:>11.1f} {r['fraction_of_roofline']:>8.2f}"
         )
     if FLAGS.json_out:

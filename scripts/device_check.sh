@@ -15,6 +15,8 @@
 #   layers  scripts/bench_decode.py: SmolLM2 shapes (random weights, bf16) decoding at batch 1
 #           and 32 with the layers scanned (the default since 2026-11-30) and unrolled: step time
 #           (does XLA slice the stacked weights without copying them?) and compile seconds
+#   graphs  bench_decode (host vs device ms a step) under XLA command-buffer settings and with the
+#           reference attention: is the batch-1 step launch-bound? (not in the default STAGES)
 #   bench   scripts/bench_kernels.py: decode-heavy, prefill-heavy and mixed batches (llama3-8b-like
 #           heads, bf16), our kernels (Mosaic GPU, Triton) against the reference, JAX's Pallas ops
 #           and cuDNN, with Mosaic GPU block-size, stage and warp-specialized variants, and the
@@ -59,7 +61,9 @@ if want tests; then
   # Full float32 in XLA's matmuls too (the GPU default is TF32), so float32 references are exact.
   # SIGINT at the limit: pytest stops and still prints the failures so far (2026-12-04 a plain
   # kill left only "..F.F....": two failures, no names). -v names each test as it ends.
-  JAX_PLATFORMS=$PLATFORM JAX_DEFAULT_MATMUL_PRECISION=highest timeout -s INT -k 15 150 \
+  # cpu beside the GPU: tests count kernel runs with jax.debug.callback, which needs a CPU device
+  # (2026-12-04's two flash prefill "failures" were only that).
+  JAX_PLATFORMS=$PLATFORM,cpu JAX_DEFAULT_MATMUL_PRECISION=highest timeout -s INT -k 15 150 \
     $PY -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout 90 -m "gpu or not slow" ${TESTS:-tests/kernels/test_rpa_mgpu.py \
     tests/kernels/test_flash_prefill_mgpu.py tests/kernels/test_rpa_gpu.py tests/kernels/test_flash_prefill_gpu.py \
     tests/kernels/test_rpa_engine.py} \
@@ -76,6 +80,26 @@ if want layers; then
     --dtypes bfloat16 --batch_sizes 1,32 --layer_loops scan,unroll --decode_steps 32 \
     --json_out "$WORK/layer_loop.json" 2>"$WORK/layer_loop.log" | tee "$WORK/layer_loop.txt" \
     | tail -6 | tee -a "$OUT/summary.txt"
+  save
+fi
+
+if want graphs; then
+  log "graphs: decode step, host vs device, by XLA command-buffer (CUDA graph) setting; 260 s at most"
+  # 2026-12-04: a batch-1 step of SmolLM2 took 2.4-5 ms on the device (the weights take 0.12 ms to
+  # read): launch-bound. Which XLA setting (CUDA graphs of the whole step, while loops inside
+  # them) or attention backend removes the launches?
+  G="$PY scripts/bench_decode.py --load_format dummy --dtypes bfloat16 --batch_sizes 1,32"
+  G="$G --decode_steps 16 --warmup_steps 3"
+  CB=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
+  for v in "default||unroll,scan" "reference||unroll|--attention_backends reference" \
+      "no_graphs|--xla_gpu_enable_command_buffer=|unroll" \
+      "while_in_graphs|--xla_gpu_enable_command_buffer=$CB,WHILE,CONDITIONAL|scan,unroll"; do
+    IFS='|' read -r name flags loops extra <<< "$v"
+    echo "-- $name XLA_FLAGS=$flags loops=$loops $extra" | tee -a "$OUT/summary.txt"
+    XLA_FLAGS=$flags JAX_PLATFORMS=$PLATFORM timeout 65 $G --layer_loops $loops $extra \
+      --json_out "$WORK/graphs_$name.json" 2>"$WORK/graphs_$name.log" | grep -v "^wrote" \
+      | tail -5 | tee -a "$OUT/summary.txt"
+  done
   save
 fi
 
