@@ -15,6 +15,10 @@ What `launch_ray` does:
   `env_vars`: JAX_PLATFORMS (cuda / tpu / cpu) and XLA_FLAGS; on a CPU,
   `--xla_force_host_platform_device_count=tp*pp` so that a tp=2 instance gets two fake devices.
   `env_vars`, `xla_flags` and `runtime_env` add to them (e.g. JAX_COMPILATION_CACHE_DIR).
+  Ray runs its workers at nice 15: an actor beside a busy process of normal priority on the same
+  machine (a local cluster, a driver that also serves) gets a small share of the cores; start
+  the cluster with `RAY_worker_niceness=0` in the environment of `ray.init` / `ray start` to give
+  instances equal priority (the tests do).
 * **The actor** builds `LLM(model, tp, pp, role, **llm_options, **spec.options)` and wraps
   `LocalInstance(llm.engine, make_transport(transport))` (a transport only on prefill and
   decode instances). Its engine stamps request metrics with `UnixClock` (time.time():
