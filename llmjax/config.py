@@ -810,7 +810,9 @@ class EngineConfig:
     bf16 matrix-vector products run about 20x slower than f32 on x86 CPUs at small batch.
     `quantization` (QUANTIZATIONS; llmjax/model/quant.py): 'none'; 'int8', W8A8 dynamic (weights
     int8 per output channel, activations int8 per token at run time, int32 accumulation; norms,
-    biases and an untied embedding stay in `dtype`); 'int8_wo', weight-only int8 (the same
+    biases and an untied embedding stay in `dtype`; the float weights SmoothQuant-smoothed at
+    load unless `LLM(smoothquant=None)`, llmjax/model/smooth.py; the LM head weight-only);
+    'int8_wo', weight-only int8 (the same
     per-channel weights, activations kept in `dtype`, float32 sums); 'q8_0', 'q4_0', 'q4_1',
     the float weights quantized into those GGUF block formats as llama.cpp does; 'gguf', a GGUF
     checkpoint's Q8_0 / Q4_0 / Q4_1 tensors kept in their blocks as stored (the rest loaded in

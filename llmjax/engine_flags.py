@@ -1,9 +1,9 @@
 r"""The absl flags every script shares for building an engine, in one place.
 
 Short flags for what researchers set most: `--model`, `--load_format`, `--tokenizer`, `--dtype`,
-`--quantization`, `--max_model_len`, `--page_size`, `--num_pages`, `--max_num_seqs`,
-`--max_num_batched_tokens`, `--precompile`, `--speculative_config`, the step's kernels
-(`--attention_backend`, `--flash_prefill`, `--pallas_kernel`, `--kernel_options`,
+`--quantization`, `--smoothquant`, `--max_model_len`, `--page_size`, `--num_pages`,
+`--max_num_seqs`, `--max_num_batched_tokens`, `--precompile`, `--speculative_config`, the step's
+kernels (`--attention_backend`, `--flash_prefill`, `--pallas_kernel`, `--kernel_options`,
 `--layer_loop`), parallelism (`--tp`,
 `--pp`, `--pad_heads`, `--balance_micro_batches`, `--check_lockstep`) and a multi-process launch
 (`--coordinator_address`, `--num_processes`, `--process_id`), and a simulated device
@@ -106,10 +106,20 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "quantization",
         "none",
         list(QUANTIZATIONS),
-        "Weight quantization: 'int8' (W8A8 dynamic int8 matmuls), 'int8_wo' (weight-only int8, "
+        "Weight quantization: 'int8' (W8A8 dynamic int8 matmuls, SmoothQuant-smoothed: "
+        "--smoothquant; the LM head weight-only), 'int8_wo' (weight-only int8, "
         "per output channel), 'q8_0' / 'q4_0' / 'q4_1' (the "
         "weights quantized to those GGUF block formats), 'gguf' (a GGUF file's Q8_0/Q4_0/Q4_1 "
         "blocks kept as stored). Activations and the KV cache stay in --dtype.",
+        **f,
+    )
+    flags.DEFINE_string(
+        "smoothquant",
+        "auto",
+        "SmoothQuant's migration strength alpha for --quantization int8 (activation outliers "
+        "moved into the weights, scales calibrated at load on the bundled text's tail; "
+        "llmjax/model/smooth.py): 'auto' (0.5 with int8), 'none' (plain W8A8), or a number in "
+        "[0, 1].",
         **f,
     )
     flags.DEFINE_integer(
@@ -502,6 +512,7 @@ def llm_kwargs(values: flags.FlagValues) -> dict:
     kwargs = dict(
         dtype=values.dtype,
         quantization=values.quantization,
+        smoothquant=values.smoothquant,
         load_format=values.load_format,
         tokenizer=values.tokenizer,
         max_model_len=values.max_model_len,

@@ -148,7 +148,10 @@ class LLM:
     """Load a model and its tokenizer, and serve requests with continuous batching.
 
     Weights: `model` (a preset, a .gguf file, an HF or orbax directory), `dtype` (of the weights,
-    activations and KV cache), `quantization` ('none'; 'int8': W8A8 dynamic int8 matmuls;
+    activations and KV cache), `quantization` ('none'; 'int8': W8A8 dynamic int8 matmuls, the
+    weights smoothed first by SmoothQuant with migration strength `smoothquant` ('auto': 0.5;
+    None or 'none': plain W8A8; scales calibrated at load on the bundled text's last 512
+    tokens, ~2 s on a CPU; llmjax/model/smooth.py), the LM head weight-only int8;
     'int8_wo': weight-only int8 (activations stay in `dtype`); 'q8_0', 'q4_0', 'q4_1': the
     weights quantized to those GGUF block formats; 'gguf': a GGUF file's Q8_0/Q4_0/Q4_1 blocks
     kept as stored; see EngineConfig and llmjax/model/quant.py), `tokenizer`, `load_format`
@@ -204,6 +207,7 @@ class LLM:
         *,
         dtype: str | None = None,
         quantization: str = "none",
+        smoothquant: float | str | None = "auto",
         tokenizer: str | None = None,
         load_format: str = "auto",
         max_model_len: int | None = None,
@@ -261,6 +265,9 @@ class LLM:
         self._model_config, params, self.tokenizer = _load(
             model, dtype, load_format, tokenizer, parallel if sharded else None, quantization
         )
+        alpha = _smoothquant_alpha(smoothquant, quantization)
+        if alpha is not None:
+            params = _smoothed(params, self._model_config, self.tokenizer, alpha)
         if not sharded:  # else ModelRunner places (and converts) each weight on the mesh
             params = _pack_weights(params, quantization, dtype)
             sparse = sparse_kv if isinstance(sparse_kv, str) else sparse_kv.mode
@@ -273,6 +280,7 @@ class LLM:
         self._fixed = dict(
             model=model, dtype=dtype, quantization=quantization, tp=tp, pp=pp, pad_heads=pad_heads
         )
+        self._fixed["smoothquant"] = alpha
         self._fixed["device"], self._fixed["sim"] = "jax", None
         self._build_engine(dict(_option_values(locals())), t0)
 
@@ -281,6 +289,7 @@ class LLM:
         "model",
         "dtype",
         "quantization",
+        "smoothquant",
         "tokenizer",
         "load_format",
         "tp",
@@ -357,6 +366,12 @@ class LLM:
             device="sim",
             sim=sim if sim is not None else SimConfig(),
         )
+
+    @property
+    def smoothquant_alpha(self) -> float | None:
+        """SmoothQuant's migration strength the int8 weights were smoothed with at load (the
+        `smoothquant` argument resolved; llmjax/model/smooth.py), or None: not smoothed."""
+        return self._fixed.get("smoothquant")
 
     @property
     def params(self):
@@ -634,6 +649,47 @@ def _infinigen_skew(config: EngineConfig, params, tokenizer, num_tokens: int):
     if skew_dir:
         logger.info("wrote %s", save_skew(skew_dir, *skew, n))
     return skew
+
+
+def _smoothquant_alpha(smoothquant, quantization: str) -> float | None:
+    """LLM's `smoothquant` -> SmoothQuant's migration strength, or None (not smoothed)."""
+    from llmjax.model.smooth import DEFAULT_ALPHA
+
+    if smoothquant == "auto":
+        return DEFAULT_ALPHA if quantization == "int8" else None
+    if smoothquant is None or smoothquant == "none":
+        return None
+    try:
+        alpha = float(smoothquant)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{smoothquant=} must be 'auto', None / 'none' or a migration strength in [0, 1]"
+        ) from None
+    if quantization != "int8":
+        raise ValueError(
+            f"smoothquant={smoothquant!r} smooths activations for W8A8 (quantization='int8'), "
+            f"not for quantization={quantization!r}"
+        )
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"SmoothQuant's migration strength must be in [0, 1], got {alpha}")
+    return alpha
+
+
+def _smoothed(params, model_config, tokenizer, alpha: float):
+    """SmoothQuant (llmjax/model/smooth.py) of the loaded float weights: activation statistics
+    from one prefill of the tail of the bundled text, then every layer's inputs smoothed."""
+    from llmjax.model import smooth
+
+    t = time.perf_counter()
+    ids = smooth.calibration_tokens(tokenizer, model_config.vocab_size)
+    params = smooth.smoothquant(params, model_config, ids, alpha)
+    logger.info(
+        "SmoothQuant (alpha %g) calibrated on %d tokens in %.1f s",
+        alpha,
+        len(ids),
+        time.perf_counter() - t,
+    )
+    return params
 
 
 def _pack_weights(params, quantization: str, dtype: str):

@@ -1,6 +1,7 @@
 r"""What each weight precision costs in quality (llmjax/quality.py), on SmolLM2 by default.
 
-For each --precisions entry (name=dtype:quantization; the first is the reference):
+For each --precisions entry (name=dtype:quantization[:smoothquant]; the first is the reference;
+smoothquant as LLM takes it: auto, none or SmoothQuant's migration strength, for int8 only):
   MB       bytes of the weights as the engine holds them (quantized ones packed)
   ppl      perplexity of the bundled public-domain text (llmjax/bench/data/alice.txt):
            --num_windows windows of --window tokens, each one prefill, every next token scored
@@ -31,12 +32,13 @@ flags.DEFINE_list(
         "f32=float32:none",
         "bf16=bfloat16:none",
         "int8=float32:int8",
+        "w8a8_plain=float32:int8:none",
         "int8_wo=float32:int8_wo",
         "q8_0=float32:q8_0",
         "q4_1=float32:q4_1",
         "gguf=float32:gguf",
     ],
-    "name=dtype:quantization entries; the first is the reference.",
+    "name=dtype:quantization[:smoothquant] entries; the first is the reference.",
 )
 flags.DEFINE_integer("window", 512, "Tokens per perplexity window.")
 flags.DEFINE_integer("num_windows", 4, "Perplexity windows.")
@@ -53,9 +55,12 @@ def parse_precisions(entries: list[str]) -> list[tuple[str, str, str]]:
     for entry in entries:
         name, sep, rest = entry.partition("=")
         dtype, sep2, quantization = rest.partition(":")
+        quantization, _, smoothquant = quantization.partition(":")
         if not (sep and sep2 and name):
-            raise ValueError(f"--precisions entry {entry!r} is not name=dtype:quantization")
-        out.append((name, dtype, quantization))
+            raise ValueError(
+                f"--precisions entry {entry!r} is not name=dtype:quantization[:smoothquant]"
+            )
+        out.append((name, dtype, quantization, smoothquant or "auto"))
     return out
 
 
@@ -68,12 +73,13 @@ def main(argv):
     precisions = parse_precisions(FLAGS.precisions)
     rows, reference_seqs = [], None
     ids = None
-    for name, dtype, quantization in precisions:
+    for name, dtype, quantization, smoothquant in precisions:
         t0 = time.perf_counter()
         llm = LLM(
             FLAGS.model,
             dtype=dtype,
             quantization=quantization,
+            smoothquant=smoothquant,
             load_format=FLAGS.load_format,
             num_pages=64,
             max_num_seqs=FLAGS.num_prompts,
@@ -102,6 +108,7 @@ def main(argv):
                 name=name,
                 dtype=dtype,
                 quantization=quantization,
+                smoothquant=llm.smoothquant_alpha,
                 weight_mb=weight_bytes(llm.params) / 1e6,
                 perplexity=ppl,
                 greedy_agreement=agree,
@@ -128,12 +135,15 @@ def main(argv):
         rows=rows,
     )
     print()
-    print("| precision | dtype | quantization | weights MB | perplexity | greedy agreement |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| precision | dtype | quantization | weights MB | perplexity | greedy agreement "
+        "| SmoothQuant alpha |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['name']} | {r['dtype']} | {r['quantization']} | {r['weight_mb']:.1f} | "
-            f"{r['perplexity']:.3f} | {r['greedy_agreement']:.3f} |"
+            f"{r['perplexity']:.3f} | {r['greedy_agreement']:.3f} | {r['smoothquant'] or '-'} |"
         )
     if FLAGS.out:
         os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)

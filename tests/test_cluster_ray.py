@@ -34,6 +34,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 NUM_PROMPTS = 6
+RAY_NICENESS = "RAY_worker_niceness"  # Ray's config variables keep their case
 
 
 def _tokens(outs):
@@ -45,8 +46,8 @@ def ray_session():
     """A fresh local Ray cluster for this module (address='local': never someone else's). Its
     workers run at nice 0, not Ray's default 15: beside this suite's other xdist workers (nice
     0, busy) the actors got ~1/30 of a core and the lockstep test took 93 s instead of 9."""
-    saved = os.environ.get("RAY_worker_niceness")
-    os.environ["RAY_worker_niceness"] = "0"  # read by the raylet that ray.init starts
+    saved = os.environ.get(RAY_NICENESS)
+    os.environ[RAY_NICENESS] = "0"  # read by the raylet that ray.init starts
     try:
         ray.init(
             address="local",
@@ -59,9 +60,9 @@ def ray_session():
         pytest.skip(f"Ray cannot start here: {e!r}")
     finally:
         if saved is None:
-            os.environ.pop("RAY_worker_niceness", None)
+            os.environ.pop(RAY_NICENESS, None)
         else:
-            os.environ["RAY_worker_niceness"] = saved
+            os.environ[RAY_NICENESS] = saved
     yield
     ray.shutdown()
 

@@ -167,13 +167,16 @@ def make_prompts(n: int, length: int, allowed_ids: np.ndarray, seed: tuple) -> l
 
 def text_prompts(n: int, length: int, hf_dir: str, seed: tuple) -> list[list[int]]:
     """`n` windows of `length` tokens of the bundled text (llmjax/bench/data/alice.txt),
-    tokenized with `hf_dir`'s tokenizer.json, at distinct random offsets."""
+    tokenized with `hf_dir`'s tokenizer.json, at distinct random offsets; never from its last
+    `smooth.CALIBRATION_TOKENS` tokens (what int8's SmoothQuant scales are calibrated on)."""
     from tokenizers import Tokenizer
 
     from llmjax.bench.texts import public_domain_text
+    from llmjax.model.smooth import CALIBRATION_TOKENS
 
     text = public_domain_text("alice")
     ids = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).encode(text).ids
+    ids = ids[:-CALIBRATION_TOKENS]
     windows = len(ids) // length
     if windows < n:
         raise ValueError(f"the text has {windows} windows of {length} tokens, {n} asked")
