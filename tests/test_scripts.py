@@ -214,3 +214,26 @@ def test_profile_serving_counts_real_and_padded_tokens_per_bucket(tmp_path):
         assert sum(b["steps"] for b in r["buckets"]) == r["steps"] - r["compiled_steps"]
         assert all(b["real_tokens"] <= b["bucket"] for b in r["buckets"])
     assert results["fine"]["padded_tokens_per_step"] < results["pow2"]["padded_tokens_per_step"]
+
+
+def test_bench_decode_reports_the_step_and_the_jitted_step_alone(tmp_path):
+    """scripts/bench_decode.py on the tiny model: a row per batch size with the engine's step
+    time and the jitted step's alone (its inputs re-run, waited for), both positive."""
+    out = tmp_path / "decode.json"
+    stdout = _run(
+        "bench_decode.py",
+        "--model=tiny",
+        "--load_format=dummy",
+        "--dtypes=float32",
+        "--batch_sizes=1,2",
+        "--decode_steps=3",
+        "--warmup_steps=1",
+        "--max_model_len=64",
+        "--bandwidth_mib=8",
+        f"--json_out={out}",
+    ).stdout
+    assert "device ms" in stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["device_ms"] > 0 and r["tokens_per_s"] > 0
