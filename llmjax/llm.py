@@ -262,10 +262,10 @@ class LLM:
             raise ValueError(
                 f"quantization={quantization!r} runs on one device for now (tp={tp}, pp={pp})"
             )
+        alpha = _smoothquant_alpha(smoothquant, quantization)  # checked before the load
         self._model_config, params, self.tokenizer = _load(
             model, dtype, load_format, tokenizer, parallel if sharded else None, quantization
         )
-        alpha = _smoothquant_alpha(smoothquant, quantization)
         if alpha is not None:
             params = _smoothed(params, self._model_config, self.tokenizer, alpha)
         if not sharded:  # else ModelRunner places (and converts) each weight on the mesh
@@ -653,7 +653,7 @@ def _infinigen_skew(config: EngineConfig, params, tokenizer, num_tokens: int):
 
 def _smoothquant_alpha(smoothquant, quantization: str) -> float | None:
     """LLM's `smoothquant` -> SmoothQuant's migration strength, or None (not smoothed)."""
-    from llmjax.model.smooth import DEFAULT_ALPHA
+    from llmjax.model.smooth import DEFAULT_ALPHA, check_alpha
 
     if smoothquant == "auto":
         return DEFAULT_ALPHA if quantization == "int8" else None
@@ -670,9 +670,7 @@ def _smoothquant_alpha(smoothquant, quantization: str) -> float | None:
             f"smoothquant={smoothquant!r} smooths activations for W8A8 (quantization='int8'), "
             f"not for quantization={quantization!r}"
         )
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"SmoothQuant's migration strength must be in [0, 1], got {alpha}")
-    return alpha
+    return check_alpha(alpha)
 
 
 def _smoothed(params, model_config, tokenizer, alpha: float):

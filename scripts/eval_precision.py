@@ -67,7 +67,7 @@ def parse_precisions(entries: list[str]) -> list[tuple[str, str, str]]:
 def main(argv):
     del argv
     from llmjax import LLM, SamplingParams, quality
-    from llmjax.bench.texts import public_domain_text
+    from llmjax.bench.texts import text_token_ids
     from llmjax.model.quant import weight_bytes
 
     precisions = parse_precisions(FLAGS.precisions)
@@ -87,11 +87,8 @@ def main(argv):
         )
         config = llm.model_config
         if ids is None:
-            text = public_domain_text("alice")
-            if llm.tokenizer is not None:
-                ids = np.asarray(llm.tokenizer.encode(text), np.int32)
-            else:  # random weights without a tokenizer: bytes as ids
-                ids = np.frombuffer(text.encode(), np.uint8).astype(np.int32) % config.vocab_size
+            # random weights without a tokenizer: bytes as ids
+            ids = np.asarray(text_token_ids(llm.tokenizer, config.vocab_size, "alice"), np.int32)
             windows = quality.text_windows(ids, FLAGS.window, FLAGS.num_windows)
             rest = ids[windows.size :]
             prompts = quality.text_windows(rest, FLAGS.prompt_len, FLAGS.num_prompts)

@@ -88,6 +88,7 @@ def test_calibrated_statistics_are_the_inputs_largest_magnitudes():
         assert {k: v.shape for k, v in s.items()} == {k: (w,) for k, w in widths.items()}
         assert all(np.all(v >= 0) and np.any(v > 0) for v in s.values())
     assert stats[0]["attn"][OUTLIERS["attn_norm"][0]] > 5 * np.median(stats[0]["attn"])
+    assert smooth.describe(stats)["attn"] > 5  # the planted outliers, as describe reports them
 
 
 def test_migration_strength_moves_the_outliers_as_the_paper_defines():

@@ -32,3 +32,12 @@ def public_domain_text(name: str = "alice") -> str:
     return (
         resources.files("llmjax.bench").joinpath("data", f"{name}.txt").read_text(encoding="utf-8")
     )
+
+
+def text_token_ids(tokenizer, vocab_size: int, name: str = "alice") -> list[int]:
+    """A bundled text (`public_domain_text(name)`) as token ids: `tokenizer.encode`, or without a
+    tokenizer (random weights) its UTF-8 bytes folded into the vocabulary (byte % vocab_size)."""
+    text = public_domain_text(name)
+    if tokenizer is not None:
+        return list(tokenizer.encode(text))
+    return [b % vocab_size for b in text.encode()]

@@ -37,8 +37,23 @@ DEFAULT_ALPHA = 0.5  # the paper's migration strength for most models; LLM(smoot
 CALIBRATION_TOKENS = 512  # tokens of the bundled text's tail the statistics come from
 SCOPES = ("norms", "all")  # which inputs are smoothed: the paper's two, or all four (see above)
 INPUTS = ("attn", "o", "mlp", "down")  # recorded inputs per layer: [D], [N*H], [D], [F]
-_READERS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "o", "w_gate": "mlp", "w_up": "mlp"}
-_READERS["w_down"] = "down"
+_READERS = {  # each matrix -> the input it reads
+    "wq": "attn",
+    "wk": "attn",
+    "wv": "attn",
+    "wo": "o",
+    "w_gate": "mlp",
+    "w_up": "mlp",
+    "w_down": "down",
+}
+
+
+def check_alpha(alpha: float) -> float:
+    """The migration strength as a float, or ValueError outside [0, 1]."""
+    alpha = float(alpha)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"SmoothQuant's migration strength must be in [0, 1], got {alpha}")
+    return alpha
 
 
 @contextlib.contextmanager
@@ -115,16 +130,12 @@ def calibration_tokens(tokenizer, vocab_size: int, n: int = CALIBRATION_TOKENS) 
     end, so that scripts/eval_precision.py's perplexity windows and prompts (its beginning) are
     never what the scales were calibrated on. Without a tokenizer (random weights) its bytes
     folded into the vocabulary."""
-    from llmjax.bench.texts import public_domain_text
+    from llmjax.bench.texts import text_token_ids
 
-    text = public_domain_text()
-    if tokenizer is not None:
-        ids = tokenizer.encode(text)
-    else:
-        ids = [b % vocab_size for b in text.encode()]
+    ids = text_token_ids(tokenizer, vocab_size)
     if len(ids) < n:
         raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than {n=}")
-    return list(ids[-n:])
+    return ids[-n:]
 
 
 def _factors(x_absmax, w_absmax, alpha: float) -> np.ndarray:
@@ -149,8 +160,7 @@ def _rows_absmax(*ws, in_ndim: int = 1) -> np.ndarray:
 def smooth_params(params, stats, config: ModelConfig, alpha: float = 0.5, scope: str = "all"):
     """A copy of the (list-layout, float) parameter tree with the inputs of `scope` smoothed by
     migration strength `alpha` (see the module doc); `stats` from `collect_input_absmax`."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"SmoothQuant's migration strength must be in [0, 1], got {alpha=}")
+    alpha = check_alpha(alpha)
     if scope not in SCOPES:
         raise ValueError(f"unknown smoothing {scope=}; choose one of {SCOPES}")
     if isinstance(params["layers"], dict):

@@ -140,13 +140,9 @@ def calibrate(params, config: ModelConfig, token_ids) -> tuple[np.ndarray, np.nd
 def calibration_tokens(tokenizer, vocab_size: int, n: int) -> list[int]:
     """The first `n` tokens of the bundled public-domain text (llmjax/bench/data/), tokenized;
     without a tokenizer (dummy weights), its bytes folded into the vocabulary."""
-    from llmjax.bench.texts import public_domain_text
+    from llmjax.bench.texts import text_token_ids
 
-    text = public_domain_text()
-    if tokenizer is not None:
-        ids = tokenizer.encode(text)
-    else:
-        ids = [b % vocab_size for b in text.encode()]
+    ids = text_token_ids(tokenizer, vocab_size)
     if len(ids) < n:
         raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than {n=}")
     return ids[:n]
