@@ -517,8 +517,9 @@ class LLM:
         """Profile everything run inside (`jax.profiler.trace`) into `log_dir`: the devices'
         timeline (XLA ops, named by scope: `layers/while/body/attention/...` for the scanned
         layer, `layer_3/attention/...` with `layer_loop="unroll"`), the host's, and the engine's
-        own ranges: one `llmjax_step` per engine step with `llmjax.schedule`, `llmjax.pack`,
-        `llmjax.run` (with the step's token and sequence counts) and `llmjax.update` inside.
+        own ranges: one `llmjax_step` per engine step with its stages inside: `llmjax.schedule`,
+        `llmjax.prepare`, `llmjax.launch` (with the step's token and sequence counts),
+        `llmjax.collect` and `llmjax.update`.
         Open it with XProf / TensorBoard's profile plugin, or (`create_perfetto_trace`) in
         Perfetto. Compile outside it first (a warm-up), or the first steps show compilation.
 

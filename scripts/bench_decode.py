@@ -87,13 +87,13 @@ def time_decode(llm, batch: int) -> dict:
     first_s = time.perf_counter() - t
     runner = engine.runner
     captured = []
-    real_run = runner.run
+    real_launch = runner.launch
 
-    def capturing_run(step, sampling):
+    def capturing_launch(step, sampling, tag=None):
         captured[:] = [step, sampling]
-        return real_run(step, sampling)
+        return real_launch(step, sampling, tag)
 
-    runner.run = capturing_run
+    runner.launch = capturing_launch
     times = []
     try:
         for i in range(FLAGS.warmup_steps + FLAGS.decode_steps - 1):
@@ -102,7 +102,7 @@ def time_decode(llm, batch: int) -> dict:
             if i >= FLAGS.warmup_steps:
                 times.append(time.perf_counter() - t)
     finally:
-        del runner.run
+        del runner.launch
     device_s = _device_step_seconds(runner, *captured)
     while engine.has_unfinished_requests():
         engine.step()

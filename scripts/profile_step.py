@@ -5,7 +5,8 @@ prompt tokens, each generating --max_tokens), records each step's features
 (`llmjax.sim.StepFeatures`: tokens, prefill attention, decodes, decode context) and its seconds
 (--fit_to: 'step', the whole `LLMEngine.step` in wall time, host work included, which is what
 the engine's clock moves by from one step to the next and so what a simulated engine must
-advance; or 'device', `ModelRunner.run` alone; steps that compiled are left out), fits
+advance; or 'device', `ModelRunner.launch` to `collect` alone; steps that compiled are left
+out), fits
 `llmjax.sim.LinearCostModel` by least squares on all but every --holdout_every-th step and
 reports the relative error on those held-out steps. --roofline also measures this machine's
 read bandwidth and matmul rate (llmjax/roofline.py), so that `SimConfig(hardware=<the JSON>)`
@@ -71,12 +72,17 @@ def record_steps(
     engine = llm.engine
     runner = engine.runner
     rows = []
-    run, step_fn = runner.run, engine.step
+    launch, collect, step_fn = runner.launch, runner.collect, engine.step
     current: list[dict] = []  # the row the step in progress recorded (none if it compiled)
+    launched: list[tuple] = []  # (compiles before, clock, step input) of the step in flight
 
-    def timed(step, sampling):
-        compiles, t = runner.num_compiles, engine.clock.now()
-        out = run(step, sampling)
+    def timed_launch(step, sampling, tag=None):
+        launched.append((runner.num_compiles, engine.clock.now(), step))
+        return launch(step, sampling, tag)
+
+    def timed_collect(handle):
+        out = collect(handle)
+        compiles, t, step = launched.pop(0)
         seconds = engine.clock.now() - t
         if runner.num_compiles == compiles:
             features = StepFeatures.from_step(step)
@@ -94,7 +100,7 @@ def record_steps(
             rows.append(row)
         return outs
 
-    runner.run, engine.step = timed, timed_step
+    runner.launch, runner.collect, engine.step = timed_launch, timed_collect, timed_step
     rng = np.random.default_rng(seed)
     vocab = llm.config.model.vocab_size
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -105,7 +111,7 @@ def record_steps(
                 llm.generate(prompts, params)
                 llm.reset_prefix_cache()
     finally:
-        runner.run, engine.step = run, step_fn
+        runner.launch, runner.collect, engine.step = launch, collect, step_fn
     return rows
 
 

@@ -149,10 +149,20 @@ class FakeRunner:
         self.model = FakePagedModel(num_pages, self.page_size, config.model.vocab_size)
         self.num_compiles = 0
 
+    num_in_flight = 0
+
     def run(self, step, sampling) -> np.ndarray:
         next_ids = self.model.run(step, sampling.spec)
         self.last_spec = self.model.last_spec
         return next_ids
+
+    def launch(self, step, sampling, tag=None):
+        """As ModelRunner.launch; the fake model runs at once (`collect` hands it back)."""
+        return tag, self.run(step, sampling)
+
+    @staticmethod
+    def collect(launched):
+        return launched
 
     def export_pages(self, pages) -> np.ndarray:
         return self.model.kv.reshape(-1, self.page_size)[np.asarray(pages, np.int64)].copy()

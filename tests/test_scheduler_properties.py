@@ -105,7 +105,7 @@ class Scenario:
     prefix_cache: str = "none"
     admission_order: str = "fcfs"
     # Pipeline parallelism: a batch's tokens come back this many steps after it is scheduled
-    # (LLMEngine._pipelined_step); meanwhile its requests are in flight (Scheduler.in_flight).
+    # (LLMEngine.step with pp > 1); meanwhile its requests are in flight (Scheduler.in_flight).
     pipeline_depth: int = 1
     # SchedulerConfig.balance_micro_batches (with pipeline_depth > 1): at most
     # ceil(decoding requests / depth) decodes per batch.

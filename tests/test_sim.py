@@ -64,16 +64,20 @@ def test_simulated_engine_makes_the_real_engines_decisions_step_by_step():
     llm = LLM("tiny", load_format="dummy", page_size=4, max_num_batched_tokens=32,
               max_num_seqs=4, max_model_len=64, num_pages=24, compilation_cache_dir="")  # fmt: skip
     prompts, params = _workload()
-    times = []
-    run = llm.engine.runner.run
+    times, clock0 = [], []
+    runner = llm.engine.runner
+    launch, collect = runner.launch, runner.collect
 
-    def timed(step, sampling):
-        clock0 = llm.engine.clock.now()
-        out = run(step, sampling)
-        times.append(llm.engine.clock.now() - clock0)
+    def timed_launch(*args):
+        clock0.append(llm.engine.clock.now())
+        return launch(*args)
+
+    def timed_collect(launched):
+        out = collect(launched)
+        times.append(llm.engine.clock.now() - clock0.pop())
         return out
 
-    llm.engine.runner.run = timed
+    runner.launch, runner.collect = timed_launch, timed_collect
     real = _run(llm.engine, prompts, params)
     assert real[2] > 0, "the workload should preempt"
     assert any(cached for cached, _ in real[1].values()), "and hit the prefix cache"

@@ -104,7 +104,7 @@ ENTRIES = [(8, 0), (6, 2), None, (0, 3), (5, 1), None, (0, 4)]
 
 
 class FakePipelineEngine:
-    """An engine that counts like LLMEngine._pipelined_step (stage s at tick t holds the
+    """An engine that counts like LLMEngine.step with pp > 1 (stage s at tick t holds the
     micro-batch that entered at t - s; the one leaving the last stage is recorded by
     record_step's prefill/decode counts), without a model."""
 

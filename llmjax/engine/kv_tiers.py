@@ -56,6 +56,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from llmjax.engine.step import StepFeature
 from llmjax.kvstore.keys import ROOT_KEY, chain_keys
 from llmjax.kvstore.tiered import TieredStore
 
@@ -395,3 +396,67 @@ class KVTiers:
                     want = at_end and key in self.store.tiers[t]
                     got = bool(node.page_tiers[i] >> t & 1)
                     assert got == want, f"page {start + i}: tier {t} record {got}, holds {want}"
+
+
+class KVTierSteps(StepFeature):
+    """The KV tiers' part of the engine step (a `StepFeature`).
+
+    - `scheduled` (every step, empty or not): dispatch the queued gathers and scatters, before
+      the step reuses evicted pages or reads loaded ones.
+    - `collect`: store the gathers that ran before the step; a step that prefilled updates the
+      cost model's prefill rate.
+    - `update`: the blocks the step completed start their copy down; with nothing left to run
+      they are finished at once (nothing to overlap with); disk reads for the waiting
+      requests' next admissions start."""
+
+    def __init__(self, tiers: KVTiers, scheduler):
+        self.tiers = tiers
+        self.scheduler = scheduler
+
+    def scheduled(self, step) -> None:
+        self.tiers.dispatch()
+
+    def collect(self, step) -> None:
+        self.tiers.finish()
+        if any(not s.is_decode for s in step.batch.seqs):
+            self.tiers.record_prefill(step.batch.num_tokens, step.device_s)
+
+    def update(self, step) -> None:
+        self.tiers.dispatch()
+        if not self.scheduler.has_unfinished():
+            self.tiers.finish()
+        self.tiers.prefetch(self.scheduler.waiting)
+
+
+def attach_kv_tiers(engine, store: TieredStore | None) -> KVTiers:
+    """`engine`'s KV tiers over `store` (one shared with other engines), or over a new store as
+    its `config.kv_store` describes. The engine's config takes a shared store's policies; its
+    scheduler loads prefixes through the tiers."""
+    from llmjax.kvstore.tiered import make_store
+
+    if store is not None and store.config is not None:  # a shared store's policies
+        engine.config = engine.config.replace(kv_store=store.config)
+    cfg = engine.config
+    if not hasattr(engine.runner, "import_host_pages") or engine.runner.pipelined:
+        raise ValueError("the KV tiers need a real device with pp == 1 and dense KV")
+    block_pages = cfg.kv_store.block_size // cfg.cache.page_size
+    if store is not None and store.block_pages != block_pages:
+        raise ValueError(
+            f"kv_store holds blocks of {store.block_pages} pages; this engine's are "
+            f"{block_pages} (kv_store.block_size {cfg.kv_store.block_size})"
+        )
+    shape = list(engine.runner.transfer_shape(block_pages))
+    shape[2] = block_pages
+    if store is None:
+        salt = engine.block_manager.prefix_cache.salt
+        store = make_store(
+            cfg.kv_store, tuple(shape), engine.runner.kv_dtype, block_pages, salt.hex()[:16]
+        )
+    elif store.tiers and tuple(store.tiers[0].block_shape) != tuple(shape):
+        raise ValueError(
+            f"kv_store holds blocks of shape {store.tiers[0].block_shape}; this engine's "
+            f"are {tuple(shape)} (another model, layout or block size)"
+        )
+    tiers = KVTiers(store, engine.block_manager, engine.runner, cfg.kv_store)
+    engine.scheduler.prefix_loader = tiers.load
+    return tiers

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
@@ -53,6 +54,18 @@ from llmjax.parallel.mesh import (
 from llmjax.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Launched:
+    """A dispatched step (`ModelRunner.launch`): device arrays that `collect` waits for."""
+
+    tag: object  # handed back by collect (the engine's scheduled batch)
+    next_ids: jax.Array | None  # [S]; None: a pipeline tick that no micro-batch left
+    logprobs: tuple | None = None  # the sampler's (top ids, top logprobs, sampled, rank)
+    prompt_logprobs: tuple | None = None  # (target logprob, rank, top ids, top logprobs) [T]
+    spec: tuple | None = None  # (tokens, accepted, (processed ids, plain rows) or None)
+    sparse_stats: object = None  # sparse_kv's SparseStats
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
@@ -371,10 +384,13 @@ class ModelRunner:
         return sum(s is not None for s in self._slots) if self.pipelined else 0
 
     def tick(self, step: StepInput | None, sampling: SamplingInput | None, tag=None):
-        """pp > 1: one pipeline tick. The micro-batch (`step`, `sampling`; None for none) enters
-        stage 0. Returns (exited, tokens): exited = (tag, next token ids) of the micro-batch
-        leaving the last stage, or None; tokens = each stage's token count this tick (0 for an
-        empty stage), for the bubble statistics."""
+        """pp > 1: one pipeline tick, waited for. The micro-batch (`step`, `sampling`; None for
+        none) enters stage 0. Returns (exited, tokens): exited = (tag, next token ids) of the
+        micro-batch leaving the last stage, or None; tokens = each stage's token count this
+        tick (0 for an empty stage), for the bubble statistics."""
+        return self.collect(self.launch(step, sampling, tag)), self.last_stage_tokens
+
+    def _launch_tick(self, step, sampling, tag) -> Launched:
         pp = self.mesh.shape["pp"]
         self._slots.appendleft(None if step is None else (tag, step, sampling))
         while len(self._slots) < pp:
@@ -394,14 +410,11 @@ class ModelRunner:
             self.params, self.kv_pages, h, metas, sampling_arrays
         )
         self._slots.pop()
-        tokens = [0 if x is None else int(x.cu_q_lens[-1]) for x in steps]
+        self.last_stage_tokens = [0 if x is None else int(x.cu_q_lens[-1]) for x in steps]
         self.num_steps += 1
         if exiting is None:
-            return None, tokens
-        next_ids = to_host(next_ids)
-        if self.config.parallel.check_lockstep:
-            check_lockstep(next_ids, self.num_steps)
-        return (exiting[0], next_ids), tokens
+            return Launched(None, None)
+        return Launched(exiting[0], next_ids)
 
     def lower_tick(self, T: int, S: int, P: int):
         """pp > 1: the lowered pipeline tick of one (T, S, P) bucket (for HLO inspection)."""
@@ -445,8 +458,17 @@ class ModelRunner:
         return jax.tree.map(lambda x: place(np.asarray(x), sharding), arrays)
 
     def run(self, step: StepInput, sampling: SamplingInput) -> np.ndarray:
-        """Run one step; returns the next token id of every (padded) sequence row. With
-        sparse_kv, `last_sparse_stats` then holds the step's `SparseStats` (numpy)."""
+        """Run one step and wait for it: `collect(launch(...))`'s token ids."""
+        return self.collect(self.launch(step, sampling))[1]
+
+    def launch(self, step: StepInput | None, sampling: SamplingInput | None, tag=None) -> Launched:
+        """Dispatch one step (pp > 1: one pipeline tick; `step` None enters no micro-batch):
+        the jitted forward, then the sampler, verification or logprobs it needs. Returns before
+        the device is done (JAX's asynchronous dispatch; the host computes a structured
+        output's bitmask meanwhile); `collect` waits for the results. `tag` comes back from
+        `collect` with the step's tokens (the engine passes the scheduled batch)."""
+        if self.pipelined:
+            return self._launch_tick(step, sampling, tag)
         if self.sparse.enabled:
             next_ids, self.kv_pages, self.partial_keys, stats = self._sparse_step(
                 self.params,
@@ -455,9 +477,7 @@ class ModelRunner:
                 self.spec_weights,
                 *self._inputs(step, sampling),
             )
-            self.last_sparse_stats = jax.tree.map(np.asarray, stats)
-            self.num_steps += 1
-            return to_host(next_ids)
+            return Launched(tag, next_ids, sparse_stats=stats)
         step_fn = self._step
         if self._ahead_pool is not None:
             shape = step_shape(step)
@@ -470,42 +490,60 @@ class ModelRunner:
                     logger.warning("compiling %s ahead failed: %r", shape, ahead.exception())
         step_arg, sampling_args = self._inputs(step, sampling)
         next_ids, logits, self.kv_pages = step_fn(self.params, self.kv_pages, step_arg)
-        self.last_logprobs = self.last_prompt_logprobs = self.last_spec = None
         if sampling.spec is not None:  # verify proposals
             spec = sampling.spec.arrays()
             if self.mesh is not None:
                 spec = tuple(place(x, replicated(self.mesh)) for x in spec)
             tokens, accepted = self._verify(logits, next_ids, *spec, *sampling_args)
-            processed = None
+            out = Launched(tag, None, spec=(tokens, accepted, None))
             if sampling.processing is not None:  # rows without proposals process their logits
                 rows = jnp.take(logits, spec[0], axis=0)  # each sequence's first row
-                processed = to_host(self._processed(rows, sampling, sampling_args))
-            tokens, accepted = np.array(to_host(tokens)), to_host(accepted)
-            if processed is not None:
-                plain = sampling.spec.num_proposals == 0
-                tokens[plain, 0] = processed[plain]
-            self.last_spec = (tokens, accepted)
-            self.num_steps += 1
-            if self.config.parallel.check_lockstep:
-                check_lockstep(tokens, self.num_steps)
-            return tokens[:, 0]
+                processed, out.logprobs = self._processed(rows, sampling, sampling_args)
+                out.spec = (tokens, accepted, (processed, sampling.spec.num_proposals == 0))
+            return out
+        out = Launched(tag, next_ids)
         if sampling.prompt is not None:  # logits came for every token row
             rows, targets = sampling.prompt.last_rows, sampling.prompt.targets
             if self.mesh is not None:
                 rows, targets = (place(x, replicated(self.mesh)) for x in (rows, targets))
-            logits, next_ids, prompt = self._prompt_logprobs(
+            logits, out.next_ids, out.prompt_logprobs = self._prompt_logprobs(
                 logits, rows, targets, num_logprobs=MAX_LOGPROBS
             )
-            self.last_prompt_logprobs = tuple(to_host(x) for x in prompt)
         if sampling.processing is not None:
-            next_ids = self._processed(logits, sampling, sampling_args)
+            out.next_ids, out.logprobs = self._processed(logits, sampling, sampling_args)
         elif not sampling.all_greedy:
-            next_ids = self._sample(logits, *sampling_args[:-1])  # all but all_greedy
-        next_ids = to_host(next_ids)
-        self.num_steps += 1
+            out.next_ids = self._sample(logits, *sampling_args[:-1])  # all but all_greedy
+        return out
+
+    def collect(self, launched: Launched) -> tuple[object, np.ndarray] | None:
+        """Wait for a launched step: (its tag, the next token id of every (padded) sequence
+        row), or None for a pipeline tick that no micro-batch left. Sets the step's other
+        results: `last_logprobs`, `last_prompt_logprobs`, `last_spec` (the verified tokens
+        [S, K + 1] and accepted counts [S]), `last_sparse_stats` (numpy)."""
+        self.last_logprobs = self.last_prompt_logprobs = self.last_spec = None
+        if launched.sparse_stats is not None:
+            self.last_sparse_stats = jax.tree.map(np.asarray, launched.sparse_stats)
+        if launched.logprobs is not None:
+            self.last_logprobs = tuple(to_host(x) for x in launched.logprobs)
+        if launched.prompt_logprobs is not None:
+            self.last_prompt_logprobs = tuple(to_host(x) for x in launched.prompt_logprobs)
+        if launched.spec is not None:
+            tokens, accepted, processed = launched.spec
+            tokens, accepted = np.array(to_host(tokens)), to_host(accepted)
+            if processed is not None:
+                ids, plain = processed
+                tokens[plain, 0] = to_host(ids)[plain]
+            self.last_spec = (tokens, accepted)
+            next_ids = tokens[:, 0]
+        elif launched.next_ids is None:  # a pipeline tick that no micro-batch left
+            return None
+        else:
+            next_ids = to_host(launched.next_ids)
+        if not self.pipelined:
+            self.num_steps += 1
         if self.config.parallel.check_lockstep:
             check_lockstep(next_ids, self.num_steps)
-        return next_ids
+        return launched.tag, next_ids
 
     def draft(self, tokens, positions, page_indices, num_proposals) -> np.ndarray:
         """Speculative decoding's early-exit draft (`SpeculativeConfig.method == 'draft'`):
@@ -519,8 +557,8 @@ class ModelRunner:
         return to_host(proposals)
 
     def _processed(self, logits, sampling: SamplingInput, sampling_args):
-        """The processed sampler over `logits` [S, V] (one row per sequence): next ids (on the
-        device); `last_logprobs` set if the step wants logprobs."""
+        """The processed sampler over `logits` [S, V] (one row per sequence): (next ids,
+        logprobs or None), on the device."""
         proc = sampling.processing
         arrays = proc.arrays()
         # structured outputs: the host fills the mask while the device runs the forward
@@ -529,12 +567,9 @@ class ModelRunner:
             arrays = tuple(place(np.asarray(x), replicated(self.mesh)) for x in arrays)
             if bitmask is not None:
                 bitmask = place(bitmask, replicated(self.mesh))
-        next_ids, logprobs = self._sample_processed(
+        return self._sample_processed(
             logits, *sampling_args[:-1], *arrays, bitmask, num_logprobs=proc.num_logprobs
         )
-        if logprobs is not None:
-            self.last_logprobs = tuple(to_host(x) for x in logprobs)
-        return next_ids
 
     # ---- KV page transfer (disaggregated serving, llmjax/cluster/transfer.py) -----------------
 

@@ -26,10 +26,13 @@ rarely repeats its context, so its proposals mostly fail and would only cost ver
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
 from llmjax.config import SpeculativeConfig
+from llmjax.engine.block_manager import pages_needed
+from llmjax.engine.step import Step, StepFeature
 
 
 @dataclasses.dataclass
@@ -313,3 +316,88 @@ def _state(req) -> SpecState:
     if state is None:
         state = req.metrics.spec_decode = SpecState()
     return state
+
+
+class SpeculationStep(StepFeature):
+    """Speculative decoding's part of the engine step (a `StepFeature`; `engine` gives the
+    scheduler, runner, block manager, buckets and stats).
+
+    - `scheduled`: a step that computes prompt logprobs cannot verify, so its proposals are
+      dropped; the early-exit draft (method 'draft') then fills in the proposals the scheduler
+      reserved, on the device, before the step is packed.
+    - `collect`: each verifying sequence's new tokens (its accepted proposals and the target's
+      token) replace its entry in `step.new_tokens`; every decode's outcome goes to its
+      request's counters and the engine's.
+    - `update`: a step of decodes only that compiled nothing tells the speculator what a step
+      of its size costs (wall time, host work included), to size the next proposals."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.speculator = engine.speculator
+
+    def scheduled(self, step: Step) -> None:
+        batch, engine = step.batch, self.engine
+        if not batch:
+            return
+        step.compiles = engine._compile_counts()
+        if batch.num_spec_tokens and any(map(_blocks_speculation, batch.seqs)):
+            engine.scheduler.drop_speculation(batch)
+        if batch.num_spec_tokens and self.speculator.drafts_on_device:
+            with engine.runner.annotate("llmjax.draft"):
+                t = time.perf_counter()
+                self._draft(batch)
+                step.draft_s = time.perf_counter() - t
+
+    def _draft(self, batch) -> None:
+        """The device drafts the proposals the scheduler reserved; they replace the
+        placeholders."""
+        engine = self.engine
+        seqs = [s for s in batch.seqs if s.spec]
+        ps = engine.block_manager.page_size
+        tables = engine.block_manager.page_tables
+        max_pages = max(pages_needed(s.start + s.num_new_tokens, ps) for s in seqs)
+        _, S, P = engine.buckets.shape_for(len(seqs), len(seqs), max_pages)
+        tokens, positions, num = (np.zeros(S, np.int32) for _ in range(3))
+        pages = np.zeros((S, P), np.int32)
+        for i, seq in enumerate(seqs):
+            table = tables[seq.request.request_id]
+            used = pages_needed(seq.start + seq.num_new_tokens, ps)
+            tokens[i] = seq.request.token_ids_slice(seq.start, seq.start + 1)[0]
+            positions[i] = seq.start
+            pages[i, :used] = table[:used]
+            num[i] = len(seq.spec)
+        proposals = engine.runner.draft(tokens, positions, pages, num)
+        for i, seq in enumerate(seqs):
+            seq.spec = tuple(int(t) for t in proposals[i, : num[i]])
+
+    def collect(self, step: Step) -> None:
+        result = self.engine.runner.last_spec
+        stats = self.engine.stats
+        for i, seq in enumerate(step.batch.seqs):
+            if not (seq.is_decode or seq.spec) or seq.request.status.is_done:
+                continue
+            k = len(seq.spec)
+            accepted = 0
+            if k:
+                tokens, num_accepted = result
+                accepted = int(num_accepted[i])
+                step.new_tokens[i] = tokens[i, : accepted + 1].tolist()
+                stats.num_spec_drafts += 1
+                stats.num_spec_draft_tokens += k
+                stats.num_spec_accepted_tokens += accepted
+            self.speculator.record(seq.request, k, accepted, accepted + 1)
+
+    def update(self, step: Step) -> None:
+        if all(s.is_decode for s in step.batch.seqs) and (
+            self.engine._compile_counts() == step.compiles
+        ):
+            seconds = time.perf_counter() - step.t_start - step.draft_s
+            self.speculator.observe(len(step.step_input.token_ids), seconds, step.draft_s)
+
+
+def _blocks_speculation(seq) -> bool:
+    """Whether a step holding `seq` cannot verify proposals: it computes prompt logprobs (that
+    step returns logits for every token row). Rows with logits processing, logprobs or
+    structured outputs share a step with verifications (their sampler takes each sequence's
+    first logits row)."""
+    return seq.request.sampling_params.prompt_logprobs is not None and not seq.is_decode

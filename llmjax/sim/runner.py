@@ -196,6 +196,21 @@ class SimRunner:
             return None, tokens
         return (exiting[0], self._next_ids(exiting[1])), tokens
 
+    # -- the engine's launch / collect ------------------------------------------------------------
+
+    def launch(self, step, sampling, tag=None):
+        """As ModelRunner.launch: one step (or pp > 1: one tick). The modeled step is done at
+        once (the clock advanced by its seconds), so `collect` only hands its result back."""
+        if self.pipelined:
+            exited, self.last_stage_tokens = self.tick(step, sampling, tag)
+            return exited
+        return tag, self.run(step, sampling)
+
+    @staticmethod
+    def collect(launched):
+        """(tag, next ids) of a launched step, or None for a tick that no micro-batch left."""
+        return launched
+
     # -- what ModelRunner also offers -----------------------------------------------------------
 
     def precompile(self, shapes, progress=None) -> None:

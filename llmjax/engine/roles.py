@@ -1,0 +1,210 @@
+"""The engine's roles in disaggregated serving (llmjax/cluster/; DistServe, Splitwise).
+
+A 'colocated' engine runs requests from prompt to finish. A 'prefill' engine runs prompts
+(chunked under the token budget as its policy says) and samples the first token; then it
+*parks* the request (`PrefillParking`, at the step's update stage): out of the batch, its KV
+pages still held (counted as used) until a decode instance takes it (`export_request`, then
+`release_request`) or it is aborted. A 'decode' engine receives such requests in two phases:
+`reserve_import` allocates the pages that the KV transfer writes, `commit_import` puts the
+request in the running batch as if it had computed its prompt here (`cancel_import` gives the
+pages back and recomputes it, or fails it with a reason). `can_accept` is DistServe's pull
+condition. A request that finishes at its first token (EOS, max_tokens=1) never parks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from llmjax.engine.block_manager import pages_needed
+from llmjax.engine.request import (
+    MigratedRequest,
+    Request,
+    RequestMetrics,
+    RequestStatus,
+)
+from llmjax.engine.step import Step, StepFeature
+from llmjax.tokenizer.detokenizer import StopStringMatcher
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("colocated", "prefill", "decode")
+
+
+class PrefillParking(StepFeature):
+    """role 'prefill': hook `update` parks each request that got its first token and did not
+    finish (`LLMEngine.parked`, in order: DistServe's queue of finished prefills)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def update(self, step: Step) -> None:
+        running, parked = self.engine.scheduler.running, self.engine.parked
+        for req in step.sampled:
+            if not req.status.is_done and req.request_id not in parked:
+                running.remove(req)
+                parked[req.request_id] = req
+
+
+class EngineRoles:
+    """`LLMEngine`'s side of moving requests between instances (the module doc), mixed into
+    it so that a cluster calls `engine.export_request(...)`. Reads the engine's scheduler,
+    block manager, KV tiers, clock, tokenizer and `_live`; holds `parked` (role 'prefill': id ->
+    request, first token sampled, pages held) and `_receiving` (role 'decode': id -> (request,
+    KV tokens) for transfers in flight)."""
+
+    def _init_roles(self) -> None:
+        self.parked: dict[str, Request] = {}
+        self._receiving: dict[str, tuple[Request, int]] = {}
+
+    def _abort_moving(self, request_id: str) -> Request | None:
+        """Free a parked or receiving request's pages; the request, or None if neither."""
+        req = self.parked.pop(request_id, None)
+        if req is not None:  # its prompt's KV stays in the prefix cache
+            self.block_manager.free(request_id, self.scheduler._computed_token_ids(req))
+        elif request_id in self._receiving:  # the pages were never (fully) written
+            req, _ = self._receiving.pop(request_id)
+            self.block_manager.free(request_id)
+        return req
+
+    def export_request(self, request_id: str) -> tuple[MigratedRequest, list[int]]:
+        """A parked request (role 'prefill') as it leaves: its state and the pages that hold
+        its computed tokens' KV, in order. It stays parked (pages held) until
+        `release_request`."""
+        req = self.parked.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not parked here (role={self.role!r})")
+        n = req.num_computed_tokens
+        pages = self.block_manager.page_tables[request_id][
+            : pages_needed(n, self.block_manager.page_size)
+        ]
+        return _migrated(req, n), list(pages)
+
+    def release_request(self, request_id: str) -> None:
+        """The parked request's KV has moved on: free its pages here (its prompt's full pages
+        stay in the prefix cache)."""
+        req = self.parked.pop(request_id)
+        self._live.discard(request_id)
+        self.block_manager.free(request_id, self.scheduler._computed_token_ids(req))
+
+    def waiting_pages(self) -> int:
+        """KV pages the waiting queue's requests will need (all their tokens)."""
+        ps = self.block_manager.page_size
+        return sum(pages_needed(r.num_tokens, ps) for r in self.scheduler.waiting)
+
+    def can_accept(self, m: MigratedRequest, waiting_page_fraction: float = 0.05) -> bool:
+        """DistServe's pull condition for a decode instance: its waiting queue uses less than
+        `waiting_page_fraction` of its pages, a sequence slot is free, and `m`'s pages (all its
+        tokens so far) fit beside the admission watermark."""
+        bm, sched = self.block_manager, self.scheduler
+        if len(sched.running) + len(self._receiving) >= self.config.scheduler.max_num_seqs:
+            return False
+        if self.waiting_pages() >= waiting_page_fraction * bm.num_usable_pages:
+            return False
+        keep_free = sched.watermark_pages if sched.running else 0
+        return bm.can_allocate(m.request_id, m.num_tokens, keep_free)
+
+    def reserve_import(self, m: MigratedRequest) -> list[int]:
+        """Take pages for `m` (all its tokens so far); returns the first `m.num_kv_pages` of
+        them, in order, for the KV transfer to write. The request is not scheduled until
+        `commit_import`."""
+        if m.request_id in self._live:
+            raise ValueError(f"request_id={m.request_id!r} is already live here")
+        req = self._request_from(m)
+        self.block_manager.allocate(m.request_id, m.num_tokens)
+        if self.kv_tiers is not None:
+            self.kv_tiers.dispatch()  # write-backs of the evicted pages, before the import
+        self._receiving[m.request_id] = (req, m.num_kv_tokens)
+        self._live.add(m.request_id)
+        return list(
+            self.block_manager.page_tables[m.request_id][
+                : m.num_kv_pages(self.block_manager.page_size)
+            ]
+        )
+
+    def commit_import(self, request_id: str) -> None:
+        """The KV transfer into the reserved pages is done: the request joins the running batch
+        with its KV tokens computed (its next step is a decode)."""
+        req, num_kv_tokens = self._receiving.pop(request_id)
+        req.num_computed_tokens = num_kv_tokens
+        req.status = RequestStatus.RUNNING
+        self.scheduler.running.append(req)
+        if self.block_manager.caching:
+            self.scheduler._cache_computed(req)
+
+    def cancel_import(self, request_id: str, error: str | None = None) -> None:
+        """The KV transfer failed: free the reserved pages and recompute the request here from
+        its tokens (like a preempted one), or with `error`, fail it with that reason (its
+        output comes with the next step)."""
+        req, _ = self._receiving.pop(request_id)
+        self.block_manager.free(request_id)
+        if error is None:
+            self.scheduler.add(req)
+        else:
+            self._fail(req, error)
+
+    def recompute_request(self, m: MigratedRequest) -> None:
+        """Take over `m` without its KV (its source died, or its transfer failed before any
+        page was reserved): it waits here and recomputes prompt + output so far."""
+        if m.request_id in self._live:
+            raise ValueError(f"request_id={m.request_id!r} is already live here")
+        self.scheduler.add(self._request_from(m))
+        self._live.add(m.request_id)
+
+    def _fail(self, req: Request, error: str) -> None:
+        req.error = error
+        req.finish("error", self.clock.now(), RequestStatus.REJECTED)
+        self._live.discard(req.request_id)
+        self._rejected.append(req)
+        logger.warning("request %s failed: %s", req.request_id, error)
+
+    def _request_from(self, m: MigratedRequest) -> Request:
+        params = m.sampling_params
+        req = Request(
+            request_id=m.request_id,
+            prompt_token_ids=list(m.prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=frozenset(self.config.model.eos_token_ids),
+            seed=m.seed,
+            prompt=m.prompt,
+            output_token_ids=list(m.output_token_ids),
+            num_cached_tokens=m.num_cached_tokens,
+            loaded_tokens=dict(m.loaded_tokens),
+            num_preemptions=m.num_preemptions,
+            metrics=_copy_metrics(m.metrics),
+            hints=m.hints,
+            logprobs=None if m.logprobs is None else list(m.logprobs),
+            cumulative_logprob=m.cumulative_logprob,
+            prompt_logprobs=None if m.prompt_logprobs is None else list(m.prompt_logprobs),
+        )
+        if params.stop and self.tokenizer is not None:
+            req.stop_matcher = StopStringMatcher(
+                self.tokenizer, params.stop, params.include_stop_str_in_output
+            )
+            for t in req.output_token_ids:
+                req.stop_matcher.add(t)
+        return req
+
+
+def _copy_metrics(m: RequestMetrics) -> RequestMetrics:
+    return dataclasses.replace(m, token_times=list(m.token_times))
+
+
+def _migrated(req: Request, num_kv_tokens: int) -> MigratedRequest:
+    return MigratedRequest(
+        request_id=req.request_id,
+        prompt_token_ids=list(req.prompt_token_ids),
+        output_token_ids=list(req.output_token_ids),
+        sampling_params=req.sampling_params,
+        seed=req.seed,
+        num_kv_tokens=num_kv_tokens,
+        metrics=_copy_metrics(req.metrics),
+        prompt=req.prompt,
+        num_cached_tokens=req.num_cached_tokens,
+        num_preemptions=req.num_preemptions,
+        loaded_tokens=dict(req.loaded_tokens),
+        hints=req.hints,
+        logprobs=None if req.logprobs is None else list(req.logprobs),
+        cumulative_logprob=req.cumulative_logprob,
+        prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+    )
