@@ -870,6 +870,13 @@ class EngineConfig:
     160) for 23 token buckets instead of 10 at a 512-token budget, each compiled when first met.
     `device` (DEVICES): 'jax', the real device; 'sim', a simulated one (llmjax/sim/: the step's
     duration from `sim`'s cost model on the engine's virtual clock, no JAX).
+    `async_scheduling` (vLLM's name): the host schedules and packs step N + 1 while the device
+    runs step N (llmjax/engine/overlap.py); a running decode's newest token, not yet on the
+    host, is taken from step N's output on the device. True, False, or None for the
+    backend's default (`async_scheduling_on`; ASYNC_BY_DEFAULT). Outputs are the same either
+    way. Engines with speculative decoding, pp > 1, sparse_kv, KV tiers or the prefill role
+    run synchronously; a step whose in-flight predecessor holds a request with structured
+    outputs or penalties (their next step needs the token on the host) waits for it.
     """
 
     model: ModelConfig
@@ -890,6 +897,7 @@ class EngineConfig:
     seed: int = 0
     precompile: bool = False
     compile_ahead: bool = False
+    async_scheduling: bool | None = None
     token_buckets_per_octave: int = 4
     device: str = "jax"
     sim: object | None = None
@@ -1016,6 +1024,20 @@ class EngineConfig:
             if why:
                 raise ValueError("the KV tiers (kv_store) need " + ", ".join(why))
 
+    def async_scheduling_on(self, platform: str | None = None) -> bool:
+        """`async_scheduling` resolved: None is on where the platform (default: JAX's default
+        backend; the simulator's 'sim') is in ASYNC_BY_DEFAULT."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        if platform is None:
+            if self.device == "sim":
+                platform = "sim"
+            else:
+                import jax
+
+                platform = jax.default_backend()
+        return platform in ASYNC_BY_DEFAULT
+
     @property
     def scans_layers(self) -> bool:
         """Whether the step scans over stacked layers (`layer_loop` resolved)."""
@@ -1029,6 +1051,9 @@ class EngineConfig:
 # scripts/bench_decode.py in scripts/device_check.sh) a decode step at batch 32 took 4.26 ms
 # unrolled against 10.60 ms scanned (batch 1: 3.36 against 2.41; compile 6.9 s against 1.8 s).
 UNROLL_BY_DEFAULT = ("gpu", "cuda", "rocm")
+# Platforms where `EngineConfig.async_scheduling` None means on (measured: README, "Async
+# scheduling"; scripts/bench_async.py).
+ASYNC_BY_DEFAULT: tuple[str, ...] = ()
 
 
 def layer_loop_scans(layer_loop: str, sparse_kv: bool, platform: str | None = None) -> bool:

@@ -2,7 +2,8 @@ r"""The absl flags every script shares for building an engine, in one place.
 
 Short flags for what researchers set most: `--model`, `--load_format`, `--tokenizer`, `--dtype`,
 `--quantization`, `--smoothquant`, `--max_model_len`, `--page_size`, `--num_pages`,
-`--max_num_seqs`, `--max_num_batched_tokens`, `--precompile`, `--speculative_config`, the step's
+`--max_num_seqs`, `--max_num_batched_tokens`, `--precompile`, `--async_scheduling`,
+`--speculative_config`, the step's
 kernels (`--attention_backend`, `--flash_prefill`, `--pallas_kernel`, `--kernel_options`,
 `--layer_loop`), parallelism (`--tp`,
 `--pp`, `--pad_heads`, `--balance_micro_batches`, `--check_lockstep`) and a multi-process launch
@@ -142,6 +143,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         False,
         "Compile every step shape when the engine starts (EngineConfig.precompile), so that "
         "serving never compiles; JAX's persistent cache makes later starts fast.",
+        **f,
+    )
+    flags.DEFINE_bool(
+        "async_scheduling",
+        None,
+        "Schedule and pack the next step while the device runs this one "
+        "(EngineConfig.async_scheduling; default: the backend's, see README).",
         **f,
     )
     flags.DEFINE_string(
@@ -521,6 +529,7 @@ def llm_kwargs(values: flags.FlagValues) -> dict:
         max_num_seqs=values.max_num_seqs,
         max_num_batched_tokens=values.max_num_batched_tokens,
         precompile=values.precompile,
+        async_scheduling=values.async_scheduling,
         attention_backend=values.attention_backend,
         flash_prefill=values.flash_prefill,
         pallas_kernel=values.pallas_kernel,

@@ -73,6 +73,7 @@ OPTION_PATHS = {
     "layer_loop": "layer_loop",
     "seed": "seed",
     "precompile": "precompile",
+    "async_scheduling": "async_scheduling",
     "compilation_cache_dir": "compilation_cache_dir",
 }
 
@@ -131,6 +132,7 @@ ENGINE_OPTIONS = (
     "calibration_tokens",
     "seed",
     "precompile",
+    "async_scheduling",
     "compilation_cache_dir",
     "overrides",
     "role",
@@ -170,9 +172,11 @@ class LLM:
     'mgpu': the attention kernels; see EngineConfig), `kernel_options` (that ragged kernel's
     arguments, 'key=value,...'; see EngineConfig), `layer_loop` ('auto', 'scan', 'unroll': the step
     scans over stacked layers or unrolls them; see EngineConfig), `precompile` (compile every step
-    shape at start; see EngineConfig), `tp` / `pp` / `pad_heads` / `check_lockstep` (tensor and
-    pipeline parallelism over the first tp * pp devices; see ParallelConfig; in a multi-host run
-    call `llmjax.parallel.distributed.initialize` first, in every process), `sparse_kv` ('none',
+    shape at start; see EngineConfig), `async_scheduling` (schedule the next step while the
+    device runs this one; None: the backend's default; see EngineConfig), `tp` / `pp` /
+    `pad_heads` / `check_lockstep` (tensor and pipeline parallelism over the first tp * pp
+    devices; see ParallelConfig; in a multi-host run call
+    `llmjax.parallel.distributed.initialize` first, in every process), `sparse_kv` ('none',
     'offload', 'infinigen', or a SparseKVConfig with InfiniGen's parameters: the KV cache in a
     host-memory pool, fetched whole or selectively; with 'infinigen' and no `skew_dir` the skewing
     matrices are calibrated at start-up on the first `calibration_tokens` tokens of a bundled
@@ -232,6 +236,7 @@ class LLM:
         calibration_tokens: int = 2048,
         seed: int = 0,
         precompile: bool = False,
+        async_scheduling: bool | None = None,
         compilation_cache_dir: str | None = None,
         overrides: dict | None = None,
         device: str = "jax",
@@ -439,6 +444,7 @@ class LLM:
             else SparseKVConfig(mode=sparse_kv),
             seed=o["seed"],
             precompile=o["precompile"],
+            async_scheduling=o["async_scheduling"],
             device=fixed["device"],
             sim=fixed["sim"],
             speculative=SpeculativeConfig.coerce(o["speculative_config"]),

@@ -156,9 +156,18 @@ class FakeRunner:
         self.last_spec = self.model.last_spec
         return next_ids
 
+    _last_ids = None  # the last launched step's ids (async scheduling's pending tokens)
+
     def launch(self, step, sampling, tag=None):
-        """As ModelRunner.launch; the fake model runs at once (`collect` hands it back)."""
-        return tag, self.run(step, sampling)
+        """As ModelRunner.launch; the fake model runs at once (`collect` hands it back). Rows
+        named by `sampling.token_rows` take the last launched step's ids, as on the device."""
+        rows = sampling.token_rows
+        if rows is not None:
+            ids = np.asarray(step.token_ids).copy()
+            ids[rows >= 0] = self._last_ids[rows[rows >= 0]]
+            step = step._replace(token_ids=ids)
+        self._last_ids = self.run(step, sampling)
+        return tag, self._last_ids
 
     @staticmethod
     def collect(launched):

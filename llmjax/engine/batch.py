@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from llmjax.engine.block_manager import pages_needed
+from llmjax.engine.request import PENDING_TOKEN
 from llmjax.engine.scheduler import ScheduledBatch
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
 from llmjax.sampling_params import MAX_LOGPROBS
@@ -221,6 +222,9 @@ class SamplingInput:
     # once the forward is dispatched, so the host fills it while the device runs
     bitmask_fn: object = None
     spec: SpecInput | None = None  # speculative decoding: the proposals to verify
+    # async scheduling: [T] int32, for each token row whose id is not on the host yet (a
+    # pending token), the row of the previous step's sampled ids that holds it; -1 elsewhere
+    token_rows: np.ndarray | None = None
 
 
 def stop_ids_while_short(req) -> list[int]:
@@ -250,7 +254,7 @@ def _processing(seqs, S: int, history_len: int) -> ProcessingInput | None:
     for i, req in rows:
         params = req.sampling_params
         entries = list(params.logit_bias)
-        if len(req.output_token_ids) < params.min_tokens:
+        if req.num_output_tokens < params.min_tokens:
             entries += [(t, -np.inf) for t in stop_ids_while_short(req)]
         biases[i] = entries
     need = max(len(e) for e in biases.values())
@@ -293,9 +297,12 @@ def pack(
     page_size: int,
     buckets: Buckets,
     num_speculative_tokens: int = 0,
+    pending_rows: dict[str, int] | None = None,
 ) -> tuple[StepInput, SamplingInput]:
     """The batch as padded arrays. `num_speculative_tokens` (K): the most proposals a sequence
-    may verify (`SpeculativeConfig`); a batch with proposals gets a `SpecInput`."""
+    may verify (`SpeculativeConfig`); a batch with proposals gets a `SpecInput`.
+    `pending_rows` (async scheduling): request id -> its row in the step in flight, whose
+    sampled id fills the request's pending token (`SamplingInput.token_rows`)."""
     seqs = batch.seqs
     num_tokens = batch.num_tokens
     max_pages = max(pages_needed(s.start + s.num_new_tokens, page_size) for s in seqs)
@@ -313,6 +320,7 @@ def pack(
     top_p = np.ones(S, np.float32)
     seeds = np.zeros(S, np.uint32)
     counters = np.zeros(S, np.int32)
+    token_rows = None
 
     offset = 0
     cu_q_lens[0] = 0
@@ -336,7 +344,14 @@ def pack(
         top_k[i] = params.top_k
         top_p[i] = params.top_p
         seeds[i] = req.seed
-        counters[i] = len(req.output_token_ids)
+        counters[i] = req.num_output_tokens
+        if req.num_pending_tokens and token_ids[offset - n] == PENDING_TOKEN:
+            if pending_rows is None or req.request_id not in pending_rows:
+                raise ValueError(f"request {req.request_id!r}'s pending token has no source row")
+            if token_rows is None:
+                token_rows = np.full(T, -1, np.int32)
+            token_rows[offset - n] = pending_rows[req.request_id]
+            token_ids[offset - n] = 0
 
     step = StepInput(
         token_ids=token_ids,
@@ -359,6 +374,7 @@ def pack(
         all_greedy=not temperature.any(),
         processing=processing,
         prompt=prompt,
+        token_rows=token_rows,
     )
     if prompt is not None:
         step = step._replace(logits_indices=np.arange(T, dtype=np.int32))

@@ -31,6 +31,7 @@ from llmjax.engine.clock import WALL_CLOCK, Clock, VirtualClock
 from llmjax.engine.kv_tiers import KVTierSteps, attach_kv_tiers
 from llmjax.engine.logprobs import LogprobsStep
 from llmjax.engine.outputs import request_output
+from llmjax.engine.overlap import Overlap, overlap_blockers
 from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import make_prefix_cache
 from llmjax.engine.request import (
@@ -146,6 +147,11 @@ class LLMEngine(EngineRoles):
             self.kv_tiers = attach_kv_tiers(self, kv_store)
         self.stats = self._new_stats()
         self._features = self._build_features()
+        blockers = overlap_blockers(self)
+        wanted = config.async_scheduling_on()
+        if wanted and blockers:
+            logger.info("async scheduling: synchronous steps with %s", ", ".join(blockers))
+        self._overlap = Overlap(self, wanted and not blockers)
         if config.precompile:
             self.precompile()
 
@@ -306,25 +312,43 @@ class LLMEngine(EngineRoles):
         return [rid for rid in ids if self.abort_request(rid)]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._rejected or self.samples.pending)
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._rejected or self.samples.pending)
+            or self._overlap.in_flight is not None
+        )
 
     # ------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got a token, finished or was
-        rejected. In a profile (`LLM.profile`) each step is an `llmjax_step` with a range per
-        stage inside (`llmjax.schedule`, `llmjax.prepare`, `llmjax.launch`, `llmjax.collect`,
+        rejected. With async scheduling (llmjax/engine/overlap.py) the step launched here is
+        collected in the next call, and the outputs are the previous step's. In a profile
+        (`LLM.profile`) each step is an `llmjax_step` with a range per stage inside
+        (`llmjax.schedule`, `llmjax.prepare`, `llmjax.launch`, `llmjax.collect`,
         `llmjax.update`)."""
         self._num_step_calls += 1
         with self.runner.annotate_step(self._num_step_calls):
+            landed = self._land(self._overlap.before_schedule())  # its tokens shape this step
             step = self._schedule()
             if step.batch or self.runner.num_in_flight:  # (pp > 1: micro-batches in flight)
                 self._prepare(step)
                 self._launch(step)
-                self._collect(step)
-                if step.batch:  # (pp > 1: None while no micro-batch leaves the pipeline)
-                    self._update(step)
-            return self._emit(step)
+            landed += self._land(self._overlap.after_launch(step))  # this step, or the last
+            return self._emit(step, landed)
+
+    def _land(self, steps: list[Step]) -> list[Step]:
+        """Collect and update launched steps (pp > 1: the micro-batch a tick let out, if any)."""
+        for step in steps:
+            self._collect(step)
+            if step.batch:
+                self._update(step)
+        return steps
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether this engine overlaps scheduling with the device's step (overlap.py)."""
+        return self._overlap.enabled
 
     # ---- the stages (llmjax/engine/step.py) ----------------------------------------------------
 
@@ -346,6 +370,7 @@ class LLMEngine(EngineRoles):
                     self.block_manager.page_size,
                     self.buckets,
                     self.config.speculative.num_speculative_tokens,
+                    self._overlap.pending_rows(),
                 )
             for f in self._features:
                 f.prepare(step)
@@ -394,8 +419,8 @@ class LLMEngine(EngineRoles):
             num_padded_tokens=None if self.runner.pipelined else len(step.step_input.token_ids),
         )
 
-    def _emit(self, step: Step) -> list[RequestOutput]:
-        step.outputs += [self._output(r) for r in step.sampled]
+    def _emit(self, step: Step, landed: list[Step]) -> list[RequestOutput]:
+        step.outputs += [self._output(r) for done in landed for r in done.sampled]
         for f in self._features:
             f.emit(step)
         return step.outputs

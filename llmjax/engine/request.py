@@ -108,6 +108,10 @@ class ProgramHints:
             raise ValueError(f"criteria must be 'latency', 'throughput' or None: {self.criteria!r}")
 
 
+# The token id a pending token's position holds on the host (the device fills in the real one).
+PENDING_TOKEN = -1
+
+
 @dataclasses.dataclass
 class Request:
     """A request as the scheduler sees it.
@@ -116,6 +120,11 @@ class Request:
     `all_token_ids[num_computed_tokens:]` (a prompt, its rest after a chunk, or the last generated
     token). After a preemption `num_computed_tokens` drops to 0 and the generated tokens are kept,
     so recomputation covers prompt + output so far.
+
+    With async scheduling (llmjax/engine/overlap.py) `num_pending_tokens` counts tokens sampled
+    by a step still on the device: they count in `num_tokens` (and their positions read as
+    `PENDING_TOKEN` in `token_ids_slice`) but are not in `output_token_ids` until the step is
+    collected (`Scheduler.update`).
     """
 
     request_id: str
@@ -150,10 +159,24 @@ class Request:
     # With sampling_params.structured_outputs: its llguidance matcher (engine/structured.py),
     # fed each generated token; the request stops when the grammar is complete.
     matcher: object | None = dataclasses.field(default=None, repr=False)
+    num_pending_tokens: int = 0  # sampled on the device, not yet on the host (async scheduling)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt and output tokens, the pending ones included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, the pending ones included (what max_tokens and the sampler's
+        counters count)."""
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether its next step needs its newest token on the host: a structured output's
+        bitmask, or penalties over the generated tokens."""
+        return self.matcher is not None or self.sampling_params.has_penalties
 
     @property
     def is_latency(self) -> bool:
@@ -173,13 +196,18 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """`all_token_ids[start:end]` without concatenating prompt and output."""
+        """`all_token_ids[start:end]` without concatenating prompt and output; a pending
+        token's position (async scheduling) reads `PENDING_TOKEN`."""
         n = len(self.prompt_token_ids)
         if start >= n:
-            return self.output_token_ids[start - n : end - n]
-        if end <= n:
+            ids = self.output_token_ids[start - n : end - n]
+        elif end <= n:
             return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+        else:
+            ids = self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+        if self.num_pending_tokens and len(ids) < end - start:
+            ids = ids + [PENDING_TOKEN] * min(end - start - len(ids), self.num_pending_tokens)
+        return ids
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -179,6 +179,27 @@ class ModelRunner:
             out_shardings=out_shardings,
         )
 
+        # Async scheduling (llmjax/engine/overlap.py): the last launched step's sampled ids stay
+        # on the device in a buffer of max_num_seqs rows (`_keep`, one compile per sequence
+        # bucket), from which the next step's pending tokens are filled (`_fill`, one compile
+        # per token bucket), with no round trip to the host.
+        self.num_pending_compiles = 0
+        self._last_ids = None  # the last launched step's sampled ids [S] (device)
+        self._kept = None  # [max_num_seqs] (device)
+        max_seqs = config.scheduler.max_num_seqs
+        replicated_out = None if self.mesh is None else replicated(self.mesh)
+
+        def keep_impl(buf, ids):
+            self.num_pending_compiles += 1  # runs only while tracing
+            return jax.lax.dynamic_update_slice(buf, ids.astype(buf.dtype), (0,))
+
+        def fill_impl(buf, token_ids, rows):
+            self.num_pending_compiles += 1  # runs only while tracing
+            return jnp.where(rows >= 0, buf[jnp.clip(rows, 0, max_seqs - 1)], token_ids)
+
+        self._keep = jax.jit(keep_impl, donate_argnums=0, out_shardings=replicated_out)
+        self._fill = jax.jit(fill_impl, out_shardings=replicated_out)
+
         # Sampling is its own program over the step's logits, run only when a row samples: it
         # compiles once per S bucket instead of inside every (T, S, P) step (the sort, cumsum
         # and threefry were 0.35 s of a 0.55 s step compile on the CPU).
@@ -489,6 +510,8 @@ class ModelRunner:
                 else:
                     logger.warning("compiling %s ahead failed: %r", shape, ahead.exception())
         step_arg, sampling_args = self._inputs(step, sampling)
+        if sampling.token_rows is not None:  # async scheduling: ids the host does not have
+            step_arg = step_arg._replace(token_ids=self._pending_filled(step_arg, sampling))
         next_ids, logits, self.kv_pages = step_fn(self.params, self.kv_pages, step_arg)
         if sampling.spec is not None:  # verify proposals
             spec = sampling.spec.arrays()
@@ -513,7 +536,24 @@ class ModelRunner:
             out.next_ids, out.logprobs = self._processed(logits, sampling, sampling_args)
         elif not sampling.all_greedy:
             out.next_ids = self._sample(logits, *sampling_args[:-1])  # all but all_greedy
+        self._last_ids = out.next_ids
         return out
+
+    def _pending_filled(self, step: StepInput, sampling: SamplingInput):
+        """The step's token ids with each pending token's (`SamplingInput.token_rows`) taken
+        from the last launched step's sampled ids, on the device."""
+        if self._last_ids is None:
+            raise ValueError("a step with pending tokens needs a launched step before it")
+        if self._kept is None:
+            size = self.config.scheduler.max_num_seqs
+            self._kept = jnp.zeros(size, jnp.int32)
+            if self.mesh is not None:
+                self._kept = place(np.zeros(size, np.int32), replicated(self.mesh))
+        self._kept = self._keep(self._kept, self._last_ids)
+        rows = sampling.token_rows
+        if self.mesh is not None:
+            rows = place(rows, replicated(self.mesh))
+        return self._fill(self._kept, step.token_ids, rows)
 
     def collect(self, launched: Launched) -> tuple[object, np.ndarray] | None:
         """Wait for a launched step: (its tag, the next token id of every (padded) sequence

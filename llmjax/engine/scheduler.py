@@ -38,6 +38,7 @@ leaves.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 from collections import deque
 
@@ -55,10 +56,14 @@ class ScheduledSeq:
     # speculative decoding: tokens proposed after the request's last one, verified this step
     # (they follow it in the step's rows and count in num_new_tokens)
     spec: tuple[int, ...] = ()
+    # fixed by `Scheduler.advance` (async scheduling), after which the request's tokens grow
+    sampled: bool | None = None
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the request's tokens, so a new token is sampled."""
+        if self.sampled is not None:
+            return self.sampled
         return self.start + self.num_new_tokens - len(self.spec) == self.request.num_tokens
 
     @property
@@ -79,6 +84,7 @@ class ScheduledBatch:
     num_cached_tokens: int = 0  # tokens that prefix-cache hits spared this step
     blocked: Request | None = None  # the waiting request admission stopped at (did not fit)
     num_deferred: int = 0  # tokens cut off the last prefill chunk to land on a token bucket
+    advanced: bool = False  # counted before its tokens came back (`Scheduler.advance`)
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
@@ -150,6 +156,10 @@ class Scheduler:
         # Requests in a micro-batch still in the pipeline (pp > 1): not scheduled again and not
         # preempted until their tokens come back (Sarathi-Serve's "paused" sequences).
         self.in_flight: set[str] = set()
+        # Async scheduling (llmjax/engine/overlap.py): requests in steps launched but not yet
+        # collected (id -> how many such steps), advanced by `advance` when launched. They may
+        # be scheduled again (a decode of their pending token) but are never preempted.
+        self.unsettled: collections.Counter[str] = collections.Counter()
         # f(request, match_token_ids, PeekResult) -> pages loaded: the KV tiers below the
         # device pages extend the cached prefix before an admission (llmjax/engine/kv_tiers.py)
         self.prefix_loader = None
@@ -224,6 +234,8 @@ class Scheduler:
                 continue
             if req.request_id in self.in_flight or num_decodes >= cap:
                 continue
+            if req.num_pending_tokens and self._ends_by_length(req):
+                continue  # its pending token is its last: its decode would be discarded
             if self._grow(req, req.num_tokens, batch):
                 batch.add(req, 1)
                 num_decodes += 1
@@ -477,7 +489,11 @@ class Scheduler:
         needed (never one in flight). Returns False if `req` itself had to be preempted, or if
         only requests in flight could free pages (`req` then waits for them)."""
         while not self.block_manager.can_allocate(req.request_id, num_tokens):
-            victims = [r for r in self.running if r.request_id not in self.in_flight]
+            victims = [
+                r
+                for r in self.running
+                if r.request_id not in self.in_flight and r.request_id not in self.unsettled
+            ]
             if not victims:
                 return False
             victim = victims[-1]
@@ -500,17 +516,49 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------
 
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Async scheduling: `batch` was launched and the next step is scheduled before its
+        tokens come back. Each of its requests counts its new tokens as computed now, and one
+        that samples one more (pending) token, so that the next step can decode it; `update`
+        fills the tokens in."""
+        for seq in batch.seqs:
+            if seq.spec:
+                raise ValueError("a step with proposals cannot be advanced before it returns")
+            req = seq.request
+            seq.sampled = seq.samples
+            req.num_computed_tokens += seq.num_new_tokens
+            if seq.sampled:
+                req.num_pending_tokens += 1
+            self.unsettled[req.request_id] += 1
+        batch.advanced = True
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """Whether `req`'s tokens so far, the pending ones included, already finish it by
+        max_tokens or max_model_len."""
+        return (
+            req.num_output_tokens >= req.sampling_params.max_tokens
+            or req.num_tokens >= self.max_model_len
+        )
+
     def update(self, batch: ScheduledBatch, next_token_ids: list) -> list[Request]:
         """Advance every scheduled request by its tokens; returns the requests that finished.
         `next_token_ids` has one entry per sequence: its new token, or for a sequence that
         verified proposals (`ScheduledSeq.spec`) the list of its new tokens (its accepted
         proposals, then the target's token): the KV of the rejected ones is dropped (their
-        pages given back) and the request stops at the first token that finishes it."""
+        pages given back) and the request stops at the first token that finishes it. A batch
+        that was `advance`d (async scheduling) has its tokens counted already: its pending
+        tokens are filled in, and a request that finishes gives up what later steps in flight
+        computed for it (their rows are discarded)."""
         now = self.clock.now()
         finished = []
+        advanced = batch.advanced
         for seq, token_id in zip(batch.seqs, next_token_ids, strict=True):
             req = seq.request
-            if req.status.is_done:  # aborted while its micro-batch was in the pipeline
+            if advanced:
+                self.unsettled[req.request_id] -= 1
+                if self.unsettled[req.request_id] <= 0:
+                    del self.unsettled[req.request_id]
+            if req.status.is_done:  # aborted (or finished) while its step was in flight
                 continue
             if seq.spec:
                 tokens = list(token_id)
@@ -518,17 +566,26 @@ class Scheduler:
                 req.num_computed_tokens += len(tokens)
             else:
                 tokens = [token_id]
-                req.num_computed_tokens += seq.num_new_tokens
+                if not advanced:
+                    req.num_computed_tokens += seq.num_new_tokens
             if seq.samples:
+                if advanced:
+                    req.num_pending_tokens -= 1
                 for token in tokens:
                     req.append_token(int(token), now)
-                    if not req.status.is_done and req.num_tokens >= self.max_model_len:
+                    if (
+                        not req.status.is_done
+                        and req.num_tokens - req.num_pending_tokens >= self.max_model_len
+                    ):
                         req.finish("length", now)
                     if req.status.is_done:
                         break
                 if seq.spec and not req.status.is_done:
                     self.block_manager.truncate(req.request_id, req.num_tokens)
             if req.status.is_done:
+                # async: the decodes of later steps in flight computed its pending tokens
+                req.num_computed_tokens -= req.num_pending_tokens
+                req.num_pending_tokens = 0
                 self.running.remove(req)
                 self.block_manager.free(req.request_id, self._computed_token_ids(req))
                 finished.append(req)
