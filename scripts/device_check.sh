@@ -17,6 +17,10 @@
 #           (does XLA slice the stacked weights without copying them?) and compile seconds
 #   graphs  bench_decode (host vs device ms a step) under XLA command-buffer settings and with the
 #           reference attention: is the batch-1 step launch-bound? (not in the default STAGES)
+#   async   scripts/bench_async.py: SmolLM2 shapes (random weights, bf16) at batch 1, 16 and 64,
+#           synchronous steps against async scheduling (host, waited and device ms a step): is a
+#           step's wall time within 10 % of its device time with async at batch 16? (sets
+#           config.ASYNC_BY_DEFAULT for GPUs; not in the default STAGES until it has run once)
 #   bench   scripts/bench_kernels.py: decode-heavy, prefill-heavy and mixed batches (llama3-8b-like
 #           heads, bf16), our kernels (Mosaic GPU, Triton) against the reference, JAX's Pallas ops
 #           and cuDNN, with Mosaic GPU block-size, stage and warp-specialized variants, and the
@@ -100,6 +104,15 @@ if want graphs; then
       --json_out "$WORK/graphs_$name.json" 2>"$WORK/graphs_$name.log" | grep -v "^wrote" \
       | tail -5 | tee -a "$OUT/summary.txt"
   done
+  save
+fi
+
+if want async; then
+  log "async: synchronous vs async scheduling, SmolLM2 shapes, batch 1/16/64; 120 s at most"
+  JAX_PLATFORMS=$PLATFORM timeout 120 $PY scripts/bench_async.py --load_format dummy \
+    --dtype bfloat16 --batch_sizes 1,16,64 --max_tokens 48 --rounds 2 \
+    --json_out "$WORK/async.json" 2>"$WORK/async.log" | grep -v "^wrote" | tail -8 \
+    | tee -a "$OUT/summary.txt"
   save
 fi
 

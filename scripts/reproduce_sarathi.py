@@ -4,6 +4,7 @@ paper's three deployments (ALGORITHMS.md §3.4), and the pipeline bubbles of chu
 
     python scripts/reproduce_sarathi.py                     # all of it, 2 jobs at once
     python scripts/reproduce_sarathi.py --models mistral-7b --datasets sharegpt --slos strict
+    python scripts/reproduce_sarathi.py --models mistral-7b --async_scheduling off,on
 
 Each (model, dataset, SLO) runs `scripts/simulate.py --capacity_search` in a subprocess with both
 policies: Sarathi-Serve at the paper's token budget (512 under the strict SLO, 2048 under the
@@ -46,6 +47,12 @@ flags.DEFINE_list("slos", ["strict", "relaxed"], "Which TBT SLOs (strict, relaxe
 flags.DEFINE_integer("num_requests", 512, "Requests per capacity trial (the paper: 2048).")
 flags.DEFINE_integer("capacity_max_iters", 12, "Trials per capacity search.")
 flags.DEFINE_float("bubble_qps", 0.3, "Falcon-180B's arrival rate for the bubble comparison.")
+flags.DEFINE_list(
+    "async_scheduling",
+    ["off"],
+    "Run each capacity search with async scheduling off, on, or both ('off,on': the host's "
+    "per-step overhead hidden behind the device's step, EngineConfig.async_scheduling).",
+)
 flags.DEFINE_integer("jobs", 2, "Simulations run at once (one core each).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("json_out", "out/reproduce_sarathi.json", "Where to write the results.")
@@ -78,12 +85,13 @@ def deployment_args(name: str) -> list[str]:
     ]
 
 
-def capacity_job(name: str, dataset: str, slo: str) -> dict:
+def capacity_job(name: str, dataset: str, slo: str, overlap: str = "off") -> dict:
     strict, relaxed = DEPLOYMENTS[name][5]
     tbt_slo = strict if slo == "strict" else relaxed
     doc = simulate(
         [
             *deployment_args(name),
+            "--async_scheduling" if overlap == "on" else "--noasync_scheduling",
             "--policies=sarathi,prefill_first",
             f"--workload={dataset}",
             f"--num_requests={FLAGS.num_requests}",
@@ -100,6 +108,7 @@ def capacity_job(name: str, dataset: str, slo: str) -> dict:
         "deployment": name,
         "dataset": dataset,
         "slo": slo,
+        "async_scheduling": overlap,
         "tbt_slo": tbt_slo,
         "capacity_qps": caps,
         "ratio": caps["sarathi"] / caps["prefill_first"] if caps["prefill_first"] else None,
@@ -135,6 +144,7 @@ def report(rows: list[dict], bubble: dict | None) -> str:
             r["deployment"],
             r["dataset"],
             f"{r['slo']} ({r['tbt_slo']:g} s)",
+            r["async_scheduling"],
             f"{r['capacity_qps']['sarathi']:.3f}",
             f"{r['capacity_qps']['prefill_first']:.3f}",
             f"{r['ratio']:.2f}x" if r["ratio"] else "-",
@@ -142,7 +152,16 @@ def report(rows: list[dict], bubble: dict | None) -> str:
         ]
         for r in rows
     ]
-    header = ["deployment", "dataset", "P99 TBT SLO", "sarathi qps", "vllm qps", "ours", "paper"]
+    header = [
+        "deployment",
+        "dataset",
+        "P99 TBT SLO",
+        "async",
+        "sarathi qps",
+        "vllm qps",
+        "ours",
+        "paper",
+    ]
     lines = [
         "Sarathi-Serve vs prefill-first capacity (simulated, roofline on A100-80GB; "
         f"{FLAGS.num_requests} requests per trial)",
@@ -165,9 +184,16 @@ def main(argv):
     bad = [m for m in FLAGS.models if m not in DEPLOYMENTS]
     bad += [d for d in FLAGS.datasets if d not in ("sharegpt", "arxiv")]
     bad += [s for s in FLAGS.slos if s not in BUDGETS]
+    bad += [m for m in FLAGS.async_scheduling if m not in ("off", "on")]
     if bad:
         raise app.UsageError(f"unknown {bad}")
-    jobs = [(m, d, s) for m in FLAGS.models for d in FLAGS.datasets for s in FLAGS.slos]
+    jobs = [
+        (m, d, s, a)
+        for m in FLAGS.models
+        for d in FLAGS.datasets
+        for s in FLAGS.slos
+        for a in FLAGS.async_scheduling
+    ]
     with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:
         bubble_future = pool.submit(bubble_job) if "falcon-180b" in FLAGS.models else None
         futures = [pool.submit(capacity_job, *j) for j in jobs]

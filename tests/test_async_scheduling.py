@@ -252,7 +252,8 @@ def test_async_abort_between_steps_keeps_the_others(tiny):
 
 
 def test_engines_that_need_host_tokens_run_synchronous_steps(tiny):
-    from llmjax.config import SpeculativeConfig
+    from llmjax.config import ParallelConfig, SpeculativeConfig
+    from llmjax.sim import SimConfig
 
     spec = tiny.with_options(
         async_scheduling=True, speculative_config=SpeculativeConfig(method="ngram")
@@ -260,6 +261,14 @@ def test_engines_that_need_host_tokens_run_synchronous_steps(tiny):
     assert not spec.engine.async_scheduling  # proposals come from the newest tokens
     prefill = tiny.with_options(async_scheduling=True, role="prefill")
     assert not prefill.engine.async_scheduling  # parks on the first token
+    sparse = tiny.with_options(async_scheduling=True, sparse_kv="offload")
+    assert not sparse.engine.async_scheduling  # its accounting reads each step's pages
+    decode = tiny.with_options(async_scheduling=True, role="decode")
+    assert decode.engine.async_scheduling  # imports join the running batch between steps
+    pp = dataclasses.replace(
+        tiny.config, device="sim", sim=SimConfig(), async_scheduling=True
+    ).replace(parallel=ParallelConfig(pp=2))
+    assert not LLMEngine(pp, params=None, num_pages=26).async_scheduling  # ticks overlap
     # penalties: the step after a penalized request's waits for its token (and says so)
     llm = tiny.with_options(async_scheduling=True)
     prompts, _ = _mixed_workload(tiny.config.model.vocab_size, n=4)
@@ -270,3 +279,103 @@ def test_engines_that_need_host_tokens_run_synchronous_steps(tiny):
     sync = _outputs(tiny, prompts, params)
     assert _outputs(llm, prompts, params) == sync
     assert llm.engine._overlap.num_sync_steps > 0
+
+
+def test_simulated_async_steps_cost_the_larger_of_host_and_device():
+    import configs
+    from llmjax.config import EngineConfig, SchedulerConfig
+    from llmjax.sim import SimConfig
+
+    model = configs.PRESETS["mistral-7b-instruct-v0.2"]
+    config = EngineConfig(
+        model=model,
+        dtype="bfloat16",
+        device="sim",
+        sim=SimConfig(),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
+        max_model_len=1024,
+    )
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 30000, int(rng.integers(20, 300))).tolist() for _ in range(12)]
+    runs = {}
+    for mode in (False, True):
+        engine = LLMEngine(config.replace(async_scheduling=mode), params=None, num_pages=None)
+        assert engine.async_scheduling == mode and engine.runner.overlapped == mode
+        host = engine.runner.cost_model.host_overhead_s
+        ids = [
+            engine.add_request(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts
+        ]
+        outs, charged = {}, []
+        collect = engine.runner.collect
+
+        def charging(launched, collect=collect, charged=charged, runner=engine.runner):
+            out = collect(launched)
+            charged.append(runner.last_seconds)
+            return out
+
+        engine.runner.collect = charging
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs[o.request_id] = o
+        runs[mode] = ([outs[i].token_ids for i in ids], engine.clock.now(), charged, host)
+    (sync_out, sync_t, sync_charged, host), (out, t, charged, _) = runs[False], runs[True]
+    assert out == sync_out and host > 0
+    # each step costs max(device, host) instead of device + host: here the device's share
+    # always exceeds the host's 2 ms, so every step is the host's seconds shorter (the pages a
+    # step frees reach admission a step later, which may add a step)
+    assert min(charged) > host and t == pytest.approx(sum(charged))
+    assert sync_t == pytest.approx(sum(sync_charged))
+    assert len(sync_charged) <= len(charged) <= len(sync_charged) + 2
+    assert t < sync_t - host * len(sync_charged) * 0.8
+
+
+def test_async_with_a_tokenizer_stop_strings_and_structured_outputs(smollm2_path):
+    """SmolLM2's tokenizer on a random 2-layer body: stop strings and structured outputs (the
+    step after a constrained request's lands it first) equal the synchronous engine's."""
+    from llmjax import LLM
+    from llmjax.sampling_params import StructuredOutputsParams as SO
+
+    sync = LLM(
+        "smollm2-tiny",
+        load_format="dummy",
+        tokenizer=smollm2_path,
+        max_model_len=128,
+        num_pages=64,
+        max_num_batched_tokens=64,
+        compilation_cache_dir="",
+        async_scheduling=False,
+    )
+    tok = sync.get_tokenizer()
+    prompts = [tok.encode(t) for t in ("Answer:", "The cat", "Numbers: 1, 2,", "Hello there")]
+    free = [o.text for o in sync.generate(prompts, SamplingParams(max_tokens=12, seed=3))]
+    stop = free[1][3:6] or "e"  # a string the free run writes
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.7, seed=1, stop=[stop]),
+        SamplingParams(max_tokens=12, stop=[stop], include_stop_str_in_output=True),
+        SamplingParams(max_tokens=10, structured_outputs=SO(regex=r"[0-9]{2,5}")),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=7, n=2, stop=[stop]),
+    ]
+    llm = sync.with_options(async_scheduling=True)
+    for _ in range(2):  # the constrained request alone, then beside the others
+        want = sync.generate(prompts, params)
+        got = llm.generate(prompts, params)
+        for a, b in zip(want, got, strict=True):
+            assert [(c.text, c.token_ids, c.finish_reason) for c in a.outputs] == [
+                (c.text, c.token_ids, c.finish_reason) for c in b.outputs
+            ]
+        assert llm.engine._overlap.num_sync_steps > 0
+        params[2] = dataclasses.replace(params[2], structured_outputs=SO(choice=["yes", "no"]))
+    assert any(o.finish_reason == "stop" for o in want)
+
+
+def test_pending_tokens_add_no_step_compile(tiny):
+    """The same decode batches run as the same compiled steps, the pending ids a device array
+    instead of a host one; filling them in compiles once per sequence and token bucket."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12]] * 4
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    sync = tiny.with_options(async_scheduling=False)
+    llm = tiny.with_options(async_scheduling=True)
+    want = [o.token_ids for o in sync.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.runner.num_compiles == sync.engine.runner.num_compiles == 2
+    assert llm.engine.runner.num_pending_compiles == 2  # keep [S=4] and fill [T=4]

@@ -81,13 +81,18 @@ def test_disaggregated_greedy_outputs_equal_colocated(colocated, layout):
     specs = InstanceSpec.parse(layout)
     tp = specs[-1].tp
     # A small decode cache: decodes preempt there (and the pull condition holds requests back).
-    specs[-1] = InstanceSpec("decode", tp=tp, options={"num_pages": 24})
+    # With two prefill instances the decode instance schedules asynchronously (its imports
+    # join the running batch while a step is in flight).
+    overlap = len(specs) > 2
+    options = {"num_pages": 24, "async_scheduling": overlap}
+    specs[-1] = InstanceSpec("decode", tp=tp, options=options)
     transport = RecordingTransport()
     instances = _instances(specs, transport)
     cluster = Cluster(instances, "round_robin")
     got = _tokens(cluster.generate(prompts(8), GREEDY))
     assert got == colocated[tp]
     decode, prefills = instances[-1].engine, [i.engine for i in instances[:-1]]
+    assert decode.async_scheduling == overlap
     assert cluster.transfer_stats.num_transfers == 8
     assert cluster.transfer_stats.num_failures == 0
     assert decode.stats.num_preemptions > 0, "the small decode cache should preempt"

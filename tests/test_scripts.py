@@ -187,12 +187,15 @@ def test_reproduce_sarathi_prints_ours_beside_the_paper(tmp_path):
     out = tmp_path / "rep.json"
     stdout = _run(
         "reproduce_sarathi.py", "--models=mistral-7b", "--datasets=arxiv", "--slos=relaxed",
-        "--num_requests=24", "--capacity_max_iters=3", "--jobs=1", f"--json_out={out}",
+        "--num_requests=24", "--capacity_max_iters=3", "--jobs=2", f"--json_out={out}",
+        "--async_scheduling=off,on",
     ).stdout  # fmt: skip
     assert "mistral-7b" in stdout and "2.6x" in stdout
-    (row,) = json.loads(out.read_text())["capacity"]
-    assert row["capacity_qps"]["sarathi"] > 0 and row["tbt_slo"] == 0.5
-    assert len(row["trials"]["sarathi"]) == 3
+    rows = json.loads(out.read_text())["capacity"]
+    assert [r["async_scheduling"] for r in rows] == ["off", "on"]
+    for row in rows:
+        assert row["capacity_qps"]["sarathi"] > 0 and row["tbt_slo"] == 0.5
+        assert len(row["trials"]["sarathi"]) == 3
 
 
 def test_profile_serving_counts_real_and_padded_tokens_per_bucket(tmp_path):

@@ -409,6 +409,8 @@ def test_flood_past_max_num_queued_gets_503_and_the_admitted_complete(llm_one):
 
 
 def test_64_concurrent_streams_equal_offline_greedy(llm):
+    """Served with async scheduling (the engine thread schedules a step while the last runs),
+    the streams equal the synchronous engine's offline outputs."""
     rng = np.random.default_rng(0)
     vocab = llm.model_config.vocab_size
     prompts = [rng.integers(3, vocab, int(rng.integers(2, 48))).tolist() for _ in range(64)]
@@ -438,7 +440,9 @@ def test_64_concurrent_streams_equal_offline_greedy(llm):
                 *[one(client, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
             )
 
-    with Server(llm) as server:
+    overlapped = llm.with_options(async_scheduling=True)
+    assert overlapped.engine.async_scheduling
+    with Server(overlapped) as server:
         got = asyncio.run(run(server.url))
         assert [g[0] for g in got] == [o.text for o in want]
         assert [g[1] for g in got] == max_tokens

@@ -4,13 +4,15 @@
         step = self._schedule()       # host: who runs, how many tokens each
         self._prepare(step)           # host: pack the arrays; features add their inputs
         self._launch(step)            # device: the jitted forward + sample, dispatched
-        self._collect(step)           # the tokens on the host; features read their results
-        self._update(step)            # host: append tokens, finish, free pages
+        for done in landed(step):     # this step, or with async scheduling the one before it:
+            self._collect(done)       #   its tokens on the host; features read their results
+            self._update(done)        #   host: append tokens, finish, free pages
         return self._emit(step)       # RequestOutputs
 
 The stages and the features that take part in them (speculation, structured outputs, logprobs,
 the KV tiers, sparse KV, n samples, the prefill role, compile-ahead) are in
-llmjax/engine/step.py; the roles of disaggregated serving in llmjax/engine/roles.py.
+llmjax/engine/step.py; which launched step lands when (async scheduling) in
+llmjax/engine/overlap.py; the roles of disaggregated serving in llmjax/engine/roles.py.
 
 A request that can never run (empty, too long for `max_model_len` or for the whole KV cache, token
 ids outside the vocabulary) is rejected: its output says why, and the other requests go on.
@@ -129,6 +131,7 @@ class LLMEngine(EngineRoles):
         )
         self._ids = itertools.count()
         self._num_step_calls = 0
+        self._c_collected = float("-inf")  # the engine's clock at the last collect
         self._seed_rng = np.random.default_rng(config.seed)
         self._rejected: list[Request] = []
         self._live: set[str] = set()  # ids of waiting, running, parked and receiving requests
@@ -152,6 +155,8 @@ class LLMEngine(EngineRoles):
         if wanted and blockers:
             logger.info("async scheduling: synchronous steps with %s", ", ".join(blockers))
         self._overlap = Overlap(self, wanted and not blockers)
+        if hasattr(self.runner, "overlapped"):  # the simulated device models the overlap
+            self.runner.overlapped = self._overlap.enabled
         if config.precompile:
             self.precompile()
 
@@ -321,12 +326,9 @@ class LLMEngine(EngineRoles):
     # ------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that got a token, finished or was
-        rejected. With async scheduling (llmjax/engine/overlap.py) the step launched here is
-        collected in the next call, and the outputs are the previous step's. In a profile
-        (`LLM.profile`) each step is an `llmjax_step` with a range per stage inside
-        (`llmjax.schedule`, `llmjax.prepare`, `llmjax.launch`, `llmjax.collect`,
-        `llmjax.update`)."""
+        """Run one step: an output for every request that got a token, finished or was rejected
+        (async scheduling, overlap.py: the step launched in the previous call's). Profiles show
+        an `llmjax_step` range with one per stage inside (`llmjax.schedule`, ...)."""
         self._num_step_calls += 1
         with self.runner.annotate_step(self._num_step_calls):
             landed = self._land(self._overlap.before_schedule())  # its tokens shape this step
@@ -384,8 +386,11 @@ class LLMEngine(EngineRoles):
     def _collect(self, step: Step) -> None:
         with self.runner.annotate("llmjax.collect"):
             done = self.runner.collect(step.launched)
-            step.t_collected = time.perf_counter()
-            step.device_s = self.clock.now() - step.c_launch
+            step.t_collected, now = time.perf_counter(), self.clock.now()
+            # the device's time on this step: since its launch, or since the step before it
+            # was collected if that was later (async scheduling launches before collecting)
+            step.device_s = now - max(step.c_launch, self._c_collected)
+            self._c_collected = now
             if self.runner.pipelined:
                 self.stats.record_tick(
                     self.runner.last_stage_tokens, getattr(self.runner, "last_stage_seconds", None)

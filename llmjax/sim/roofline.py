@@ -201,6 +201,11 @@ class RooflineCostModel:
         return sum(self.stage_seconds(f)) + self.hardware.step_overhead_s
 
     @property
+    def host_overhead_s(self) -> float:
+        """The host's share of `step_seconds` (what async scheduling can hide)."""
+        return self.hardware.step_overhead_s
+
+    @property
     def tick_overhead_s(self) -> float:
         """The host's share of one pipeline tick (pp > 1): the per-step overhead."""
         return self.hardware.step_overhead_s

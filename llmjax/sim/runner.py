@@ -108,6 +108,13 @@ def sim_num_pages(config: EngineConfig, hardware: Hardware | None = None) -> int
     return pages
 
 
+@dataclasses.dataclass
+class _Launched:
+    tag: object
+    next_ids: np.ndarray
+    seconds: float
+
+
 class SimRunner:
     """Drop-in for ModelRunner: see the module doc."""
 
@@ -130,6 +137,8 @@ class SimRunner:
         self.num_steps = 0
         self.last_features: StepFeatures | None = None
         self.last_seconds = 0.0
+        self.overlapped = False  # set by the engine: async scheduling hides the host overhead
+        self._last_ids = None  # the last launched step's ids (async scheduling's pending tokens)
         # pp > 1: the micro-batches in flight, stage 0 first: (tag, step, stage seconds)
         self._slots: collections.deque = collections.deque()
         self.last_stage_seconds: list[float] | None = None  # the last tick's, per stage
@@ -140,12 +149,7 @@ class SimRunner:
 
     def run(self, step, sampling) -> np.ndarray:
         """Advance the clock by the step's modeled seconds; the next id of every row [S]."""
-        del sampling
-        self.last_features = StepFeatures.from_step(step)
-        self.last_seconds = float(self.cost_model.step_seconds(self.last_features))
-        self.clock.advance(self.last_seconds)
-        self.num_steps += 1
-        return self._next_ids(step)
+        return self.collect(self.launch(step, sampling))[1]
 
     def _next_ids(self, step) -> np.ndarray:
         logits_rows = np.asarray(step.logits_indices, np.int64)
@@ -199,17 +203,36 @@ class SimRunner:
     # -- the engine's launch / collect ------------------------------------------------------------
 
     def launch(self, step, sampling, tag=None):
-        """As ModelRunner.launch: one step (or pp > 1: one tick). The modeled step is done at
-        once (the clock advanced by its seconds), so `collect` only hands its result back."""
+        """As ModelRunner.launch: one step (pp > 1: one tick, done at once, the clock advanced
+        by it). A step's modeled seconds are its cost model's (`step_seconds`: the device's
+        time plus the host's overhead); with `overlapped` (async scheduling) the host's work
+        hides behind the device's, so a step costs max(device, host overhead) instead of their
+        sum. The clock advances when the step is collected."""
         if self.pipelined:
-            exited, self.last_stage_tokens = self.tick(step, sampling, tag)
+            exited, self.last_stage_tokens = self.tick(step, None, tag)
             return exited
-        return tag, self.run(step, sampling)
+        rows = None if sampling is None else sampling.token_rows
+        if rows is not None:  # pending tokens: the last step's ids, as the device fills them
+            ids = np.asarray(step.token_ids).copy()
+            ids[rows >= 0] = self._last_ids[rows[rows >= 0]]
+            step = step._replace(token_ids=ids)
+        self.last_features = StepFeatures.from_step(step)
+        seconds = float(self.cost_model.step_seconds(self.last_features))
+        host = float(getattr(self.cost_model, "host_overhead_s", 0.0))
+        if self.overlapped and host:
+            seconds = max(seconds - host, host)
+        self.num_steps += 1
+        self._last_ids = self._next_ids(step)
+        return _Launched(tag, self._last_ids, seconds)
 
-    @staticmethod
-    def collect(launched):
-        """(tag, next ids) of a launched step, or None for a tick that no micro-batch left."""
-        return launched
+    def collect(self, launched):
+        """(tag, next ids) of a launched step, the clock advanced to its end; None for a tick
+        that no micro-batch left."""
+        if not isinstance(launched, _Launched):  # a tick's (already timed) result
+            return launched
+        self.last_seconds = launched.seconds
+        self.clock.advance(launched.seconds)
+        return launched.tag, launched.next_ids
 
     # -- what ModelRunner also offers -----------------------------------------------------------
 
