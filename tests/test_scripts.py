@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.conftest import TESTDATA
 
@@ -240,3 +241,28 @@ def test_bench_decode_reports_the_step_and_the_jitted_step_alone(tmp_path):
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:
         assert r["step_ms"] > 0 and r["device_ms"] > 0 and r["tokens_per_s"] > 0
+
+
+def test_bench_async_compares_sync_and_async_steps(tmp_path):
+    """scripts/bench_async.py on the tiny model: per batch size a synchronous and an async row
+    of decode steps (wall = host + waited), and the async row's share of host time hidden."""
+    out = tmp_path / "async.json"
+    stdout = _run(
+        "bench_async.py",
+        "--model=tiny",
+        "--load_format=dummy",
+        "--batch_sizes=1,3",
+        "--prompt_len=5",
+        "--max_tokens=8",
+        "--rounds=1",
+        f"--json_out={out}",
+    ).stdout
+    assert "host hidden" in stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["mode"]) for r in rows] == [
+        (1, "sync"), (1, "async"), (3, "sync"), (3, "async")
+    ]  # fmt: skip
+    for r in rows:
+        assert r["steps"] > 0 and r["device_ms"] > 0 and r["tokens_per_s"] > 0
+        assert r["wall_ms"] == pytest.approx(r["host_ms"] + r["waited_ms"])
+    assert all("host_hidden" in r for r in rows if r["mode"] == "async")
