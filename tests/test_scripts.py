@@ -251,7 +251,7 @@ def test_bench_async_compares_sync_and_async_steps(tmp_path):
         "bench_async.py",
         "--model=tiny",
         "--load_format=dummy",
-        "--batch_sizes=1,3",
+        "--batch_sizes=3",
         "--prompt_len=5",
         "--max_tokens=8",
         "--rounds=1",
@@ -259,9 +259,7 @@ def test_bench_async_compares_sync_and_async_steps(tmp_path):
     ).stdout
     assert "host hidden" in stdout
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["batch"], r["mode"]) for r in rows] == [
-        (1, "sync"), (1, "async"), (3, "sync"), (3, "async")
-    ]  # fmt: skip
+    assert [(r["batch"], r["mode"]) for r in rows] == [(3, "sync"), (3, "async")]
     for r in rows:
         assert r["steps"] > 0 and r["device_ms"] > 0 and r["tokens_per_s"] > 0
         assert r["wall_ms"] == pytest.approx(r["host_ms"] + r["waited_ms"])
