@@ -206,10 +206,18 @@ def test_greedy_with_processing_equals_the_numpy_decode_loop_and_logprobs_the_fo
             assert out.logprobs is None and out.cumulative_logprob is None
 
 
-@pytest.mark.parametrize("policy", ["sarathi", "prefill_first", "decode_first", "splitfuse"])
-def test_processed_requests_do_not_depend_on_the_batch(policy):
+@pytest.mark.parametrize(
+    "policy, overlap",
+    [(p, False) for p in ("sarathi", "prefill_first", "decode_first", "splitfuse")]
+    + [("sarathi", True), ("splitfuse", True)],  # async scheduling (penalized rows land first)
+)
+def test_processed_requests_do_not_depend_on_the_batch(policy, overlap):
     chunked = policy in ("sarathi", "splitfuse")
-    llm = _llm().with_options(scheduler_policy=policy, max_num_batched_tokens=32 if chunked else 96)
+    llm = _llm().with_options(
+        scheduler_policy=policy,
+        max_num_batched_tokens=32 if chunked else 96,
+        async_scheduling=overlap,
+    )
     prompts = PROMPTS * 2
     params = [_params(i) for i in range(len(PROMPTS))]
     params += [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, seed=3)] * 4
@@ -273,8 +281,9 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_prompt_logprobs_equal_the_forward_across_chunks_the_cache_and_preemption():
-    llm = _llm().with_options(max_num_batched_tokens=16, num_pages=40)
+@pytest.mark.parametrize("overlap", [False, True])  # async: consecutive chunks in flight
+def test_prompt_logprobs_equal_the_forward_across_chunks_the_cache_and_preemption(overlap):
+    llm = _llm().with_options(max_num_batched_tokens=16, num_pages=40, async_scheduling=overlap)
     long = list(range(10, 60))  # 50 tokens: 4 chunks of 16
     ref = _log_softmax(full_logits(llm.engine.runner.params, TINY, long))
     llm.generate([long], SamplingParams(max_tokens=2))  # cached now

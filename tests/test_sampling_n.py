@@ -42,7 +42,7 @@ def test_n_in_a_mixed_batch_and_without_a_prefix_cache():
         SamplingParams(max_tokens=4, ignore_eos=True),
         SamplingParams(n=4, seed=1, temperature=0.8, max_tokens=5, ignore_eos=True),
     ]
-    for options in ({}, {"prefix_cache": "none"}):
+    for options in ({}, {"prefix_cache": "none"}, {"async_scheduling": True}):
         llm = _llm().with_options(**options)
         outs = llm.generate(prompts, params)
         assert [len(o.outputs) for o in outs] == [2, 1, 4]
