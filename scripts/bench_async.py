@@ -94,24 +94,6 @@ def run_round(llm, batch: int, seed: int) -> dict:
     return rows
 
 
-def device_step_seconds(runner, step, sampling, repeats: int = 20) -> float:
-    """Median seconds of the jitted step alone on these inputs (rerunning it rewrites the same
-    KV positions with the same values)."""
-    import jax
-    import numpy as np
-
-    step_arg, _ = runner._inputs(step, sampling)
-    times = []
-    for i in range(repeats + 3):
-        t = time.perf_counter()
-        out = runner._step(runner.params, runner.kv_pages, step_arg)
-        jax.block_until_ready(out)
-        runner.kv_pages = out[2]
-        if i >= 3:
-            times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def main(argv):
     del argv
     import jax
@@ -142,7 +124,7 @@ def main(argv):
                     samples[mode]["wall"] += got["wall"]
                     samples[mode]["waited"] += got["waited"]
                     inputs[mode] = got["inputs"]
-        device_ms = 1e3 * device_step_seconds(base.engine.runner, *inputs["sync"])
+        device_ms = 1e3 * base.engine.runner.time_step(*inputs["sync"], repeats=20)
         for mode in MODES:
             wall = 1e3 * float(np.median(samples[mode]["wall"]))
             waited = 1e3 * float(np.median(samples[mode]["waited"]))

@@ -103,7 +103,7 @@ def time_decode(llm, batch: int) -> dict:
                 times.append(time.perf_counter() - t)
     finally:
         del runner.launch
-    device_s = _device_step_seconds(runner, *captured)
+    device_s = runner.time_step(*captured, FLAGS.decode_steps, FLAGS.warmup_steps)
     while engine.has_unfinished_requests():
         engine.step()
     step_s = float(np.median(times))
@@ -113,25 +113,6 @@ def time_decode(llm, batch: int) -> dict:
         "tokens_per_s": batch / step_s,
         "compile_s": max(first_s - step_s, 0.0),
     }
-
-
-def _device_step_seconds(runner, step, sampling) -> float:
-    """Median seconds of the jitted model step alone (no scheduling, input building or sampling
-    on the host): the last decode step's inputs run again, each call waited for. Rerunning it
-    rewrites the same KV positions with the same values."""
-    import jax
-    import numpy as np
-
-    step_arg, _ = runner._inputs(step, sampling)
-    times = []
-    for i in range(FLAGS.warmup_steps + FLAGS.decode_steps):
-        t = time.perf_counter()
-        out = runner._step(runner.params, runner.kv_pages, step_arg)
-        jax.block_until_ready(out)
-        runner.kv_pages = out[2]
-        if i >= FLAGS.warmup_steps:
-            times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def main(argv):

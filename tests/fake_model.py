@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from llmjax.engine.batch import fill_pending
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
 
 UNWRITTEN = -1  # slots never written, or poisoned after their page was freed
@@ -161,11 +162,7 @@ class FakeRunner:
     def launch(self, step, sampling, tag=None):
         """As ModelRunner.launch; the fake model runs at once (`collect` hands it back). Rows
         named by `sampling.token_rows` take the last launched step's ids, as on the device."""
-        rows = sampling.token_rows
-        if rows is not None:
-            ids = np.asarray(step.token_ids).copy()
-            ids[rows >= 0] = self._last_ids[rows[rows >= 0]]
-            step = step._replace(token_ids=ids)
+        step = fill_pending(step, sampling.token_rows, self._last_ids)
         self._last_ids = self.run(step, sampling)
         return tag, self._last_ids
 

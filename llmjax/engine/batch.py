@@ -227,6 +227,17 @@ class SamplingInput:
     token_rows: np.ndarray | None = None
 
 
+def fill_pending(step: StepInput, token_rows: np.ndarray | None, last_ids) -> StepInput:
+    """`step` with each pending token's id (`SamplingInput.token_rows`) taken from the last
+    step's sampled ids: on the host, what `ModelRunner._pending_filled` does on the device (the
+    simulated device and the tests' fake model use it)."""
+    if token_rows is None:
+        return step
+    ids = np.asarray(step.token_ids).copy()
+    ids[token_rows >= 0] = np.asarray(last_ids)[token_rows[token_rows >= 0]]
+    return step._replace(token_ids=ids)
+
+
 def stop_ids_while_short(req) -> list[int]:
     """The token ids min_tokens masks while `req` is short of it: EOS (unless ignore_eos) and
     its stop_token_ids."""

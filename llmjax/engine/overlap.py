@@ -34,11 +34,7 @@ What needs a token on the host before the next step is shaped:
 
 from __future__ import annotations
 
-import logging
-
 from llmjax.engine.step import Step
-
-logger = logging.getLogger(__name__)
 
 
 def overlap_blockers(engine) -> list[str]:

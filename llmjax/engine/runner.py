@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -584,6 +585,21 @@ class ModelRunner:
         if self.config.parallel.check_lockstep:
             check_lockstep(next_ids, self.num_steps)
         return launched.tag, next_ids
+
+    def time_step(self, step: StepInput, sampling: SamplingInput, repeats: int, warmup: int = 3):
+        """Median seconds of the jitted model step alone on these inputs (no scheduling, input
+        building or sampling on the host), each call waited for (the benchmarks' "device ms").
+        Rerunning a step rewrites the same KV positions with the same values."""
+        step_arg, _ = self._inputs(step, sampling)
+        times = []
+        for i in range(warmup + repeats):
+            t = time.perf_counter()
+            out = self._step(self.params, self.kv_pages, step_arg)
+            jax.block_until_ready(out)
+            self.kv_pages = out[2]
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+        return float(np.median(times))
 
     def draft(self, tokens, positions, page_indices, num_proposals) -> np.ndarray:
         """Speculative decoding's early-exit draft (`SpeculativeConfig.method == 'draft'`):

@@ -24,6 +24,7 @@ import dataclasses
 import numpy as np
 
 from llmjax.config import EngineConfig
+from llmjax.engine.batch import fill_pending
 from llmjax.engine.clock import VirtualClock
 from llmjax.sim.cost import LinearCostModel, StepFeatures
 from llmjax.sim.hardware import Hardware, get_hardware
@@ -211,11 +212,8 @@ class SimRunner:
         if self.pipelined:
             exited, self.last_stage_tokens = self.tick(step, None, tag)
             return exited
-        rows = None if sampling is None else sampling.token_rows
-        if rows is not None:  # pending tokens: the last step's ids, as the device fills them
-            ids = np.asarray(step.token_ids).copy()
-            ids[rows >= 0] = self._last_ids[rows[rows >= 0]]
-            step = step._replace(token_ids=ids)
+        if sampling is not None:  # pending tokens: the last step's ids, as the device fills them
+            step = fill_pending(step, sampling.token_rows, self._last_ids)
         self.last_features = StepFeatures.from_step(step)
         seconds = float(self.cost_model.step_seconds(self.last_features))
         host = float(getattr(self.cost_model, "host_overhead_s", 0.0))
