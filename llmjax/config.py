@@ -18,7 +18,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # Shapes the simulated device (llmjax/sim/) models but the JAX model does not implement: OPT (two
 # MLP matrices, ReLU, learned positions) and Falcon (two MLP matrices, GELU, attention and MLP in
 # parallel). A preset of these runs only with EngineConfig.device='sim'.
@@ -93,13 +95,101 @@ class RopeScaling:
         return cls(**kwargs)
 
 
+# The architecture table (DESIGN principle 17), by family. FAMILY_TRAITS: what a family fixes
+# that its config.json does not say (ModelConfig fields). HF_MODEL_TYPES: HF's model_type ->
+# ours. HF_DEFAULTS: what transformers' config class assumes for keys a config.json may omit
+# ("pattern": every pattern-th layer is global, for configs without layer_types).
+FAMILY_TRAITS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"attention_bias": True},
+    "qwen3": {"qk_norm": True},
+    "gemma2": {"norm_plus_one": True, "post_norms": True, "scale_embeddings": True},
+    "gemma3": {
+        "qk_norm": True,
+        "norm_plus_one": True,
+        "post_norms": True,
+        "scale_embeddings": True,
+    },
+}
+HF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+_GEMMA_DEFAULTS = {
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": {"rms_norm_eps": 1e-6, "head_dim": 128},
+    "gemma2": {
+        **_GEMMA_DEFAULTS,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "pattern": 2,
+    },
+    "gemma3": {
+        **_GEMMA_DEFAULTS,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "pattern": 6,
+    },
+}
+
+
+def _float_or_none(x) -> float | None:
+    return None if x is None else float(x)
+
+
+class AttentionKind(typing.NamedTuple):
+    """What one layer's attention is, as the layer scan's per-layer table sees it: its sliding
+    window (None: full) and its RoPE (base and scaling)."""
+
+    window: int | None
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2).
+    """Shape of a decoder: the architecture table (DESIGN principle 17). Every family llmjax runs
+    (Llama 2/3, Mistral, Qwen2, SmolLM2, Qwen3, Gemma 2, Gemma 3) is these fields; the defaults are
+    Llama's, and llmjax/model/llama.py reads them as data.
 
-    Attributes follow HF names where they exist. `head_dim` defaults to hidden_size / num_heads.
-    `attention_bias` adds biases to the Q/K/V projections (Qwen2). `sliding_window` limits each
-    query to the last `sliding_window` keys (Mistral); None attends to the whole context.
+    Attributes follow HF names where they exist. `head_dim` defaults to hidden_size / num_heads
+    (Gemma and Qwen3 set it apart). `attention_bias` adds biases to the Q/K/V projections (Qwen2).
+
+    What the families differ in:
+      qk_norm                 RMSNorm over each head's query and key, before RoPE (Qwen3, Gemma 3)
+      norm_plus_one           RMSNorm scales by (1 + w), computed in float32 (Gemma); else by w,
+                              the normalized x rounded to its dtype first (Llama)
+      post_norms              RMSNorm on the attention and MLP outputs before each residual add
+                              (Gemma 2/3: HF's post_attention_layernorm, post_feedforward_layernorm)
+      scale_embeddings        embeddings times sqrt(hidden_size), in the activations' dtype (Gemma)
+      query_pre_attn_scalar   scores scaled by query_pre_attn_scalar ** -0.5 instead of
+                              head_dim ** -0.5 (Gemma)
+      attn_logit_softcapping  scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+      final_logit_softcapping logits -> cap * tanh(logits / cap) (Gemma 2)
+      hidden_act              'silu' (SwiGLU) or 'gelu_pytorch_tanh' (GeGLU: Gemma)
+      layer_types             per layer 'full_attention' or 'sliding_attention' (a window of
+                              `sliding_window` keys): Gemma 2 alternates, Gemma 3 has five local
+                              layers to one global. None: every layer alike, sliding where
+                              `sliding_window` is set (Mistral), else full.
+      rope_local_base_freq    the RoPE base of sliding layers (Gemma 3; None: rope_theta). Sliding
+                              layers never take `rope_scaling` when it is set.
+    `attention_kinds` / `layer_kind_ids` give the distinct per-layer kinds (window, RoPE) and
+    each layer's index into them: the per-layer table the layer scan carries.
     """
 
     vocab_size: int
@@ -116,6 +206,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     sliding_window: int | None = None
+    qk_norm: bool = False
+    norm_plus_one: bool = False
+    post_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_act: str = "silu"
+    layer_types: tuple[str, ...] | None = None
+    rope_local_base_freq: float | None = None
     architecture: str = "llama"
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
@@ -142,7 +242,27 @@ class ModelConfig:
             "rope_theta",
             "rms_norm_eps",
             "sliding_window",
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "rope_local_base_freq",
         )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"unsupported {self.hidden_act=}; llmjax implements {HIDDEN_ACTS}")
+        if self.layer_types is not None:
+            types_ = tuple(self.layer_types)
+            object.__setattr__(self, "layer_types", types_)
+            bad = sorted(set(types_) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"unknown layer_types {bad}; each layer is one of {LAYER_TYPES}")
+            if len(types_) != self.num_layers:
+                raise ValueError(f"{len(types_)} layer_types for {self.num_layers=}")
+            if "sliding_attention" in types_ and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but no sliding_window")
+            if len(set(types_)) == 1:  # uniform: the plain form, so equal configs compare equal
+                object.__setattr__(self, "layer_types", None)
+                if types_[0] == "full_attention":
+                    object.__setattr__(self, "sliding_window", None)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads=} must be divisible by {self.num_kv_heads=}")
         if self.head_dim % 2:
@@ -164,6 +284,43 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q.k: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_type(self, i: int) -> str:
+        """Layer i's attention: 'full_attention' or 'sliding_attention'."""
+        if self.layer_types is not None:
+            return self.layer_types[i]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i (None: full attention)."""
+        return self.sliding_window if self.layer_type(i) == "sliding_attention" else None
+
+    @property
+    def attention_kinds(self) -> tuple[AttentionKind, ...]:
+        """The distinct kinds of layer, in order of first appearance (one for Llama)."""
+        return tuple(dict.fromkeys(self._layer_kind(i) for i in range(self.num_layers)))
+
+    @property
+    def layer_kind_ids(self) -> tuple[int, ...]:
+        """Each layer's index into `attention_kinds`: the per-layer table of the layer scan."""
+        kinds = {k: j for j, k in enumerate(self.attention_kinds)}
+        return tuple(kinds[self._layer_kind(i)] for i in range(self.num_layers))
+
+    @property
+    def sliding_layers(self) -> int:
+        """How many layers attend over a sliding window."""
+        return sum(self.layer_window(i) is not None for i in range(self.num_layers))
+
+    def _layer_kind(self, i: int) -> AttentionKind:
+        window = self.layer_window(i)
+        if window is not None and self.rope_local_base_freq is not None:
+            return AttentionKind(window, self.rope_local_base_freq, None)
+        return AttentionKind(window, self.rope_theta, self.rope_scaling)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -187,28 +344,53 @@ class ModelConfig:
                     config = json.load(f)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} is not valid JSON: {e}") from e
-        model_type = config.get("model_type")
+        if config.get("model_type") == "gemma3" and "text_config" in config:
+            # Gemma 3's multimodal checkpoint: the text decoder's config is nested (its weights
+            # under model.language_model.*: llmjax/checkpoint/hf.py reads them).
+            config = {"model_type": "gemma3_text", **config["text_config"]}
+        model_type = HF_MODEL_TYPES.get(config.get("model_type"), config.get("model_type"))
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = config.get("architectures")
             raise ValueError(
-                f"unknown architecture model_type={model_type!r} (architectures={archs}) in "
-                f"{source}; supported: {SUPPORTED_ARCHITECTURES}"
+                f"unknown architecture model_type={config.get('model_type')!r} "
+                f"(architectures={archs}) in {source}; supported: {sorted(HF_MODEL_TYPES)}"
             )
+        if config.get("use_bidirectional_attention"):
+            raise ValueError(
+                f"{source}: bidirectional attention (an embedding model) is not a decoder"
+            )
+        config = {**HF_DEFAULTS.get(model_type, {}), **config}
         try:
             eos = config.get("eos_token_id", 2)
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            # transformers >= 5 writes rope_parameters {rope_type, rope_theta, scaling keys};
-            # older configs have rope_theta and rope_scaling at the top level.
+            # transformers >= 5 writes rope_parameters {rope_type, rope_theta, scaling keys}, per
+            # layer type for Gemma 3 ({full_attention: {...}, sliding_attention: {...}}); older
+            # configs have rope_theta, rope_scaling (and rope_local_base_freq) at the top level.
             rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+            local_theta = config.get("rope_local_base_freq")
+            if "full_attention" in rope:
+                local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", local_theta)
+                rope = dict(rope["full_attention"] or {})
             rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
             sliding_window = config.get("sliding_window")
-            if model_type == "qwen2" and not config.get("use_sliding_window", False):
+            if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
                 sliding_window = None
-            return cls(
+            num_layers = config["num_hidden_layers"]
+            layer_types = config.get("layer_types")
+            if layer_types is None and sliding_window is not None and "pattern" in config:
+                # Older Gemma configs: every `pattern`-th layer is global, the others slide.
+                pattern = config.get("sliding_window_pattern") or config["pattern"]
+                layer_types = [
+                    "sliding_attention" if (i + 1) % pattern else "full_attention"
+                    for i in range(num_layers)
+                ]
+            if layer_types is not None and sliding_window is None:
+                layer_types = None  # Qwen's layer_types name sliding layers only when it slides
+            fields = dict(
                 vocab_size=config["vocab_size"],
                 hidden_size=config["hidden_size"],
                 intermediate_size=config["intermediate_size"],
-                num_layers=config["num_hidden_layers"],
+                num_layers=num_layers,
                 num_heads=config["num_attention_heads"],
                 num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
                 head_dim=config.get("head_dim"),
@@ -217,8 +399,14 @@ class ModelConfig:
                 rope_scaling=RopeScaling.from_hf(rope),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                attention_bias=(model_type == "qwen2" or bool(config.get("attention_bias", False))),
+                attention_bias=bool(config.get("attention_bias", False)),
                 sliding_window=sliding_window,
+                query_pre_attn_scalar=_float_or_none(config.get("query_pre_attn_scalar")),
+                attn_logit_softcapping=_float_or_none(config.get("attn_logit_softcapping")),
+                final_logit_softcapping=_float_or_none(config.get("final_logit_softcapping")),
+                hidden_act=config.get("hidden_activation") or config.get("hidden_act", "silu"),
+                layer_types=tuple(layer_types) if layer_types is not None else None,
+                rope_local_base_freq=_float_or_none(local_theta),
                 architecture=model_type,
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=eos_ids,
@@ -226,6 +414,7 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ValueError(f"HF config {source} lacks required key {e.args[0]!r}") from e
+        return cls(**(fields | FAMILY_TRAITS[model_type]))
 
     @classmethod
     def from_gguf(cls, reader_or_path) -> ModelConfig:

@@ -26,8 +26,7 @@ def params_from_hf_tensors(
     `lazy=True` returns the tree with a thunk at every leaf (a function that reads and converts
     that one weight), for loading shard by shard: `llmjax.parallel.mesh.place_params` calls each
     thunk only when it places that weight, so the host holds one weight at a time."""
-    D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
-    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
+    D, V = config.hidden_size, config.vocab_size
 
     def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
         x = get(name)
@@ -46,22 +45,10 @@ def params_from_hf_tensors(
 
     def layer(i: int) -> dict:
         p = f"model.layers.{i}."
-        out = {
-            "attn_norm": weight(p + "input_layernorm.weight", (D,)),
-            "wq": weight(p + "self_attn.q_proj.weight", (N * H, D), lambda x: x.T.reshape(D, N, H)),
-            "wk": weight(p + "self_attn.k_proj.weight", (K * H, D), lambda x: x.T.reshape(D, K, H)),
-            "wv": weight(p + "self_attn.v_proj.weight", (K * H, D), lambda x: x.T.reshape(D, K, H)),
-            "wo": weight(p + "self_attn.o_proj.weight", (D, N * H), lambda x: x.T.reshape(N, H, D)),
-            "mlp_norm": weight(p + "post_attention_layernorm.weight", (D,)),
-            "w_gate": weight(p + "mlp.gate_proj.weight", (F, D), lambda x: x.T),
-            "w_up": weight(p + "mlp.up_proj.weight", (F, D), lambda x: x.T),
-            "w_down": weight(p + "mlp.down_proj.weight", (D, F), lambda x: x.T),
+        return {
+            ours: weight(p + hf, shape, to_ours)
+            for ours, (hf, shape, to_ours, _) in hf_layer_table(config).items()
         }
-        if config.attention_bias:
-            out["bq"] = weight(p + "self_attn.q_proj.bias", (N * H,), lambda x: x.reshape(N, H))
-            out["bk"] = weight(p + "self_attn.k_proj.bias", (K * H,), lambda x: x.reshape(K, H))
-            out["bv"] = weight(p + "self_attn.v_proj.bias", (K * H,), lambda x: x.reshape(K, H))
-        return out
 
     params: Params = {
         "embed": weight("model.embed_tokens.weight", (V, D)),
@@ -75,6 +62,56 @@ def params_from_hf_tensors(
     params = _load_all(params)
     check_params(config, params, source)
     return params
+
+
+def hf_layer_table(config: ModelConfig) -> dict[str, tuple]:
+    """The one map between a layer's weights in our tree and in HF's checkpoints, for this
+    architecture: our name -> (HF name under model.layers.{i}., HF shape, HF -> ours, ours -> HF).
+    Gemma's "post_attention_layernorm" is the attention output's post-norm, Llama's the MLP's
+    pre-norm (Gemma's is "pre_feedforward_layernorm")."""
+    D, F = config.hidden_size, config.intermediate_size
+    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
+
+    def same(x):
+        return x
+
+    def heads_in(n):  # [n*H, D] <-> [D, n, H]
+        return lambda x: x.T.reshape(D, n, H), lambda w: w.reshape(D, n * H).T
+
+    mlp_norm = "pre_feedforward_layernorm.weight" if config.post_norms else None
+    mlp_norm = mlp_norm or "post_attention_layernorm.weight"
+    table = {
+        "attn_norm": ("input_layernorm.weight", (D,), same, same),
+        "wq": ("self_attn.q_proj.weight", (N * H, D), *heads_in(N)),
+        "wk": ("self_attn.k_proj.weight", (K * H, D), *heads_in(K)),
+        "wv": ("self_attn.v_proj.weight", (K * H, D), *heads_in(K)),
+        "wo": (
+            "self_attn.o_proj.weight",
+            (D, N * H),
+            lambda x: x.T.reshape(N, H, D),
+            lambda w: w.reshape(N * H, D).T,
+        ),
+        "mlp_norm": (mlp_norm, (D,), same, same),
+        "w_gate": ("mlp.gate_proj.weight", (F, D), lambda x: x.T, lambda w: w.reshape(D, F).T),
+        "w_up": ("mlp.up_proj.weight", (F, D), lambda x: x.T, lambda w: w.reshape(D, F).T),
+        "w_down": ("mlp.down_proj.weight", (D, F), lambda x: x.T, lambda w: w.reshape(F, D).T),
+    }
+    if config.qk_norm:
+        table["q_norm"] = ("self_attn.q_norm.weight", (H,), same, same)
+        table["k_norm"] = ("self_attn.k_norm.weight", (H,), same, same)
+    if config.post_norms:
+        table["attn_post_norm"] = ("post_attention_layernorm.weight", (D,), same, same)
+        table["mlp_post_norm"] = ("post_feedforward_layernorm.weight", (D,), same, same)
+    if config.attention_bias:
+        for name, n in (("bq", N), ("bk", K), ("bv", K)):
+            proj = {"bq": "q", "bk": "k", "bv": "v"}[name]
+            table[name] = (
+                f"self_attn.{proj}_proj.bias",
+                (n * H,),
+                lambda x, n=n: x.reshape(n, H),
+                lambda b, n=n: b.reshape(n * H),
+            )
+    return table
 
 
 def _load_all(tree):
@@ -128,6 +165,17 @@ def load_hf(directory: str, dtype=np.float32, lazy: bool = False) -> tuple[Model
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 where[name] = (path, handle)
 
+        # Gemma 3's multimodal checkpoints keep the text decoder under model.language_model.
+        # (transformers >= 4.52) or language_model.model. (before); the vision tower is ignored.
+        for prefix in ("model.language_model.", "language_model.model."):
+            if "model.embed_tokens.weight" not in where and prefix + "embed_tokens.weight" in where:
+                head = "language_model.lm_head.weight"
+                where |= {
+                    "model." + n[len(prefix) :]: w for n, w in where.items() if n.startswith(prefix)
+                }
+                if head in where:
+                    where["lm_head.weight"] = where[head]
+
         def get(name: str) -> np.ndarray:
             if name not in where:
                 raise ValueError(f"{directory}: tensor {name!r} not found in any safetensors file")
@@ -165,33 +213,16 @@ def hf_tensors_from_params(
 
     check_params(config, params, "params")
     params = unstack_layers(params)
-    D, F = config.hidden_size, config.intermediate_size
-    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
 
     def hf(x, convert=lambda x: x) -> np.ndarray:
         x = np.asarray(x)
         return np.ascontiguousarray(convert(x).astype(dtype or x.dtype))
 
     out = {"model.embed_tokens.weight": hf(params["embed"])}  # [V, D]
+    table = hf_layer_table(config)
     for i, layer in enumerate(params["layers"]):
         p = f"model.layers.{i}."
-        out |= {
-            p + "input_layernorm.weight": hf(layer["attn_norm"]),
-            p + "self_attn.q_proj.weight": hf(layer["wq"], lambda w: w.reshape(D, N * H).T),
-            p + "self_attn.k_proj.weight": hf(layer["wk"], lambda w: w.reshape(D, K * H).T),
-            p + "self_attn.v_proj.weight": hf(layer["wv"], lambda w: w.reshape(D, K * H).T),
-            p + "self_attn.o_proj.weight": hf(layer["wo"], lambda w: w.reshape(N * H, D).T),
-            p + "post_attention_layernorm.weight": hf(layer["mlp_norm"]),
-            p + "mlp.gate_proj.weight": hf(layer["w_gate"], lambda w: w.reshape(D, F).T),
-            p + "mlp.up_proj.weight": hf(layer["w_up"], lambda w: w.reshape(D, F).T),
-            p + "mlp.down_proj.weight": hf(layer["w_down"], lambda w: w.reshape(F, D).T),
-        }
-        if config.attention_bias:
-            out |= {
-                p + "self_attn.q_proj.bias": hf(layer["bq"], lambda b: b.reshape(N * H)),
-                p + "self_attn.k_proj.bias": hf(layer["bk"], lambda b: b.reshape(K * H)),
-                p + "self_attn.v_proj.bias": hf(layer["bv"], lambda b: b.reshape(K * H)),
-            }
+        out |= {p + name: hf(layer[ours], to_hf) for ours, (name, _, _, to_hf) in table.items()}
     out["model.norm.weight"] = hf(params["final_norm"])
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = hf(params["lm_head"], lambda w: w.T)  # [D, V] -> [V, D]

@@ -1,10 +1,12 @@
 """Attention over the paged KV cache: the backend interface, its plain-jnp reference, and the
 choice of backend by name (`EngineConfig.attention_backend`).
 
-Interface (`AttentionFn`): `attention_fn(q [T, N, H], k_pages, v_pages [num_pages, G, K, H], step:
-StepInput, *, sm_scale, sliding_window, new_kv) -> [T, N, H]`, the contract of
-kernels_pallas/ragged_paged_attention/reference.py; `new_kv` = the step's own (k, v) [T, K, H]
-(already written to the pages; a backend may use them for a fresh prompt). Backends:
+Interface (`AttentionFn`): `attention_fn(q [T, N, H], k_pages, v_pages [num_pages, G, K, H],
+step: StepInput, *, sm_scale, sliding_window, soft_cap, new_kv) -> [T, N, H]`, the contract of
+kernels_pallas/ragged_paged_attention/reference.py (scores q.k * sm_scale, soft capped to
+soft_cap * tanh(s / soft_cap) where soft_cap is set, then masked); `new_kv` = the step's own
+(k, v) [T, K, H] (already written to the pages; a backend may use them for a fresh prompt).
+Backends:
   reference  `reference_attention` below (plain jnp; fast enough on a CPU).
   pallas     `pallas_attention`: kernels_pallas' ragged paged attention (the TPU or GPU kernel of
              the platform, or one by name: `EngineConfig.pallas_kernel`; in interpret mode on the
@@ -21,7 +23,8 @@ Letters: T tokens, S sequences, P pages per sequence, G page size, K kv heads, Q
 head, N = K * Q query heads, H head dim, C key positions (= P * G).
 
 The reference gathers, for every query token, its own sequence's pages and masks by position:
-key j is visible to a token at position p iff j <= p (and p - j < sliding_window). Its cost is
+key j is visible to a token at position p iff j <= p (and p - j < sliding_window). One model may
+call it with different windows in different layers (llmjax/model/llama.py `attend`). Its cost is
 O(T * C) like the attention itself, with no waste across sequences of a mixed batch. The Pallas
 kernels (kernels_pallas/) implement the same contract.
 """
@@ -65,6 +68,7 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     mask_holes: bool = False,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention of every query token over its sequence's cached keys -> [T, N, H].
 
@@ -88,6 +92,9 @@ def paged_attention_reference(
         token ("bckh"); pages: [P] or [B, P] their page ids -> [B, N, H]."""
         B = qg.shape[0]
         s = jnp.einsum(f"bkqh,{kv_spec}->bkqc", qg, k, preferred_element_type=jnp.float32)
+        s = s * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = jnp.arange(s.shape[-1], dtype=jnp.int32)[None, :]  # [1, C]
         visible = key_pos <= pos_blk[:, None]  # [B, C]
         if mask_holes:
@@ -96,7 +103,7 @@ def paged_attention_reference(
             visible &= key_pos > pos_blk[:, None] - sliding_window
         # With holes a padded token may see no key at all: a finite floor keeps it from NaN.
         floor = -1e30 if mask_holes else -jnp.inf
-        s = jnp.where(visible[:, None, None, :], s * scale, floor)
+        s = jnp.where(visible[:, None, None, :], s, floor)
         p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
         o = jnp.einsum(f"bkqc,{kv_spec}->bkqh", p, v, preferred_element_type=jnp.float32)
         return o.reshape(B, N, H).astype(q.dtype)
@@ -135,6 +142,7 @@ def reference_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """The 'reference' backend: `paged_attention_reference` on the step's metadata (`new_kv` is
@@ -149,6 +157,7 @@ def reference_attention(
         step.page_indices,
         scale=sm_scale,
         sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
 
 
@@ -160,6 +169,7 @@ def cpu_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """The 'cpu' backend: kernels_cpu.ragged_paged_attention on the step's metadata."""
@@ -176,6 +186,7 @@ def cpu_attention(
         step.num_seqs,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
 
 
@@ -187,6 +198,7 @@ def pallas_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     flash_min_tokens: int | None = None,
     implementation: str | None = None,
@@ -211,6 +223,7 @@ def pallas_attention(
             step.num_seqs,
             sm_scale=sm_scale,
             sliding_window=sliding_window,
+            soft_cap=soft_cap,
             implementation=implementation,
             **dict(kernel_options),
         )
@@ -231,6 +244,7 @@ def pallas_attention(
             n[None],
             sm_scale=sm_scale,
             sliding_window=sliding_window,
+            soft_cap=soft_cap,
             implementation=implementation,
         )
 
@@ -287,8 +301,10 @@ def shard_heads(attention_fn: AttentionFn, mesh) -> AttentionFn:
 
     heads, pages = P(None, "tp", None), P(None, None, "tp", None)
 
-    def sharded(q, k_pages, v_pages, step, *, sm_scale, sliding_window=None, new_kv=None):
-        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    def sharded(
+        q, k_pages, v_pages, step, *, sm_scale, sliding_window=None, soft_cap=None, new_kv=None
+    ):
+        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if new_kv is None:
             f = functools.partial(attention_fn, **kw)
             specs, args = (heads, pages, pages, P()), (q, k_pages, v_pages, step)

@@ -1,10 +1,13 @@
-"""Building blocks of the Llama-family decoder: RMSNorm, rotary embeddings, SwiGLU.
+"""Building blocks of the decoder: RMSNorm (Llama's and Gemma's), rotary embeddings (one table
+per attention kind), the gated MLP (SwiGLU, GeGLU).
 
-Letters: T tokens, D model dim, F MLP hidden dim, N heads, H head dim.
+Letters: T tokens, D model dim, F MLP hidden dim, N heads, H head dim, R attention kinds
+(`ModelConfig.attention_kinds`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -15,11 +18,23 @@ from llmjax.config import ModelConfig, RopeScaling
 from llmjax.model.quant import linear
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """x: [..., D], scale: [D]. Normalizes in float32, returns x's dtype (as HF Llama does)."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """x: [..., D], scale: [D]. Normalizes in float32 and returns x's dtype. Llama (HF's
+    LlamaRMSNorm): the normalized x rounded to x's dtype, times `scale`. `plus_one` (Gemma's
+    RMSNorm): times (1 + scale), all in float32, rounded once."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
     return scale * x32.astype(x.dtype)
+
+
+def norm(x: jax.Array, scale: jax.Array | None, config: ModelConfig) -> jax.Array:
+    """The model's RMSNorm (`config.norm_plus_one` picks Llama's or Gemma's); `scale` None (a
+    norm this architecture does not have: its weight is absent from the tree) returns x."""
+    if scale is None:
+        return x
+    return rms_norm(x, scale, config.rms_norm_eps, config.norm_plus_one)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -51,10 +66,25 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
 
 
 def rope_cos_sin(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """positions: [T] int32 -> cos, sin: [T, H/2] float32."""
-    inv_freq = jnp.asarray(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    """positions: [T] int32 -> cos, sin: [R, T, H/2] float32, one table per attention kind
+    (`config.attention_kinds`: a kind's RoPE base and scaling); a layer of kind r takes
+    `layer_rope(cos, sin, r)`."""
+    inv_freq = np.stack(
+        [
+            rope_inv_freq(config.head_dim, kind.rope_theta, kind.rope_scaling)
+            for kind in config.attention_kinds
+        ]
+    )  # [R, H/2]
+    angles = positions.astype(jnp.float32)[None, :, None] * jnp.asarray(inv_freq)[:, None, :]
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def layer_rope(cos: jax.Array, sin: jax.Array, kind) -> tuple[jax.Array, jax.Array]:
+    """The [T, H/2] tables of attention kind `kind` (an int, or a traced index in a layer scan)
+    from `rope_cos_sin`'s [R, T, H/2]."""
+    if cos.shape[0] == 1:  # one kind (Llama): no index to trace
+        return cos[0], sin[0]
+    return cos[kind], sin[kind]
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -66,11 +96,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def swiglu_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+ACTIVATIONS = {
+    "silu": jax.nn.silu,  # SwiGLU (Llama, Qwen)
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),  # GeGLU (Gemma)
+}
+
+
+def gated_mlp(x: jax.Array, w_gate, w_up, w_down, act: str = "silu") -> jax.Array:
     """x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] (plain, or packed: llmjax/model/quant.py)
-    -> [T, D]."""
+    -> act(x @ w_gate) * (x @ w_up) @ w_down [T, D]; `act` one of ACTIVATIONS
+    (`ModelConfig.hidden_act`)."""
     gate = linear(x, w_gate).astype(jnp.float32)
     up = linear(x, w_up).astype(jnp.float32)
     # In float32, rounded once to x's dtype (a no-op for float32): in bfloat16 XLA:CPU otherwise
-    # rounds after every op of silu (neg, exp, add, divide, multiply), slower and less exact.
-    return linear((jax.nn.silu(gate) * up).astype(x.dtype), w_down)
+    # rounds after every op of the activation (neg, exp, add, divide, multiply), slower and less
+    # exact.
+    return linear((ACTIVATIONS[act](gate) * up).astype(x.dtype), w_down)
+
+
+def swiglu_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """The SwiGLU MLP (`gated_mlp` with silu)."""
+    return gated_mlp(x, w_gate, w_up, w_down, "silu")

@@ -1,4 +1,4 @@
-"""The Llama-family decoder as one pure function over a paged KV cache.
+"""The decoder (Llama, Mistral, Qwen2/3, Gemma 2/3) as one pure function over a paged KV cache.
 
 Einsum letters:
     T  tokens of the flat ragged batch        D  model dim (hidden_size)
@@ -18,6 +18,14 @@ compiled once whatever the depth) over a stacked KV cache (llmjax/model/kv_cache
 layer's pages in one `[L * num_pages, ...]` array). The scan body hands the attention the whole
 cache and the step's page tables and slots moved to its layer's pages (+ i * num_pages), so every
 attention backend and kernel runs unchanged.
+
+What the families differ in is data (`ModelConfig`'s architecture table, DESIGN principle 17):
+a norm, a bias or a query/key norm applies where its weight is in the layer's tree (absent for
+an architecture without it: `norm` and the `layer.get`s below), and each layer's attention kind
+(sliding window or not, its RoPE) is an index into `config.attention_kinds`: a Python int in the
+unrolled loop, a row of the per-layer table (`config.layer_kind_ids`) scanned with the weights
+in the scan, where `attend` picks the kind's window with `lax.switch` (one branch per distinct
+window: still one compiled layer) and `layer_rope` its RoPE table.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import jax.numpy as jnp
 from llmjax.config import ModelConfig
 from llmjax.model.attention import AttentionFn, reference_attention
 from llmjax.model.kv_cache import KVPages, write_kv
-from llmjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
+from llmjax.model.layers import apply_rope, gated_mlp, layer_rope, norm, rope_cos_sin
 from llmjax.model.params import Params, layers_stacked
 from llmjax.model.quant import is_packed, linear, qdot, take_rows
 from llmjax.model.step_input import StepInput
@@ -40,6 +48,56 @@ def _project(x: jax.Array, w) -> jax.Array:
     return linear(x, w)
 
 
+def attention_qkv(
+    layer: Params, h: jax.Array, cos: jax.Array, sin: jax.Array, config: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The normed input h [T, D] -> q [T, N, H], k, v [T, K, H]: the projections, their biases
+    (Qwen2), the per-head query/key norms (Qwen3, Gemma 3), RoPE (cos/sin [T, H/2])."""
+    q = _project(h, layer["wq"])  # [T, N, H]
+    k = _project(h, layer["wk"])  # [T, K, H]
+    v = _project(h, layer["wv"])  # [T, K, H]
+    if "bq" in layer:  # attention_bias (Qwen2)
+        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    q, k = norm(q, layer.get("q_norm"), config), norm(k, layer.get("k_norm"), config)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attend(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    step: StepInput,
+    kind,
+    config: ModelConfig,
+    attention_fn: AttentionFn,
+    new_kv: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:
+    """`attention_fn` with attention kind `kind`'s window (an int, or a traced index: then
+    `lax.switch` over the distinct windows, each branch the backend with its window static), the
+    model's score scale and soft cap -> [T, N, H]."""
+    windows = tuple(dict.fromkeys(k.window for k in config.attention_kinds))
+
+    def with_window(window):
+        return lambda: attention_fn(
+            q,
+            k_pages,
+            v_pages,
+            step,
+            sm_scale=config.attn_scale,
+            sliding_window=window,
+            soft_cap=config.attn_logit_softcapping,
+            new_kv=new_kv,
+        )
+
+    kind_windows = [windows.index(k.window) for k in config.attention_kinds]
+    if len(windows) == 1:
+        return with_window(windows[0])()
+    if isinstance(kind, int):
+        return with_window(windows[kind_windows[kind]])()
+    branch = jnp.asarray(kind_windows, jnp.int32)[kind]
+    return jax.lax.switch(branch, [with_window(w) for w in windows])
+
+
 def _attention_block(
     layer: Params,
     x: jax.Array,  # [T, D]
@@ -47,27 +105,23 @@ def _attention_block(
     step: StepInput,
     cos: jax.Array,
     sin: jax.Array,
+    kind,
     config: ModelConfig,
     attention_fn: AttentionFn,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-    q = _project(h, layer["wq"])  # [T, N, H]
-    k = _project(h, layer["wk"])  # [T, K, H]
-    v = _project(h, layer["wv"])  # [T, K, H]
-    if config.attention_bias:
-        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    h = norm(x, layer["attn_norm"], config)
+    q, k, v = attention_qkv(layer, h, *layer_rope(cos, sin, kind), config)
     k_pages, v_pages = write_kv(*kv, k, v, step.slot_mapping)
-    o = attention_fn(
-        q,
-        k_pages,
-        v_pages,
-        step,
-        sm_scale=config.head_dim**-0.5,
-        sliding_window=config.sliding_window,
-        new_kv=(k, v),
-    )  # [T, N, H]
-    return linear(o, layer["wo"]), (k_pages, v_pages)  # [T, N, H] @ [N, H, D]
+    o = attend(q, k_pages, v_pages, step, kind, config, attention_fn, new_kv=(k, v))  # [T, N, H]
+    out = linear(o, layer["wo"])  # [T, N, H] @ [N, H, D]
+    return norm(out, layer.get("attn_post_norm"), config), (k_pages, v_pages)
+
+
+def mlp_block(layer: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
+    """x [T, D] -> x + the layer's gated MLP of its normed x (post-normed: Gemma)."""
+    h = norm(x, layer["mlp_norm"], config)
+    h = gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"], config.hidden_act)
+    return x + norm(h, layer.get("mlp_post_norm"), config)
 
 
 def decoder_layer(
@@ -79,14 +133,16 @@ def decoder_layer(
     sin: jax.Array,
     config: ModelConfig,
     attention_fn: AttentionFn,
+    kind=0,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """One pre-norm decoder layer: x + attention, then + SwiGLU MLP -> (x [T, D], kv)."""
+    """One pre-norm decoder layer: x + attention, then + gated MLP -> (x [T, D], kv). cos/sin:
+    `rope_cos_sin`'s [R, T, H/2]; `kind`: the layer's attention kind (`config.layer_kind_ids[i]`,
+    an int or a traced index)."""
     with jax.named_scope("attention"):
-        attn_out, kv = _attention_block(layer, x, kv, step, cos, sin, config, attention_fn)
+        attn_out, kv = _attention_block(layer, x, kv, step, cos, sin, kind, config, attention_fn)
     x = x + attn_out
     with jax.named_scope("mlp"):
-        h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-        x = x + swiglu_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
+        x = mlp_block(layer, x, config)
     return x, kv
 
 
@@ -110,12 +166,20 @@ def scan_layers(
     config: ModelConfig,
     attention_fn: AttentionFn,
     num_layers: int | None = None,
+    layer_kinds=None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The decoder layers as one `lax.scan` over stacked weights -> (x [T, D], kv_pages). The
     whole cache is the scan's carry (updated in place). `num_layers`: only the first that many
-    (a loop that reads each layer's weights in place: an early-exit draft)."""
+    (a loop that reads each layer's weights in place: an early-exit draft). `layer_kinds`: the
+    per-layer table, each layer's attention kind [L] (default `config.layer_kind_ids`; a
+    pipeline stage passes its own layers' rows), scanned with the weights."""
     k_pages, v_pages = kv_pages
     total = jax.tree.leaves(layers)[0].shape[0]
+    if layer_kinds is None:
+        if total != config.num_layers:
+            raise ValueError(f"{total} stacked layers of {config.num_layers}: pass layer_kinds")
+        layer_kinds = config.layer_kind_ids
+    kinds = jnp.asarray(layer_kinds, jnp.int32)  # [L]
     num_pages, page_size = k_pages.shape[0] // total, k_pages.shape[1]
     # Packed weights stay whole (loop-invariant) and each step views its layer in them: their
     # C++ kernels read it in place, where scanning over them would copy every layer's slice.
@@ -130,14 +194,17 @@ def scan_layers(
             }
             layer |= {name: w.at_layer(i) for name, w in packed.items()}
             at = layer_step(step, i, num_pages, page_size)
-            x, (k, v) = decoder_layer(layer, x, (k, v), at, cos, sin, config, attention_fn)
+            x, (k, v) = decoder_layer(
+                layer, x, (k, v), at, cos, sin, config, attention_fn, kinds[i]
+            )
             return x, k, v
 
         x, k, v = jax.lax.fori_loop(0, num_layers, first_layers, (x, k_pages, v_pages))
         return x, (k, v)
 
-    def body(carry, layer):
+    def body(carry, xs):
         x, k, v, i = carry
+        layer, kind = xs
         layer = {**layer, **{name: w.at_layer(i) for name, w in packed.items()}}
         x, (k, v) = decoder_layer(
             layer,
@@ -148,27 +215,37 @@ def scan_layers(
             sin,
             config,
             attention_fn,
+            kind,
         )
         return (x, k, v, i + 1), None
 
-    (x, k, v, _), _ = jax.lax.scan(body, (x, k_pages, v_pages, jnp.int32(0)), sliced, length=total)
+    carry = (x, k_pages, v_pages, jnp.int32(0))
+    (x, k, v, _), _ = jax.lax.scan(body, carry, (sliced, kinds), length=total)
     return x, (k, v)
 
 
 def lm_head(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
-    """Final norm + vocabulary projection of the rows `x` [L, D] -> logits [L, V] float32."""
-    x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    """Final norm + vocabulary projection of the rows `x` [L, D] -> logits [L, V] float32, soft
+    capped where the model caps them (Gemma 2)."""
+    x = norm(x, params["final_norm"], config)
     head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
     if is_packed(head):
-        return qdot(x, head, jnp.float32)
-    if config.tie_word_embeddings:
-        return jnp.einsum("ld,vd->lv", x, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("ld,dv->lv", x, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = qdot(x, head, jnp.float32)
+    elif config.tie_word_embeddings:
+        logits = jnp.einsum("ld,vd->lv", x, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("ld,dv->lv", x, params["lm_head"], preferred_element_type=jnp.float32)
+    cap = config.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
-def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
-    """Rows of the embedding table (plain or packed) in the activations' dtype (the norms')."""
-    return take_rows(params["embed"], token_ids).astype(params["final_norm"].dtype)
+def embed_tokens(params: Params, token_ids: jax.Array, config: ModelConfig) -> jax.Array:
+    """Rows of the embedding table (plain or packed) in the activations' dtype (the norms'),
+    times sqrt(hidden_size) in that dtype where `config.scale_embeddings` (Gemma) -> [T, D]."""
+    x = take_rows(params["embed"], token_ids).astype(params["final_norm"].dtype)
+    if config.scale_embeddings:
+        x = x * jnp.asarray(config.hidden_size**0.5, x.dtype)
+    return x
 
 
 def forward(
@@ -185,8 +262,8 @@ def forward(
     parallel step (llmjax/parallel/pipeline.py) runs the same pieces split over stages.
     `num_layers`: run only the first that many layers, then the final norm and the LM head (an
     early exit, speculative decoding's draft; the other layers' KV pages are untouched)."""
-    x = embed_tokens(params, step.token_ids)  # [T, D]
-    cos, sin = rope_cos_sin(step.positions, config)  # [T, H/2]
+    x = embed_tokens(params, step.token_ids, config)  # [T, D]
+    cos, sin = rope_cos_sin(step.positions, config)  # [R, T, H/2]
     if layers_stacked(params):
         with jax.named_scope("layers"):
             x, new_kv_pages = scan_layers(
@@ -194,9 +271,12 @@ def forward(
             )
     else:
         new_kv_pages = list(kv_pages)
+        kinds = config.layer_kind_ids
         for i, layer in enumerate(params["layers"][:num_layers]):
             with jax.named_scope(f"layer_{i}"):
-                x, kv = decoder_layer(layer, x, kv_pages[i], step, cos, sin, config, attention_fn)
+                x, kv = decoder_layer(
+                    layer, x, kv_pages[i], step, cos, sin, config, attention_fn, kinds[i]
+                )
                 new_kv_pages[i] = kv
     with jax.named_scope("lm_head"):
         logits = lm_head(params, x[step.logits_indices], config)  # [L, V]

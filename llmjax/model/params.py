@@ -11,7 +11,9 @@ Tree layout (L layers; letters as in `llama.py`'s legend):
     {"embed": [V, D],
      "layers": [ {"attn_norm": [D], "wq": [D, N, H], "wk": [D, K, H], "wv": [D, K, H],
                   ("bq": [N, H], "bk": [K, H], "bv": [K, H]  -- with attention_bias)
-                  "wo": [N, H, D], "mlp_norm": [D],
+                  ("q_norm": [H], "k_norm": [H]              -- with qk_norm)
+                  "wo": [N, H, D], ("attn_post_norm": [D]    -- with post_norms)
+                  "mlp_norm": [D], ("mlp_post_norm": [D]     -- with post_norms)
                   "w_gate": [D, F], "w_up": [D, F], "w_down": [F, D]}  x L ],
      "final_norm": [D],
      ("lm_head": [D, V]  -- only with untied embeddings)}
@@ -76,18 +78,27 @@ def param_specs(config: ModelConfig, stacked: bool = False) -> Params:
     D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
 
+    # Gemma's norms scale by (1 + w): their neutral weight is 0, Llama's 1.
+    norm_init = "zeros" if config.norm_plus_one else "ones"
+
     def layer() -> dict[str, ParamSpec]:
         spec = {
-            "attn_norm": ParamSpec((D,), ("embed",), "ones"),
+            "attn_norm": ParamSpec((D,), ("embed",), norm_init),
             "wq": ParamSpec((D, N, H), ("embed", "q_heads", "head_dim"), fan_in=D),
             "wk": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), fan_in=D),
             "wv": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), fan_in=D),
             "wo": ParamSpec((N, H, D), ("q_heads", "head_dim", "embed"), fan_in=N * H),
-            "mlp_norm": ParamSpec((D,), ("embed",), "ones"),
+            "mlp_norm": ParamSpec((D,), ("embed",), norm_init),
             "w_gate": ParamSpec((D, F), ("embed", "mlp"), fan_in=D),
             "w_up": ParamSpec((D, F), ("embed", "mlp"), fan_in=D),
             "w_down": ParamSpec((F, D), ("mlp", "embed"), fan_in=F),
         }
+        if config.qk_norm:
+            spec["q_norm"] = ParamSpec((H,), ("head_dim",), norm_init)
+            spec["k_norm"] = ParamSpec((H,), ("head_dim",), norm_init)
+        if config.post_norms:
+            spec["attn_post_norm"] = ParamSpec((D,), ("embed",), norm_init)
+            spec["mlp_post_norm"] = ParamSpec((D,), ("embed",), norm_init)
         if config.attention_bias:
             spec["bq"] = ParamSpec((N, H), ("q_heads", "head_dim"), "zeros")
             spec["bk"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros")
@@ -107,7 +118,7 @@ def param_specs(config: ModelConfig, stacked: bool = False) -> Params:
     specs: Params = {
         "embed": ParamSpec((V, D), ("vocab", "embed"), fan_in=1),
         "layers": layers,
-        "final_norm": ParamSpec((D,), ("embed",), "ones"),
+        "final_norm": ParamSpec((D,), ("embed",), norm_init),
     }
     if not config.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), fan_in=D)

@@ -27,6 +27,7 @@ rescales a float parameter tree; `smoothquant` does both. The result is the same
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import numpy as np
@@ -77,7 +78,8 @@ def _recording_linear(record):
 
 def collect_input_absmax(params, config: ModelConfig, token_ids, page_size: int = 16):
     """One prefill of `token_ids` through the model's own layers (`decoder_layer`, reference
-    attention; one layer jitted, run for each layer in turn: one compile, whatever the depth)
+    attention; one layer jitted, run for each layer in turn: one compile per attention kind,
+    whatever the depth)
     -> per layer {'attn': [D], 'o': [N*H], 'mlp': [D], 'down': [F]}: each matmul input's largest
     magnitude per channel over the tokens (float32 numpy)."""
     import jax
@@ -96,8 +98,8 @@ def collect_input_absmax(params, config: ModelConfig, token_ids, page_size: int 
         raise ValueError("calibration needs at least one token")
     step, _ = contiguous_prefill([list(token_ids)], n, page_size)
 
-    @jax.jit
-    def one_layer(layer, x, kv, step, cos, sin):
+    @functools.partial(jax.jit, static_argnames="kind")
+    def one_layer(layer, x, kv, step, cos, sin, kind):
         names = {id(layer[name]): what for name, what in _READERS.items()}
         stats = {}
 
@@ -108,16 +110,16 @@ def collect_input_absmax(params, config: ModelConfig, token_ids, page_size: int 
                 stats[what] = jnp.max(x, axis=0)
 
         with _recording_linear(record):
-            x, _ = decoder_layer(layer, x, kv, step, cos, sin, config, reference_attention)
+            x, _ = decoder_layer(layer, x, kv, step, cos, sin, config, reference_attention, kind)
         return x, stats
 
     dtype = params["final_norm"].dtype
     kv = allocate_kv_pages(config, -(-n // page_size) + 1, page_size, dtype)[0]
-    x = embed_tokens(params, step.token_ids)
+    x = embed_tokens(params, step.token_ids, config)
     cos, sin = rope_cos_sin(step.positions, config)
     out = []
     for i, layer in enumerate(params["layers"]):
-        x, stats = one_layer(layer, x, kv, step, cos, sin)
+        x, stats = one_layer(layer, x, kv, step, cos, sin, config.layer_kind_ids[i])
         missing = [w for w in INPUTS if w not in stats]
         if missing:
             raise ValueError(f"calibration did not see layer {i}'s matmul inputs {missing}")

@@ -17,8 +17,9 @@ Layout. Stage s holds layers `stage_layers(L, pp)[s]` (np.array_split: the first
 one more). Weights live per *slot*: slot j stacks layer j of every stage, [pp, ...] sharded over
 'pp' (each device group holds only its own layers) and over 'tp' as the rules table says; a
 shorter stage's missing slot is a zero layer, which is exactly the identity (its norms, wo and
-w_down are zero: x + 0 + 0), so uneven splits (SmolLM2's 30 layers over 4 stages: 8, 8, 7, 7)
-cost one idle layer's compute on the short stages. KV pages per slot: [pp, num_pages, G, K, H].
+w_down are zero: x + 0 + 0, post-norms or not), so uneven splits (SmolLM2's 30 layers over 4
+stages: 8, 8, 7, 7) cost one idle layer's compute on the short stages. KV pages per slot:
+[pp, num_pages, G, K, H].
 With the scanned layer loop (EngineConfig.layer_loop, the default) the slots are stacked as well:
 each weight [pp, num_slots, ...] and the KV pages [pp, num_slots * num_pages, G, K, H], and a stage
 scans over its slots (llmjax/model/llama.py `scan_layers`), so a tick compiles one layer whatever
@@ -43,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from llmjax.config import ModelConfig
 from llmjax.model.kv_cache import kv_page_shape
 from llmjax.model.layers import rope_cos_sin
-from llmjax.model.llama import decoder_layer, lm_head, scan_layers
+from llmjax.model.llama import decoder_layer, embed_tokens, lm_head, scan_layers
 from llmjax.model.params import param_specs
 from llmjax.model.sampler import sample
 from llmjax.model.step_input import StepInput
@@ -145,35 +146,47 @@ def allocate_pp_kv_pages(
 def make_tick(config: ModelConfig, attention_fn, mesh: Mesh, num_slots: int):
     """The pipeline tick (see the module doc) for the device model `config`."""
     pp = mesh.shape["pp"]
+    # The per-layer table split like the layers: slot j of stage s is layer stage_layers[s][j]
+    # (a missing slot, the identity, takes kind 0), [pp, num_slots].
+    ids = config.layer_kind_ids
+    slot_kinds = np.array(
+        [
+            [ids[layers[j]] if j < len(layers) else 0 for j in range(num_slots)]
+            for layers in stage_layers(config.num_layers, pp)
+        ],
+        np.int32,
+    )
 
-    def run_stage(slots, kv, h, meta):
+    def run_stage(slots, kv, h, meta, kinds):
         """One stage (inside shard_map, manual over 'pp': every leaf has a leading 1)."""
-        slots, kv, meta = (jax.tree.map(lambda a: a[0], t) for t in (slots, kv, meta))
+        slots, kv, meta, kinds = (jax.tree.map(lambda a: a[0], t) for t in (slots, kv, meta, kinds))
         x = h[0]  # [T, D]
         cos, sin = rope_cos_sin(meta.positions, config)
         if isinstance(slots, dict):  # stacked: scan over the stage's slots
-            x, kv = scan_layers(slots, kv, x, meta, cos, sin, config, attention_fn)
+            x, kv = scan_layers(slots, kv, x, meta, cos, sin, config, attention_fn, None, kinds)
             return x[None], jax.tree.map(lambda a: a[None], kv)
         new_kv = []
         for j in range(num_slots):
             with jax.named_scope(f"slot_{j}"):
-                x, kv_j = decoder_layer(slots[j], x, kv[j], meta, cos, sin, config, attention_fn)
+                x, kv_j = decoder_layer(
+                    slots[j], x, kv[j], meta, cos, sin, config, attention_fn, kinds[j]
+                )
             new_kv.append(kv_j)
         return x[None], jax.tree.map(lambda a: a[None], new_kv)
 
     stage_fn = jax.shard_map(
         run_stage,
         mesh=mesh,
-        in_specs=(P("pp"), P("pp"), P("pp"), P("pp")),
+        in_specs=(P("pp"), P("pp"), P("pp"), P("pp"), P("pp")),
         out_specs=(P("pp"), P("pp")),
         axis_names=frozenset({"pp"}),
         check_vma=False,
     )
 
     def tick(params, kv, h, metas: StepInput, sampling):
-        x0 = params["embed"][metas.token_ids[0]]  # the entering micro-batch, [T, D]
-        h = h.at[0].set(x0.astype(h.dtype))
-        h, kv = stage_fn(params["stages"], kv, h, metas)
+        x0 = embed_tokens(params, metas.token_ids[0], config)  # the entering micro-batch
+        h = h.at[0].set(x0.astype(h.dtype))  # [T, D]
+        h, kv = stage_fn(params["stages"], kv, h, metas, jnp.asarray(slot_kinds))
         last = h[pp - 1][metas.logits_indices[pp - 1]]  # the exiting micro-batch's rows
         next_ids = sample(lm_head(params, last, config), *sampling)
         return next_ids, jnp.roll(h, 1, axis=0), kv

@@ -111,12 +111,10 @@ def collect_qk(params, config: ModelConfig, token_ids, page_size: int = 16):
     def run(params, kv, step):
         queries, keys = [], []
 
-        def recording(q, k_pages, v_pages, step, *, sm_scale, sliding_window=None, new_kv=None):
+        def recording(q, k_pages, v_pages, step, *, new_kv=None, **kw):
             queries.append(q.astype(np.float32))
             keys.append(new_kv[0].astype(np.float32))
-            return reference_attention(
-                q, k_pages, v_pages, step, sm_scale=sm_scale, sliding_window=sliding_window
-            )
+            return reference_attention(q, k_pages, v_pages, step, **kw)
 
         forward(params, kv, step, config, recording)
         return queries, keys

@@ -222,8 +222,8 @@ def trace_prefill(params, config, token_ids, page_size: int = 16) -> PrefillTrac
 
     from llmjax.model.attention import reference_attention
     from llmjax.model.kv_cache import allocate_kv_pages
-    from llmjax.model.layers import rms_norm, rope_cos_sin
-    from llmjax.model.llama import decoder_layer
+    from llmjax.model.layers import norm, rope_cos_sin
+    from llmjax.model.llama import decoder_layer, embed_tokens
     from llmjax.model.params import unstack_layers
     from llmjax.model.step_input import contiguous_prefill
 
@@ -232,20 +232,19 @@ def trace_prefill(params, config, token_ids, page_size: int = 16) -> PrefillTrac
     step, _ = contiguous_prefill([list(token_ids)], n, page_size)
 
     def run(params, kv, step):
-        x = params["embed"][step.token_ids]
+        x = embed_tokens(params, step.token_ids, config)
         cos, sin = rope_cos_sin(step.positions, config)
+        kinds = config.layer_kind_ids
         inputs, queries, keys = [], [], []
 
-        def recording(q, k_pages, v_pages, step, *, sm_scale, sliding_window=None, new_kv=None):
+        def recording(q, k_pages, v_pages, step, *, new_kv=None, **kw):
             queries.append(q.astype(np.float32))
             keys.append(new_kv[0].astype(np.float32))
-            return reference_attention(
-                q, k_pages, v_pages, step, sm_scale=sm_scale, sliding_window=sliding_window
-            )
+            return reference_attention(q, k_pages, v_pages, step, **kw)
 
-        for layer, layer_kv in zip(params["layers"], kv, strict=True):
-            inputs.append(rms_norm(x, layer["attn_norm"], config.rms_norm_eps).astype(np.float32))
-            x, _ = decoder_layer(layer, x, layer_kv, step, cos, sin, config, recording)
+        for i, (layer, layer_kv) in enumerate(zip(params["layers"], kv, strict=True)):
+            inputs.append(norm(x, layer["attn_norm"], config).astype(np.float32))
+            x, _ = decoder_layer(layer, x, layer_kv, step, cos, sin, config, recording, kinds[i])
         return inputs, queries, keys
 
     dtype = params["final_norm"].dtype  # the activations' (weights may be packed)

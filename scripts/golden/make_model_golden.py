@@ -7,6 +7,7 @@ imports. Run it with its own Python 3.11 venv, from the repository root:
     /tmp/hfenv/bin/pip install torch==2.13.0 transformers==5.24.0 accelerate safetensors gguf numpy
     /tmp/hfenv/bin/python scripts/golden/make_model_golden.py            # everything
     /tmp/hfenv/bin/python scripts/golden/make_model_golden.py --only tiny  # tiny checkpoints only
+    /tmp/hfenv/bin/python scripts/golden/make_model_golden.py --only tiny --tiny qwen3,gemma2
 
 It writes, under tests/testdata/ (see --out):
 
@@ -45,12 +46,18 @@ import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -114,6 +121,54 @@ TINY_SPECS = {
     ),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}, [24, 15, 8], 3, {}),
     "mistral": (MistralForCausalLM, MistralConfig, dict(sliding_window=16), [48, 33, 20], 4, {}),
+    # Query/key norms; head_dim 32 apart from hidden_size / num_heads = 16.
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=32), [24, 15, 8], 5, {}),
+    # Alternating local (window 8) and global layers, both soft caps, GeGLU, (1 + w) norms, post
+    # norms, scaled embeddings, query_pre_attn_scalar 24 (not head_dim 32), tied embeddings.
+    "gemma2": (
+        Gemma2ForCausalLM,
+        Gemma2Config,
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            intermediate_size=96,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=8.0,
+            tie_word_embeddings=True,
+        ),
+        [40, 27, 13],
+        6,
+        {},
+    ),
+    # Gemma 3's local:global layers (here 2:1 then a local one), local RoPE base 1000 against a
+    # global base 100000 with linear scaling x4, query/key norms, no soft caps, untied.
+    "gemma3": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            intermediate_size=96,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+            tie_word_embeddings=False,
+        ),
+        [40, 27, 13],
+        8,
+        {},
+    ),
     # Same seed/config/inputs as "llama": identical weights and goldens, only the files differ.
     "llama_sharded": (
         LlamaForCausalLM,
@@ -170,7 +225,9 @@ def _randomize_(model, seed: int) -> None:
     """Make norm weights ~1 + 0.1*N(0,1) and biases 0.1*N(0,1) (HF init sets them to 1 / 0)."""
     gen = torch.Generator().manual_seed(seed + 1000)
     for name, p in model.named_parameters():
-        if "norm" in name:
+        if "norm" in name and not p.data.any():  # Gemma's norms store w of (1 + w), init 0
+            p.data.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        elif "norm" in name:
             p.data.mul_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
         elif name.endswith(".bias"):
             p.data.copy_(0.1 * torch.randn(p.shape, generator=gen))
@@ -195,24 +252,41 @@ def _build_tiny(name: str):
 
 def _check_feature_matters(name: str, model, ids, logits: np.ndarray) -> None:
     """Check that the sliding window / llama3 rope scaling actually change these goldens."""
-    if name == "mistral":
-        off = {"sliding_window": None}
-    elif name == "llama3_rope":
-        off = {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
-    else:
-        return
-    d = model.config.to_dict()
-    d.pop("rope_scaling", None)
-    cfg = type(model.config).from_dict({**d, **off})
-    plain = type(model)._from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
-    plain.load_state_dict(model.state_dict())
-    diff = np.abs(_logits(plain, ids) - logits).max(-1)
-    if name == "mistral":  # position p sees keys p-15..p: identical until p = 16
-        w = model.config.sliding_window
-        assert diff[:w].max() == 0 and diff[w:].min() > 1e-3, diff
-    else:
-        assert diff[1:].min() > 1e-4, diff
-    print(f"{name}: turning {sorted(off)} off changes the logits by up to {diff.max():.3f}")
+    n = model.config.num_hidden_layers
+    offs = {
+        "mistral": [{"sliding_window": None}],
+        "llama3_rope": [
+            {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+        ],
+        "gemma2": [
+            {"layer_types": ["full_attention"] * n},
+            {"attn_logit_softcapping": None},
+            {"final_logit_softcapping": None},
+        ],
+        "gemma3": [
+            {"sliding_window": 1000},
+            {"rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100000.0},
+            }},
+        ],
+    }.get(name, [])  # fmt: skip
+    for off in offs:
+        d = model.config.to_dict()
+        d.pop("rope_scaling", None)
+        cfg = type(model.config).from_dict({**d, **off})
+        plain = type(model)._from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+        plain.eval().load_state_dict(model.state_dict())
+        diff = np.abs(_logits(plain, ids) - logits).max(-1)
+        if "sliding_window" in off or "layer_types" in off:
+            # position p sees keys p-w+1..p: identical until p = w
+            w = model.config.sliding_window
+            assert diff[:w].max() < 1e-6 and diff[w:].min() > 1e-3, diff
+        elif "rope_parameters" in off and name == "gemma3":
+            assert diff[1:].max() > 1e-3, diff
+        else:
+            assert diff[1:].min() > 1e-4, diff
+        print(f"{name}: turning {sorted(off)} off changes the logits by up to {diff.max():.3f}")
 
 
 def make_tiny(out_dir: Path, name: str) -> None:
@@ -419,11 +493,12 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     ap.add_argument("--only", choices=["all", "tiny", "smollm2"], default="all")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tiny", default="", help="comma-separated tiny checkpoints (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.only in ("all", "tiny"):
-        for name in TINY_SPECS:
+        for name in args.tiny.split(",") if args.tiny else TINY_SPECS:
             make_tiny(args.out, name)
     if args.only in ("all", "smollm2"):
         make_smollm2_golden(args.out, args.gguf)
