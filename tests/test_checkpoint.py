@@ -20,6 +20,7 @@ from llmjax.checkpoint.gguf import unpermute_rope_rows
 from llmjax.config import ModelConfig
 from llmjax.model.params import init_params
 from tests.conftest import TESTDATA
+from tests.helpers import full_logits
 
 HF_TINY = os.path.join(TESTDATA, "hf_tiny")
 
@@ -39,6 +40,16 @@ SHAPE_FIELDS = (
     "rope_theta",
     "rope_scaling",
     "sliding_window",
+    "qk_norm",
+    "norm_plus_one",
+    "post_norms",
+    "scale_embeddings",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "hidden_act",
+    "layer_types",
+    "rope_local_base_freq",
 )
 
 
@@ -128,34 +139,16 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-# HF per-layer suffix -> GGUF per-block suffix (llama.cpp's tensor names).
-GGUF_BLOCK = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-GGUF_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+def gguf_name(hf: str, arch: str = "llama") -> str:
+    """llama.cpp's name for HF tensor `hf` in an `arch` file, from gguf-py's own table (the one
+    llama.cpp's converter uses)."""
+    import gguf
 
-
-def gguf_name(hf: str) -> str:
-    if hf in GGUF_GLOBAL:
-        return GGUF_GLOBAL[hf]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
-    assert m, hf
-    return f"blk.{m[1]}.{GGUF_BLOCK[m[2]]}"
+    arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    name_map = gguf.get_tensor_name_map(arch_enum, 64)
+    name = name_map.get_name(hf, try_suffixes=(".weight", ".bias"))
+    assert name is not None, hf
+    return name
 
 
 def write_gguf(
@@ -176,9 +169,12 @@ def write_gguf(
 
     with open(os.path.join(hf_dir(name), "config.json")) as f:
         hf = json.load(f)
-    arch = arch or hf["model_type"]
+    family = {"gemma3_text": "gemma3"}.get(hf["model_type"], hf["model_type"])
+    arch = arch or family
     n_head, n_kv = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
+    rope = hf["rope_parameters"]
+    rope_global = rope.get("full_attention", rope)
     path = os.fspath(path)
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"tiny-{name}")
@@ -188,28 +184,47 @@ def write_gguf(
     w.add_feed_forward_length(hf["intermediate_size"])
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
-    w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    w.add_rope_freq_base(rope_global["rope_theta"])
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(hf["vocab_size"])
     w.add_bos_token_id(hf["bos_token_id"])
     w.add_eos_token_id(hf["eos_token_id"])
+    if rope_global.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_global["factor"])
+    gemma = family in ("gemma2", "gemma3")
+    if gemma:  # as llama.cpp's Gemma2Model / Gemma3Model write them
+        w.add_sliding_window(hf["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in hf["layer_types"]])
+        if hf.get("attn_logit_softcapping"):
+            w.add_attn_logit_softcapping(hf["attn_logit_softcapping"])
+        if hf.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(hf["final_logit_softcapping"])
+        if hf["query_pre_attn_scalar"] != head_dim:  # llama.cpp's default for these shapes
+            w.add_attention_scale(hf["query_pre_attn_scalar"] ** -0.5)
+        if "sliding_attention" in rope:
+            w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     for hf_name, t in read_hf_tensors(hf_dir(name)).items():
         if hf_name == drop:
             continue
         t = np.asarray(t, np.float32)
-        if ".q_proj." in hf_name:
+        if family == "llama" and ".q_proj." in hf_name:  # only llama's rows are permuted
             t = llama_cpp_permute(t, n_head)
-        elif ".k_proj." in hf_name:
+        elif family == "llama" and ".k_proj." in hf_name:
             t = llama_cpp_permute(t, n_kv)
+        if gemma and hf_name.endswith("norm.weight"):
+            t = t + 1.0  # llama.cpp stores Gemma's norms as 1 + w
         if t.ndim == 2 and quant is not None:
             qtype = gguf.GGMLQuantizationType["Q8_0" if "embed" in hf_name else quant]
             data = gguf.quants.quantize(np.ascontiguousarray(t), qtype)
-            w.add_tensor(gguf_name(hf_name), data, raw_dtype=qtype)
+            w.add_tensor(gguf_name(hf_name, family), data, raw_dtype=qtype)
             continue
         if t.ndim == 2:
             t = t.astype(dtype)
-        w.add_tensor(gguf_name(hf_name), np.ascontiguousarray(t))
+        w.add_tensor(gguf_name(hf_name, family), np.ascontiguousarray(t))
     for gguf_tensor, t in (extra_tensors or {}).items():
         w.add_tensor(gguf_tensor, np.ascontiguousarray(t))
     w.write_header_to_file()
@@ -244,7 +259,7 @@ def test_unpermute_rope_rows_layout():
     np.testing.assert_array_equal(unpermute_rope_rows(w, 1), [0, 1, 2, 3])
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied", "qwen3", "gemma2", "gemma3"])
 def test_gguf_matches_hf(name, tmp_path):
     path = write_gguf(tmp_path / f"{name}.gguf", name)
     hf_config, hf_params = load_hf(hf_dir(name))
@@ -253,14 +268,28 @@ def test_gguf_matches_hf(name, tmp_path):
     assert config.name == f"tiny-{name}"
     assert config.bos_token_id == hf_config.bos_token_id
     assert config.eos_token_ids == hf_config.eos_token_ids
+    if config.norm_plus_one:  # Gemma's norms went through 1 + w in float32 and back
+        chex.assert_trees_all_close(params, hf_params, atol=2e-7, rtol=0)
+        params = hf_params
     assert_same_params(params, hf_params)
     if name == "qwen2":
         assert config.attention_bias and "bq" in params["layers"][0]
+    if name in ("qwen3", "gemma2", "gemma3"):  # the file's logits are HF's
+        golden = np.load(os.path.join(hf_dir(name), "golden.npz"))
+        n = golden["lengths"][0]
+        _, gguf_params = load_gguf(path)
+        got = full_logits(gguf_params, config, golden["input_ids"][0][:n].tolist(), page_size=8)
+        want = golden["logits"][0][:n]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
     # Through the dispatcher too, and in another dtype.
     config2, params2, kind = load_model(path, np.float16)
     assert kind == "gguf" and config2 == config
-    assert_same_params(params2, jax.tree.map(lambda x: x.astype(np.float16), hf_params))
+    want16 = jax.tree.map(lambda x: x.astype(np.float16), hf_params)
+    if config.norm_plus_one:  # 1 + w - 1 rounds differently once in float16
+        chex.assert_trees_all_close(params2, want16, atol=1e-3, rtol=0)
+    else:
+        assert_same_params(params2, want16)
 
 
 def llama_cpp_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
@@ -286,7 +315,6 @@ def test_gguf_rope_freqs_give_the_hf_llama3_scaling(tmp_path):
     as RopeScaling('freq_factors'), the frequencies and the model's logits (on positions past
     original_max_position_embeddings, 32 here, where the scaling acts) equal the HF checkpoint's."""
     from llmjax.model.layers import rope_inv_freq
-    from tests.helpers import full_logits
 
     with open(os.path.join(hf_dir("llama3_rope"), "config.json")) as f:
         hf = json.load(f)

@@ -26,6 +26,9 @@ HF_TINY = os.path.join(TESTDATA, "hf_tiny")
 
 TINY_CONFIGS = {
     "llama": configs.TINY,
+    "qwen3": configs.TINY_QWEN3,
+    "gemma2": configs.TINY_GEMMA2,
+    "gemma3": configs.TINY_GEMMA3,
     "llama_tied_mqa": configs.TINY_GQA1,
     "llama3_rope": configs.TINY.replace(
         rope_scaling=RopeScaling(
@@ -109,7 +112,9 @@ def test_stacked_jax_params_and_bfloat16(tmp_path):
     _assert_same_tree(got, rounded)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "llama3_rope", "qwen2", "mistral"])
+@pytest.mark.parametrize(
+    "name", ["llama", "llama_tied", "llama3_rope", "qwen2", "mistral", "qwen3", "gemma2", "gemma3"]
+)
 def test_hf_checkpoints_come_back_byte_for_byte(name, tmp_path):
     """transformers-written checkpoints, loaded and exported again: the same tensor names,
     shapes, dtypes and bytes (so the layouts are HF's), and a config that reads back equal."""

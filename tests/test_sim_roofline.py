@@ -35,6 +35,10 @@ PUBLISHED_PARAMS = {
     "opt-66b": 65_706_000_000,
     "opt-175b": 175_000_000_000,
     "falcon-180b": 179_500_000_000,
+    "qwen3-8b": 8_200_000_000,  # model card: 8.2B
+    "qwen3-32b": 32_800_000_000,  # model card: 32.8B
+    # The text decoder (the 27.4B checkpoint adds the ~0.4B SigLIP vision encoder).
+    "gemma3-27b": 27_000_000_000,
 }
 
 

@@ -5,8 +5,19 @@ interleaving); our model, like HF, rotates the two halves of each head. `unpermu
 undoes it: per head, rows are stored as [pair0.a, pair0.b, pair1.a, ...] and HF wants
 [pair0.a, pair1.a, ..., pair0.b, pair1.b, ...].
 
+Only the `llama` architecture's files are permuted (llama.cpp rotates them GPT-J style); Qwen2,
+Qwen3 and Gemma use NEOX rotation, which is HF's, and are stored as HF has them.
+
 Llama 3.1+ files carry no llama3 rope parameters but a `rope_freqs` tensor: llama.cpp's divisor
 per rotary frequency, computed from them. It becomes `RopeScaling(rope_type="freq_factors")`.
+
+Gemma (`gemma2`, `gemma3`): llama.cpp's converter stores every norm weight as 1 + w (Gemma's
+RMSNorm scales by 1 + w; llama.cpp's by the weight): the loader subtracts the 1. The score scale
+is `{arch}.attention.scale` where the file has it, else llama.cpp's rule (query_pre_attn_scalar
+= hidden_size / num_heads for the 27B shapes, head_dim otherwise); the sliding layers follow
+`{arch}.attention.sliding_window_pattern` (every n-th layer global, or a per-layer flag), else
+llama.cpp's fixed patterns (every 2nd for Gemma 2, every 6th for Gemma 3), and Gemma 3's local
+RoPE base is `{arch}.rope.freq_base_swa`, else 10000.
 """
 
 from __future__ import annotations
@@ -15,10 +26,22 @@ import os
 
 import numpy as np
 
-from llmjax.config import ModelConfig, RopeScaling
+from llmjax.config import FAMILY_TRAITS, ModelConfig, RopeScaling
 from llmjax.model.params import Params
 
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+}
+_GEMMA = ("gemma2", "gemma3")
+# llama.cpp's defaults for Gemma files without the keys: the global-layer period, soft caps,
+# the 27B shapes' layer counts (their scores are scaled by hidden_size / num_heads).
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_SOFTCAPS = {"gemma2": (50.0, 30.0), "gemma3": (None, None)}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # GGUF tensor name (per block: blk.{i}.X) -> HF name (per layer: model.layers.{i}.Y)
 _BLOCK_NAMES = {
@@ -34,6 +57,16 @@ _BLOCK_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma's norms around the attention and the MLP (llama.cpp's ffn_norm is the MLP's pre-norm in
+# both; HF calls it post_attention_layernorm in Llama, pre_feedforward_layernorm in Gemma).
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -127,17 +160,61 @@ def model_config_from_gguf(reader_or_path) -> ModelConfig:
         vocab_size = len(tokens.data)
     num_heads = need("attention.head_count")
     hidden = need("embedding_length")
+    num_layers = int(need("block_count"))
+    head_dim = _field(reader, f"{arch}.attention.key_length")
+    head_dim = head_dim or _field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = RopeScaling("linear", float(need("rope.scaling.factor")))
+    elif scaling_type not in (None, "none") and rope_scaling is None:
+        raise ValueError(f"{source}: unsupported {arch}.rope.scaling.type={scaling_type!r}")
+    extra = {}
+    if arch in _GEMMA:
+        scale = _field(reader, f"{arch}.attention.scale")
+        if scale is not None:
+            query_pre_attn_scalar = float(f"{float(scale) ** -2:.6g}")  # the file's is float32
+        elif num_layers == _GEMMA_27B_LAYERS[arch]:
+            query_pre_attn_scalar = hidden / num_heads
+        else:
+            query_pre_attn_scalar = float(head_dim)
+        window = _field(reader, f"{arch}.attention.sliding_window")
+        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA_PATTERN[arch])
+        if isinstance(pattern, list):  # llama.cpp's per-layer flags: True = sliding
+            sliding = [bool(f) for f in pattern]
+        else:
+            sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+        caps = _GEMMA_SOFTCAPS[arch]
+        extra = dict(
+            hidden_act="gelu_pytorch_tanh",
+            query_pre_attn_scalar=query_pre_attn_scalar,
+            sliding_window=None if window is None else int(window),
+            layer_types=None
+            if window is None
+            else tuple("sliding_attention" if f else "full_attention" for f in sliding),
+            attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping", caps[0]),
+            final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping", caps[1]),
+        )
+        if arch == "gemma3":
+            extra["rope_local_base_freq"] = float(
+                _field(reader, f"{arch}.rope.freq_base_swa", 10000.0)
+            )
+    # The family's fixed traits; Q/K/V biases are read off the tensors.
+    traits = {
+        k: v for k, v in FAMILY_TRAITS[GGUF_ARCHITECTURES[arch]].items() if k != "attention_bias"
+    }
     return ModelConfig(
+        **extra,
+        **traits,
         name=_field(reader, "general.name", "") or "",
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab_size),
         hidden_size=int(hidden),
         intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        num_layers=num_layers,
         num_heads=int(num_heads),
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
+        head_dim=int(head_dim),
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
@@ -156,13 +233,15 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """llama.cpp's tensor name in an `arch` file -> HF's (None: a tensor llmjax does not read)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_BLOCK_NAMES if arch in _GEMMA else _BLOCK_NAMES
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
-        if rest in _BLOCK_NAMES:
-            return f"model.layers.{idx}.{_BLOCK_NAMES[rest]}"
+        if rest in names:
+            return f"model.layers.{idx}.{names[rest]}"
     return None
 
 
@@ -211,9 +290,11 @@ def load_gguf(
 
     reader, path = _reader_and_name(reader_or_path)
     config = model_config_from_gguf(reader)
+    arch = _field(reader, "general.architecture")
+    permuted = arch == "llama"  # llama.cpp's GPT-J-style Q/K rows (see the module doc)
     by_hf_name = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is not None:
             by_hf_name[name] = t
 
@@ -226,10 +307,12 @@ def load_gguf(
             w = np.asarray(w, np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
         except Exception as e:
             raise ValueError(f"{path}: cannot read GGUF tensor {t.name!r}: {e}") from e
-        if ".q_proj." in name:
+        if permuted and ".q_proj." in name:
             w = unpermute_rope_rows(w, config.num_heads)
-        elif ".k_proj." in name:
+        elif permuted and ".k_proj." in name:
             w = unpermute_rope_rows(w, config.num_kv_heads)
+        if arch in _GEMMA and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's norms as 1 + w
         return w
 
     if not quantized:
@@ -238,7 +321,7 @@ def load_gguf(
         raise ValueError("quantized GGUF weights load whole (not one shard at a time)")
     params = params_from_hf_tensors(config, get, path, dtype, lazy=True)
     specs = param_specs(config)
-    heads = {"wq": config.num_heads, "wk": config.num_kv_heads}
+    heads = {"wq": config.num_heads, "wk": config.num_kv_heads} if permuted else {}
 
     def packed_or(thunk, hf, shape, in_ndim, out_first=False, num_heads=None):
         t = by_hf_name.get(hf)

@@ -201,6 +201,9 @@ HF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 
@@ -280,6 +283,17 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict:
         )
     if config.architecture == "qwen2" and not config.attention_bias:
         raise ValueError("HF's Qwen2 always has Q/K/V biases; this config has none")
+    from llmjax.config import FAMILY_TRAITS
+
+    differ = {
+        k: getattr(config, k)
+        for k, v in FAMILY_TRAITS[config.architecture].items()
+        if getattr(config, k) != v and k != "attention_bias"
+    }
+    if differ:
+        raise ValueError(
+            f"HF's {config.architecture} class fixes what this config changes: {differ}"
+        )
     hf_class, model_type = HF_ARCHITECTURES[config.architecture]
     eos = list(config.eos_token_ids)
     out = {
@@ -293,7 +307,7 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict:
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": config.hidden_act,
         "max_position_embeddings": config.max_position_embeddings,
         "rope_theta": config.rope_theta,
         "rope_scaling": _hf_rope_scaling(config),
@@ -307,9 +321,24 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict:
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    if config.architecture in ("gemma2", "gemma3"):
+        out |= {
+            "hidden_activation": config.hidden_act,
+            "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
+            "attn_logit_softcapping": config.attn_logit_softcapping,
+            "final_logit_softcapping": config.final_logit_softcapping,
+            "sliding_window": config.sliding_window,
+            "layer_types": [config.layer_type(i) for i in range(config.num_layers)],
+        }
+        if config.architecture == "gemma3":
+            out["rope_local_base_freq"] = config.rope_local_base_freq or config.rope_theta
+    elif config.query_pre_attn_scalar or config.attn_logit_softcapping or config.layer_types:
+        raise ValueError(f"HF's {config.architecture} config has no Gemma fields: use gemma2/3")
+    elif config.final_logit_softcapping or config.hidden_act != "silu":
+        raise ValueError(f"HF's {config.architecture} config has no final soft cap or GeGLU")
     if config.architecture == "mistral":
         out["sliding_window"] = config.sliding_window
-    if config.architecture == "qwen2":
+    if config.architecture in ("qwen2", "qwen3"):
         out["use_sliding_window"] = config.sliding_window is not None
         out["sliding_window"] = config.sliding_window
         out["max_window_layers"] = config.num_layers

@@ -39,7 +39,8 @@ from llmjax.sim.cost import StepFeatures
 from llmjax.sim.hardware import Hardware, get_hardware
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-GATED_MLP = ("llama", "mistral", "qwen2")  # SwiGLU: gate, up and down; OPT and Falcon: up, down
+# SwiGLU / GeGLU: gate, up and down; OPT and Falcon: up, down
+GATED_MLP = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
 
 def mlp_matrices(model: ModelConfig) -> int:

@@ -64,19 +64,24 @@ def export_for_cuda(fn, args, custom_call: str = TRITON_CALL) -> jax.export.Expo
     return exported
 
 
-def mixed_steps_logits(attention_fn, a: list[int], b: list[int]) -> np.ndarray:
-    """The bfloat16 tiny-h64 model's logits (every row) over two mixed steps with `attention_fn`:
-    a prefill chunk of `a` beside the whole prompt `b` but its last token, then the rest of `a`
-    (8 tokens) beside `b`'s last token as a decode, on shuffled pages. Backends agree on these
-    logits where greedy tokens of a random model could hide an attention bug."""
+def mixed_steps_logits(
+    attention_fn, a: list[int], b: list[int], config=None, dtype=jnp.bfloat16, stacked=False
+) -> np.ndarray:
+    """The `dtype` model's logits (every row; default the tiny-h64 preset in bfloat16) over two
+    mixed steps with `attention_fn`: a prefill chunk of `a` beside the whole prompt `b` but its
+    last token, then the rest of `a` (8 tokens) beside `b`'s last token as a decode, on shuffled
+    pages; `stacked`: the layers scanned. Backends agree on these logits where greedy tokens of a
+    random model could hide an attention bug."""
     import configs
     from llmjax.model.kv_cache import allocate_kv_pages
     from llmjax.model.llama import forward
-    from llmjax.model.params import init_params
+    from llmjax.model.params import init_params, stack_layers
     from tests.helpers import make_step
 
-    config = configs.get_preset("tiny-h64")
-    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(config, jax.random.key(0)))
+    config = config or configs.get_preset("tiny-h64")
+    params = jax.tree.map(lambda x: x.astype(dtype), init_params(config, jax.random.key(0)))
+    if stacked:
+        params = stack_layers(params)
     G, table_a, table_b = 16, [5, 2, 7], [3, 9, 1]
     steps = [
         make_step([(a[:-8], 0, table_a), (b[:-1], 0, table_b)], G, all_logits=True),
@@ -84,9 +89,10 @@ def mixed_steps_logits(attention_fn, a: list[int], b: list[int]) -> np.ndarray:
             [(a[-8:], len(a) - 8, table_a), (b[-1:], len(b) - 1, table_b)], G, all_logits=True
         ),
     ]
-    kv = allocate_kv_pages(config, 12, G, jnp.bfloat16)
+    kv = allocate_kv_pages(config, 12, G, dtype, stacked=stacked)
     out = []
     for step in steps:
+        step = jax.tree.map(jnp.asarray, step)  # device arrays, as the engine's jitted step has
         logits, kv = forward(params, kv, step, config, attention_fn)
         out.append(np.asarray(logits))
     return np.concatenate(out)
