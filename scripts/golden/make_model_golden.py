@@ -93,6 +93,16 @@ _TINY_COMMON = dict(
     pad_token_id=None,
 )
 
+# The tiny Gemmas' shape: head_dim 32 apart from hidden_size / num_heads = 16, scores scaled by
+# query_pre_attn_scalar 24 (not head_dim), an 8-token window that the 40-token prompts cross.
+_GEMMA_TINY = dict(
+    num_hidden_layers=4,
+    head_dim=32,
+    intermediate_size=96,
+    query_pre_attn_scalar=24,
+    sliding_window=8,
+)
+
 # name -> (model class, config class, config overrides, sequence lengths, seed, save kwargs)
 TINY_SPECS = {
     "llama": (LlamaForCausalLM, LlamaConfig, {}, [24, 17, 9], 0, {}),
@@ -132,11 +142,7 @@ TINY_SPECS = {
         Gemma2ForCausalLM,
         Gemma2Config,
         dict(
-            num_hidden_layers=4,
-            head_dim=32,
-            intermediate_size=96,
-            query_pre_attn_scalar=24,
-            sliding_window=8,
+            **_GEMMA_TINY,
             attn_logit_softcapping=5.0,
             final_logit_softcapping=8.0,
             tie_word_embeddings=True,
@@ -151,11 +157,7 @@ TINY_SPECS = {
         Gemma3ForCausalLM,
         Gemma3TextConfig,
         dict(
-            num_hidden_layers=4,
-            head_dim=32,
-            intermediate_size=96,
-            query_pre_attn_scalar=24,
-            sliding_window=8,
+            **_GEMMA_TINY,
             layer_types=[
                 "sliding_attention",
                 "sliding_attention",
