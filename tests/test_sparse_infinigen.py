@@ -32,7 +32,7 @@ import configs
 from llmjax import LLM, SamplingParams
 from llmjax.config import SparseKVConfig
 from llmjax.model.kv_cache import allocate_kv_pages
-from llmjax.model.layers import apply_rope, rope_cos_sin
+from llmjax.model.layers import apply_rope, layer_rope, rope_cos_sin
 from llmjax.model.llama import forward
 from llmjax.model.params import init_params
 from llmjax.sparse import infinigen as ig
@@ -312,7 +312,7 @@ def _keys(context, rng, n, K, H):
     block = rng.standard_normal((5, K, H)).astype(np.float32)
     raw = np.tile(block, (-(-n // 5), 1, 1))[:n]
     cfg = dataclasses.replace(CFG, head_dim=H)
-    cos, sin = rope_cos_sin(jnp.arange(n, dtype=jnp.int32), cfg)
+    cos, sin = layer_rope(*rope_cos_sin(jnp.arange(n, dtype=jnp.int32), cfg), 0)
     return np.asarray(apply_rope(jnp.asarray(raw), cos, sin))
 
 

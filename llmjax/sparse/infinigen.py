@@ -56,7 +56,7 @@ from jax.experimental.compute_on import compute_on
 from llmjax.config import ModelConfig, SparseKVConfig
 from llmjax.model.attention import paged_attention_reference, token_seq_ids
 from llmjax.model.kv_cache import KVPages
-from llmjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
+from llmjax.model.layers import apply_rope, layer_rope, rms_norm, rope_cos_sin, swiglu_mlp
 from llmjax.model.llama import _project, embed_tokens, lm_head
 from llmjax.model.params import Params, unstack_layers
 from llmjax.model.quant import linear
@@ -584,8 +584,9 @@ def sparse_forward(
     use_sparse = decode_only(step) if sparse.selective else jnp.bool_(False)
     in_layer = sparse.selects_in_layer  # selection by the layer's own query or state
     K = config.num_kv_heads
-    x = embed_tokens(params, step.token_ids)
-    cos, sin = rope_cos_sin(step.positions, config)
+    x = embed_tokens(params, step.token_ids, config)
+    # One attention kind: EngineConfig admits sparse KV for Llama-shaped layers only.
+    cos, sin = layer_rope(*rope_cos_sin(step.positions, config), 0)
     rows = jnp.zeros(T, jnp.int32)
     hits = jnp.zeros((S, P), jnp.int32)
     fetched = None  # (k_rows, v_rows, valid) for this layer, fetched while the previous ran

@@ -300,7 +300,7 @@ def speculation(
     Also the layer's true attention for comparison."""
     import jax.numpy as jnp
 
-    from llmjax.model.layers import apply_rope, rope_cos_sin
+    from llmjax.model.layers import apply_rope, layer_rope, rope_cos_sin
     from llmjax.model.params import layer_params
     from llmjax.model.step_input import StepInput
     from llmjax.sparse import infinigen
@@ -325,7 +325,8 @@ def speculation(
     q_next = (h @ wq.reshape(wq.shape[0], -1)).reshape(1, N, H)
     if config.attention_bias:
         q_next = q_next + np.asarray(weights["bq"], np.float32)
-    cos, sin = rope_cos_sin(jnp.array([position], jnp.int32), config)
+    rope = rope_cos_sin(jnp.array([position], jnp.int32), config)
+    cos, sin = layer_rope(*rope, config.layer_kind_ids[layer])
     q_next = np.asarray(apply_rope(jnp.asarray(q_next), cos, sin))  # [1, N, H]
     keys = trace.keys[layer][:C]  # [C, K, H]
     k_part = np.einsum("jkh,khc->jkc", keys, a_part)  # the partial key cache's rows
