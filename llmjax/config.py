@@ -1147,19 +1147,6 @@ class EngineConfig:
 
         tp_head_layout(self.model, self.parallel.tp, self.parallel.pad_heads)  # raises if invalid
         if self.sparse_kv.enabled:
-            m = self.model
-            beyond = [
-                name
-                for name in ("qk_norm", "norm_plus_one", "post_norms", "scale_embeddings",
-                             "attn_logit_softcapping", "final_logit_softcapping")
-                if getattr(m, name)
-            ] + (["layer_types"] if m.layer_types else [])  # fmt: skip
-            if beyond or m.hidden_act != "silu":
-                # llmjax/sparse/infinigen.py's step is its own layer loop, Llama's layer only.
-                raise ValueError(
-                    f"sparse_kv={self.sparse_kv.mode!r} runs Llama-shaped layers; "
-                    f"{m.architecture} {m.name!r} has {beyond or [m.hidden_act]}"
-                )
             if self.parallel.num_devices > 1:
                 raise ValueError(
                     f"sparse_kv={self.sparse_kv.mode!r} runs on one device; got tp="

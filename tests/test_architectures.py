@@ -89,9 +89,21 @@ def test_precompiled_buckets_are_all_the_compiles():
     assert llm.engine.num_compiles == before
 
 
-def test_sparse_kv_refuses_layers_beyond_llamas():
-    from llmjax.config import EngineConfig, ModelConfig, SparseKVConfig
+@pytest.mark.parametrize(
+    "name, mode",
+    [("gemma3", "infinigen"), ("gemma2", "h2o")],  # quest selects as the two (test_sparse_modes)
+)
+def test_sparse_kv_selecting_everything_equals_dense(baseline, name, mode):
+    """Sparse KV over local and global layers, query/key norms, post norms (Gemma 3) and the
+    attention soft cap (Gemma 2, in H2O's dense prefill and in the selected rows): each layer
+    selects within its own window with its own RoPE, and InfiniGen speculates layer i+1's query
+    with that layer's norm and RoPE. Selecting every token decodes as the dense engine does, in
+    sparse steps."""
+    from llmjax.config import SparseKVConfig
 
-    model = ModelConfig.from_hf_config(_path("gemma3"))
-    with pytest.raises(ValueError, match="Llama-shaped layers"):
-        EngineConfig(model=model, sparse_kv=SparseKVConfig(mode="quest"))
+    alpha = dict(alpha=1e9) if mode == "infinigen" else {}
+    sparse = SparseKVConfig(mode=mode, max_num_kv=None, num_dense_layers=1, **alpha)
+    extra = dict(prefix_cache="none") if mode == "h2o" else {}
+    llm, got, _ = _generate(name, sparse_kv=sparse, calibration_tokens=32, **extra)
+    assert got == baseline[name][1]
+    assert llm.engine.stats.num_sparse_steps > 0

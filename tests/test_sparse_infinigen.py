@@ -140,13 +140,18 @@ def test_offload_fetches_everything_and_equals_full_attention(model):
 
 
 @pytest.mark.parametrize(
-    "D, K, Q, M, H, dtype",
-    [(3, 2, 2, 21, 16, "float32"), (2, 1, 4, 40, 64, "float32"), (4, 2, 1, 9, 32, "bfloat16")],
+    "D, K, Q, M, H, dtype, cap",
+    [
+        (3, 2, 2, 21, 16, "float32", None),
+        (2, 1, 4, 40, 64, "float32", 0.7),
+        (4, 2, 1, 9, 32, "bfloat16", None),
+    ],
 )
-def test_pallas_kernel_over_the_fetched_rows_equals_jnp(D, K, Q, M, H, dtype):
+def test_pallas_kernel_over_the_fetched_rows_equals_jnp(D, K, Q, M, H, dtype, cap):
     """The ragged paged attention kernel (interpreted) attends the fetched rows as one decode
     sequence per (token, kv head): equal to the jnp sparse attention, random validity masks
-    (one (token, head) with no valid row: only its own)."""
+    (one (token, head) with no valid row: only its own), with and without Gemma 2's logit soft
+    cap (0.7: scores of ~1 are capped hard)."""
     rng = np.random.default_rng(D * 100 + M)
     dt = jnp.dtype(dtype)
     q = jnp.asarray(rng.standard_normal((D, K * Q, H)), dt)
@@ -155,8 +160,11 @@ def test_pallas_kernel_over_the_fetched_rows_equals_jnp(D, K, Q, M, H, dtype):
     valid = rng.random((D, K, M)) < 0.6
     valid[0, 0] = False
     valid = jnp.asarray(valid)
-    want = ig.sparse_attention(q, k_rows, v_rows, valid, k_new, v_new, H**-0.5)
-    got = ig.sparse_attention_pallas(q, k_rows, v_rows, valid, k_new, v_new, H**-0.5)
+    want = ig.sparse_attention(q, k_rows, v_rows, valid, k_new, v_new, H**-0.5, cap)
+    got = ig.sparse_attention_pallas(q, k_rows, v_rows, valid, k_new, v_new, H**-0.5, cap)
+    if cap is not None:  # the cap changes the output: the test sees it
+        plain = ig.sparse_attention(q, k_rows, v_rows, valid, k_new, v_new, H**-0.5)
+        assert float(jnp.abs(plain - want).max()) > 1e-2
     tol = 2e-2 if dtype == "bfloat16" else 1e-5
     np.testing.assert_allclose(
         np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol

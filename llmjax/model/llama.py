@@ -53,13 +53,23 @@ def attention_qkv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The normed input h [T, D] -> q [T, N, H], k, v [T, K, H]: the projections, their biases
     (Qwen2), the per-head query/key norms (Qwen3, Gemma 3), RoPE (cos/sin [T, H/2])."""
-    q = _project(h, layer["wq"])  # [T, N, H]
     k = _project(h, layer["wk"])  # [T, K, H]
     v = _project(h, layer["wv"])  # [T, K, H]
-    if "bq" in layer:  # attention_bias (Qwen2)
-        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-    q, k = norm(q, layer.get("q_norm"), config), norm(k, layer.get("k_norm"), config)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    if "bk" in layer:  # attention_bias (Qwen2)
+        k, v = k + layer["bk"], v + layer["bv"]
+    k = norm(k, layer.get("k_norm"), config)
+    return attention_q(layer, h, cos, sin, config), apply_rope(k, cos, sin), v
+
+
+def attention_q(
+    layer: Params, h: jax.Array, cos: jax.Array, sin: jax.Array, config: ModelConfig
+) -> jax.Array:
+    """The query alone (h [T, D] -> [T, N, H]), as `attention_qkv` makes it: InfiniGen's
+    speculation makes the next layer's from this layer's input."""
+    q = _project(h, layer["wq"])
+    if "bq" in layer:
+        q = q + layer["bq"]
+    return apply_rope(norm(q, layer.get("q_norm"), config), cos, sin)
 
 
 def attend(

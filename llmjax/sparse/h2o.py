@@ -63,6 +63,7 @@ def dense_attention(
     seq_ids: jax.Array,  # [T]
     scale: float,
     window: int | None,
+    soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal attention of every token over its sequence's keys except the evicted ones, and
     the accumulated attention with this step's probabilities added -> (o [T, N, H], acc)."""
@@ -95,7 +96,10 @@ def dense_attention(
             visible &= key_pos[None] > pos[:, None] - window
         visible = visible[:, None, :] & ~jnp.swapaxes(gone, 1, 2)  # [B, K, C]
         s = jnp.einsum("bkqh,bckh->bkqc", qg, keys[seq], preferred_element_type=jnp.float32)
-        s = jnp.where(visible[:, :, None], s * scale, -1e30)
+        s = s * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(visible[:, :, None], s, -1e30)
         p = jax.nn.softmax(s, axis=-1)
         p = jnp.where(visible[:, :, None], p, 0.0)
         o = jnp.einsum("bkqc,bckh->bkqh", p.astype(vals.dtype), vals[seq])

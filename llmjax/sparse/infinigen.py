@@ -56,8 +56,8 @@ from jax.experimental.compute_on import compute_on
 from llmjax.config import ModelConfig, SparseKVConfig
 from llmjax.model.attention import paged_attention_reference, token_seq_ids
 from llmjax.model.kv_cache import KVPages
-from llmjax.model.layers import apply_rope, layer_rope, rms_norm, rope_cos_sin, swiglu_mlp
-from llmjax.model.llama import _project, embed_tokens, lm_head
+from llmjax.model.layers import layer_rope, norm, rope_cos_sin
+from llmjax.model.llama import attention_q, attention_qkv, embed_tokens, lm_head, mlp_block
 from llmjax.model.params import Params, unstack_layers
 from llmjax.model.quant import linear
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
@@ -432,9 +432,11 @@ def sparse_attention(
     k_new: jax.Array,  # [T, K, H] each token's own key and value
     v_new: jax.Array,
     sm_scale: float,
+    soft_cap: float | None = None,
     with_probs: bool = False,
 ) -> jax.Array:
-    """Each token over its fetched rows and itself -> [T, N, H] (float32 softmax); with
+    """Each token over its fetched rows and itself -> [T, N, H] (float32 softmax; scores capped
+    at `soft_cap` as the model's attention caps them); with
     `with_probs`, also each row's probability summed over the kv head's queries [T, K, M + 1]
     (the token's own row last)."""
     T, N, H = q.shape
@@ -445,6 +447,8 @@ def sparse_attention(
     v = jnp.where(valid[..., None], v, 0)  # unselected rows (page 0's garbage) weigh exactly 0
     qg = q.reshape(T, K, N // K, H)
     s = jnp.einsum("tkqh,tkmh->tkqm", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
     p32 = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("tkqm,tkmh->tkqh", p32.astype(v.dtype), v, preferred_element_type=jnp.float32)
@@ -460,6 +464,7 @@ def sparse_attention_pallas(
     k_new,
     v_new,
     sm_scale,
+    soft_cap: float | None = None,
     page_size: int = 16,
     implementation: str | None = None,
 ) -> jax.Array:
@@ -493,6 +498,7 @@ def sparse_attention_pallas(
         jnp.arange(D * K + 1, dtype=jnp.int32),
         jnp.array([D * K], jnp.int32),
         sm_scale=sm_scale,
+        soft_cap=soft_cap,
         implementation=implementation,
     )
     return out.reshape(D, N, H)
@@ -508,6 +514,7 @@ def dense_attention(
     window,
     pallas: bool = False,
     implementation: str | None = None,
+    soft_cap: float | None = None,
 ):
     """Full attention over each sequence's fetched pages (holes masked; with `pallas`, the
     ragged paged attention kernel `implementation` over them, for pools without holes)."""
@@ -531,6 +538,7 @@ def dense_attention(
             step.num_seqs,
             sm_scale=sm_scale,
             sliding_window=window,
+            soft_cap=soft_cap,
             implementation=implementation,
         )
     return paged_attention_reference(
@@ -542,6 +550,7 @@ def dense_attention(
         local,
         scale=sm_scale,
         sliding_window=window,
+        soft_cap=soft_cap,
         mask_holes=True,
     )
 
@@ -575,8 +584,8 @@ def sparse_forward(
     T = step.token_ids.shape[0]
     S, P = step.page_indices.shape
     G = pool[0][0].shape[1]
-    scale = config.head_dim**-0.5
-    window = config.sliding_window
+    scale, cap = config.attn_scale, config.attn_logit_softcapping
+    kinds = config.layer_kind_ids  # per layer: its window and RoPE (Gemma's local layers)
     seq_ids = token_seq_ids(step.cu_q_lens, T)
     # A decode-only step has one token per sequence, so its tokens are the first D = S rows
     # (S <= T): speculation, fetch buffers and sparse attention are sized for them.
@@ -585,8 +594,7 @@ def sparse_forward(
     in_layer = sparse.selects_in_layer  # selection by the layer's own query or state
     K = config.num_kv_heads
     x = embed_tokens(params, step.token_ids, config)
-    # One attention kind: EngineConfig admits sparse KV for Llama-shaped layers only.
-    cos, sin = layer_rope(*rope_cos_sin(step.positions, config), 0)
+    tables = rope_cos_sin(step.positions, config)  # one per attention kind
     rows = jnp.zeros(T, jnp.int32)
     hits = jnp.zeros((S, P), jnp.int32)
     fetched = None  # (k_rows, v_rows, valid) for this layer, fetched while the previous ran
@@ -595,11 +603,9 @@ def sparse_forward(
     layers = unstack_layers(params)["layers"]  # either layout; this loop is unrolled
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer_{i}"):
-            h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-            q, k, v = (_project(h, layer[w]) for w in ("wq", "wk", "wv"))
-            if config.attention_bias:
-                q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            window = config.layer_window(i)
+            h = norm(x, layer["attn_norm"], config)
+            q, k, v = attention_qkv(layer, h, *layer_rope(*tables, kinds[i]), config)
             k_pages = write_pool(pool[i][0], k, step.slot_mapping, host)
             v_pages = write_pool(pool[i][1], v, step.slot_mapping, host)
             new_pool.append((k_pages, v_pages))
@@ -613,13 +619,18 @@ def sparse_forward(
 
             heavy = sparse.mode == "h2o" and i >= sparse.num_dense_layers
 
-            def dense(q=q, k_pages=k_pages, v_pages=v_pages, acc=new_partial[i], heavy=heavy):
+            def dense(
+                q=q, k_pages=k_pages, v_pages=v_pages, acc=new_partial[i], heavy=heavy,
+                window=window,
+            ):  # fmt: skip
                 if heavy:  # H2O: evicted tokens masked, every query's probabilities added
                     k_all = fetch_pages(k_pages, step.page_indices, host)
                     v_all = fetch_pages(v_pages, step.page_indices, host)
-                    return h2o.dense_attention(q, k_all, v_all, acc, step, seq_ids, scale, window)
+                    return h2o.dense_attention(
+                        q, k_all, v_all, acc, step, seq_ids, scale, window, cap
+                    )
                 o = dense_attention(
-                    q, k_pages, v_pages, step, host, scale, window, pallas, implementation
+                    q, k_pages, v_pages, step, host, scale, window, pallas, implementation, cap
                 )
                 return o, acc
 
@@ -640,7 +651,7 @@ def sparse_forward(
                     q=q, k=k, v=v, k_rows=k_rows, v_rows=v_rows, valid=valid,
                     acc=new_partial[i], heavy=heavy, row_slots=row_slots,
                 ):  # fmt: skip
-                    args = (q[:D], k_rows, v_rows, valid, k[:D], v[:D], scale)
+                    args = (q[:D], k_rows, v_rows, valid, k[:D], v[:D], scale, cap)
                     if heavy:
                         o, probs = sparse_attention(*args, with_probs=True)
                         own = jnp.broadcast_to(step.slot_mapping[:D, None, None], (D, K, 1))
@@ -653,7 +664,7 @@ def sparse_forward(
                     return jnp.concatenate([o, jnp.zeros((T - D, *o.shape[1:]), o.dtype)]), acc
 
                 o, new_partial[i] = jax.lax.cond(use_sparse, sparse_path, dense)
-            x = x + linear(o, layer["wo"])
+            x = x + norm(linear(o, layer["wo"]), layer.get("attn_post_norm"), config)
             fetched = None
             if i + 1 < L and weights[i + 1] is not None and not in_layer:
                 # Speculate layer i+1 from this layer's attention input and issue its fetch
@@ -664,14 +675,13 @@ def sparse_forward(
                 nxt = layers[i + 1]
                 a_part, partial_next = weights[i + 1], new_partial[i + 1]
 
-                def spec(h=h, nxt=nxt, a_part=a_part, partial_next=partial_next):
-                    q_next = _project(h[:D], nxt["wq"])
-                    if config.attention_bias:
-                        q_next = q_next + nxt["bq"]
-                    q_next = apply_rope(q_next, cos[:D], sin[:D])
+                def spec(h=h, nxt=nxt, a_part=a_part, partial_next=partial_next, j=i + 1):
+                    cos, sin = layer_rope(*tables, kinds[j])  # layer j's norm, RoPE, window
+                    q_next = attention_q(nxt, h[:D], cos[:D], sin[:D], config)
                     return speculate(
-                        q_next, partial_next, a_part, step, seq_ids[:D], sparse, scale, window
-                    )
+                        q_next, partial_next, a_part, step, seq_ids[:D], sparse, scale,
+                        config.layer_window(j),
+                    )  # fmt: skip
 
                 def no_spec():
                     shape = (D, config.num_kv_heads, fetch_buffer_rows(sparse, P * G, G))
@@ -701,8 +711,7 @@ def sparse_forward(
                 top = top.set(False)
                 hits = hits.at[seq_ids[:D, None, None], positions // G].add(top.astype(jnp.int32))
         with jax.named_scope("mlp"):
-            hm = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-            x = x + swiglu_mlp(hm, layer["w_gate"], layer["w_up"], layer["w_down"])
+            x = mlp_block(layer, x, config)
     with jax.named_scope("lm_head"):
         logits = lm_head(params, x[step.logits_indices], config)
     return logits, new_pool, new_partial, SparseStats(use_sparse, rows, hits)
