@@ -331,3 +331,64 @@ def test_stats_of_instances_merge_by_summing():
     assert (total.num_pages, total.num_steps, total.host_time_s) == (15, 7, 0.75)
     with pytest.raises(ValueError):
         EngineStats.merge([])
+
+
+def _brute_window(spans, window):
+    """(prefill pairs, prefill keys read, decode keys) by counting each token's visible keys."""
+    pairs = context = decode = 0
+    for q, kv in spans:
+        seen = [set(range(max(0, p - window + 1), p + 1)) for p in range(kv - q, kv)]
+        if q == 1:
+            decode += len(seen[0])
+        elif q > 1:
+            pairs += sum(map(len, seen))
+            context += len(set().union(*seen))
+    return pairs, context, decode
+
+
+def test_sliding_window_layers_cost_their_window():
+    """`StepFeatures.in_window` counts a local layer's keys as brute force does (random chunks
+    and decodes, windows inside and beyond the context), and the roofline charges Gemma 3's
+    local layers for their window: a long-context decode costs less than with every layer
+    global, the same once the window covers the context; the KV a shared page table holds
+    beyond need is what those windows leave unread."""
+    from llmjax.sim.roofline import window_kv_needed
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        spans = []
+        for _ in range(rng.integers(1, 6)):
+            q = int(rng.choice([1, rng.integers(2, 40)]))
+            spans.append((q, q + int(rng.integers(0, 60))))
+        window = int(rng.integers(1, 80))
+        f = StepFeatures(
+            tokens=sum(q for q, _ in spans), prefill_attention=0, decodes=0, decode_context=0,
+            spans=tuple(spans),
+        ).in_window(window)  # fmt: skip
+        assert (f.prefill_pairs, f.prefill_context, f.decode_context) == _brute_window(
+            spans, window
+        )
+        assert f.prefill_attention == sum(q * min(kv, q + window - 1) for q, kv in spans if q > 1)
+
+    gemma = configs.PRESETS["gemma3-27b"]
+    full = gemma.replace(layer_types=("full_attention",) * gemma.num_layers)
+    step = StepFeatures(
+        tokens=8, prefill_attention=0, decodes=8, decode_context=8 * 32768, seqs=8,
+        spans=((1, 32768),) * 8,
+    )  # fmt: skip
+    local, dense = (RooflineCostModel(m, "h100-sxm", tp=4) for m in (gemma, full))
+    assert local.step_seconds(step) < 0.8 * dense.step_seconds(step)
+    short = dataclasses.replace(step, decode_context=8 * 512, spans=((1, 512),) * 8)
+    assert local.step_seconds(short) == pytest.approx(dense.step_seconds(short))
+    b = local.breakdown(step)
+    assert b["decode_attention"] < dense.breakdown(step)["decode_attention"]
+
+    assert window_kv_needed(full, 32768) == 1.0
+    w = gemma.sliding_window
+    sliding = gemma.sliding_layers
+    pages = 32768 // 16
+    want = ((gemma.num_layers - sliding) * pages + sliding * (w // 16 + 1)) / (
+        gemma.num_layers * pages
+    )
+    assert window_kv_needed(gemma, 32768) == pytest.approx(want)
+    assert window_kv_needed(gemma, 256) == 1.0  # the window covers the context

@@ -36,7 +36,8 @@ class StepFeatures:
     (query, key) pairs of the prefill chunks (sum of chunk_len x kv_len - chunk_len x
     (chunk_len - 1) / 2); `prefill_context`, the keys the chunks read (sum of their kv_len);
     `seqs`, the sequences; `padded_tokens` and `padded_seqs`, the bucket (T, S) the step ran at
-    (the last two are FEATURES too)."""
+    (the last two are FEATURES too); and `spans`, each sequence's (new tokens, kv_len), from
+    which `in_window` gives a sliding-window layer's features."""
 
     tokens: int
     prefill_attention: int
@@ -47,6 +48,37 @@ class StepFeatures:
     seqs: int = 0
     padded_tokens: int = 0
     padded_seqs: int = 0
+    spans: tuple[tuple[int, int], ...] = dataclasses.field(default=(), repr=False)
+
+    def in_window(self, window: int | None) -> StepFeatures:
+        """The attention features of a layer whose tokens see only the last `window` keys
+        (Gemma's local layers): each decode reads min(kv_len, window) keys, a chunk's token at
+        position p attends min(p + 1, window) and the chunk reads min(kv_len, chunk + window - 1).
+        Unchanged without a window, or without `spans` (features built by hand)."""
+        if window is None or not self.spans:
+            return self
+
+        def causal(n):  # sum over positions 0..n-1 of min(p + 1, window)
+            if n <= window:
+                return n * (n + 1) // 2
+            return window * (window + 1) // 2 + (n - window) * window
+
+        pairs = attention = context = decode_context = 0
+        for q, kv in self.spans:
+            if q == 1:
+                decode_context += min(kv, window)
+            elif q > 1:
+                read = min(kv, q + window - 1)
+                pairs += causal(kv) - causal(kv - q)
+                attention += q * read
+                context += read
+        return dataclasses.replace(
+            self,
+            prefill_attention=attention,
+            decode_context=decode_context,
+            prefill_pairs=pairs,
+            prefill_context=context,
+        )
 
     @classmethod
     def from_step(cls, step) -> StepFeatures:
@@ -66,6 +98,7 @@ class StepFeatures:
             seqs=n,
             padded_tokens=len(step.token_ids),
             padded_seqs=len(step.kv_lens),
+            spans=tuple(zip(q.tolist(), kv.tolist(), strict=True)),
         )
 
     def vector(self) -> np.ndarray:

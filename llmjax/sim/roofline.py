@@ -14,6 +14,8 @@ fewer than tp are repeated, as the engine does), each operator takes
   `prefill_attention_efficiency`; bytes of Q, O and the keys and values the chunks read;
 - decode attention: reading every decode's keys and values (bytes / (bandwidth x
   `decode_attention_efficiency`)), 4 x context x head_dim x heads FLOPs;
+- a sliding-window layer (Gemma's local layers, Mistral's): both attention terms over the keys
+  within its window only (`StepFeatures.in_window`);
 - the element-wise rest (norms, residual adds, RoPE, the activation, the KV write) as bytes;
 - tp > 1: the all-reduces of the layer's output (two per layer; one for Falcon, whose attention
   and MLP run in parallel and are summed before one reduce, as vLLM does), each a ring:
@@ -78,6 +80,20 @@ def weight_bytes_per_device(model: ModelConfig, dtype: str, tp: int, pp: int) ->
     layers = math.ceil(model.num_layers / pp) * (qkv + rest)
     embed = model.vocab_size * h / tp * (1 if model.tie_word_embeddings else 2)
     return b * (layers + embed)
+
+
+def window_kv_needed(model: ModelConfig, context_len: int, page_size: int = 16) -> float:
+    """The share of a sequence's KV pages its layers read at `context_len` tokens: llmjax keeps
+    one page table for every layer, so a sliding-window layer holds all `context_len` tokens'
+    pages though it reads only the last `window` (rounded out to whole pages); 1.0 for a model
+    without sliding layers. 1 - this is the KV memory the shared table holds beyond need."""
+    pages = -(-context_len // page_size)
+    read = 0
+    for i in range(model.num_layers):
+        w = model.layer_window(i)
+        # a window of w tokens ending anywhere in a page spans at most ceil((w - 1) / G) + 1 pages
+        read += pages if w is None else min(pages, -(-(w - 1) // page_size) + 1)
+    return read / (model.num_layers * pages)
 
 
 def kv_page_bytes_per_device(model: ModelConfig, page_size: int, dtype: str, tp: int, pp: int):
@@ -173,13 +189,24 @@ class RooflineCostModel:
         t["tp_all_reduce"] = reduces * self._allreduce(b * T * h)
         return t
 
+    def _layers_seconds(self, f: StepFeatures) -> list[float]:
+        """Each layer's time: a sliding-window layer's attention sees its window only."""
+        by_window = {}
+        out = []
+        for i in range(self.model.num_layers):
+            w = self.model.layer_window(i)
+            if w not in by_window:
+                by_window[w] = sum(self.layer_seconds(f.in_window(w)).values())
+            out.append(by_window[w])
+        return out
+
     def stage_seconds(self, f: StepFeatures) -> list[float]:
         """Each pipeline stage's time for one micro-batch with these features (no host
         overhead): its layers, the LM head on the last, the activation send after the others."""
         if f.tokens == 0:
             return [0.0] * self.pp
         m, hw, b = self.model, self.hardware, DTYPE_BYTES[self.dtype]
-        layer = sum(self.layer_seconds(f).values())
+        layers = self._layers_seconds(f)
         base, extra = divmod(m.num_layers, self.pp)
         rows = f.seqs or f.decodes or 1
         if self.padded:
@@ -190,9 +217,11 @@ class RooflineCostModel:
         link = hw.network_bandwidth if across_nodes else hw.link_bandwidth
         latency = hw.network_latency_s if across_nodes else hw.link_latency_s
         send = latency + b * f.tokens * m.hidden_size / (link * hw.link_efficiency)
-        stages = []
+        stages, first = [], 0
         for s in range(self.pp):
-            t = (base + (s < extra)) * layer
+            n = base + (s < extra)
+            t = sum(layers[first : first + n])
+            first += n
             t += lm_head if s == self.pp - 1 else send
             stages.append(t)
         return stages
@@ -213,6 +242,9 @@ class RooflineCostModel:
 
     def breakdown(self, f: StepFeatures) -> dict[str, float]:
         """Seconds by operator over the whole model (every layer, summed over the stages)."""
-        out = {k: v * self.model.num_layers for k, v in self.layer_seconds(f).items()}
+        out = {}
+        for i in range(self.model.num_layers):
+            for k, v in self.layer_seconds(f.in_window(self.model.layer_window(i))).items():
+                out[k] = out.get(k, 0.0) + v
         out["host_overhead"] = self.hardware.step_overhead_s
         return out
