@@ -18,7 +18,18 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Shapes the simulated device (llmjax/sim/) models but the JAX model does not implement: OPT (two
@@ -111,6 +122,10 @@ FAMILY_TRAITS: dict[str, dict[str, Any]] = {
         "post_norms": True,
         "scale_embeddings": True,
     },
+    # Mixtral: every top-k routing renormalized (HF's MixtralTopKRouter has no flag).
+    "mixtral": {"norm_topk_prob": True},
+    "qwen2_moe": {"attention_bias": True},
+    "qwen3_moe": {"qk_norm": True},
 }
 HF_MODEL_TYPES = {
     "llama": "llama",
@@ -120,6 +135,9 @@ HF_MODEL_TYPES = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
 }
 _GEMMA_DEFAULTS = {
     "head_dim": 256,
@@ -133,6 +151,23 @@ _GEMMA_DEFAULTS = {
 }
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"rms_norm_eps": 1e-6, "head_dim": 128},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6},
+    "qwen2_moe": {
+        "rms_norm_eps": 1e-6,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "norm_topk_prob": False,
+    },
+    "qwen3_moe": {
+        "rms_norm_eps": 1e-6,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+    },
     "gemma2": {
         **_GEMMA_DEFAULTS,
         "attn_logit_softcapping": 50.0,
@@ -188,6 +223,15 @@ class ModelConfig:
                               `sliding_window` is set (Mistral), else full.
       rope_local_base_freq    the RoPE base of sliding layers (Gemma 3; None: rope_theta). Sliding
                               layers never take `rope_scaling` when it is set.
+      num_experts             experts per MoE layer (Mixtral, Qwen2/3-MoE); 0: a dense gated MLP.
+                              Every layer is MoE when set (HF's mlp_only_layers and
+                              decoder_sparse_step > 1 are refused)
+      num_experts_per_tok     top-k: each token's MLP is the weighted sum of its k experts
+      moe_intermediate_size   an expert's hidden dim (Qwen; None: intermediate_size, Mixtral)
+      norm_topk_prob          the k routing weights renormalized to sum to 1 (Mixtral always,
+                              Qwen3-MoE where its config says so); else the softmax's own values
+      shared_expert_intermediate_size  hidden dim of an expert every token takes, gated by
+                              sigmoid(x . w) (Qwen2-MoE); 0: none
     `attention_kinds` / `layer_kind_ids` give the distinct per-layer kinds (window, RoPE) and
     each layer's index into them: the per-layer table the layer scan carries.
     """
@@ -216,6 +260,11 @@ class ModelConfig:
     hidden_act: str = "silu"
     layer_types: tuple[str, ...] | None = None
     rope_local_base_freq: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
     architecture: str = "llama"
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
@@ -278,12 +327,36 @@ class ModelConfig:
                 f"unknown architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
                 f" (and, simulated only, {SIM_ONLY_ARCHITECTURES})"
             )
+        if self.num_experts:
+            _check_positive(self, "num_experts_per_tok", "moe_intermediate_size")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(
+                    f"{self.num_experts_per_tok=} exceeds {self.num_experts=} (top-k of E experts)"
+                )
+        elif self.num_experts < 0 or self.shared_expert_intermediate_size:
+            raise ValueError(
+                f"{self.num_experts=}: a shared expert or a negative count needs num_experts > 0"
+            )
+        elif self.architecture in MOE_ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} needs num_experts > 0")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"{self.shared_expert_intermediate_size=} must be >= 0")
         if isinstance(self.eos_token_ids, list):
             object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts (`num_experts` > 0)."""
+        return self.num_experts > 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """One expert's hidden dim: moe_intermediate_size (Qwen), else intermediate_size."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def attn_scale(self) -> float:
@@ -373,7 +446,8 @@ class ModelConfig:
                 rope = dict(rope["full_attention"] or {})
             rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
             sliding_window = config.get("sliding_window")
-            if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+            qwen = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+            if model_type in qwen and not config.get("use_sliding_window", False):
                 sliding_window = None
             num_layers = config["num_hidden_layers"]
             layer_types = config.get("layer_types")
@@ -386,7 +460,29 @@ class ModelConfig:
                 ]
             if layer_types is not None and sliding_window is None:
                 layer_types = None  # Qwen's layer_types name sliding layers only when it slides
+            num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+            if num_experts and (
+                config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1
+            ):
+                raise ValueError(
+                    f"{source}: dense MLP layers among the MoE layers (mlp_only_layers="
+                    f"{config.get('mlp_only_layers')}, decoder_sparse_step="
+                    f"{config.get('decoder_sparse_step')}) are not supported: llmjax's MoE "
+                    "models have experts in every layer"
+                )
+            moe = {}
+            if num_experts:
+                moe = dict(
+                    num_experts=num_experts,
+                    num_experts_per_tok=int(config["num_experts_per_tok"]),
+                    moe_intermediate_size=config.get("moe_intermediate_size"),
+                    norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=int(
+                        config.get("shared_expert_intermediate_size") or 0
+                    ),
+                )
             fields = dict(
+                **moe,
                 vocab_size=config["vocab_size"],
                 hidden_size=config["hidden_size"],
                 intermediate_size=config["intermediate_size"],

@@ -1,7 +1,7 @@
 """Our model against HF transformers on the same weights (golden files from
 scripts/golden/make_model_golden.py): every position's logits, and greedy decoding through the
 engine. One tiny checkpoint per architecture llmjax runs (Llama, Mistral, Qwen2, Qwen3, Gemma 2,
-Gemma 3), and variants (tied, llama3 RoPE, sharded)."""
+Gemma 3, Mixtral, Qwen2-MoE, Qwen3-MoE), and variants (tied, llama3 RoPE, sharded)."""
 
 import os
 
@@ -23,6 +23,9 @@ CHECKPOINTS = [
     "qwen3",
     "gemma2",
     "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
 ]
 # Families whose layers differ (local and global): their logits are checked with the layers
 # scanned too (the per-layer table traced, the window picked by lax.switch).
@@ -38,7 +41,8 @@ def _golden(name):
 def test_logits_match_hf(name):
     path, golden = _golden(name)
     config, params = load_hf(path)
-    layouts = [params, stack_layers(params)] if name in [*MIXED_LAYERS, "qwen3"] else [params]
+    scanned = [*MIXED_LAYERS, "qwen3", "qwen2_moe"]  # and stacked experts [L, E, ...]
+    layouts = [params, stack_layers(params)] if name in scanned else [params]
     for p in layouts:
         rows = zip(golden["input_ids"], golden["lengths"], golden["logits"], strict=True)
         for ids, n, want in rows:
@@ -65,6 +69,21 @@ def test_architecture_table_read_from_hf_configs():
     local, full = gemma3.attention_kinds
     assert (local.window, local.rope_theta, local.rope_scaling) == (8, 1000.0, None)
     assert (full.window, full.rope_theta, full.rope_scaling.factor) == (None, 1e5, 4.0)
+    mixtral = ModelConfig.from_hf_config(os.path.join(TESTDATA, "hf_tiny", "mixtral"))
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.norm_topk_prob) == (
+        8,
+        2,
+        True,
+    )
+    assert mixtral.expert_intermediate_size == 64 and not mixtral.shared_expert_intermediate_size
+    qwen2_moe = ModelConfig.from_hf_config(os.path.join(TESTDATA, "hf_tiny", "qwen2_moe"))
+    assert qwen2_moe.attention_bias and not qwen2_moe.norm_topk_prob
+    assert (qwen2_moe.expert_intermediate_size, qwen2_moe.shared_expert_intermediate_size) == (
+        32,
+        96,
+    )
+    qwen3_moe = ModelConfig.from_hf_config(os.path.join(TESTDATA, "hf_tiny", "qwen3_moe"))
+    assert qwen3_moe.qk_norm and qwen3_moe.norm_topk_prob and qwen3_moe.num_experts_per_tok == 3
 
 
 @pytest.mark.parametrize(

@@ -43,10 +43,19 @@ def params_from_hf_tensors(
 
         return load
 
+    def experts(name: str, shape: tuple[int, ...], convert):
+        # One HF tensor per expert ("{e}" in the name) -> our [E, ...] stack.
+        def load() -> np.ndarray:
+            return np.stack(
+                [convert(take(name.format(e=e), shape)) for e in range(config.num_experts)]
+            )
+
+        return load
+
     def layer(i: int) -> dict:
         p = f"model.layers.{i}."
         return {
-            ours: weight(p + hf, shape, to_ours)
+            ours: (experts if "{e}" in hf else weight)(p + hf, shape, to_ours)
             for ours, (hf, shape, to_ours, _) in hf_layer_table(config).items()
         }
 
@@ -68,8 +77,9 @@ def hf_layer_table(config: ModelConfig) -> dict[str, tuple]:
     """The one map between a layer's weights in our tree and in HF's checkpoints, for this
     architecture: our name -> (HF name under model.layers.{i}., HF shape, HF -> ours, ours -> HF).
     Gemma's "post_attention_layernorm" is the attention output's post-norm, Llama's the MLP's
-    pre-norm (Gemma's is "pre_feedforward_layernorm")."""
-    D, F = config.hidden_size, config.intermediate_size
+    pre-norm (Gemma's is "pre_feedforward_layernorm"). A name with "{e}" is one tensor per
+    expert (shape and conversions per expert), stacked on our leading expert axis."""
+    D = config.hidden_size
     N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
 
     def same(x):
@@ -92,9 +102,7 @@ def hf_layer_table(config: ModelConfig) -> dict[str, tuple]:
             lambda w: w.reshape(N * H, D).T,
         ),
         "mlp_norm": (mlp_norm, (D,), same, same),
-        "w_gate": ("mlp.gate_proj.weight", (F, D), lambda x: x.T, lambda w: w.reshape(D, F).T),
-        "w_up": ("mlp.up_proj.weight", (F, D), lambda x: x.T, lambda w: w.reshape(D, F).T),
-        "w_down": ("mlp.down_proj.weight", (D, F), lambda x: x.T, lambda w: w.reshape(F, D).T),
+        **_hf_mlp_table(config),
     }
     if config.qk_norm:
         table["q_norm"] = ("self_attn.q_norm.weight", (H,), same, same)
@@ -111,6 +119,49 @@ def hf_layer_table(config: ModelConfig) -> dict[str, tuple]:
                 lambda x, n=n: x.reshape(n, H),
                 lambda b, n=n: b.reshape(n * H),
             )
+    return table
+
+
+def _transposed(rows: int, cols: int) -> tuple:
+    """An HF [out, in] = [rows, cols] linear <-> ours [in, out]: (shape, HF -> ours, ours -> HF)."""
+    return (rows, cols), lambda x: x.T, lambda w: w.reshape(cols, rows).T
+
+
+def _hf_mlp_table(config: ModelConfig) -> dict[str, tuple]:
+    """`hf_layer_table`'s MLP rows: a dense MLP (mlp.*_proj), or experts: Mixtral's
+    block_sparse_moe.{gate, experts.{e}.w1/w3/w2} (gate, up, down), Qwen's mlp.{gate,
+    experts.{e}.*_proj} and Qwen2-MoE's shared expert (mlp.shared_expert.*_proj and its gate
+    mlp.shared_expert_gate [1, D])."""
+    D = config.hidden_size
+
+    def gated(prefix: str, F: int, names=("gate_proj", "up_proj", "down_proj"), ours="w_"):
+        gate, up, down = names
+        return {
+            f"{ours}gate": (f"{prefix}{gate}.weight", *_transposed(F, D)),
+            f"{ours}up": (f"{prefix}{up}.weight", *_transposed(F, D)),
+            f"{ours}down": (f"{prefix}{down}.weight", *_transposed(D, F)),
+        }
+
+    if not config.is_moe:
+        return gated("mlp.", config.intermediate_size)
+    E, Fe = config.num_experts, config.expert_intermediate_size
+    if config.architecture == "mixtral":
+        prefix, names = "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        prefix, names = "mlp.", ("gate_proj", "up_proj", "down_proj")
+    table = {
+        "router": (f"{prefix}gate.weight", *_transposed(E, D)),
+        **gated(prefix + "experts.{e}.", Fe, names, ours="we_"),
+    }
+    Fs = config.shared_expert_intermediate_size
+    if Fs:
+        table |= gated("mlp.shared_expert.", Fs, ours="ws_")
+        table["ws_score"] = (
+            "mlp.shared_expert_gate.weight",
+            (1, D),
+            lambda x: x.reshape(D),
+            lambda w: w.reshape(1, D),
+        )
     return table
 
 
@@ -204,6 +255,9 @@ HF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 
 
@@ -225,7 +279,12 @@ def hf_tensors_from_params(
     table = hf_layer_table(config)
     for i, layer in enumerate(params["layers"]):
         p = f"model.layers.{i}."
-        out |= {p + name: hf(layer[ours], to_hf) for ours, (name, _, _, to_hf) in table.items()}
+        for ours, (name, _, _, to_hf) in table.items():
+            if "{e}" in name:  # our [E, ...] stack -> one tensor per expert
+                w = np.asarray(layer[ours])
+                out |= {p + name.format(e=e): hf(w[e], to_hf) for e in range(w.shape[0])}
+            else:
+                out[p + name] = hf(layer[ours], to_hf)
     out["model.norm.weight"] = hf(params["final_norm"])
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = hf(params["lm_head"], lambda w: w.T)  # [D, V] -> [V, D]
@@ -281,7 +340,7 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict:
             f"HF's LlamaConfig has no sliding window ({config.sliding_window=}); "
             "use architecture='mistral'"
         )
-    if config.architecture == "qwen2" and not config.attention_bias:
+    if config.architecture in ("qwen2", "qwen2_moe") and not config.attention_bias:
         raise ValueError("HF's Qwen2 always has Q/K/V biases; this config has none")
     from llmjax.config import FAMILY_TRAITS
 
@@ -336,9 +395,38 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict:
         raise ValueError(f"HF's {config.architecture} config has no Gemma fields: use gemma2/3")
     elif config.final_logit_softcapping or config.hidden_act != "silu":
         raise ValueError(f"HF's {config.architecture} config has no final soft cap or GeGLU")
-    if config.architecture == "mistral":
+    if config.is_moe:
+        if config.architecture not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+            raise ValueError(f"HF's {config.architecture} has no experts: use mixtral/qwen*_moe")
+        if config.architecture == "mixtral" and config.moe_intermediate_size not in (
+            None,
+            config.intermediate_size,
+        ):
+            raise ValueError("HF's Mixtral experts are intermediate_size wide")
+        if config.shared_expert_intermediate_size and config.architecture != "qwen2_moe":
+            raise ValueError("only HF's Qwen2-MoE has a shared expert")
+        if config.architecture == "qwen2_moe" and not config.shared_expert_intermediate_size:
+            raise ValueError("HF's Qwen2-MoE always has a shared expert")
+        out |= {
+            "num_local_experts" if config.architecture == "mixtral" else "num_experts": (
+                config.num_experts
+            ),
+            "num_experts_per_tok": config.num_experts_per_tok,
+            "router_aux_loss_coef": 0.001,
+            "output_router_logits": False,
+        }
+        if config.architecture != "mixtral":
+            out |= {
+                "moe_intermediate_size": config.expert_intermediate_size,
+                "norm_topk_prob": config.norm_topk_prob,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
+        if config.shared_expert_intermediate_size:
+            out["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    if config.architecture in ("mistral", "mixtral"):
         out["sliding_window"] = config.sliding_window
-    if config.architecture in ("qwen2", "qwen3"):
+    if config.architecture in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         out["use_sliding_window"] = config.sliding_window is not None
         out["sliding_window"] = config.sliding_window
         out["max_window_layers"] = config.num_layers

@@ -1,4 +1,5 @@
-"""The decoder (Llama, Mistral, Qwen2/3, Gemma 2/3) as one pure function over a paged KV cache.
+"""The decoder (Llama, Mistral, Qwen2/3, Gemma 2/3; Mixtral, Qwen2/3-MoE) as one pure function
+over a paged KV cache.
 
 Einsum letters:
     T  tokens of the flat ragged batch        D  model dim (hidden_size)
@@ -37,6 +38,7 @@ from llmjax.config import ModelConfig
 from llmjax.model.attention import AttentionFn, reference_attention
 from llmjax.model.kv_cache import KVPages, write_kv
 from llmjax.model.layers import apply_rope, gated_mlp, layer_rope, norm, rope_cos_sin
+from llmjax.model.moe import moe_mlp
 from llmjax.model.params import Params, layers_stacked
 from llmjax.model.quant import is_packed, linear, qdot, take_rows
 from llmjax.model.step_input import StepInput
@@ -128,9 +130,13 @@ def _attention_block(
 
 
 def mlp_block(layer: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
-    """x [T, D] -> x + the layer's gated MLP of its normed x (post-normed: Gemma)."""
+    """x [T, D] -> x + the layer's MLP of its normed x (post-normed: Gemma): a gated MLP, or a
+    mixture of experts where the layer has a router (llmjax/model/moe.py)."""
     h = norm(x, layer["mlp_norm"], config)
-    h = gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"], config.hidden_act)
+    if "router" in layer:
+        h = moe_mlp(layer, h, config)
+    else:
+        h = gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"], config.hidden_act)
     return x + norm(h, layer.get("mlp_post_norm"), config)
 
 

