@@ -61,14 +61,14 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
-    Qwen2MoeConfig,
-    Qwen2MoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -281,9 +281,8 @@ def _randomize_(model, seed: int) -> None:
             p.data.copy_(0.1 * torch.randn(p.shape, generator=gen))
         elif "norm" in name:
             p.data.mul_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-        elif name.endswith("gate.weight") and not p.data.any():  # a router HF leaves at 0
-            p.data.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        elif name.endswith(".bias"):
+        elif name.endswith(".bias") or (name.endswith("gate.weight") and not p.data.any()):
+            # (a router HF leaves at 0 gets random weights like a bias)
             p.data.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
