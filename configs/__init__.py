@@ -12,6 +12,7 @@ from configs.gemma3 import GEMMA3_27B
 from configs.llama2 import LLAMA2_7B, LLAMA2_13B, LLAMA2_70B
 from configs.llama3 import LLAMA3_8B, LLAMA31_8B
 from configs.mistral import MISTRAL_7B, MISTRAL_7B_INSTRUCT_V02
+from configs.moe import MIXTRAL_8X7B, QWEN3_30B_A3B, QWEN3_235B_A22B
 from configs.opt import OPT_13B, OPT_66B, OPT_175B
 from configs.qwen2 import QWEN2_0_5B, QWEN2_7B
 from configs.qwen3 import QWEN3_8B, QWEN3_32B
@@ -51,6 +52,9 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-8b": QWEN3_8B,
     "qwen3-32b": QWEN3_32B,
     "gemma3-27b": GEMMA3_27B,
+    "mixtral-8x7b": MIXTRAL_8X7B,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "qwen3-235b-a22b": QWEN3_235B_A22B,
     # Shapes for the simulated device only (llmjax/sim/; architecture 'opt' / 'falcon'):
     "falcon-180b": FALCON_180B,
     "opt-13b": OPT_13B,

@@ -192,3 +192,86 @@ def test_outputs_do_not_depend_on_layout_cache_or_preemption(baseline, name, opt
     assert got == baseline[name]
     if "num_pages" in opts:
         assert llm.engine.stats.num_preemptions > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulator's MoE terms (llmjax/sim/roofline.py).
+
+
+@pytest.mark.parametrize(
+    "name, total, active",
+    [("mixtral-8x7b", 46.7, 12.9), ("qwen3-30b-a3b", 30.5, 3.3), ("qwen3-235b-a22b", 235, 22)],
+)
+def test_presets_have_the_published_parameter_counts(name, total, active):
+    from configs import PRESETS
+    from llmjax.sim.roofline import active_layer_weight_elements, model_weight_elements
+
+    m = PRESETS[name]
+    embed = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    assert model_weight_elements(m) / 1e9 == pytest.approx(total, rel=0.01)
+    got_active = (m.num_layers * active_layer_weight_elements(m) + embed) / 1e9
+    assert got_active == pytest.approx(active, rel=0.03)
+
+
+def _systematic_sample(q, rng):
+    """k distinct experts with inclusion probabilities exactly q (sum k, each <= 1): Madow's
+    systematic sampling over the cumulative sums."""
+    edges = np.concatenate([[0.0], np.cumsum(q)])
+    points = rng.uniform() + np.arange(round(q.sum()))
+    return np.searchsorted(edges, points, side="right") - 1
+
+
+@pytest.mark.parametrize(
+    "E, k, T, skew",
+    [(8, 2, 1, 0.0), (8, 2, 3, 0.0), (8, 2, 16, 0.0), (128, 8, 4, 0.0), (128, 8, 64, 0.0),
+     (64, 6, 8, 1.2), (64, 6, 32, 1.2), (16, 4, 5, 3.0)],
+)  # fmt: skip
+def test_expected_experts_touched_against_counted_routing(E, k, T, skew):
+    from llmjax.sim.roofline import expected_experts_touched, expert_inclusion
+
+    rng = np.random.default_rng(E * T + k)
+    trials = 1500
+    if skew == 0.0:  # the engine's own routing of random logits
+        logits = rng.normal(size=(trials, T, E)).astype(np.float32)
+        _, experts = jax.lax.top_k(jnp.asarray(logits), k)
+        counts = [len(np.unique(e)) for e in np.asarray(experts)]
+    else:
+        q = expert_inclusion(E, k, skew)
+        assert q.sum() == pytest.approx(k) and q.max() <= 1.0 and q[0] > q[-1]
+        counts = [
+            len(np.unique(np.concatenate([_systematic_sample(q, rng) for _ in range(T)])))
+            for _ in range(trials)
+        ]
+    want = expected_experts_touched(E, k, T, skew)
+    assert np.mean(counts) == pytest.approx(want, abs=4 * np.std(counts) / np.sqrt(trials) + 1e-9)
+    if skew == 0.0:
+        assert want == pytest.approx(E * (1 - (1 - k / E) ** T))
+
+
+def test_roofline_reads_the_experts_a_batch_touches():
+    from configs import PRESETS
+    from llmjax.sim.cost import StepFeatures
+    from llmjax.sim.roofline import RooflineCostModel, weight_bytes_per_device
+
+    m = PRESETS["mixtral-8x7b"]
+    cost = RooflineCostModel(m, "a100-80gb", "bfloat16", tp=2)
+    hw = cost.hardware
+    expert_bytes = 2 * 3 * m.hidden_size * m.intermediate_size / 2  # one expert, its tp half
+
+    def experts_s(tokens):
+        f = StepFeatures(tokens=tokens, prefill_attention=0, decodes=tokens, decode_context=0)
+        return cost.layer_seconds(f)["experts"]
+
+    read_s = expert_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
+    assert experts_s(1) == pytest.approx(2 * read_s, rel=0.01)  # one decode: its 2 experts
+    assert experts_s(4) == pytest.approx(5.47 * read_s, rel=0.01)
+    assert experts_s(64) > 8 * read_s  # every expert, and compute-bound by now
+    # ep=2: half the experts' weights per device, plus the all-to-alls.
+    ep = RooflineCostModel(m, "a100-80gb", "bfloat16", tp=2, ep=2)
+    f = StepFeatures(tokens=256, prefill_attention=256 * 256, decodes=0, decode_context=0)
+    assert ep.layer_seconds(f)["ep_all_to_all"] > 0 and "ep_all_to_all" not in cost.layer_seconds(f)
+    tp_bytes = weight_bytes_per_device(m, "bfloat16", 2, 1)
+    ep_bytes = weight_bytes_per_device(m, "bfloat16", 2, 1, ep=2)
+    assert ep_bytes == pytest.approx(tp_bytes)  # the same share, split by expert instead
+    with pytest.raises(ValueError, match="ep=2"):
+        RooflineCostModel(PRESETS["mistral-7b"], "a100-80gb", tp=2, ep=2)

@@ -16,6 +16,15 @@ fewer than tp are repeated, as the engine does), each operator takes
   `decode_attention_efficiency`)), 4 x context x head_dim x heads FLOPs;
 - a sliding-window layer (Gemma's local layers, Mistral's): both attention terms over the keys
   within its window only (`StepFeatures.in_window`);
+- a mixture-of-experts MLP (Mixtral, Qwen-MoE): the router (T x D x E), the FLOPs of each
+  token's top-k experts (2 x T x k x 3 x D x Fe), and the weights of the experts the step
+  actually touches: `expected_experts_touched`, which grows with the batch (one decode reads k
+  experts' weights, a 512-token chunk nearly all E); a shared expert is a dense MLP. With expert
+  parallelism (`ep` > 1: the experts split over the tp group's ep devices, each whole) a device
+  computes 1/ep of the pairs and reads its share of the touched experts, and the tokens go to
+  their experts' devices and back: two all-to-alls of T x k x D activations, of which
+  (ep - 1) / ep leave the device (`expert_skew` makes some experts popular: see
+  `expert_inclusion`; the busiest device is not modelled, the average is);
 - the element-wise rest (norms, residual adds, RoPE, the activation, the KV write) as bytes;
 - tp > 1: the all-reduces of the layer's output (two per layer; one for Falcon, whose attention
   and MLP run in parallel and are summed before one reduce, as vLLM does), each a ring:
@@ -36,17 +45,66 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from llmjax.config import ModelConfig
 from llmjax.sim.cost import StepFeatures
 from llmjax.sim.hardware import Hardware, get_hardware
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # SwiGLU / GeGLU: gate, up and down; OPT and Falcon: up, down
-GATED_MLP = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+GATED_MLP = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 
 
 def mlp_matrices(model: ModelConfig) -> int:
     return 3 if model.architecture in GATED_MLP else 2
+
+
+def expert_inclusion(num_experts: int, top_k: int, skew: float = 0.0) -> np.ndarray:
+    """q [E]: the probability that one token's top-k includes expert e, under a Zipf popularity
+    p_e ~ (e + 1) ** -skew (skew 0: uniform, q_e = k / E). q_e = min(1, c p_e) with c set so
+    that sum(q) = k (each token takes k distinct experts; the capped experts' excess is spread
+    over the others)."""
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} of {num_experts} experts")
+    if skew < 0:
+        raise ValueError(f"expert skew must be >= 0; got {skew}")
+    p = (np.arange(1, num_experts + 1, dtype=np.float64)) ** -float(skew)
+    p /= p.sum()
+    q = np.zeros_like(p)
+    capped = np.zeros(num_experts, bool)
+    for _ in range(num_experts):  # water-filling: at most E rounds
+        free = ~capped
+        q[free] = (top_k - capped.sum()) * p[free] / p[free].sum()
+        q[capped] = 1.0
+        if not (q[free] > 1.0).any():
+            break
+        capped |= q > 1.0
+    return q
+
+
+def expected_experts_touched(num_experts: int, top_k: int, tokens: int, skew: float = 0.0) -> float:
+    """How many distinct experts a batch of `tokens` tokens routes to, in expectation, when each
+    token routes independently with inclusion probabilities q (`expert_inclusion`):
+
+        E[touched] = sum_e 1 - (1 - q_e) ** tokens      (uniform: E (1 - (1 - k / E) ** T))
+
+    1 token touches k experts; the count approaches E as the batch grows (Mixtral, 8 experts,
+    top-2: 2, 3.5, 5.5, 7.2 and 8.0 experts at 1, 2, 4, 8 and 32 tokens)."""
+    if tokens <= 0:
+        return 0.0
+    q = expert_inclusion(num_experts, top_k, skew)
+    return float(np.sum(1.0 - (1.0 - q) ** tokens))
 
 
 def kv_heads_per_device(model: ModelConfig, tp: int) -> int:
@@ -54,12 +112,39 @@ def kv_heads_per_device(model: ModelConfig, tp: int) -> int:
     return math.ceil(model.num_kv_heads / tp)
 
 
+def mlp_weight_elements(model: ModelConfig) -> int:
+    """One layer's MLP weight elements: a dense MLP, or every expert, the router and a shared
+    expert (all stored, whichever a step reads)."""
+    h = model.hidden_size
+    if not model.is_moe:
+        return mlp_matrices(model) * h * model.intermediate_size
+    experts = model.num_experts * 3 * h * model.expert_intermediate_size
+    fs = model.shared_expert_intermediate_size
+    shared = 3 * h * fs + h if fs else 0  # its gate's weight [D] too
+    return experts + h * model.num_experts + shared
+
+
 def layer_weight_elements(model: ModelConfig) -> int:
     """Weight elements of one decoder layer's projections (no norms, no biases)."""
     h, hd = model.hidden_size, model.head_dim
     qkv = h * (model.num_heads + 2 * model.num_kv_heads) * hd
     o = model.num_heads * hd * h
-    return qkv + o + mlp_matrices(model) * h * model.intermediate_size
+    return qkv + o + mlp_weight_elements(model)
+
+
+def active_layer_weight_elements(model: ModelConfig) -> int:
+    """The weight elements one token computes with per layer (its top-k experts, not all E)."""
+    if not model.is_moe:
+        return layer_weight_elements(model)
+    h = model.hidden_size
+    routed = model.num_experts_per_tok * 3 * h * model.expert_intermediate_size
+    return (
+        layer_weight_elements(model)
+        - mlp_weight_elements(model)
+        + routed
+        + h * model.num_experts
+        + 3 * h * model.shared_expert_intermediate_size
+    )
 
 
 def model_weight_elements(model: ModelConfig) -> int:
@@ -70,13 +155,19 @@ def model_weight_elements(model: ModelConfig) -> int:
     )
 
 
-def weight_bytes_per_device(model: ModelConfig, dtype: str, tp: int, pp: int) -> float:
-    """Weight bytes on each device: layers split over pp stages and tp, embeddings over tp."""
+def weight_bytes_per_device(model: ModelConfig, dtype: str, tp: int, pp: int, ep: int = 1) -> float:
+    """Weight bytes on each device: layers split over pp stages and tp, embeddings over tp. A
+    mixture's experts take 1 / tp of their weights whatever ep (E / ep experts, each split tp /
+    ep ways); its router is replicated. `ep` is accepted for symmetry with the cost model."""
     b = DTYPE_BYTES[dtype]
     h, hd = model.hidden_size, model.head_dim
     kvd = kv_heads_per_device(model, tp)
     qkv = h * (model.num_heads // tp + 2 * kvd) * hd  # repeated KV heads are stored per device
-    rest = (model.num_heads * hd * h + mlp_matrices(model) * h * model.intermediate_size) / tp
+    mlp = mlp_weight_elements(model) / tp
+    if model.is_moe:  # the router replicated; experts split E / ep ways, each's Fe tp / ep ways
+        router = h * model.num_experts
+        mlp = router + (mlp_weight_elements(model) - router) / tp
+    rest = model.num_heads * hd * h / tp + mlp
     layers = math.ceil(model.num_layers / pp) * (qkv + rest)
     embed = model.vocab_size * h / tp * (1 if model.tie_word_embeddings else 2)
     return b * (layers + embed)
@@ -119,9 +210,19 @@ class RooflineCostModel:
     tp: int = 1
     pp: int = 1
     padded: bool = False
+    ep: int = 1
+    expert_skew: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "hardware", get_hardware(self.hardware))
+        if self.ep > 1 and (not self.model.is_moe or self.tp % self.ep):
+            raise ValueError(
+                f"ep={self.ep} splits a mixture of experts over devices of the tp group "
+                f"(tp={self.tp}); {self.model.name or 'this model'} "
+                + ("has no experts" if not self.model.is_moe else "is not divisible")
+            )
+        if self.model.is_moe and self.model.num_experts % self.ep:
+            raise ValueError(f"ep={self.ep} must divide the {self.model.num_experts} experts")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPE_BYTES)}")
         if self.tp < 1 or self.pp < 1 or self.pp > self.model.num_layers:
@@ -165,9 +266,13 @@ class RooflineCostModel:
         t = {
             "qkv": self._matmul(T, h, (heads + 2 * kvd) * hd),
             "attn_out": self._matmul(T, heads * hd, h),
-            "mlp_up": self._matmul(T, h, (mlp_matrices(m) - 1) * ffn),
-            "mlp_down": self._matmul(T, ffn, h),
         }
+        if m.is_moe:
+            t |= self._moe_seconds(T)
+            ffn = m.num_experts_per_tok * m.expert_intermediate_size / tp  # per token, for below
+        else:
+            t["mlp_up"] = self._matmul(T, h, (mlp_matrices(m) - 1) * ffn)
+            t["mlp_down"] = self._matmul(T, ffn, h)
         prefill_tokens = f.tokens - f.decodes
         t["prefill_attention"] = self._op(
             4 * f.prefill_pairs * hd * heads,
@@ -187,6 +292,30 @@ class RooflineCostModel:
         t["elementwise"] = b * elementwise / (hw.memory_bandwidth * hw.memory_efficiency)
         reduces = 1 if m.architecture == "falcon" else 2
         t["tp_all_reduce"] = reduces * self._allreduce(b * T * h)
+        return t
+
+    def _moe_seconds(self, T: int) -> dict[str, float]:
+        """A mixture-of-experts MLP over T tokens on one device (see the module doc)."""
+        m, hw, b, tp, ep = self.model, self.hardware, DTYPE_BYTES[self.dtype], self.tp, self.ep
+        h, E, k = m.hidden_size, m.num_experts, m.num_experts_per_tok
+        fe = m.expert_intermediate_size / (tp // ep)  # each expert's hidden dim on a device
+        touched = expected_experts_touched(E, k, T, self.expert_skew) / ep
+        pairs = T * k / ep  # (token, expert) pairs this device computes
+        t = {"router": self._matmul(T, h, E)}
+        t["experts"] = self._op(
+            2 * pairs * 3 * h * fe,
+            b * (touched * 3 * h * fe + pairs * (2 * h + 3 * fe)),
+            hw.matmul_efficiency,
+            hw.memory_efficiency,
+        )
+        if m.shared_expert_intermediate_size:
+            fs = m.shared_expert_intermediate_size / tp
+            t["shared_expert"] = self._matmul(T, h, 2 * fs) + self._matmul(T, fs, h)
+        if ep > 1:
+            hw_link = hw.link_bandwidth if tp <= hw.devices_per_node else hw.network_bandwidth
+            latency = hw.link_latency_s if tp <= hw.devices_per_node else hw.network_latency_s
+            sent = b * T * k * h * (ep - 1) / ep / ep  # this device's tokens' pairs leaving it
+            t["ep_all_to_all"] = 2 * (latency + sent / (hw_link * hw.link_efficiency))
         return t
 
     def _layers_seconds(self, f: StepFeatures) -> list[float]:

@@ -53,6 +53,10 @@ class SimConfig:
         (vLLM's gpu_memory_utilization; Sarathi-Serve runs with 0.8 on its evaluation).
     padded: 'roofline' charges the step's padded bucket shape, as llmjax's jitted steps run
         (False: the real tokens, as an unpadded GPU engine runs; see llmjax/sim/roofline.py).
+    expert_skew: a mixture of experts' routing skew for 'roofline' (0: uniform; s > 0: expert
+        popularity ~ rank ** -s, `llmjax.sim.roofline.expert_inclusion`).
+    ep: the experts' parallelism for 'roofline' (1, or a divisor of tp: see
+        llmjax/sim/roofline.py).
     """
 
     cost_model: object = "roofline"
@@ -60,6 +64,8 @@ class SimConfig:
     profile: str | None = None
     memory_utilization: float = 0.9
     padded: bool = False
+    expert_skew: float = 0.0
+    ep: int = 1
 
     def __post_init__(self):
         if isinstance(self.cost_model, str):
@@ -84,7 +90,16 @@ def make_cost_model(config: EngineConfig):
     sim = config.sim
     if sim.cost_model == "roofline":
         p = config.parallel
-        return RooflineCostModel(config.model, sim.hardware, config.dtype, p.tp, p.pp, sim.padded)
+        return RooflineCostModel(
+            config.model,
+            sim.hardware,
+            config.dtype,
+            p.tp,
+            p.pp,
+            sim.padded,
+            ep=sim.ep,
+            expert_skew=sim.expert_skew,
+        )
     if sim.cost_model == "fitted":
         return LinearCostModel.from_profile(sim.profile)
     return sim.cost_model
