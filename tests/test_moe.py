@@ -141,6 +141,10 @@ def test_moe_configs_are_checked():
         ModelConfig.from_hf_config({**hf, "mlp_only_layers": [0]})
     with pytest.raises(ValueError, match="decoder_sparse_step"):
         ModelConfig.from_hf_config({**hf, "decoder_sparse_step": 2})
+    from llmjax import LLM
+
+    with pytest.raises(ValueError, match="packed expert"):
+        LLM(os.path.join(TESTDATA, "hf_tiny", "mixtral"), quantization="int8_wo")
 
 
 # ---------------------------------------------------------------------------------------------

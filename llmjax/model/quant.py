@@ -252,6 +252,11 @@ def quantize_params(params, method: str):
         }[method]
     if isinstance(params["layers"], dict):
         raise ValueError("quantize_params takes the list layout (stack the layers afterwards)")
+    if any("router" in layer for layer in params["layers"]):
+        raise ValueError(
+            f"quantization={method!r}: packed expert weights are not implemented; serve a "
+            "mixture-of-experts model with quantization='none' (float32 or bfloat16)"
+        )
 
     def one(w, in_ndim, out_first=False):
         return w if is_packed(w) else pack(w, in_ndim, out_first)
