@@ -252,7 +252,7 @@ def quantize_params(params, method: str):
         }[method]
     if isinstance(params["layers"], dict):
         raise ValueError("quantize_params takes the list layout (stack the layers afterwards)")
-    if any("router" in layer for layer in params["layers"]):
+    if method != "dense" and any("router" in layer for layer in params["layers"]):
         raise ValueError(
             f"quantization={method!r}: packed expert weights are not implemented; serve a "
             "mixture-of-experts model with quantization='none' (float32 or bfloat16)"
