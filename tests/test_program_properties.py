@@ -11,7 +11,7 @@ equals the reference (the same calls one by one)."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from program_helpers import ByteTokenizer, sim_engine
 
@@ -99,6 +99,35 @@ def _engines(target):
     return target.instances if hasattr(target, "instances") else [target]
 
 
+def _call(i, fn, **inputs):
+    return CallSpec(f"c{i}", fn, inputs, {o: f"c{i}.{o}" for o in BY_NAME[fn].output_names})
+
+
+# Found by this test: a preempted THROUGHPUT request at the front of the waiting queue, capped at
+# latency_token_budget=0 while a LATENCY request waited behind it, stalled admission for good.
+STALLED_BEHIND_A_PREEMPTED_REQUEST = dict(
+    progs=[
+        (
+            {"k0": "w" * 3, "k1": "w" * 40},
+            [_call(0, "split", x="k0"), _call(1, "one", x="c0.p"), _call(2, "split", x="c0.q"),
+             _call(3, "two", a="c0.q", b="c0.q"), _call(4, "two", a="c1.y", b="k1"),
+             _call(5, "two", a="c4.y", b="c0.q"), _call(6, "one", x="c4.y"), _call(7, "none"),
+             _call(8, "one", x="c4.y"), _call(9, "one", x="c1.y")],  # fmt: skip
+            [(8, ["c3.y", "c0.p", "c9.y"], "throughput"), (1, ["c2.q"], "latency"),
+             (0, ["c5.y", "c5.y", "c6.y"], "throughput")],  # fmt: skip
+            None,
+        ),
+        ({"k0": "w" * 40}, [_call(0, "two", a="k0", b="k0")], [(0, ["c0.y"], "latency")], None),
+    ],
+    config=ProgramConfig(mode="parrot", latency_tasks_num_upperbound=4,
+                         latency_tokens_num_upperbound=64, ctx_min_tokens=4),  # fmt: skip
+    num_instances=1,
+    num_pages=20,
+    policy="sarathi",
+    budget=0,
+)
+
+
 @settings(
     max_examples=60,
     deadline=None,
@@ -112,6 +141,7 @@ def _engines(target):
     policy=st.sampled_from(["sarathi", "prefill_first", "splitfuse"]),
     budget=st.sampled_from([None, 0, 4]),
 )
+@example(**STALLED_BEHIND_A_PREEMPTED_REQUEST)
 def test_random_programs(progs, config, num_instances, num_pages, policy, budget):
     target = _target(num_instances, num_pages, policy, budget)
     ex = ProgramExecutor(target, config, tokenizer=ByteTokenizer())

@@ -384,7 +384,8 @@ class Scheduler:
 
     def _admission_order(self) -> list[Request]:
         """The waiting queue in the order admission tries it: preempted requests first (they
-        wait at the front), then FCFS or longest-prefix-match (SGLang's `calc_priority`: most
+        wait at the front; while `_latency_active`, behind the LATENCY requests:
+        `_program_order`), then FCFS or longest-prefix-match (SGLang's `calc_priority`: most
         cached tokens first; with more than `lpm_max_queue_len` waiting, FCFS; a request with a
         cache hit of at most `in_batch_prefix_len` tokens whose first `in_batch_prefix_len` tokens
         equal an earlier waiting request's goes last, so that one fills the cache first).
@@ -420,6 +421,8 @@ class Scheduler:
             deferred = deferred or any(self._waits_for_prefill(req, cached, r) for r in prefilling)
             keys[req.request_id] = (deferred, -cached, i)
         fresh.sort(key=lambda r: keys[r.request_id])
+        if self._latency_active:  # LATENCY requests first, as `_program_order` says
+            return sorted(preempted + fresh, key=lambda r: not r.is_latency)
         return preempted + fresh
 
     def _latency_admissible(self) -> bool:
@@ -428,9 +431,10 @@ class Scheduler:
         them for nothing."""
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        req = next((r for r in self.waiting if r.is_latency), None)
-        if req is None:
+        latency = [r for r in self.waiting if r.is_latency]
+        if not latency:
             return False
+        req = min(latency, key=lambda r: (not r.num_preemptions, r.priority_time))  # its first
         bm = self.block_manager
         prefix = bm.peek_prefix(self._match_token_ids(req))
         keep_free = self.watermark_pages if self.running else 0
@@ -438,12 +442,15 @@ class Scheduler:
 
     def _program_order(self, waiting: list[Request]) -> list[Request]:
         """With program requests waiting (`ProgramHints`): preempted requests first, as always,
-        then by application arrival (app-level FIFO), LATENCY requests ahead of the others while
-        `_latency_active`. A stable sort, so plain requests keep FCFS among themselves."""
+        then by application arrival (app-level FIFO); while `_latency_active`, LATENCY requests
+        ahead of all the others, preempted ones included (capped by `latency_token_budget`, a
+        preempted request at the front could get no tokens at all and, admission taking no
+        overtaking, stall the LATENCY request behind it and every step after). A stable sort,
+        so plain requests keep FCFS among themselves."""
         lat = self._latency_active
         return sorted(
             waiting,
-            key=lambda r: (not r.num_preemptions, lat and not r.is_latency, r.priority_time),
+            key=lambda r: (lat and not r.is_latency, not r.num_preemptions, r.priority_time),
         )
 
     def _waits_for_prefill(self, req: Request, cached: int, running: Request) -> bool:
