@@ -109,18 +109,33 @@ STALLED_BEHIND_A_PREEMPTED_REQUEST = dict(
     progs=[
         (
             {"k0": "w" * 3, "k1": "w" * 40},
-            [_call(0, "split", x="k0"), _call(1, "one", x="c0.p"), _call(2, "split", x="c0.q"),
-             _call(3, "two", a="c0.q", b="c0.q"), _call(4, "two", a="c1.y", b="k1"),
-             _call(5, "two", a="c4.y", b="c0.q"), _call(6, "one", x="c4.y"), _call(7, "none"),
-             _call(8, "one", x="c4.y"), _call(9, "one", x="c1.y")],  # fmt: skip
-            [(8, ["c3.y", "c0.p", "c9.y"], "throughput"), (1, ["c2.q"], "latency"),
-             (0, ["c5.y", "c5.y", "c6.y"], "throughput")],  # fmt: skip
+            [
+                _call(0, "split", x="k0"),
+                _call(1, "one", x="c0.p"),
+                _call(2, "split", x="c0.q"),
+                _call(3, "two", a="c0.q", b="c0.q"),
+                _call(4, "two", a="c1.y", b="k1"),
+                _call(5, "two", a="c4.y", b="c0.q"),
+                _call(6, "one", x="c4.y"),
+                _call(7, "none"),
+                _call(8, "one", x="c4.y"),
+                _call(9, "one", x="c1.y"),
+            ],
+            [
+                (8, ["c3.y", "c0.p", "c9.y"], "throughput"),
+                (1, ["c2.q"], "latency"),
+                (0, ["c5.y", "c5.y", "c6.y"], "throughput"),
+            ],
             None,
         ),
         ({"k0": "w" * 40}, [_call(0, "two", a="k0", b="k0")], [(0, ["c0.y"], "latency")], None),
     ],
-    config=ProgramConfig(mode="parrot", latency_tasks_num_upperbound=4,
-                         latency_tokens_num_upperbound=64, ctx_min_tokens=4),  # fmt: skip
+    config=ProgramConfig(
+        mode="parrot",
+        latency_tasks_num_upperbound=4,
+        latency_tokens_num_upperbound=64,
+        ctx_min_tokens=4,
+    ),
     num_instances=1,
     num_pages=20,
     policy="sarathi",
