@@ -830,6 +830,13 @@ class ParallelConfig:
     kv heads at tp=2 or 4: 4 heads, 33 % more).
     `pp`: pipeline stages (on disjoint device groups), each holding only its layers' weights and KV
     pages. `dp`: data-parallel replicas; must be 1 (run one engine per replica).
+    `ep`: expert parallelism for a mixture of experts, within the tp devices (ep divides tp):
+    the experts split into ep groups of E / ep whole experts, each group on tp / ep devices that
+    split its experts' hidden dims (ep = tp: each device holds E / tp whole experts; ep = 1: every
+    device holds a 1/tp slice of every expert). Attention and the rest stay tensor-parallel over
+    all tp devices. Each device routes its share of the step's tokens, sends each (token, expert)
+    pair to the devices of its expert's group and gets the result back (all-to-all,
+    llmjax/model/moe.py), so a device computes only its own experts.
     `check_lockstep` (multi-host debugging): after every step each process compares a digest of
     the sampled tokens with the others' and raises on a difference.
     The mesh uses the first tp * pp devices of `jax.devices()` (all processes' devices after
@@ -839,11 +846,17 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1
     pad_heads: bool = False
     check_lockstep: bool = False
 
     def __post_init__(self):
-        _check_positive(self, "tp", "pp", "dp")
+        _check_positive(self, "tp", "pp", "dp", "ep")
+        if self.tp % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide tp={self.tp}: expert parallelism splits the experts "
+                "within the tensor-parallel devices (e.g. tp=8, ep=8 or ep=4)"
+            )
         if self.dp != 1:
             raise ValueError(
                 f"{self.dp=}: data-parallel replicas are not supported inside one engine; run "
@@ -1274,6 +1287,14 @@ class EngineConfig:
                 f"pp={self.parallel.pp} stages need at least as many layers, the model has "
                 f"{self.model.num_layers}"
             )
+        ep = self.parallel.ep
+        if ep > 1 and not self.model.is_moe:
+            raise ValueError(f"ep={ep} splits a mixture of experts; this model has no experts")
+        if ep > 1 and self.model.num_experts % ep:
+            raise ValueError(
+                f"ep={ep} must divide the model's {self.model.num_experts} experts (each device "
+                "group holds num_experts / ep whole experts)"
+            )
         spec = self.speculative
         if spec.enabled:
             why = []
@@ -1362,6 +1383,7 @@ FIXED_BY_WEIGHTS = (
     "quantization",
     "parallel.tp",
     "parallel.pp",
+    "parallel.ep",
     "parallel.pad_heads",
     "device",
     "sim",

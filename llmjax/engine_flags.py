@@ -5,13 +5,12 @@ Short flags for what researchers set most: `--model`, `--load_format`, `--tokeni
 `--max_num_seqs`, `--max_num_batched_tokens`, `--precompile`, `--async_scheduling`,
 `--speculative_config`, the step's
 kernels (`--attention_backend`, `--flash_prefill`, `--pallas_kernel`, `--kernel_options`,
-`--layer_loop`), parallelism (`--tp`,
-`--pp`, `--pad_heads`, `--balance_micro_batches`, `--check_lockstep`) and a multi-process launch
-(`--coordinator_address`, `--num_processes`, `--process_id`), and a simulated device
-(`--device sim` with `--hardware`, `--cost_model`, `--cost_profile`, `--memory_utilization`;
-llmjax/sim/). Scripts that run many instances also call `define_cluster_flags()`
-(`--num_instances`, `--instances`, `--router`, `--launcher`, `--kv_transport`,
-`--waiting_page_fraction`; llmjax/cluster/).
+`--layer_loop`), parallelism (`--tp`, `--pp`, `--ep`, `--pad_heads`, `--balance_micro_batches`,
+`--check_lockstep`) and a multi-process launch (`--coordinator_address`, `--num_processes`,
+`--process_id`), and a simulated device (`--device sim` with `--hardware`, `--cost_model`,
+`--cost_profile`, `--memory_utilization`; llmjax/sim/). Scripts that run many instances also call
+`define_cluster_flags()` (`--num_instances`, `--instances`, `--router`, `--launcher`,
+`--kv_transport`, `--waiting_page_fraction`; llmjax/cluster/).
 
 Every other `EngineConfig` field is an ml_collections config flag (DESIGN principle 4), set by
 dotted path and applied after the short flags:
@@ -23,9 +22,9 @@ Values are read by the field's type ('none' for an optional field, true/false or
 --config.X / --noconfig.X for a boolean, commas for a tuple) and validated by the config
 dataclasses' own `__post_init__` as the script starts, with the errors the Python API gives
 (`LLM(overrides=...)`, `llmjax.config.apply_overrides`); the fields the loaded weights fix
-(`model.*`, `dtype`, `quantization`, `parallel.tp` / `pp` / `pad_heads`) are refused: use
-`--model`, `--dtype`, `--quantization`, `--tp`, `--pp`, `--pad_heads`. `--help` lists the
-fields (the `--config` entry).
+(`model.*`, `dtype`, `quantization`, `parallel.tp` / `pp` / `ep` / `pad_heads`) are refused:
+use `--model`, `--dtype`, `--quantization`, `--tp`, `--pp`, `--ep`, `--pad_heads`. `--help`
+lists the fields (the `--config` entry).
 
 Use from a script:
 
@@ -260,6 +259,13 @@ def _define_kernel_flags(f: dict) -> None:
 def _define_parallel_flags(f: dict) -> None:
     flags.DEFINE_integer("tp", 1, "Tensor-parallel devices (ParallelConfig.tp).", **f)
     flags.DEFINE_integer("pp", 1, "Pipeline stages (ParallelConfig.pp).", **f)
+    flags.DEFINE_integer(
+        "ep",
+        1,
+        "Expert parallelism within the --tp devices (ParallelConfig.ep, a divisor of tp): a "
+        "mixture of experts' experts split into ep groups, tokens sent to them by all-to-all.",
+        **f,
+    )
     flags.DEFINE_bool(
         "pad_heads",
         False,
@@ -363,8 +369,8 @@ def _fields_help(leaves) -> str:
     lines = [
         "EngineConfig fields, each settable as --config.PATH=VALUE and applied after the short "
         "flags ('none' for an optional field; commas for a tuple). model.*, dtype, quantization "
-        "and parallel.tp/pp/pad_heads are fixed by the loaded weights: use --model, --dtype, "
-        "--quantization, --tp, --pp, --pad_heads. Fields:"
+        "and parallel.tp/pp/ep/pad_heads are fixed by the loaded weights: use --model, "
+        "--dtype, --quantization, --tp, --pp, --ep, --pad_heads. Fields:"
     ]
     for path, hint, default in leaves:
         if path.startswith("model."):
@@ -417,6 +423,7 @@ def check_overrides(overrides: dict[str, object]) -> None:
                 "quantization": "--quantization",
                 "parallel.pp": "--pp",
                 "parallel.tp": "--tp",
+                "parallel.ep": "--ep",
                 "device": "--device",
                 "sim": "--device sim and --hardware / --cost_model",
             }
@@ -537,6 +544,7 @@ def llm_kwargs(values: flags.FlagValues) -> dict:
         layer_loop=values.layer_loop,
         tp=values.tp,
         pp=values.pp,
+        ep=values.ep,
         pad_heads=values.pad_heads,
         balance_micro_batches=values.balance_micro_batches,
         check_lockstep=values.check_lockstep,

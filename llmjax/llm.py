@@ -173,9 +173,9 @@ class LLM:
     arguments, 'key=value,...'; see EngineConfig), `layer_loop` ('auto', 'scan', 'unroll': the step
     scans over stacked layers or unrolls them; see EngineConfig), `precompile` (compile every step
     shape at start; see EngineConfig), `async_scheduling` (schedule the next step while the
-    device runs this one; None: the backend's default; see EngineConfig), `tp` / `pp` /
-    `pad_heads` / `check_lockstep` (tensor and pipeline parallelism over the first tp * pp
-    devices; see ParallelConfig; in a multi-host run call
+    device runs this one; None: the backend's default; see EngineConfig), `tp` / `pp` / `ep` /
+    `pad_heads` / `check_lockstep` (tensor, pipeline and, within the tp devices, expert
+    parallelism over the first tp * pp devices; see ParallelConfig; in a multi-host run call
     `llmjax.parallel.distributed.initialize` first, in every process), `sparse_kv` ('none',
     'offload', 'infinigen', or a SparseKVConfig with InfiniGen's parameters: the KV cache in a
     host-memory pool, fetched whole or selectively; with 'infinigen' and no `skew_dir` the skewing
@@ -230,6 +230,7 @@ class LLM:
         layer_loop: str = "auto",
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
         pad_heads: bool = False,
         check_lockstep: bool = False,
         sparse_kv: str | SparseKVConfig = "none",
@@ -251,7 +252,7 @@ class LLM:
             raise ValueError(f"{load_format=} must be 'auto' or 'dummy'")
         t0 = time.perf_counter()
         if device == "sim":
-            self._init_sim(model, dtype or "bfloat16", quantization, tokenizer, tp, pp, sim)
+            self._init_sim(model, dtype or "bfloat16", quantization, tokenizer, tp, pp, ep, sim)
             self._build_engine(dict(_option_values(locals())), t0)
             return
         if device != "jax":
@@ -260,7 +261,9 @@ class LLM:
             raise ValueError("sim= (a SimConfig) goes with device='sim'")
         dtype = dtype or "float32"
         sharded = tp * pp > 1  # then weights load one at a time, each device getting its shard
-        parallel = ParallelConfig(tp=tp, pp=pp, pad_heads=pad_heads, check_lockstep=check_lockstep)
+        parallel = ParallelConfig(
+            tp=tp, pp=pp, ep=ep, pad_heads=pad_heads, check_lockstep=check_lockstep
+        )
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown {quantization=}; choose one of {QUANTIZATIONS}")
         if quantization != "none" and sharded:
@@ -288,7 +291,13 @@ class LLM:
             params = _to_device(params, dtype)
         self._weights = params
         self._fixed = dict(
-            model=model, dtype=dtype, quantization=quantization, tp=tp, pp=pp, pad_heads=pad_heads
+            model=model,
+            dtype=dtype,
+            quantization=quantization,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            pad_heads=pad_heads,
         )
         self._fixed["smoothquant"] = alpha
         self._fixed["device"], self._fixed["sim"] = "jax", None
@@ -304,6 +313,7 @@ class LLM:
         "load_format",
         "tp",
         "pp",
+        "ep",
         "pad_heads",
         "device",
         "sim",
@@ -339,7 +349,7 @@ class LLM:
         other._build_engine({**self._options, **options}, time.perf_counter())
         return other
 
-    def _init_sim(self, model, dtype, quantization, tokenizer, tp, pp, sim) -> None:
+    def _init_sim(self, model, dtype, quantization, tokenizer, tp, pp, ep, sim) -> None:
         """device='sim': the model's shape only (a preset, an HF directory's config.json or a
         GGUF file's metadata), no weights and no JAX; the tokenizer from `tokenizer` or the
         model's own file (a preset's: pass tokenizer=)."""
@@ -372,6 +382,7 @@ class LLM:
             quantization="none",
             tp=tp,
             pp=pp,
+            ep=ep,
             pad_heads=False,
             device="sim",
             sim=sim if sim is not None else SimConfig(),
@@ -405,6 +416,7 @@ class LLM:
         parallel = ParallelConfig(
             tp=fixed["tp"],
             pp=fixed["pp"],
+            ep=fixed["ep"],
             pad_heads=fixed["pad_heads"],
             check_lockstep=o["check_lockstep"],
         )

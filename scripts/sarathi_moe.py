@@ -116,7 +116,7 @@ def run(policy: str, chunk: int, prompt_len: int, output_len: int) -> dict:
         model=model,
         device="sim",
         dtype="bfloat16",
-        parallel=ParallelConfig(tp=FLAGS.tp),
+        parallel=ParallelConfig(tp=FLAGS.tp, ep=FLAGS.ep),
         max_model_len=max_len,
         sim=SimConfig(cost, hardware=FLAGS.hardware, memory_utilization=0.9),
         scheduler=SchedulerConfig(

@@ -79,6 +79,54 @@ def test_experts_mlp_equals_a_per_token_loop(T, E, k, D, F, routing):
     )
 
 
+@pytest.mark.parametrize(
+    "ep, group, T, E, k, F, routing",
+    [
+        (2, 1, 13, 8, 2, 16, "random"),  # T not a multiple of ep: a padding token
+        (4, 1, 9, 8, 2, 16, "one_expert"),  # every pair to one expert group
+        (8, 1, 5, 8, 3, 16, "two_experts"),  # 6 of 8 devices receive nothing
+        (2, 4, 11, 8, 2, 16, "random"),  # EP x TP: each expert's hidden dim split over 4
+        (4, 2, 3, 16, 4, 10, "random"),  # fewer tokens than devices; F 10 % 2: split
+        (2, 2, 6, 4, 2, 9, "random"),  # F 9 % 2 != 0: hidden dims stay whole (replicated)
+    ],
+)
+def test_expert_parallel_mlp_equals_one_device(ep, group, T, E, k, F, routing):
+    """The all-to-all dispatch over 'ep' (and the hidden split over 'tp') on fake devices gives
+    the one-device MoE output, whatever the routing sends where."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from llmjax.config import ParallelConfig
+    from llmjax.model.moe import expert_parallel_mlp
+    from llmjax.parallel.mesh import make_mesh
+
+    D = 16
+    keys = jax.random.split(jax.random.key(ep * 100 + T), 3)
+    x = jax.random.normal(keys[0], (T, D))
+    router = jax.random.normal(keys[1], (D, E))
+    if routing == "one_expert":
+        router = router.at[0, :].set(-20.0).at[0, 1].set(20.0)
+        x = x.at[:, 0].set(jnp.abs(x[:, 0]) + 3.0)
+    elif routing == "two_experts":
+        router = router.at[0, :].set(-20.0).at[0, 2].set(20.0).at[0, 3].set(19.0)
+        router = router.at[0, 5].set(18.0)
+        x = x.at[:, 0].set(jnp.abs(x[:, 0]) + 3.0)
+    weights, experts = route(x, router, k, normalize=True)
+    if routing == "one_expert":
+        assert (np.asarray(experts)[:, 0] == 1).all()
+    ws = _weights(keys[2], E, D, F, jnp.float32)
+    want = np.asarray(experts_mlp(x, weights, experts, *ws))
+    mesh = make_mesh(ParallelConfig(tp=ep * group, ep=ep))
+    split = F % group == 0
+    specs = [P("ep", None, "tp" if split else None)] * 2 + [P("ep", "tp" if split else None)]
+    placed = [jax.device_put(w, NamedSharding(mesh, s)) for w, s in zip(ws, specs, strict=True)]
+    f = jax.jit(lambda *a: expert_parallel_mlp(*a, mesh=mesh))
+    got = f(x, weights, experts, *placed)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    hlo = f.lower(x, weights, experts, *placed).compile().as_text()
+    assert "all-to-all" in hlo  # tokens travel to their experts' devices and back
+
+
 def test_routing_sorting_and_grouped_matmul():
     # route: top-k of the softmax; renormalized or not; ties to the lower index.
     x = jnp.array([[1.0, 0.0], [0.0, 1.0]])
@@ -186,8 +234,12 @@ def test_batched_greedy_equals_hf(baseline, name):
     [
         ("qwen2_moe", dict(prefix_cache="none", num_pages=20, layer_loop="unroll")),  # preempts
         ("qwen3_moe", dict(tp=2)),  # attention heads and every expert's hidden dim split
+        ("mixtral", dict(tp=2, ep=2)),  # 4 whole experts per device
+        ("qwen2_moe", dict(tp=4, ep=2)),  # EP x TP, with the shared expert tensor-parallel
+        ("qwen3_moe", dict(tp=8, ep=8, pad_heads=True)),  # one expert per device
+        ("mixtral", dict(pp=2, tp=2, ep=2)),  # EP inside each pipeline stage
     ],
-    ids=["preempt-unroll", "tp2"],
+    ids=["preempt-unroll", "tp2", "ep2", "ep2xtp2", "ep8", "pp2-ep2"],
 )
 def test_outputs_do_not_depend_on_layout_cache_or_preemption(baseline, name, opts):
     if name not in baseline:
@@ -196,6 +248,50 @@ def test_outputs_do_not_depend_on_layout_cache_or_preemption(baseline, name, opt
     assert got == baseline[name]
     if "num_pages" in opts:
         assert llm.engine.stats.num_preemptions > 0
+    if "ep" in opts:
+        assert llm.engine.runner.mesh.shape["ep"] == opts["ep"]
+        assert llm.engine.num_compiles <= len(llm.engine.buckets.shapes())
+
+
+def test_expert_parallel_step_moves_tokens_and_gathers_no_expert_weight():
+    """The engine's compiled step at tp=2, ep=2: each MoE layer's tokens go to their experts'
+    devices and back by all-to-all (token-sized), and no expert weight is ever gathered."""
+    import re
+
+    from llmjax import LLM
+    from llmjax.engine.batch import SamplingInput
+    from llmjax.model.step_input import StepInput
+
+    path = os.path.join(TESTDATA, "hf_tiny", "mixtral")
+    llm = LLM(path, tp=2, ep=2, layer_loop="unroll", max_num_batched_tokens=16,
+              page_size=4, max_model_len=64, compilation_cache_dir="")  # fmt: skip
+    m = llm.engine.runner.model_config
+    T, S, P = 16, 4, 8
+    step = StepInput(*(np.zeros(s, np.int32) for s in [T, T, T, S + 1, S, (S, P), 1, S]))
+    z = np.zeros(S, np.float32)
+    sampling = SamplingInput(
+        z, z.astype(np.int32), z + 1, z.astype(np.uint32), z.astype(np.int32), all_greedy=False
+    )
+    hlo = llm.engine.runner.lower(step, sampling).compile().as_text()
+    k, D, L = m.num_experts_per_tok, m.hidden_size, m.num_layers
+    a2a = [line for line in hlo.splitlines() if " all-to-all(" in line]
+    # Per layer: the rows there and back (one [1, C, D] block per device, C = T / ep * k) and
+    # the rows' local expert ids there.
+    rows = [line for line in a2a if f"f32[1,{T // 2 * k},{D}]" in line.split("all-to-all(")[0]]
+    assert len(rows) == 2 * L and len(a2a) == 3 * L, a2a
+    gathered = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
+    expert = m.expert_intermediate_size * D
+    assert all(np.prod([int(d) for d in g.split(",")]) < expert for g in gathered), gathered
+
+
+def test_expert_parallelism_is_checked():
+    from llmjax import LLM
+    from llmjax.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="must divide tp"):
+        ParallelConfig(tp=4, ep=3)
+    with pytest.raises(ValueError, match="no experts"):
+        LLM(os.path.join(TESTDATA, "hf_tiny", "llama"), tp=2, ep=2, compilation_cache_dir="")
 
 
 # ---------------------------------------------------------------------------------------------

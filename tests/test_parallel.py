@@ -134,7 +134,7 @@ def test_greedy_outputs_equal_one_device(single_device, model, tp):
     llm, got, got_cached = _generate(model, tp=tp)
     assert got == want
     assert got_cached == cached
-    assert llm.engine.runner.mesh.shape == {"pp": 1, "tp": tp}
+    assert llm.engine.runner.mesh.shape == {"pp": 1, "ep": 1, "tp": tp}
 
 
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])

@@ -33,8 +33,8 @@ def _rects(ax):
 
 def test_device_grid_and_plot_mesh(mesh):
     grid = viz.device_grid(mesh)
-    assert grid.shape == (2, 4)
-    assert grid.tolist() == [[d.id for d in row] for row in mesh.devices]
+    assert grid.shape == (2, 1, 4)  # (pp, ep, tp / ep)
+    assert grid.tolist() == [[[d.id for d in row] for row in group] for group in mesh.devices]
     ax = viz.plot_mesh(mesh)
     assert [t.get_text() for t in ax.texts] == [f"dev {i}" for i in grid.reshape(-1)]
     assert len(_rects(ax)) == 8

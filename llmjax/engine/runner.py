@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -79,7 +80,7 @@ def enable_compilation_cache(cache_dir: str) -> None:
 
 
 class ModelRunner:
-    """Weights, KV pages and the jitted step, on one device or on a (pp, tp) mesh
+    """Weights, KV pages and the jitted step, on one device or on a (pp, ep, tp / ep) mesh
     (`config.parallel`, llmjax/parallel/). `params` come in the model's own layout (numpy or jax
     arrays, or thunks that load a weight); with a mesh each weight is converted to the
     tensor-parallel head layout and placed shard by shard. `model_config` is the model the
@@ -254,19 +255,20 @@ class ModelRunner:
 
             def draft_impl(params, kv_pages, tokens, positions, page_indices, num_proposals):
                 self.num_draft_compiles += 1  # runs only while tracing
-                return draft_proposals(
-                    params,
-                    kv_pages,
-                    tokens,
-                    positions,
-                    page_indices,
-                    num_proposals,
-                    self.model_config,
-                    attention_fn,
-                    num_layers=spec.num_draft_layers,
-                    max_proposals=spec.num_speculative_tokens,
-                    page_size=page_size,
-                )
+                with self._mesh_context():
+                    return draft_proposals(
+                        params,
+                        kv_pages,
+                        tokens,
+                        positions,
+                        page_indices,
+                        num_proposals,
+                        self.model_config,
+                        attention_fn,
+                        num_layers=spec.num_draft_layers,
+                        max_proposals=spec.num_speculative_tokens,
+                        page_size=page_size,
+                    )
 
             self._draft = jax.jit(
                 draft_impl,
@@ -456,8 +458,16 @@ class ModelRunner:
             self.num_compiled_ahead += 1
         else:
             self.num_compiles += 1
-        logits, kv_pages = forward(params, kv_pages, step, model_config, attention_fn)
+        with self._mesh_context():
+            logits, kv_pages = forward(params, kv_pages, step, model_config, attention_fn)
         return greedy_ids(logits), logits, kv_pages
+
+    def _mesh_context(self):
+        """While tracing a step: the engine's mesh in context, for the model's parts that run
+        per device by mesh axis (expert parallelism, llmjax/model/moe.py)."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
 
     @staticmethod
     def _sampling_arrays(sampling: SamplingInput) -> tuple:

@@ -299,7 +299,9 @@ def shard_heads(attention_fn: AttentionFn, mesh) -> AttentionFn:
     heads of a kv head stay on its device: llmjax/parallel/heads.py)."""
     from jax.sharding import PartitionSpec as P
 
-    heads, pages = P(None, "tp", None), P(None, None, "tp", None)
+    from llmjax.parallel.mesh import TP_AXES
+
+    heads, pages = P(None, TP_AXES, None), P(None, None, TP_AXES, None)
 
     def sharded(
         q, k_pages, v_pages, step, *, sm_scale, sliding_window=None, soft_cap=None, new_kv=None
@@ -337,10 +339,12 @@ def make_attention_fn(
     """The attention function of backend `name` ('auto', 'reference', 'pallas' or 'cpu');
     `flash_prefill` ('auto', 'on', 'off'), `pallas_kernel` ('auto' or a kernel's name) and
     `kernel_options` (that kernel's arguments, 'key=value,...'; see EngineConfig) for the pallas
-    backend (see `pallas_attention`); with a `mesh` whose 'tp' axis is > 1, run per device on its
-    heads (`shard_heads`)."""
+    backend (see `pallas_attention`); with a `mesh` of more than one tensor-parallel device, run
+    per device on its heads (`shard_heads`)."""
+    from llmjax.parallel.mesh import TP_AXES, mesh_axes_size
+
     fn = _attention_fn(name, platform, flash_prefill, pallas_kernel, kernel_options)
-    if mesh is not None and mesh.shape.get("tp", 1) > 1:
+    if mesh is not None and mesh_axes_size(mesh, TP_AXES) > 1:
         return shard_heads(fn, mesh)
     return fn
 

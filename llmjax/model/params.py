@@ -143,9 +143,9 @@ def _mlp_specs(config: ModelConfig) -> dict[str, ParamSpec]:
     E, Fe = config.num_experts, config.expert_intermediate_size
     spec = {
         "router": ParamSpec((D, E), ("embed", "router"), fan_in=D),
-        "we_gate": ParamSpec((E, D, Fe), ("experts", "embed", "mlp"), fan_in=D),
-        "we_up": ParamSpec((E, D, Fe), ("experts", "embed", "mlp"), fan_in=D),
-        "we_down": ParamSpec((E, Fe, D), ("experts", "mlp", "embed"), fan_in=Fe),
+        "we_gate": ParamSpec((E, D, Fe), ("experts", "embed", "expert_mlp"), fan_in=D),
+        "we_up": ParamSpec((E, D, Fe), ("experts", "embed", "expert_mlp"), fan_in=D),
+        "we_down": ParamSpec((E, Fe, D), ("experts", "expert_mlp", "embed"), fan_in=Fe),
     }
     Fs = config.shared_expert_intermediate_size
     if Fs:

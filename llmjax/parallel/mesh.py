@@ -1,18 +1,25 @@
 """The device mesh, the one logical-axis -> mesh-axis rules table, and weight placement.
 
 Every weight's `ParamSpec` (llmjax/model/params.py) names its axes (`vocab`, `embed`, `q_heads`,
-`kv_heads`, `head_dim`, `mlp`); `SHARDING_RULES` maps them to mesh axes, and that table alone
-decides the tensor-parallel layout (Megatron's):
+`kv_heads`, `head_dim`, `mlp`, `experts`, `expert_mlp`); `SHARDING_RULES` maps them to mesh
+axes, and that table alone decides the tensor- and expert-parallel layout (Megatron's):
   wq, wk, wv [D, heads, H]  column-parallel (split over heads)
   wo [N, H, D]              row-parallel: the attention output is a partial sum -> all-reduce
   w_gate, w_up [D, F]       column-parallel; w_down [F, D] row-parallel -> all-reduce
   embed [V, D], lm_head     split over the vocabulary
-  norms                     replicated
+  norms, router             replicated
+  we_* [E, D, Fe]           experts split over 'ep', each expert's hidden dim over 'tp'
 XLA's SPMD partitioner inserts the collectives; the attention kernels run per device on the local
-heads (shard_map, llmjax/model/attention.py). An axis whose size the mesh axis does not divide
-(a vocabulary of 49153 at tp=2, say) stays replicated, and the log says so.
+heads (shard_map, llmjax/model/attention.py), and under expert parallelism the experts run per
+device on their own tokens (shard_map with all-to-all, llmjax/model/moe.py). An axis whose size
+the mesh axes do not divide (a vocabulary of 49153 at tp=2, say) stays replicated, and the log
+says so.
 
-Mesh axes: ('pp', 'tp'), pipeline stages x tensor-parallel devices; Auto axis types (GSPMD).
+Mesh axes: ('pp', 'ep', 'tp') of sizes (pp, ep, tp / ep): pipeline stages x the tensor-parallel
+devices, which are ParallelConfig.tp = ep x (tp / ep) devices. Everything tensor-parallel (heads,
+vocabulary, a dense MLP) splits over both of the last two axes, `TP_AXES`; the experts split over
+'ep' and their hidden dims over the rest. With ep = 1 (every dense model) the 'ep' axis has size
+1 and the layout is plain Megatron TP. Auto axis types (GSPMD).
 """
 
 from __future__ import annotations
@@ -31,18 +38,20 @@ from llmjax.parallel.heads import HeadLayout, transform_weight
 
 logger = logging.getLogger(__name__)
 
-MESH_AXES = ("pp", "tp")
+MESH_AXES = ("pp", "ep", "tp")
+TP_AXES = ("ep", "tp")  # the tensor-parallel devices: ParallelConfig.tp of them
 
-# Logical axis -> mesh axis (None: replicated). The only place the TP layout is written down.
-SHARDING_RULES: dict[str, str | None] = {
+# Logical axis -> mesh axis or axes (None: replicated). The only place the layout is written.
+SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,  # the stacked layout's leading axis (llmjax/model/params.py)
-    "vocab": "tp",
+    "vocab": TP_AXES,
     "embed": None,
-    "q_heads": "tp",
-    "kv_heads": "tp",
+    "q_heads": TP_AXES,
+    "kv_heads": TP_AXES,
     "head_dim": None,
-    "mlp": "tp",
-    "experts": None,  # stacked experts [E, ...]: each device holds every expert's mlp slice
+    "mlp": TP_AXES,
+    "experts": "ep",  # stacked experts [E, ...]: E / ep whole experts per expert group
+    "expert_mlp": "tp",  # an expert's hidden dim: split over the devices of its group
     "router": None,  # the router's expert scores [D, E]: replicated
 }
 
@@ -65,7 +74,8 @@ def too_few_devices(what: str, n: int, devices) -> ValueError:
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
-    """A (pp, tp) mesh over the first pp * tp of `devices` (default: all processes' devices)."""
+    """A (pp, ep, tp / ep) mesh over the first pp * tp of `devices` (default: all processes'
+    devices)."""
     devices = list(jax.devices() if devices is None else devices)
     n = parallel.pp * parallel.tp
     if n > len(devices):
@@ -73,31 +83,48 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
             f"ParallelConfig(tp={parallel.tp}, pp={parallel.pp}) needs", n, devices
         )
     return jax.make_mesh(
-        (parallel.pp, parallel.tp),
+        (parallel.pp, parallel.ep, parallel.tp // parallel.ep),
         MESH_AXES,
         axis_types=(AxisType.Auto,) * len(MESH_AXES),
         devices=devices[:n],
     )
 
 
+def mesh_axes_size(mesh: Mesh, axes) -> int:
+    """The number of devices along mesh axis `axes` (a name or a tuple of names; None: 1)."""
+    if axes is None:
+        return 1
+    names = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape.get(a, 1) for a in names]))
+
+
+def _live_axes(mesh: Mesh, axes):
+    """`axes` without the mesh axes of size 1: a name, a tuple of names, or None."""
+    if axes is None:
+        return None
+    names = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
+    return None if not names else names[0] if len(names) == 1 else names
+
+
 def partition_spec(shape, logical_axes, mesh: Mesh, rules=None, name: str = "") -> P:
-    """The PartitionSpec of an array with these logical axes: each axis goes to its mesh axis
-    when that divides it, else it is replicated (logged once per weight)."""
+    """The PartitionSpec of an array with these logical axes: each axis goes to its mesh axes
+    (those of size > 1) when they divide it, else it is replicated (logged once per weight)."""
     rules = SHARDING_RULES if rules is None else rules
     out = []
     for size, axis in zip(shape, logical_axes, strict=True):
-        mesh_axis = rules.get(axis)
-        if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+        mesh_axis = _live_axes(mesh, rules.get(axis))
+        n = mesh_axes_size(mesh, mesh_axis)
+        if mesh_axis is not None and size % n:
             logger.info(
                 "%s: %s axis of size %d not divisible by %s=%d; replicated",
                 name or "array",
                 axis,
                 size,
                 mesh_axis,
-                mesh.shape[mesh_axis],
+                n,
             )
             mesh_axis = None
-        out.append(mesh_axis if mesh_axis is not None and mesh.shape[mesh_axis] > 1 else None)
+        out.append(mesh_axis)
     return P(*out)
 
 

@@ -20,7 +20,8 @@ fewer than tp are repeated, as the engine does), each operator takes
   token's top-k experts (2 x T x k x 3 x D x Fe), and the weights of the experts the step
   actually touches: `expected_experts_touched`, which grows with the batch (one decode reads k
   experts' weights, a 512-token chunk nearly all E); a shared expert is a dense MLP. With expert
-  parallelism (`ep` > 1: the experts split over the tp group's ep devices, each whole) a device
+  parallelism (`ep` > 1, ParallelConfig.ep: the experts split into ep groups of tp / ep devices,
+  which split each expert's hidden dim; ep = tp: each device holds E / tp whole experts) a device
   computes 1/ep of the pairs and reads its share of the touched experts, and the tokens go to
   their experts' devices and back: two all-to-alls of T x k x D activations, of which
   (ep - 1) / ep leave the device (`expert_skew` makes some experts popular: see

@@ -55,8 +55,6 @@ class SimConfig:
         (False: the real tokens, as an unpadded GPU engine runs; see llmjax/sim/roofline.py).
     expert_skew: a mixture of experts' routing skew for 'roofline' (0: uniform; s > 0: expert
         popularity ~ rank ** -s, `llmjax.sim.roofline.expert_inclusion`).
-    ep: the experts' parallelism for 'roofline' (1, or a divisor of tp: see
-        llmjax/sim/roofline.py).
     """
 
     cost_model: object = "roofline"
@@ -65,7 +63,6 @@ class SimConfig:
     memory_utilization: float = 0.9
     padded: bool = False
     expert_skew: float = 0.0
-    ep: int = 1
 
     def __post_init__(self):
         if isinstance(self.cost_model, str):
@@ -97,7 +94,7 @@ def make_cost_model(config: EngineConfig):
             p.tp,
             p.pp,
             sim.padded,
-            ep=sim.ep,
+            ep=p.ep,
             expert_skew=sim.expert_skew,
         )
     if sim.cost_model == "fitted":

@@ -1,7 +1,7 @@
 """Meshes, array shardings and the pipeline's bubble, drawn (colab/05_sharding.ipynb).
 
 Data helpers:
-  device_grid       a mesh's device ids laid out like the mesh ([pp, tp])
+  device_grid       a mesh's device ids laid out like the mesh ([pp, ep, tp / ep])
   shard_blocks      which devices hold which block of an array (from its sharding)
   sharding_table    every array of a pytree: shape, PartitionSpec, per-device shard shape
   record_pipeline   drive an engine to completion, keeping its pipeline counters after each tick
@@ -42,12 +42,16 @@ def _device_color(i: int):
 
 def plot_mesh(mesh, ax=None, *, title: str | None = None):
     """The mesh as a grid: one cell per device (its id), rows along the first mesh axis (pp:
-    pipeline stages), columns along the second (tp: tensor-parallel devices). Cell colors are
+    pipeline stages), columns along the rest (the tensor-parallel devices, ep x tp / ep). Cell colors are
     the device colors `plot_array_sharding` uses. Returns the Axes."""
     grid = device_grid(mesh)
     if grid.ndim == 1:
         grid = grid[None]
     names = tuple(getattr(mesh, "axis_names", ("rows", "cols")))
+    if grid.ndim > 2:  # ('pp', 'ep', 'tp'): the tensor-parallel devices ep x tp in one row
+        grid = grid.reshape(grid.shape[0], -1)
+        live = [n for n in names[1:] if mesh.shape[n] > 1] or [names[-1]]
+        names = (names[0], " x ".join(f"'{n}'" for n in live).strip("'"))
     ax = new_axes(ax, figsize=(1.2 * grid.shape[1] + 1.5, 1.0 * grid.shape[0] + 1.0))
     rows, cols = grid.shape
     for r in range(rows):
@@ -65,7 +69,9 @@ def plot_mesh(mesh, ax=None, *, title: str | None = None):
     ax.set_xlabel(f"'{names[-1]}' index")
     ax.set_ylabel(f"'{names[0]}' index")
     ax.set_aspect("equal")
-    shape = " x ".join(f"{n}={s}" for n, s in dict(mesh.shape).items())
+    shape = " x ".join(  # axes of size 1 but the first left out ('ep' of a dense model)
+        f"{n}={s}" for i, (n, s) in enumerate(dict(mesh.shape).items()) if s > 1 or i == 0
+    )
     ax.set_title(title or f"mesh {shape}", fontsize=10)
     return ax
 
