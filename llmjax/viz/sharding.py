@@ -42,8 +42,8 @@ def _device_color(i: int):
 
 def plot_mesh(mesh, ax=None, *, title: str | None = None):
     """The mesh as a grid: one cell per device (its id), rows along the first mesh axis (pp:
-    pipeline stages), columns along the rest (the tensor-parallel devices, ep x tp / ep). Cell colors are
-    the device colors `plot_array_sharding` uses. Returns the Axes."""
+    pipeline stages), columns along the rest (the tensor-parallel devices, ep x tp / ep). Cell
+    colors are the device colors `plot_array_sharding` uses. Returns the Axes."""
     grid = device_grid(mesh)
     if grid.ndim == 1:
         grid = grid[None]
