@@ -8,7 +8,8 @@ Each token's MLP output is the weighted sum of its top-k experts' gated MLPs (HF
 are kept, their weights renormalized to sum to 1 where the model does (`norm_topk_prob`). No
 token is dropped and there is no capacity factor: the M pairs are sorted by expert so that each
 expert's rows are contiguous, and every projection is one grouped matmul over them
-(`grouped_matmul`: rows [M, Din] with `group_sizes` [E] times per-expert weights [E, Din, Dout]).
+(`grouped_matmul`: rows [M, Din] with `group_sizes` [E] times per-expert weights [E, Din, Dout];
+the platform's kernel from kernels_pallas/grouped_matmul, specified by `jax.lax.ragged_dot`).
 Routing changes only the group sizes, never a shape, so a step compiles once per token bucket.
 
 Qwen2-MoE adds a shared expert every token takes, scaled by sigmoid(x . ws_score).
@@ -54,10 +55,16 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
 
 def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """rows [M, Din] (grouped: the first group_sizes[0] rows are expert 0's, ...) @ w [E, Din,
-    Dout] -> [M, Dout] in rows' dtype (accumulated in float32). `jax.lax.ragged_dot`: the
-    readable reference every grouped-matmul kernel is tested against."""
-    out = jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32)
-    return out.astype(rows.dtype)
+    Dout] -> [M, Dout] in rows' dtype (accumulated in float32), by the platform's grouped
+    matmul (kernels_pallas/grouped_matmul: megablox's kernel on TPU, a tile loop on the CPU,
+    `jax.lax.ragged_dot`, the specification, on GPUs)."""
+    return _grouped(rows, w, group_sizes).astype(rows.dtype)
+
+
+def _grouped(rows, w, group_sizes) -> jax.Array:
+    from kernels_pallas.grouped_matmul import grouped_matmul as kernel
+
+    return kernel(rows, w, group_sizes)
 
 
 def _grouped_mlp(rows, group_sizes, we_gate, we_up, we_down, act) -> jax.Array:
@@ -66,7 +73,7 @@ def _grouped_mlp(rows, group_sizes, we_gate, we_up, we_down, act) -> jax.Array:
     gate = grouped_matmul(rows, we_gate, group_sizes).astype(jnp.float32)  # [M, Fe]
     up = grouped_matmul(rows, we_up, group_sizes).astype(jnp.float32)
     h = (ACTIVATIONS[act](gate) * up).astype(rows.dtype)
-    return jax.lax.ragged_dot(h, we_down, group_sizes, preferred_element_type=jnp.float32)
+    return _grouped(h, we_down, group_sizes)
 
 
 def experts_mlp(
