@@ -13,9 +13,9 @@ way). Per token count T: ms of the jitted MoE MLP (llmjax/model/moe.py: route, s
 grouped matmuls by the platform's kernel), of the dense MLP, their ratio, and one grouped
 matmul (the gate projection) alone by the platform's kernel (kernels_pallas/grouped_matmul: the
 tile loop on the CPU) and by XLA's `ragged_dot`, each beside the same FLOPs as one plain matmul
-(how close a grouped matmul comes to a dense one on this backend). Also the bytes of expert weights a T-token step reads (the experts its tokens touch)
-against the dense MLP's. Medians of --repeats runs, variants interleaved; table to stdout, JSON
-to --json_out.
+(how close a grouped matmul comes to a dense one on this backend). Also the bytes of expert
+weights a T-token step reads (the experts its tokens touch) against the dense MLP's. Medians of
+--repeats runs, variants interleaved; table to stdout, JSON to --json_out.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ def bench_shape(name: str) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
+    from kernels_pallas.grouped_matmul import default_implementation, grouped_matmul_reference
     from llmjax.config import ModelConfig
     from llmjax.model.layers import gated_mlp
-    from kernels_pallas.grouped_matmul import default_implementation, grouped_matmul_reference
     from llmjax.model.moe import grouped_matmul, moe_mlp, route, sort_by_expert
     from llmjax.sim.roofline import expected_experts_touched
 

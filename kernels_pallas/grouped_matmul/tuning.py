@@ -10,7 +10,8 @@ the tile sizes tried; scripts/bench_moe.py has the whole MLP):
 against ragged_dot's 69 (M 32), 347 (512), 127 (128) and 1543 (2048).
 
 `tpu` (megablox's gmm): (tm, tk, tn) = (TPU_TM or M rounded up to 8 if fewer, the largest of
-TPU_TK_TN dividing K, likewise for N); rows padded to a multiple of tm. Not measured on a TPU (none lent yet): megablox's defaults.
+TPU_TK_TN dividing K, likewise for N); rows padded to a multiple of tm. Not measured on a TPU
+(none lent yet): megablox's defaults.
 """
 
 from __future__ import annotations

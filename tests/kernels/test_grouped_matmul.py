@@ -88,7 +88,7 @@ def test_wrapper_checks_and_defaults():
     assert default_implementation("cpu") == "tiled" and default_implementation("tpu") == "tpu"
     assert default_implementation("cuda") == "reference"
     rows, w, sizes = make_case(5, 8, 4, 3, "random", jnp.float32)
-    with pytest.raises(ValueError, match="w.shape"):
+    with pytest.raises(ValueError, match=r"w\.shape"):
         grouped_matmul(rows, w[:, :4], sizes)
     with pytest.raises(ValueError, match="group_sizes"):
         grouped_matmul(rows, w, sizes[:2])
