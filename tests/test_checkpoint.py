@@ -170,7 +170,10 @@ def write_gguf(
     with open(os.path.join(hf_dir(name), "config.json")) as f:
         hf = json.load(f)
     family = {"gemma3_text": "gemma3"}.get(hf["model_type"], hf["model_type"])
-    arch = arch or family
+    names_arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}.get(
+        family, family
+    )  # llama.cpp's architecture for the family: its tensor names
+    arch = arch or names_arch
     n_head, n_kv = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
     rope = hf["rope_parameters"]
@@ -192,6 +195,14 @@ def write_gguf(
     w.add_vocab_size(hf["vocab_size"])
     w.add_bos_token_id(hf["bos_token_id"])
     w.add_eos_token_id(hf["eos_token_id"])
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if experts:  # as llama.cpp's MixtralModel (a llama file), Qwen2MoeModel, Qwen3MoeModel write
+        w.add_expert_count(experts)
+        w.add_expert_used_count(hf["num_experts_per_tok"])
+        if hf.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+        if hf.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(hf["shared_expert_intermediate_size"])
     if rope_global.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope_global["factor"])
@@ -207,24 +218,35 @@ def write_gguf(
             w.add_attention_scale(hf["query_pre_attn_scalar"] ** -0.5)
         if "sliding_attention" in rope:
             w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
-    for hf_name, t in read_hf_tensors(hf_dir(name)).items():
+    tensors = read_hf_tensors(hf_dir(name))
+    if experts:  # each projection's experts stacked [E, out, in] under the merged HF name
+        by_merged = {}
+        for hf_name in list(tensors):
+            m = re.fullmatch(r"(.*\.experts)\.(\d+)(\.\w+\.weight)", hf_name)
+            if m:
+                by_merged.setdefault(m[1] + m[3], {})[int(m[2])] = tensors.pop(hf_name)
+        for merged, per_expert in by_merged.items():
+            tensors[merged] = np.stack([per_expert[e] for e in range(experts)])
+    for hf_name, t in tensors.items():
         if hf_name == drop:
             continue
+        if hf_name.endswith("shared_expert_gate.weight"):
+            t = np.asarray(t).reshape(-1)  # llama.cpp's [D]
         t = np.asarray(t, np.float32)
-        if family == "llama" and ".q_proj." in hf_name:  # only llama's rows are permuted
+        if names_arch == "llama" and ".q_proj." in hf_name:  # only llama's rows are permuted
             t = llama_cpp_permute(t, n_head)
-        elif family == "llama" and ".k_proj." in hf_name:
+        elif names_arch == "llama" and ".k_proj." in hf_name:
             t = llama_cpp_permute(t, n_kv)
         if gemma and hf_name.endswith("norm.weight"):
             t = t + 1.0  # llama.cpp stores Gemma's norms as 1 + w
         if t.ndim == 2 and quant is not None:
             qtype = gguf.GGMLQuantizationType["Q8_0" if "embed" in hf_name else quant]
             data = gguf.quants.quantize(np.ascontiguousarray(t), qtype)
-            w.add_tensor(gguf_name(hf_name, family), data, raw_dtype=qtype)
+            w.add_tensor(gguf_name(hf_name, names_arch), data, raw_dtype=qtype)
             continue
         if t.ndim == 2:
             t = t.astype(dtype)
-        w.add_tensor(gguf_name(hf_name, family), np.ascontiguousarray(t))
+        w.add_tensor(gguf_name(hf_name, names_arch), np.ascontiguousarray(t))
     for gguf_tensor, t in (extra_tensors or {}).items():
         w.add_tensor(gguf_tensor, np.ascontiguousarray(t))
     w.write_header_to_file()
@@ -259,7 +281,11 @@ def test_unpermute_rope_rows_layout():
     np.testing.assert_array_equal(unpermute_rope_rows(w, 1), [0, 1, 2, 3])
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "name",
+    ["llama", "qwen2", "llama_tied", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
+     "qwen3_moe"],
+)  # fmt: skip
 def test_gguf_matches_hf(name, tmp_path):
     path = write_gguf(tmp_path / f"{name}.gguf", name)
     hf_config, hf_params = load_hf(hf_dir(name))
@@ -274,7 +300,8 @@ def test_gguf_matches_hf(name, tmp_path):
     assert_same_params(params, hf_params)
     if name == "qwen2":
         assert config.attention_bias and "bq" in params["layers"][0]
-    if name in ("qwen3", "gemma2", "gemma3"):  # the file's logits are HF's
+    if name in ("qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"):
+        # the file's logits are HF's
         golden = np.load(os.path.join(hf_dir(name), "golden.npz"))
         n = golden["lengths"][0]
         _, gguf_params = load_gguf(path)
@@ -290,6 +317,25 @@ def test_gguf_matches_hf(name, tmp_path):
         chex.assert_trees_all_close(params2, want16, atol=1e-3, rtol=0)
     else:
         assert_same_params(params2, want16)
+
+
+def test_moe_gguf_with_quantized_blocks_runs_as_dequantized(tmp_path):
+    """A Qwen2-MoE GGUF with Q8_0 matrices loaded with quantized=True (quantization='gguf'):
+    attention stays packed, the stacked experts (F32 in the file, 3-D) load as plain arrays, and
+    the logits equal those of the fully dequantized load."""
+    from llmjax.model.quant import is_packed
+
+    path = write_gguf(tmp_path / "moe.gguf", "qwen2_moe", quant="Q8_0")
+    config, packed = load_gguf(path, quantized=True)
+    _, dense = load_gguf(path)
+    layer = packed["layers"][0]
+    assert is_packed(layer["wq"]) and not is_packed(layer["we_gate"])
+    E, D, Fe = config.num_experts, config.hidden_size, config.expert_intermediate_size
+    assert layer["we_gate"].shape == (E, D, Fe)
+    tokens = [5, 17, 42, 99, 3, 64, 7]
+    got = full_logits(packed, config, tokens, page_size=4)
+    want = full_logits(dense, config, tokens, page_size=4)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def llama_cpp_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:

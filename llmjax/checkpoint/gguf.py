@@ -18,11 +18,18 @@ is `{arch}.attention.scale` where the file has it, else llama.cpp's rule (query_
 `{arch}.attention.sliding_window_pattern` (every n-th layer global, or a per-layer flag), else
 llama.cpp's fixed patterns (every 2nd for Gemma 2, every 6th for Gemma 3), and Gemma 3's local
 RoPE base is `{arch}.rope.freq_base_swa`, else 10000.
+
+Mixtures of experts (a `llama` file with `llama.expert_count`: Mixtral; `qwen2moe`, `qwen3moe`):
+`{arch}.expert_count` / `expert_used_count` / `expert_feed_forward_length` /
+`expert_shared_feed_forward_length`; the experts of a layer are one stacked tensor per projection
+(`ffn_gate_exps` [E, Fe, D], ...), read into our stacked layout. With quantization='gguf' the
+experts are dequantized (packed expert weights are not implemented); the rest stays packed.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 
@@ -30,12 +37,17 @@ from llmjax.config import FAMILY_TRAITS, ModelConfig, RopeScaling
 from llmjax.model.params import Params
 
 GGUF_ARCHITECTURES = {
-    "llama": "llama",
+    "llama": "llama",  # Mixtral too: a llama file with {arch}.expert_count
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
 }
+# Whether the top-k routing weights are renormalized, as llama.cpp's graphs do (a file's
+# {arch}.expert_weights_norm, where it has one, decides).
+_MOE_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 _GEMMA = ("gemma2", "gemma3")
 # llama.cpp's defaults for Gemma files without the keys: the global-layer period, soft caps,
 # the 27B shapes' layer counts (their scores are scaled by hidden_size / num_heads).
@@ -59,6 +71,23 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    # A mixture of experts (Qwen's names; Mixtral's in _MIXTRAL_EXPERT_NAMES): the router, the
+    # experts stacked [E, out, in] in one tensor each (read per expert: `_expert_slice`), and
+    # Qwen2-MoE's shared expert with its gate ([D] in the file, [1, D] in HF's).
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+_MIXTRAL_EXPERT_NAMES = {
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.w1.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.w3.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.w2.weight",
 }
 # Gemma's norms around the attention and the MLP (llama.cpp's ffn_norm is the MLP's pre-norm in
 # both; HF calls it post_attention_layernorm in Llama, pre_feedforward_layernorm in Gemma).
@@ -137,6 +166,7 @@ def model_config_from_gguf(reader_or_path) -> ModelConfig:
             f"{source}: unknown architecture general.architecture={arch!r}; supported GGUF "
             f"architectures: {sorted(GGUF_ARCHITECTURES)}"
         )
+    family = _family(reader, arch)
 
     def need(key: str):
         value = _field(reader, f"{arch}.{key}")
@@ -199,15 +229,28 @@ def model_config_from_gguf(reader_or_path) -> ModelConfig:
             extra["rope_local_base_freq"] = float(
                 _field(reader, f"{arch}.rope.freq_base_swa", 10000.0)
             )
+    if family in _MOE_NORM_TOPK:
+        extra |= dict(
+            num_experts=int(need("expert_count")),
+            num_experts_per_tok=int(need("expert_used_count")),
+            norm_topk_prob=bool(
+                _field(reader, f"{arch}.expert_weights_norm", _MOE_NORM_TOPK[family])
+            ),
+        )
+        expert_ff = _field(reader, f"{arch}.expert_feed_forward_length")
+        if expert_ff is not None:
+            extra["moe_intermediate_size"] = int(expert_ff)
+        shared_ff = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+        if shared_ff:
+            extra["shared_expert_intermediate_size"] = int(shared_ff)
     # The family's fixed traits; Q/K/V biases are read off the tensors.
-    traits = {
-        k: v for k, v in FAMILY_TRAITS[GGUF_ARCHITECTURES[arch]].items() if k != "attention_bias"
-    }
+    traits = {k: v for k, v in FAMILY_TRAITS[family].items() if k != "attention_bias"}
+    traits = {k: v for k, v in traits.items() if k not in extra}  # the file's word wins
     return ModelConfig(
         **extra,
         **traits,
         name=_field(reader, "general.name", "") or "",
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=family,
         vocab_size=int(vocab_size),
         hidden_size=int(hidden),
         intermediate_size=int(need("feed_forward_length")),
@@ -226,6 +269,13 @@ def model_config_from_gguf(reader_or_path) -> ModelConfig:
     )
 
 
+def _family(reader, arch: str) -> str:
+    """Our architecture for a file of llama.cpp's `arch` (a llama file with experts: Mixtral)."""
+    if arch == "llama" and _field(reader, "llama.expert_count"):
+        return "mixtral"
+    return GGUF_ARCHITECTURES[arch]
+
+
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's row permutation of a Q/K weight [heads*H, D] (or bias [heads*H])."""
     rest = w.shape[1:]
@@ -233,11 +283,15 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """llama.cpp's tensor name in an `arch` file -> HF's (None: a tensor llmjax does not read)."""
+def hf_name(gguf_name: str, arch: str = "llama", family: str | None = None) -> str | None:
+    """llama.cpp's tensor name in an `arch` file -> HF's (None: a tensor llmjax does not read).
+    A stacked expert tensor maps to HF's per-expert name without the expert index
+    (`...experts.w1.weight`: `_expert_slice` reads expert e of it)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     names = _GEMMA_BLOCK_NAMES if arch in _GEMMA else _BLOCK_NAMES
+    if family == "mixtral":
+        names = {**names, **_MIXTRAL_EXPERT_NAMES}
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
         if rest in names:
@@ -255,6 +309,8 @@ _MATRIX_HF_NAMES = {
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
 }
+# HF's name of expert e's weight -> (the stacked tensor's name without ".{e}", e).
+_EXPERT = re.compile(r"(?P<head>.*\.experts)\.(?P<e>\d+)(?P<tail>\.\w+\.weight)")
 # GGUF block types kept quantized -> their PackedWeight format.
 PACKED_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 
@@ -294,11 +350,25 @@ def load_gguf(
     permuted = arch == "llama"  # llama.cpp's GPT-J-style Q/K rows (see the module doc)
     by_hf_name = {}
     for t in reader.tensors:
-        name = hf_name(t.name, arch)
+        name = hf_name(t.name, arch, config.architecture)
         if name is not None:
             by_hf_name[name] = t
+    stacked = {}  # the last stacked expert tensor read: {hf name: [E, out, in]}
 
     def get(name: str) -> np.ndarray:
+        expert = _EXPERT.fullmatch(name)
+        if expert is not None and name not in by_hf_name:  # expert e of a stacked tensor
+            whole = expert["head"] + expert["tail"]
+            if whole not in stacked:
+                stacked.clear()  # one stacked tensor held at a time
+                stacked[whole] = get(whole)
+            w = stacked[whole]
+            if w.ndim != 3 or w.shape[0] != config.num_experts:
+                raise ValueError(
+                    f"{path}: GGUF tensor for {whole!r} has shape {w.shape}, want "
+                    f"[{config.num_experts}, out, in]"
+                )
+            return w[int(expert["e"])]
         t = by_hf_name.get(name)
         if t is None:
             raise ValueError(f"{path}: GGUF tensor for {name!r} is missing")
@@ -313,6 +383,8 @@ def load_gguf(
             w = unpermute_rope_rows(w, config.num_kv_heads)
         if arch in _GEMMA and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's norms as 1 + w
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # [D] in the file, HF's [1, D]
         return w
 
     if not quantized:
@@ -330,6 +402,8 @@ def load_gguf(
 
     for i, layer in enumerate(params["layers"]):
         for name, in_ndim in MATRICES.items():
+            if name not in layer:  # a mixture of experts' layer: its experts are dequantized
+                continue
             hf = f"model.layers.{i}.{_MATRIX_HF_NAMES[name]}"
             shape = specs["layers"][i][name].shape
             layer[name] = packed_or(layer[name], hf, shape, in_ndim, num_heads=heads.get(name))
