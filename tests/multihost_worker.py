@@ -3,7 +3,10 @@
 processes' devices (tensor parallel, or one pipeline stage per process), with the lockstep check
 on, and writes its outputs as JSON.
 
-    python tests/multihost_worker.py ADDRESS NUM_PROCESSES PROCESS_ID TP PP OUT_JSON
+    python tests/multihost_worker.py ADDRESS NUM_PROCESSES PROCESS_ID TP PP OUT_JSON [MODEL EP]
+
+MODEL: a tiny HF checkpoint's directory (its weights, not dummy ones), with EP expert parallelism
+for a mixture of experts (its all-to-alls then cross the processes).
 """
 
 import json
@@ -11,7 +14,14 @@ import sys
 
 
 def main(
-    address: str, num_processes: int, process_id: int, tp: int, pp: int, out_path: str
+    address: str,
+    num_processes: int,
+    process_id: int,
+    tp: int,
+    pp: int,
+    out_path: str,
+    model: str = "tiny",
+    ep: int = 1,
 ) -> None:
     from llmjax.parallel.distributed import initialize
 
@@ -21,7 +31,10 @@ def main(
     from llmjax import LLM, SamplingParams
     from tests.parallel_cases import ENGINE_OPTS, prompts
 
-    llm = LLM("tiny", tp=tp, pp=pp, check_lockstep=True, **ENGINE_OPTS)
+    opts = dict(ENGINE_OPTS)
+    if model != "tiny":
+        del opts["load_format"]
+    llm = LLM(model, tp=tp, pp=pp, ep=ep, check_lockstep=True, **opts)
     outs = llm.generate(prompts(), SamplingParams(max_tokens=8, ignore_eos=True))
     with open(out_path, "w") as f:
         json.dump(
@@ -39,4 +52,5 @@ def main(
 
 if __name__ == "__main__":
     addr, n, pid, tp, pp, out = sys.argv[1:7]
-    main(addr, int(n), int(pid), int(tp), int(pp), out)
+    rest = sys.argv[7:]
+    main(addr, int(n), int(pid), int(tp), int(pp), out, *rest[:1], *map(int, rest[1:2]))

@@ -265,10 +265,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_two_processes_equal_one(single_device, tmp_path, tp, pp):
-    """tp=2, or pp=2 (a pipeline stage per process), across two processes with one CPU device
-    each (gloo collectives), lockstep check on: both produce the single-device outputs."""
+@pytest.mark.parametrize("tp, pp, ep", [(2, 1, 1), (1, 2, 1), (2, 1, 2)])
+def test_two_processes_equal_one(single_device, tmp_path, tp, pp, ep):
+    """tp=2, or pp=2 (a pipeline stage per process), or tp=2 with ep=2 on the tiny Mixtral
+    (each process holds half the experts; the all-to-alls cross processes), across two
+    processes with one CPU device each (gloo collectives), lockstep check on: both produce the
+    single-device outputs."""
+    model = "tiny" if ep == 1 else os.path.join(ROOT, "tests", "testdata", "hf_tiny", "mixtral")
     address = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
@@ -277,7 +280,7 @@ def test_two_processes_equal_one(single_device, tmp_path, tp, pp):
             [
                 sys.executable,
                 "tests/multihost_worker.py",
-                *(address, "2", str(i), str(tp), str(pp), str(out)),
+                *(address, "2", str(i), str(tp), str(pp), str(out), model, str(ep)),
             ],
             cwd=ROOT,
             env=env,
@@ -294,7 +297,14 @@ def test_two_processes_equal_one(single_device, tmp_path, tp, pp):
             p.kill()
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-3000:]
-    want, cached = single_device["tiny"]
+    if ep == 1:
+        want, cached = single_device["tiny"]
+    else:
+        from tests.parallel_cases import ENGINE_OPTS, prompts
+
+        opts = {k: v for k, v in ENGINE_OPTS.items() if k != "load_format"}
+        outs = LLM(model, **opts).generate(prompts(), SamplingParams(max_tokens=8, ignore_eos=True))
+        want, cached = [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]
     for i in range(2):
         got = json.loads((tmp_path / f"p{i}.json").read_text())
         assert got["process_index"] == i and got["process_count"] == 2
