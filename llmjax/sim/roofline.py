@@ -48,23 +48,13 @@ import math
 
 import numpy as np
 
-from llmjax.config import ModelConfig
+from llmjax.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from llmjax.sim.cost import StepFeatures
 from llmjax.sim.hardware import Hardware, get_hardware
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # SwiGLU / GeGLU: gate, up and down; OPT and Falcon: up, down
-GATED_MLP = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "gemma3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-)
+GATED_MLP = SUPPORTED_ARCHITECTURES  # every family the real engine runs
 
 
 def mlp_matrices(model: ModelConfig) -> int:
