@@ -34,3 +34,17 @@ SMOLLM2_TEXTS = [
     "The capital of France is a city where",  # shares a prefix with the first
 ]
 SMOLLM2_MAX_TOKENS = 8
+
+
+def compiled_step_hlo(llm, T: int = 16, S: int = 4, P: int = 8) -> str:
+    """The optimized HLO of `llm`'s step for a T-token, S-sequence, P-page bucket (zero inputs:
+    only the shapes matter), for tests that read its collectives."""
+    from llmjax.engine.batch import SamplingInput
+    from llmjax.model.step_input import StepInput
+
+    step = StepInput(*(np.zeros(s, np.int32) for s in [T, T, T, S + 1, S, (S, P), 1, S]))
+    z = np.zeros(S, np.float32)
+    sampling = SamplingInput(
+        z, z.astype(np.int32), z + 1, z.astype(np.uint32), z.astype(np.int32), all_greedy=False
+    )
+    return llm.engine.runner.lower(step, sampling).compile().as_text()

@@ -259,20 +259,14 @@ def test_expert_parallel_step_moves_tokens_and_gathers_no_expert_weight():
     import re
 
     from llmjax import LLM
-    from llmjax.engine.batch import SamplingInput
-    from llmjax.model.step_input import StepInput
+    from tests.parallel_cases import compiled_step_hlo
 
     path = os.path.join(TESTDATA, "hf_tiny", "mixtral")
     llm = LLM(path, tp=2, ep=2, layer_loop="unroll", max_num_batched_tokens=16,
               page_size=4, max_model_len=64, compilation_cache_dir="")  # fmt: skip
     m = llm.engine.runner.model_config
-    T, S, P = 16, 4, 8
-    step = StepInput(*(np.zeros(s, np.int32) for s in [T, T, T, S + 1, S, (S, P), 1, S]))
-    z = np.zeros(S, np.float32)
-    sampling = SamplingInput(
-        z, z.astype(np.int32), z + 1, z.astype(np.uint32), z.astype(np.int32), all_greedy=False
-    )
-    hlo = llm.engine.runner.lower(step, sampling).compile().as_text()
+    T = 16
+    hlo = compiled_step_hlo(llm, T)
     k, D, L = m.num_experts_per_tok, m.hidden_size, m.num_layers
     a2a = [line for line in hlo.splitlines() if " all-to-all(" in line]
     # Per layer: the rows there and back (one [1, C, D] block per device, C = T / ep * k) and

@@ -18,7 +18,6 @@ import pytest
 import configs
 from llmjax import LLM, SamplingParams
 from llmjax.config import EngineConfig, ParallelConfig
-from llmjax.engine.batch import SamplingInput
 from llmjax.model.attention import reference_attention
 from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
@@ -31,6 +30,7 @@ from tests.parallel_cases import (
     SMOLLM2_MAX_TOKENS,
     SMOLLM2_OPTS,
     SMOLLM2_TEXTS,
+    compiled_step_hlo,
     prompts,
 )
 
@@ -185,13 +185,8 @@ def test_compiled_step_has_megatrons_collectives_and_gathers_no_weights(layer_lo
     program holds one layer's), one for the vocab-split embedding lookup; the sampler's
     collectives move logits-sized values ([S, ...]); no weight is ever gathered."""
     llm = LLM("tiny", tp=2, layer_loop=layer_loop, **ENGINE_OPTS)
-    T, S, P = 16, 4, 8
-    step = StepInput(*(np.zeros(s, np.int32) for s in [T, T, T, S + 1, S, (S, P), 1, S]))
-    z = np.zeros(S, np.float32)
-    sampling = SamplingInput(
-        z, z.astype(np.int32), z + 1, z.astype(np.uint32), z.astype(np.int32), all_greedy=False
-    )
-    hlo = llm.engine.runner.lower(step, sampling).compile().as_text()
+    T, S = 16, 4
+    hlo = compiled_step_hlo(llm, T, S)
     collectives = re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather)\(", hlo)
     D, L = configs.TINY.hidden_size, configs.TINY.num_layers
     activations = [c for c in collectives if c[2] == "all-reduce" and c[1] == f"{T},{D}"]
@@ -300,8 +295,6 @@ def test_two_processes_equal_one(single_device, tmp_path, tp, pp, ep):
     if ep == 1:
         want, cached = single_device["tiny"]
     else:
-        from tests.parallel_cases import ENGINE_OPTS, prompts
-
         opts = {k: v for k, v in ENGINE_OPTS.items() if k != "load_format"}
         outs = LLM(model, **opts).generate(prompts(), SamplingParams(max_tokens=8, ignore_eos=True))
         want, cached = [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]
