@@ -49,6 +49,8 @@ TARGETS = {
     "LlmjaxRaggedPagedAttention": "llmjax_cpu_ragged_paged_attention",
     "LlmjaxQmatmul": "llmjax_cpu_qmatmul",
     "LlmjaxDenseMatmul": "llmjax_cpu_dense_matmul",
+    "LlmjaxGroupedQmatmul": "llmjax_cpu_grouped_qmatmul",
+    "LlmjaxGroupedDenseMatmul": "llmjax_cpu_grouped_dense_matmul",
 }
 
 

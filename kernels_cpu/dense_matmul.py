@@ -30,7 +30,14 @@ and the index, and XLA copies no slice. Out-of-range layers are clamped to [0, L
 DynamicSlice clamps (negative ones to 0: not wrapped from the end as `lax.dynamic_slice`'s
 Python-style negative indices are).
 
-Where it wins against XLA's own dot: scripts/bench_dense_matmul.py measures it per T.
+`grouped_dense_matmul` is the grouped form a mixture of experts runs (llmjax/model/moe.py): rows
+[M, in] in groups, group g's rows times group g's matrix of w [G, out, in] (or [L, G, out, in]
+with `layer`), each group one product as above over its rows, reading its matrix in place: a
+decode step's few rows read only the experts they were routed to. Specification:
+`jax.lax.ragged_dot` with w transposed (rows past the groups give zeros).
+
+Where it wins against XLA's own dot: scripts/bench_dense_matmul.py measures it per T;
+scripts/bench_moe.py the grouped form against the tiled jnp loop.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import numpy as np
 from kernels_cpu.build import load
 
 TARGET = "llmjax_cpu_dense_matmul"
+GROUPED_TARGET = "llmjax_cpu_grouped_dense_matmul"
 DTYPES = (jnp.float32, jnp.bfloat16)
 W_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
@@ -78,6 +86,59 @@ def dense_matmul(x, w, *, layer=None) -> jax.Array:
     layer = layer.astype(jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((T, out), jnp.float32))
     return call(x, w, layer)
+
+
+def _layer_index(layer) -> jax.Array:
+    layer = jnp.asarray(layer)
+    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer must be an integer scalar: {layer.shape=} {layer.dtype=}")
+    return layer.astype(jnp.int32)
+
+
+def grouped_dense_matmul(x, w, group_sizes, *, layer=None) -> jax.Array:
+    """y[M, out] float32: the rows of x [M, in] in groups (group g's group_sizes[g] rows after
+    group g-1's) each times its group's matrix of w [G, out, in] transposed; rows past the
+    groups give zeros (negative sizes count as 0; groups reaching past M are cut at M).
+
+    w is [G, out, in], or [L, G, out, in] with `layer` (an integer scalar, may be traced) picking
+    one, clamped to [0, L). Per row, the result is `dense_matmul` of that row with its group's
+    matrix (the same arithmetic). Raises ValueError for shapes or dtypes it does not take,
+    KernelsUnavailable where the kernels do not build."""
+    load()
+    x_dtype, w_dtype = jnp.dtype(x.dtype), jnp.dtype(w.dtype)
+    if x.ndim != 2 or x_dtype not in DTYPES:
+        raise ValueError(f"want x [M, in] of float32 or bfloat16: {x.shape=} {x.dtype=}")
+    if w_dtype not in W_DTYPES:
+        raise ValueError(f"want w of float32, bfloat16 or int8: {w.dtype=}")
+    if layer is None:
+        if w.ndim != 3:
+            raise ValueError(f"want w [G, out, in] (no layer given): {w.shape=}")
+        w, layer = w[None], 0
+    elif w.ndim != 4:
+        raise ValueError(f"want w [L, G, out, in] (layer given): {w.shape=}")
+    M, n_in = x.shape
+    _, G, out, w_in = w.shape
+    if w_in != n_in or n_in < 1 or out < 1 or G < 1:
+        raise ValueError(f"want w [.., G >= 1, out >= 1, in={n_in} >= 1]: {x.shape=} {w.shape=}")
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.shape != (G,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"want integer group_sizes [G={G}]: {group_sizes.shape=}")
+    call = jax.ffi.ffi_call(GROUPED_TARGET, jax.ShapeDtypeStruct((M, out), jnp.float32))
+    return call(x, w, group_sizes.astype(jnp.int32), _layer_index(layer))
+
+
+def grouped_dense_matmul_reference(x, w, group_sizes) -> np.ndarray:
+    """What the grouped kernel computes, in float64: each group's rows by dense_matmul_reference
+    with its matrix, zeros past the groups."""
+    x, w = np.asarray(x), np.asarray(w)
+    y = np.zeros((x.shape[0], w.shape[1]), np.float64)
+    start = 0
+    for g, size in enumerate(np.maximum(np.asarray(group_sizes), 0)):
+        end = min(start + int(size), x.shape[0])
+        if end > start:
+            y[start:end] = dense_matmul_reference(x[start:end], w[g])
+        start = end
+    return y
 
 
 def dense_matmul_reference(x, w) -> np.ndarray:

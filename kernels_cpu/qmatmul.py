@@ -34,6 +34,11 @@ quantized: the error against x @ W.T is at most sum_i |x - x_hat|_i |W[o, i]| <=
 scalar, the kernel reads that layer in place, so a `lax.scan` over layers can pass the whole stack
 (loop-invariant) and the index, and XLA copies no slice. Out-of-range layers are clamped, as
 `lax.dynamic_slice` clamps.
+
+`grouped_qmatmul` is the grouped form a mixture of experts runs (llmjax/model/moe.py): rows
+[M, in] in groups, group g's rows times group g's matrix of a stack [G, out, ...] (or [L, G, out,
+...] with `layer`); each group's rows are quantized and multiplied on their own, so every row gets
+exactly what `qmatmul` gives it with its group's matrix.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import numpy as np
 from kernels_cpu.build import load
 
 TARGET = "llmjax_cpu_qmatmul"
+GROUPED_TARGET = "llmjax_cpu_grouped_qmatmul"
 FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
 BLOCK = 32
 MAX_IN = 65536  # int8's int32 sums of (values + 128) * q stay in range up to here
@@ -60,24 +66,19 @@ def _weight_shapes(fmt: str, out: int, n_in: int) -> tuple[tuple, np.dtype, tupl
     return (out, n_in // 2), np.dtype(np.uint8), (out, n_in // BLOCK)
 
 
-def qmatmul(x, values, scales, mins=None, *, fmt: str, layer=None) -> jax.Array:
-    """y[T, out] = x[T, in] @ dequantize(W).T  (float32 result; x float32 or bfloat16).
-
-    values / scales / mins as the module docstring says for `fmt`, with a leading layer axis
-    [L, ...] when `layer` (an int32 scalar, may be traced) is given. Raises ValueError for shapes
-    or dtypes it does not take, KernelsUnavailable where the kernels do not build."""
-    load()
+def _check(x, values, scales, mins, fmt: str, lead: tuple) -> int:
+    """Raise ValueError unless the arrays fit `fmt` with leading axes `lead`; returns out."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}: {fmt!r}")
     if x.ndim != 2 or x.dtype not in X_DTYPES:
         raise ValueError(f"want x [T, in] of {X_DTYPES}: {x.shape=} {x.dtype=}")
-    T, n_in = x.shape
+    n_in = x.shape[1]
     if n_in % BLOCK or not 0 < n_in <= MAX_IN:
         raise ValueError(f"in={n_in} must be a positive multiple of {BLOCK}, at most {MAX_IN}")
-    lead = () if layer is None else values.shape[:1]
     if values.ndim != 2 + len(lead):
-        want = "[L, out, *] (layer given)" if lead else "[out, *] (no layer)"
-        raise ValueError(f"want values {want}: {values.shape=}")
+        raise ValueError(
+            f"want values [{', '.join(['*'] * len(lead) + ['out', '*'])}]: {values.shape=}"
+        )
     out = values.shape[len(lead)]
     if out % 32:
         raise ValueError(f"out={out} must be a multiple of 32")
@@ -98,16 +99,66 @@ def qmatmul(x, values, scales, mins=None, *, fmt: str, layer=None) -> jax.Array:
             )
     elif mins is not None:
         raise ValueError(f"{fmt} takes no mins")
+    return out
+
+
+def _layer_index(layer) -> jax.Array:
+    layer = jnp.asarray(layer, jnp.int32)
+    if layer.shape != ():
+        raise ValueError(f"layer must be a scalar: {layer.shape=}")
+    return layer
+
+
+def qmatmul(x, values, scales, mins=None, *, fmt: str, layer=None) -> jax.Array:
+    """y[T, out] = x[T, in] @ dequantize(W).T  (float32 result; x float32 or bfloat16).
+
+    values / scales / mins as the module docstring says for `fmt`, with a leading layer axis
+    [L, ...] when `layer` (an int32 scalar, may be traced) is given. Raises ValueError for shapes
+    or dtypes it does not take, KernelsUnavailable where the kernels do not build."""
+    load()
+    lead = () if layer is None else values.shape[:1]
+    out = _check(x, values, scales, mins, fmt, lead)
     if layer is None:  # one layer: a unit leading axis (a bitcast, no copy)
         values, scales = values[None], scales[None]
         mins = None if mins is None else mins[None]
         layer = 0
-    layer = jnp.asarray(layer, jnp.int32)
-    if layer.shape != ():
-        raise ValueError(f"layer must be a scalar: {layer.shape=}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((T, out), jnp.float32))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))
     # the formats without mins get the scales in their place (unread)
-    return call(x, values, scales, scales if mins is None else mins, layer, fmt=fmt)
+    return call(x, values, scales, scales if mins is None else mins, _layer_index(layer), fmt=fmt)
+
+
+def grouped_qmatmul(
+    x, values, scales, mins=None, *, group_sizes, fmt: str, layer=None
+) -> jax.Array:
+    """y[M, out] float32: the rows of x [M, in] in groups (group g's group_sizes[g] rows after
+    group g-1's) each times its group's dequantized matrix (transposed); rows past the groups
+    give zeros (negative sizes count as 0; groups reaching past M are cut at M).
+
+    values / scales / mins as for `qmatmul` with a leading group axis [G, ...], or [L, G, ...]
+    with `layer` (an int32 scalar, may be traced; clamped). Row by row the result is `qmatmul`'s
+    for that row and its group's matrix. Raises ValueError for shapes or dtypes it does not
+    take, KernelsUnavailable where the kernels do not build."""
+    load()
+    lead = values.shape[:1] if layer is None else values.shape[:2]
+    out = _check(x, values, scales, mins, fmt, lead)
+    if layer is None:
+        values, scales = values[None], scales[None]
+        mins = None if mins is None else mins[None]
+        layer = 0
+    G = values.shape[1]
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.shape != (G,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"want integer group_sizes [G={G}]: {group_sizes.shape=}")
+    call = jax.ffi.ffi_call(GROUPED_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))
+    return call(
+        x,
+        values,
+        scales,
+        scales if mins is None else mins,
+        group_sizes.astype(jnp.int32),
+        _layer_index(layer),
+        fmt=fmt,
+    )
 
 
 def _dequantize(values, scales, mins, fmt: str, dtype) -> np.ndarray:
@@ -159,3 +210,20 @@ def qmatmul_reference(x, values, scales, mins, fmt: str) -> np.ndarray:
     x_hat = (q.astype(np.float64).reshape(T, d.shape[1], -1) * d[..., None]).reshape(T, n_in)
     w = _dequantize(values, scales, mins, fmt, np.float64)
     return (x_hat @ w.T).astype(np.float32)
+
+
+def grouped_qmatmul_reference(x, values, scales, mins, group_sizes, fmt: str) -> np.ndarray:
+    """What the grouped kernel computes: each group's rows by qmatmul_reference with its
+    matrix, zeros past the groups."""
+    x = np.asarray(x)
+    y = np.zeros((x.shape[0], np.shape(values)[1]), np.float32)
+    start = 0
+    for g, size in enumerate(np.maximum(np.asarray(group_sizes), 0)):
+        end = min(start + int(size), x.shape[0])
+        if end > start:
+            m = None if mins is None else np.asarray(mins)[g]
+            y[start:end] = qmatmul_reference(
+                x[start:end], np.asarray(values)[g], np.asarray(scales)[g], m, fmt
+            )
+        start = end
+    return y

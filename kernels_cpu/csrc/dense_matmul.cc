@@ -763,43 +763,35 @@ void float_x_dots(ffi::ThreadPool& pool, const W* w, int64_t in, int64_t out, co
 #endif
 }
 
-ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != xd[1] || wd[0] < 1 || xd[1] < 1)
-    return ffi::Error::InvalidArgument("dense_matmul: want x [T, in], w [L, out, in]");
-  const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
-  const bool w_bf16 = w.element_type() == ffi::DataType::BF16;
-  const bool w_i8 = w.element_type() == ffi::DataType::S8;
-  if (!(x_bf16 || x.element_type() == ffi::DataType::F32) ||
-      !(w_bf16 || w_i8 || w.element_type() == ffi::DataType::F32))
-    return ffi::Error::InvalidArgument(
-        "dense_matmul: x must be float32 or bfloat16, w float32, bfloat16 or int8");
-  const int64_t T = xd[0], in = xd[1], L = wd[0], out = wd[1];
-  if (T == 0 || out == 0) return ffi::Error::Success();
-  // the layer, clamped as dynamic_slice clamps
-  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
-  float* yp = y->typed_data();
-  const float* xf = static_cast<const float*>(x.untyped_data());
-  const uint16_t* xh = static_cast<const uint16_t*>(x.untyped_data());
+// The element size of an accepted weight dtype.
+int64_t w_bytes(ffi::DataType t) {
+  return t == ffi::DataType::BF16 ? 2 : t == ffi::DataType::S8 ? 1 : 4;
+}
+
+// One matrix's product y [T, out] = x [T, in] @ W^T: x float32 or bfloat16 at `xv`, W [out, in]
+// at `wv` of dtype `wt` (float32, bfloat16 or int8), each a row's stride apart.
+void dense_product(ffi::ThreadPool& pool, const void* xv, bool x_bf16, int64_t T, int64_t in,
+                   const void* wv, ffi::DataType wt, int64_t out, float* yp) {
+  if (T == 0 || out == 0) return;
+  const float* xf = static_cast<const float*>(xv);
+  const uint16_t* xh = static_cast<const uint16_t*>(xv);
   thread_local std::vector<float> xf_scratch;  // reused by this thread's calls
   thread_local std::vector<uint16_t> xh_scratch;
 
-  if (!w_bf16) {  // float32 or int8 weights: x in float32 (bfloat16 x widened, exact)
+  if (wt != ffi::DataType::BF16) {  // float32 or int8 weights: x in float32 (bf16 x widened)
     if (x_bf16) {
       float* buf = aligned64(xf_scratch, T * in);
       to_f32(pool, xh, T, in, false, buf);
       xf = buf;
     }
-    const int64_t at = l * out * in;
-    if (w_i8)
-      float_x_dots(pool, static_cast<const int8_t*>(w.untyped_data()) + at, in, out, xf, T, yp);
+    if (wt == ffi::DataType::S8)
+      float_x_dots(pool, static_cast<const int8_t*>(wv), in, out, xf, T, yp);
     else
-      float_x_dots(pool, static_cast<const float*>(w.untyped_data()) + at, in, out, xf, T, yp);
-    return ffi::Error::Success();
+      float_x_dots(pool, static_cast<const float*>(wv), in, out, xf, T, yp);
+    return;
   }
 
-  const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data()) + l * out * in;
+  const uint16_t* wp = static_cast<const uint16_t*>(wv);
   int64_t done = 0;  // outputs [0, done) computed
 #if LLMJAX_DENSE_AMX
   if (T >= kAmxMinTokens && in % 32 == 0 && out >= 16 && amx_usable()) {
@@ -808,7 +800,7 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       amx_dots(pool, wp, in, out, xh, T, done, yp);
     else
       amx_dots(pool, wp, in, out, xf, T, done, yp);
-    if (done == out) return ffi::Error::Success();
+    if (done == out) return;
   }
 #endif
 #if LLMJAX_DENSE_BF16DOT
@@ -832,6 +824,64 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   portable_dots(pool, wp, in, out, buf, T, yp);
 #endif
 #endif
+}
+
+// The dtypes both entry points take; an error message, or nullptr.
+const char* check_dtypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w) {
+  const auto xt = x.element_type(), wt = w.element_type();
+  if ((xt == ffi::DataType::BF16 || xt == ffi::DataType::F32) &&
+      (wt == ffi::DataType::BF16 || wt == ffi::DataType::S8 || wt == ffi::DataType::F32))
+    return nullptr;
+  return "dense_matmul: x must be float32 or bfloat16, w float32, bfloat16 or int8";
+}
+
+ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != xd[1] || wd[0] < 1 || xd[1] < 1)
+    return ffi::Error::InvalidArgument("dense_matmul: want x [T, in], w [L, out, in]");
+  if (const char* e = check_dtypes(x, w)) return ffi::Error::InvalidArgument(e);
+  const int64_t T = xd[0], in = xd[1], L = wd[0], out = wd[1];
+  // the layer, clamped as dynamic_slice clamps
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  const auto wt = w.element_type();
+  const char* wp = static_cast<const char*>(w.untyped_data()) + l * out * in * w_bytes(wt);
+  dense_product(pool, x.untyped_data(), x.element_type() == ffi::DataType::BF16, T, in, wp, wt,
+                out, y->typed_data());
+  return ffi::Error::Success();
+}
+
+// The grouped form (a mixture of experts' projections): rows x [M, in] in groups, group g's
+// group_sizes[g] rows after group g-1's, times that group's matrix of w [L, G, out, in] (layer
+// `layer`, clamped): y [M, out], each group one dense_product over its rows, so a decode step's
+// few rows read only the experts they were routed to, in place. Rows past the groups give zeros;
+// negative sizes count as 0, and groups reaching past M are cut at M.
+ffi::Error GroupedDenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                              ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> layer,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), gd = group_sizes.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != xd[1] || wd[0] < 1 || xd[1] < 1 ||
+      gd.size() != 1 || gd[0] != wd[1])
+    return ffi::Error::InvalidArgument(
+        "grouped_dense_matmul: want x [M, in], w [L, G, out, in], group_sizes [G]");
+  if (const char* e = check_dtypes(x, w)) return ffi::Error::InvalidArgument(e);
+  const int64_t M = xd[0], in = xd[1], L = wd[0], G = wd[1], out = wd[2];
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  const auto wt = w.element_type();
+  const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
+  const int64_t x_row = in * (x_bf16 ? 2 : 4), w_mat = out * in * w_bytes(wt);
+  const char* xp = static_cast<const char*>(x.untyped_data());
+  const char* wp = static_cast<const char*>(w.untyped_data()) + l * G * w_mat;
+  float* yp = y->typed_data();
+  int64_t start = 0;
+  for (int64_t g = 0; g < G && start < M; ++g) {
+    const int64_t rows = std::min<int64_t>(std::max<int32_t>(group_sizes.typed_data()[g], 0),
+                                           M - start);
+    dense_product(pool, xp + start * x_row, x_bf16, rows, in, wp + g * w_mat, wt, out,
+                  yp + start * out);
+    start += rows;
+  }
+  std::fill(yp + start * out, yp + M * out, 0.0f);
   return ffi::Error::Success();
 }
 
@@ -867,5 +917,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxDenseMatmul, llmjax_cpu::DenseMatmul,
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxGroupedDenseMatmul, llmjax_cpu::GroupedDenseMatmul,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());

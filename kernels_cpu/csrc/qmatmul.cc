@@ -827,46 +827,20 @@ bool parse(std::string_view name, Fmt& fmt) {
   return true;
 }
 
-ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
-                   ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
-                   ffi::Buffer<ffi::S32> layer, std::string_view fmt_name,
-                   ffi::ResultBuffer<ffi::F32> y) {
-  Fmt fmt;
-  if (!parse(fmt_name, fmt)) return ffi::Error::InvalidArgument("fmt: int8, q8_0, q4_0 or q4_1");
-  auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions();
-  if (xd.size() != 2 || vd.size() != 3 || sd.size() != (fmt == Fmt::kInt8 ? 2u : 3u))
-    return ffi::Error::InvalidArgument("want x [T, in], values [L, out, *], scales [L, out, *]");
-  const int64_t T = xd[0], in = xd[1], L = vd[0], out = vd[1];
-  const bool q4 = fmt == Fmt::kQ4_0 || fmt == Fmt::kQ4_1;
-  const auto want_values = q4 ? ffi::DataType::U8 : ffi::DataType::S8;
-  if (in % kBlock || out % kItemO || vd[2] != (q4 ? in / 2 : in) || values.element_type() != want_values ||
-      sd[0] != L || sd[1] != out || (fmt != Fmt::kInt8 && sd[2] != in / kBlock))
-    return ffi::Error::InvalidArgument("qmatmul: shapes or dtypes do not match the format");
-  auto md = mins.dimensions();
-  if (fmt == Fmt::kQ4_1 && !(md.size() == 3 && md[0] == L && md[1] == out && md[2] == sd[2]))
-    return ffi::Error::InvalidArgument("qmatmul: q4_1 wants mins shaped as the scales");
-  if (T == 0) return ffi::Error::Success();
-  // the layer, clamped as dynamic_slice clamps
-  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
-  Weights w;
-  w.fmt = fmt;
-  w.in = in;
-  w.out = out;
-  w.nb = in / kBlock;
-  w.row_bytes = vd[2];
-  w.values = static_cast<const uint8_t*>(values.untyped_data()) + l * out * w.row_bytes;
-  const int64_t scales_per_layer = fmt == Fmt::kInt8 ? out : out * w.nb;
-  w.scales = scales.typed_data() + l * scales_per_layer;
-  w.mins = fmt == Fmt::kQ4_1 ? mins.typed_data() + l * scales_per_layer : nullptr;
-
+// One matrix's product y [T, out] = x [T, in] @ dequantize(W)^T: the activations quantized
+// (once per call, into this thread's scratch), then the dots of the format.
+template <typename E>
+void qmatmul_product(ffi::ThreadPool& pool, const E* x, int64_t T, const Weights& w, float* yp) {
+  if (T == 0) return;
+  const int64_t in = w.in;
   thread_local Acts a;  // reused by the calls on this thread; parallel_for returns when done
-  a.tiles = use_amx(fmt, T);
+  a.tiles = use_amx(w.fmt, T);
   const int64_t rows = a.tiles ? (T + kTile - 1) / kTile : T;
   if (a.tiles) {
     a.q_stride = round_up(in, 64) * kTile;
-    a.d_stride = fmt == Fmt::kInt8 ? kTile : w.nb * kTile;
-    a.c_stride = fmt == Fmt::kQ4_1 ? w.nb * kTile : 0;
-  } else if (fmt == Fmt::kInt8) {
+    a.d_stride = w.fmt == Fmt::kInt8 ? kTile : w.nb * kTile;
+    a.c_stride = w.fmt == Fmt::kQ4_1 ? w.nb * kTile : 0;
+  } else if (w.fmt == Fmt::kInt8) {
     a.q_stride = round_up(in, 64);
     a.d_stride = 1;
     a.c_stride = 0;
@@ -879,21 +853,123 @@ ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values
   a.q.resize(rows * a.q_stride);
   a.d.resize(rows * a.d_stride);
   a.c.resize(rows * a.c_stride);
-
-  if (x.element_type() == ffi::DataType::F32)
-    quantize_all(pool, static_cast<const float*>(x.untyped_data()), w, T, a);
-  else if (x.element_type() == ffi::DataType::BF16)
-    quantize_all(pool, static_cast<const uint16_t*>(x.untyped_data()), w, T, a);
-  else
-    return ffi::Error::InvalidArgument("qmatmul: x must be float32 or bfloat16");
-
-  float* yp = y->typed_data();
-  switch (fmt) {
+  quantize_all(pool, x, w, T, a);
+  switch (w.fmt) {
     case Fmt::kInt8: dots<Fmt::kInt8>(pool, w, a, T, yp); break;
     case Fmt::kQ8_0: dots<Fmt::kQ8_0>(pool, w, a, T, yp); break;
     case Fmt::kQ4_0: dots<Fmt::kQ4_0>(pool, w, a, T, yp); break;
     case Fmt::kQ4_1: dots<Fmt::kQ4_1>(pool, w, a, T, yp); break;
   }
+}
+
+// The matrices of a stack: values [N, out, row_bytes], scales (and mins) [N, out(, nb)], checked
+// against x [T, in] and the format. `lead` leading axes make up N (1: layers; 2: layers, groups).
+struct Stack {
+  Fmt fmt;
+  int64_t in, out, row_bytes, count;
+  const uint8_t* values;
+  const float* scales;
+  const float* mins;
+  int64_t scales_per_matrix() const { return fmt == Fmt::kInt8 ? out : out * (in / kBlock); }
+  Weights at(int64_t i) const {
+    Weights w;
+    w.fmt = fmt;
+    w.in = in;
+    w.out = out;
+    w.nb = in / kBlock;
+    w.row_bytes = row_bytes;
+    w.values = values + i * out * row_bytes;
+    w.scales = scales + i * scales_per_matrix();
+    w.mins = fmt == Fmt::kQ4_1 ? mins + i * scales_per_matrix() : nullptr;
+    return w;
+  }
+};
+
+// An error message, or nullptr with `st` filled in.
+const char* stack_of(std::string_view fmt_name, const ffi::AnyBuffer& x,
+                     const ffi::AnyBuffer& values, const ffi::Buffer<ffi::F32>& scales,
+                     const ffi::Buffer<ffi::F32>& mins, size_t lead, Stack& st) {
+  if (!parse(fmt_name, st.fmt)) return "fmt: int8, q8_0, q4_0 or q4_1";
+  const Fmt fmt = st.fmt;
+  auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions();
+  if (xd.size() != 2 || vd.size() != lead + 2 || sd.size() != lead + (fmt == Fmt::kInt8 ? 1 : 2))
+    return "qmatmul: want x [T, in], values [lead..., out, *], scales [lead..., out, *]";
+  if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
+    return "qmatmul: x must be float32 or bfloat16";
+  st.count = 1;
+  for (size_t i = 0; i < lead; ++i) {
+    if (sd[i] != vd[i] || vd[i] < 1) return "qmatmul: values and scales differ in leading axes";
+    st.count *= vd[i];
+  }
+  st.in = xd[1];
+  st.out = vd[lead];
+  const bool q4 = fmt == Fmt::kQ4_0 || fmt == Fmt::kQ4_1;
+  const auto want_values = q4 ? ffi::DataType::U8 : ffi::DataType::S8;
+  if (st.in % kBlock || st.out % kItemO || vd[lead + 1] != (q4 ? st.in / 2 : st.in) ||
+      values.element_type() != want_values || sd[lead] != st.out ||
+      (fmt != Fmt::kInt8 && sd[lead + 1] != st.in / kBlock))
+    return "qmatmul: shapes or dtypes do not match the format";
+  auto md = mins.dimensions();
+  if (fmt == Fmt::kQ4_1) {
+    bool same = md.size() == sd.size();
+    for (size_t i = 0; same && i < sd.size(); ++i) same = md[i] == sd[i];
+    if (!same) return "qmatmul: q4_1 wants mins shaped as the scales";
+  }
+  st.row_bytes = vd[lead + 1];
+  st.values = static_cast<const uint8_t*>(values.untyped_data());
+  st.scales = scales.typed_data();
+  st.mins = fmt == Fmt::kQ4_1 ? mins.typed_data() : nullptr;
+  return nullptr;
+}
+
+void product(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, int64_t row0, int64_t T,
+             const Weights& w, float* yp) {
+  if (x.element_type() == ffi::DataType::F32)
+    qmatmul_product(pool, static_cast<const float*>(x.untyped_data()) + row0 * w.in, T, w, yp);
+  else
+    qmatmul_product(pool, static_cast<const uint16_t*>(x.untyped_data()) + row0 * w.in, T, w,
+                    yp);
+}
+
+ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                   ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
+                   ffi::Buffer<ffi::S32> layer, std::string_view fmt_name,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  Stack st;
+  if (const char* e = stack_of(fmt_name, x, values, scales, mins, 1, st))
+    return ffi::Error::InvalidArgument(e);
+  // the layer, clamped as dynamic_slice clamps
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, st.count - 1);
+  product(pool, x, 0, x.dimensions()[0], st.at(l), y->typed_data());
+  return ffi::Error::Success();
+}
+
+// The grouped form (a mixture of experts' projections): rows x [M, in] in groups, group g's
+// group_sizes[g] rows after group g-1's, times that group's matrix of the stack [L, G, out, *]
+// (layer `layer`, clamped): y [M, out]; each group's rows quantized and multiplied on their own,
+// so the result for a row is what `Qmatmul` gives for it with its group's matrix. Rows past the
+// groups give zeros; negative sizes count as 0, and groups reaching past M are cut at M.
+ffi::Error GroupedQmatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                          ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
+                          ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> layer,
+                          std::string_view fmt_name, ffi::ResultBuffer<ffi::F32> y) {
+  Stack st;
+  if (const char* e = stack_of(fmt_name, x, values, scales, mins, 2, st))
+    return ffi::Error::InvalidArgument(e);
+  const int64_t G = values.dimensions()[1], L = values.dimensions()[0];
+  if (group_sizes.dimensions().size() != 1 || group_sizes.dimensions()[0] != G)
+    return ffi::Error::InvalidArgument("grouped_qmatmul: want group_sizes [G]");
+  const int64_t M = x.dimensions()[0];
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  float* yp = y->typed_data();
+  int64_t start = 0;
+  for (int64_t g = 0; g < G && start < M; ++g) {
+    const int64_t rows = std::min<int64_t>(std::max<int32_t>(group_sizes.typed_data()[g], 0),
+                                           M - start);
+    product(pool, x, start, rows, st.at(l * G + g), yp + start * st.out);
+    start += rows;
+  }
+  std::fill(yp + start * st.out, yp + M * st.out, 0.0f);
   return ffi::Error::Success();
 }
 
@@ -914,6 +990,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxQmatmul, llmjax_cpu::Qmatmul,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Attr<std::string_view>("fmt")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxGroupedQmatmul, llmjax_cpu::GroupedQmatmul,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Attr<std::string_view>("fmt")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
