@@ -274,11 +274,15 @@ class LLM:
         self._model_config, params, self.tokenizer = _load(
             model, dtype, load_format, tokenizer, parallel if sharded else None, quantization
         )
-        if quantization not in ("none", "gguf") and self._model_config.is_moe:
-            raise ValueError(
-                f"quantization={quantization!r}: packed expert weights are not implemented; "
-                "serve a mixture-of-experts model with quantization='none'"
-            )
+        if alpha is not None and self._model_config.is_moe:
+            if smoothquant != "auto":
+                raise ValueError(
+                    f"smoothquant={smoothquant!r}: SmoothQuant of a mixture of experts (its "
+                    "router and experts share the MLP input) is not implemented; use "
+                    "smoothquant='none'"
+                )
+            logger.info("SmoothQuant skipped: not implemented for a mixture of experts")
+            alpha = None
         if alpha is not None:
             params = _smoothed(params, self._model_config, self.tokenizer, alpha)
         if not sharded:  # else ModelRunner places (and converts) each weight on the mesh

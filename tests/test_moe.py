@@ -191,8 +191,8 @@ def test_moe_configs_are_checked():
         ModelConfig.from_hf_config({**hf, "decoder_sparse_step": 2})
     from llmjax import LLM
 
-    with pytest.raises(ValueError, match="packed expert"):
-        LLM(os.path.join(TESTDATA, "hf_tiny", "mixtral"), quantization="int8_wo")
+    with pytest.raises(ValueError, match="SmoothQuant of a mixture of experts"):
+        LLM(os.path.join(TESTDATA, "hf_tiny", "mixtral"), quantization="int8", smoothquant=0.5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ weight read): 2-25x slower (kernels_pallas/grouped_matmul/tuning.py has the figu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -21,8 +23,24 @@ def grouped_matmul_tiled(
     rows: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int
 ) -> jax.Array:
     """rows [M, K] grouped @ w [G, K, N] -> [M, N] float32 (reference.py's specification)."""
+    dot = lambda x, g: jnp.dot(x, w[g], preferred_element_type=jnp.float32)
+    return grouped_tiles(rows, group_sizes, tile=tile, num_out=w.shape[2], dot=dot)
+
+
+def grouped_tiles(
+    rows: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    tile: int,
+    num_out: int,
+    dot: Callable[[jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+    """The tile loop over any weight form: `dot(x [tile, K], g)` gives the tile's rows times
+    group g's matrix, [tile, num_out] float32 (g traced). -> [M, num_out] float32, zeros for
+    rows past the groups. (llmjax/model/grouped_qdot.py passes packed and quantized experts.)"""
     M = rows.shape[0]
-    G, _, N = w.shape
+    G = group_sizes.shape[0]
+    N = num_out
     num_tiles = -(-M // tile)
     # Group g's rows [starts[g], ends[g]) lie in tiles first[g] .. last[g] (none if empty).
     ends = jnp.cumsum(group_sizes)
@@ -39,7 +57,7 @@ def grouped_matmul_tiled(
     def visit(v, out):
         g, t = group_of[v], tile_of[v]
         x = lax.dynamic_slice_in_dim(padded, t * tile, tile)  # [tile, K]
-        y = jnp.dot(x, w[g], preferred_element_type=jnp.float32)  # [tile, N]
+        y = dot(x, g).astype(jnp.float32)  # [tile, N]
         r = t * tile + jnp.arange(tile)
         mine = ((r >= starts[g]) & (r < ends[g]))[:, None]
         old = lax.dynamic_slice_in_dim(out, t * tile, tile)

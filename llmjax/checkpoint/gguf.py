@@ -22,8 +22,9 @@ RoPE base is `{arch}.rope.freq_base_swa`, else 10000.
 Mixtures of experts (a `llama` file with `llama.expert_count`: Mixtral; `qwen2moe`, `qwen3moe`):
 `{arch}.expert_count` / `expert_used_count` / `expert_feed_forward_length` /
 `expert_shared_feed_forward_length`; the experts of a layer are one stacked tensor per projection
-(`ffn_gate_exps` [E, Fe, D], ...), read into our stacked layout. With quantization='gguf' the
-experts are dequantized (packed expert weights are not implemented); the rest stays packed.
+(`ffn_gate_exps` [E, Fe, D], ...), read into our stacked layout. With quantization='gguf' a stacked
+expert tensor of a kept block type stays packed too, expert by expert (one PackedWeight with an
+experts axis: llmjax/model/quant.py's EXPERT_MATRICES, multiplied by llmjax/model/grouped_qdot.py).
 """
 
 from __future__ import annotations
@@ -311,6 +312,13 @@ _MATRIX_HF_NAMES = {
 }
 # HF's name of expert e's weight -> (the stacked tensor's name without ".{e}", e).
 _EXPERT = re.compile(r"(?P<head>.*\.experts)\.(?P<e>\d+)(?P<tail>\.\w+\.weight)")
+# Our expert stacks -> the stacked tensor's HF-style name after "model.layers.{i}." (Qwen's names;
+# Mixtral's second).
+_EXPERT_HF_NAMES = {
+    "we_gate": ("mlp.experts.gate_proj.weight", "block_sparse_moe.experts.w1.weight"),
+    "we_up": ("mlp.experts.up_proj.weight", "block_sparse_moe.experts.w3.weight"),
+    "we_down": ("mlp.experts.down_proj.weight", "block_sparse_moe.experts.w2.weight"),
+}
 # GGUF block types kept quantized -> their PackedWeight format.
 PACKED_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 
@@ -329,6 +337,20 @@ def packed_from_gguf(t, plain_shape, in_ndim: int, out_first: bool = False, num_
     if num_heads is not None:
         data = unpermute_rope_rows(data, num_heads)
     return from_gguf_blocks(data, fmt, plain_shape, in_ndim, out_first)
+
+
+def packed_experts_from_gguf(t, plain_shape):
+    """A stacked expert tensor ([E, out, in] in the file) of a PACKED_TYPES type -> one
+    PackedWeight with an experts axis (plain shape [E, *in, *out], each expert's blocks as
+    `packed_from_gguf` splits them). None for other tensor types."""
+    from llmjax.model.quant import from_gguf_blocks, stack_packed
+
+    fmt = PACKED_TYPES.get(t.tensor_type.name)
+    if fmt is None:
+        return None
+    E, out = int(plain_shape[0]), int(plain_shape[-1])
+    data = np.asarray(t.data, np.uint8).reshape(E, out, -1)
+    return stack_packed([from_gguf_blocks(data[e], fmt, plain_shape[1:]) for e in range(E)])
 
 
 def load_gguf(
@@ -400,13 +422,20 @@ def load_gguf(
         packed = None if t is None else packed_from_gguf(t, shape, in_ndim, out_first, num_heads)
         return (lambda: packed) if packed is not None else thunk
 
+    mixtral = config.architecture == "mixtral"
     for i, layer in enumerate(params["layers"]):
         for name, in_ndim in MATRICES.items():
-            if name not in layer:  # a mixture of experts' layer: its experts are dequantized
+            if name not in layer:  # a mixture of experts' layer (below)
                 continue
             hf = f"model.layers.{i}.{_MATRIX_HF_NAMES[name]}"
             shape = specs["layers"][i][name].shape
             layer[name] = packed_or(layer[name], hf, shape, in_ndim, num_heads=heads.get(name))
+        for name, hf_names in _EXPERT_HF_NAMES.items():
+            t = by_hf_name.get(f"model.layers.{i}.{hf_names[mixtral]}")
+            if name in layer and t is not None:
+                packed = packed_experts_from_gguf(t, specs["layers"][i][name].shape)
+                if packed is not None:
+                    layer[name] = lambda packed=packed: packed
     if config.tie_word_embeddings:
         params["embed"] = packed_or(
             params["embed"], "model.embed_tokens.weight", specs["embed"].shape, 1, out_first=True

@@ -9,7 +9,8 @@ are kept, their weights renormalized to sum to 1 where the model does (`norm_top
 token is dropped and there is no capacity factor: the M pairs are sorted by expert so that each
 expert's rows are contiguous, and every projection is one grouped matmul over them
 (`grouped_matmul`: rows [M, Din] with `group_sizes` [E] times per-expert weights [E, Din, Dout];
-the platform's kernel from kernels_pallas/grouped_matmul, specified by `jax.lax.ragged_dot`).
+the platform's kernel from kernels_pallas/grouped_matmul, specified by `jax.lax.ragged_dot`; for
+experts packed per expert -- float [out, in] on a CPU, int8, GGUF blocks -- grouped_qdot.py).
 Routing changes only the group sizes, never a shape, so a step compiles once per token bucket.
 
 Qwen2-MoE adds a shared expert every token takes, scaled by sigmoid(x . ws_score).
@@ -27,7 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from llmjax.config import ModelConfig
+from llmjax.model.grouped_qdot import grouped_qdot
 from llmjax.model.layers import ACTIVATIONS, gated_mlp
+from llmjax.model.quant import is_packed
 
 
 def route(
@@ -62,6 +65,8 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax
 
 
 def _grouped(rows, w, group_sizes) -> jax.Array:
+    if is_packed(w):  # packed per expert (float [out, in] on a CPU, int8, GGUF blocks)
+        return grouped_qdot(rows, w, group_sizes)
     from kernels_pallas.grouped_matmul import grouped_matmul as kernel
 
     return kernel(rows, w, group_sizes)

@@ -50,6 +50,10 @@ BLOCK = 32  # the GGUF formats' block length along `in`
 # Weight matrices of the parameter tree (llmjax/model/params.py) and how many of their leading
 # plain axes are `in` (wo is [N, H, D]: two).
 MATRICES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+# A mixture's experts ([E, in, out] plain, llmjax/model/moe.py): packed expert by expert into one
+# PackedWeight whose leading (batch) axis is the experts, values [E, out, in] ([L, E, out, in]
+# stacked by layer); llmjax/model/grouped_qdot.py multiplies them.
+EXPERT_MATRICES = {"we_gate": 1, "we_up": 1, "we_down": 1}
 
 
 @jax.tree_util.register_dataclass
@@ -111,11 +115,12 @@ class PackedWeight:
         return plain if dtype is None else plain.astype(dtype)
 
     def at_layer(self, layer) -> PackedWeight:
-        """A view of layer `layer` (an int32 scalar, may be traced) of a stacked weight: the
+        """A view of layer `layer` (an int32 scalar, may be traced) of a stacked weight (its
+        first batch axis; an expert stack keeps its experts axis): the
         arrays stay whole, so a C++ kernel reads the layer in place (a `lax.scan` that sliced
         the stack would copy each layer's weights every step); other forms slice it."""
-        if len(self.batch_shape) != 1:
-            raise ValueError(f"at_layer wants one layers axis, the weight has {self.batch_shape}")
+        if not self.batch_shape:
+            raise ValueError("at_layer wants a layers axis; the weight has none")
         return dataclasses.replace(self, layer=layer)
 
     def one_layer(self) -> PackedWeight:
@@ -156,6 +161,18 @@ def _as_out_in(w: np.ndarray, in_ndim: int, out_first: bool) -> np.ndarray:
         n_out = w.ndim - in_ndim
         return w.reshape(math.prod(w.shape[:n_out]), -1)
     return w.reshape(math.prod(w.shape[:in_ndim]), -1).T
+
+
+def stack_packed(weights: list[PackedWeight]) -> PackedWeight:
+    """PackedWeights of one format and shape -> one with a new leading batch axis (numpy
+    arrays stay numpy)."""
+    xp = np if isinstance(weights[0].values, np.ndarray) else jnp
+    return jax.tree.map(lambda *a: xp.stack(a), *weights)
+
+
+def pack_experts(w, pack, in_ndim: int = 1) -> PackedWeight:
+    """A plain expert stack [E, *in, *out] -> `pack` of each expert, stacked (batch axis E)."""
+    return stack_packed([pack(w[e], in_ndim, False) for e in range(np.shape(w)[0])])
 
 
 def pack_dense(w, in_ndim: int = 1, out_first: bool = False) -> PackedWeight:
@@ -233,7 +250,7 @@ def quantize_params(params, method: str):
     """Every weight matrix of a (list-layout) parameter tree packed by `method` ('int8':
     W8A8 per-channel int8 of the float weights; 'int8_wo': the same weights, weight-only;
     'q8_0', 'q4_0', 'q4_1': GGUF blocks, quantized as llama.cpp does; 'dense': transposed, same
-    dtype). The tied
+    dtype). A mixture's experts are packed expert by expert (EXPERT_MATRICES). The tied
     embedding is packed too (it is also the LM head: lookups dequantize their rows), an untied
     embedding is not (a lookup reads one row; `lm_head` is packed instead). Norms and biases stay
     plain. Already packed weights (GGUF blocks) are kept.
@@ -252,20 +269,19 @@ def quantize_params(params, method: str):
         }[method]
     if isinstance(params["layers"], dict):
         raise ValueError("quantize_params takes the list layout (stack the layers afterwards)")
-    if method != "dense" and any("router" in layer for layer in params["layers"]):
-        raise ValueError(
-            f"quantization={method!r}: packed expert weights are not implemented; serve a "
-            "mixture-of-experts model with quantization='none' (float32 or bfloat16)"
-        )
 
     def one(w, in_ndim, out_first=False):
         return w if is_packed(w) else pack(w, in_ndim, out_first)
 
+    def one_of(name, w):
+        if name in MATRICES:
+            return one(w, MATRICES[name])
+        if name in EXPERT_MATRICES and not is_packed(w):
+            return pack_experts(w, pack, EXPERT_MATRICES[name])
+        return w
+
     out = dict(params)
-    out["layers"] = [
-        {k: one(v, MATRICES[k]) if k in MATRICES else v for k, v in layer.items()}
-        for layer in params["layers"]
-    ]
+    out["layers"] = [{k: one_of(k, v) for k, v in layer.items()} for layer in params["layers"]]
     if method == "int8":
         pack = lambda w, i, o: quantize_int8(w, i, o, fmt="int8_wo")  # the LM head (see above)
     if "lm_head" in params:
