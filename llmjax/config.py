@@ -1357,8 +1357,8 @@ class EngineConfig:
 # scripts/bench_decode.py in scripts/device_check.sh) a decode step at batch 32 took 4.26 ms
 # unrolled against 10.60 ms scanned (batch 1: 3.36 against 2.41; compile 6.9 s against 1.8 s).
 UNROLL_BY_DEFAULT = ("gpu", "cuda", "rocm")
-# Platforms where `EngineConfig.async_scheduling` None means on (measured: README, "Async
-# scheduling"; scripts/bench_async.py).
+# Platforms where `EngineConfig.async_scheduling` None means on (measured: docs/engine.md, "The
+# engine step, and async scheduling"; scripts/bench_async.py).
 ASYNC_BY_DEFAULT: tuple[str, ...] = ()
 
 

@@ -148,7 +148,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "async_scheduling",
         None,
         "Schedule and pack the next step while the device runs this one "
-        "(EngineConfig.async_scheduling; default: the backend's, see README).",
+        "(EngineConfig.async_scheduling; default: the backend's, see docs/engine.md).",
         **f,
     )
     flags.DEFINE_string(

@@ -6,7 +6,7 @@ r"""Generate text with llmjax (SmolLM2-135M-Instruct by default).
     # tensor parallel over 2 devices (on a CPU, fake ones:
     # XLA_FLAGS=--xla_force_host_platform_device_count=2); SmolLM2's 3 kv heads need --pad_heads
     python scripts/generate.py --chat --tp 2 --pad_heads
-    # the same over two processes, one per shell (README "Parallelism"):
+    # the same over two processes, one per shell (docs/parallelism.md):
     python scripts/generate.py --chat --tp 2 --pad_heads --coordinator_address 127.0.0.1:1234 \
         --num_processes 2 --process_id 0      # and --process_id 1
 

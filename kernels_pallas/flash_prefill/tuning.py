@@ -1,6 +1,6 @@
 """Block sizes of the flash prefill kernels, and where the engine uses them. GPU values measured on
-one H200 (2026-11-29, bf16, K=8 Q=4 H=128; scripts/device_check.sh's prefill sweep; README
-"Kernels"); TPU values reasoned, not measured. Arguments override them.
+one H200 (2026-11-29, bf16, K=8 Q=4 H=128; scripts/device_check.sh's prefill sweep;
+docs/kernels.md); TPU values reasoned, not measured. Arguments override them.
 
 TPU (kernel_tpu.py): TPU_BLOCK_Q tokens per q block (x Q query heads = matmul rows) and
 TPU_BLOCK_KV keys per kv block (one lane-width score tile).

@@ -1,6 +1,6 @@
 """Block sizes of the ragged paged attention kernels, in one place. The GPU values were checked on
 one H200 (2026-11-29, bf16, K=8 Q=4 H=128, page 16; `scripts/bench_kernels.py --variant ...`, the
-sweep in scripts/device_check.sh; README "Kernels"); the TPU values are reasoned, not measured.
+sweep in scripts/device_check.sh; docs/kernels.md); the TPU values are reasoned, not measured.
 
 TPU (kernel_tpu.py)
   TPU_QUERIES_PER_BLOCK   q tokens per grid step (bq); rows per step = bq * Q query heads per kv
