@@ -13,7 +13,10 @@ way). Per token count T: ms of the jitted MoE MLP (llmjax/model/moe.py: route, s
 grouped matmuls by the platform's kernel), of the dense MLP, their ratio, and one grouped
 matmul (the gate projection) alone by the platform's kernel (kernels_pallas/grouped_matmul: the
 tile loop on the CPU) and by XLA's `ragged_dot`, each beside the same FLOPs as one plain matmul
-(how close a grouped matmul comes to a dense one on this backend). Also the bytes of expert
+(how close a grouped matmul comes to a dense one on this backend). "packed" repeats the MoE and
+dense MLPs and the grouped projection with the weights packed as the engine packs them on a CPU
+([out, in], llmjax/model/quant.py; the experts through llmjax/model/grouped_qdot.py: the C++
+grouped kernel at decode sizes, the tile loop over expert views above). Also the bytes of expert
 weights a T-token step reads (the experts its tokens touch) against the dense MLP's. Medians of
 --repeats runs, variants interleaved; table to stdout, JSON to --json_out.
 """
@@ -57,6 +60,8 @@ def bench_shape(name: str) -> list[dict]:
 
     from kernels_pallas.grouped_matmul import default_implementation, grouped_matmul_reference
     from llmjax.config import ModelConfig
+    from llmjax.model import quant
+    from llmjax.model.grouped_qdot import grouped_qdot
     from llmjax.model.layers import gated_mlp
     from llmjax.model.moe import grouped_matmul, moe_mlp, route, sort_by_expert
     from llmjax.sim.roofline import expected_experts_touched
@@ -82,7 +87,23 @@ def bench_shape(name: str) -> list[dict]:
         w(keys[5], (D, k * Fe), D),
         w(keys[6], (k * Fe, D), k * Fe),
     )
+    to_jnp = lambda p: jax.tree.map(jnp.asarray, p)
+    host = lambda a: np.asarray(a.astype(jnp.float32))
+    packed_moe = {
+        "router": moe["router"],
+        **{
+            n: to_jnp(quant.pack_experts(host(moe[n]), quant.pack_dense))
+            for n in moe
+            if n != "router"
+        },
+    }
+    packed_moe = {n: jax.tree.map(lambda a: a.astype(dtype), v) if n != "router" else v
+                  for n, v in packed_moe.items()}  # fmt: skip
+    packed_dense = [to_jnp(quant.pack_dense(np.asarray(d))) for d in dense]
     moe_fn = jax.jit(lambda x: moe_mlp(moe, x, config))
+    moe_packed_fn = jax.jit(lambda x: moe_mlp(packed_moe, x, config))
+    dense_packed_fn = jax.jit(lambda x: gated_mlp(x, *packed_dense))
+    gq_fn = jax.jit(lambda r, s: grouped_qdot(r, packed_moe["we_gate"], s))
     dense_fn = jax.jit(lambda x: gated_mlp(x, *dense))
     gmm_fn = jax.jit(lambda r, s: grouped_matmul(r, moe["we_gate"], s))  # the platform's kernel
     ragged_fn = jax.jit(lambda r, s: grouped_matmul_reference(r, moe["we_gate"], s))
@@ -99,6 +120,9 @@ def bench_shape(name: str) -> list[dict]:
             "kernel": lambda r=grouped_rows, s=sizes: gmm_fn(r, s),
             "ragged_dot": lambda r=grouped_rows, s=sizes: ragged_fn(r, s),
             "dot": lambda r=grouped_rows: dot_fn(r),  # the same FLOPs as one [D, Fe] matmul
+            "moe_packed": lambda x=x: moe_packed_fn(x),
+            "dense_packed": lambda x=x: dense_packed_fn(x),
+            "grouped_packed": lambda r=grouped_rows, s=sizes: gq_fn(r, s),
         }
         for fn in fns.values():
             fn().block_until_ready()  # compile
@@ -108,6 +132,8 @@ def bench_shape(name: str) -> list[dict]:
         rows.append({
             "shape": name, "T": T, "dtype": FLAGS.dtype, **{f"{k_}_ms": v for k_, v in ms.items()},
             "moe_over_dense": ms["moe"] / ms["dense"],
+            "packed_moe_over_dense": ms["moe_packed"] / ms["dense_packed"],
+            "grouped_packed_over_dot": ms["grouped_packed"] / ms["dot"],
             "ragged_over_dot": ms["ragged_dot"] / ms["dot"],
             "kernel_over_dot": ms["kernel"] / ms["dot"],
             "kernel": default_implementation(),
@@ -132,7 +158,8 @@ def main(argv):
     )
     print(f"{'shape':>8} {'T':>4} {'moe':>8} {'dense':>8} {'moe/dense':>9} {'kernel':>8} "
           f"{'ragged_dot':>10} {'dot':>7} {'kernel/dot':>10} {'ragged/dot':>10} {'experts':>8} "
-          f"{'weights read':>13}")  # fmt: skip
+          f"{'weights read':>13} | packed: {'moe':>8} {'dense':>8} {'moe/dense':>9} "
+          f"{'grouped':>8} {'grouped/dot':>11}")  # fmt: skip
     for r in rows:
         print(
             f"{r['shape']:>8} {r['T']:>4} {r['moe_ms']:>8.2f} {r['dense_ms']:>8.2f} "
@@ -140,7 +167,10 @@ def main(argv):
             f"{r['dot_ms']:>7.3f} {r['kernel_over_dot']:>9.1f}x {r['ragged_over_dot']:>9.1f}x "
             f"{r['experts_touched']:>3} "
             f"({r['experts_touched_expected']:.1f}) "
-            f"{r['expert_bytes_read'] / r['dense_bytes_read']:>12.1f}x"
+            f"{r['expert_bytes_read'] / r['dense_bytes_read']:>12.1f}x | "
+            f"        {r['moe_packed_ms']:>8.2f} {r['dense_packed_ms']:>8.2f} "
+            f"{r['packed_moe_over_dense']:>8.2f}x {r['grouped_packed_ms']:>8.3f} "
+            f"{r['grouped_packed_over_dot']:>10.1f}x"
         )
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
     with open(FLAGS.json_out, "w") as f:
