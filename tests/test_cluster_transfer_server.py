@@ -25,8 +25,9 @@ import pytest
 from llmjax import LLM, SamplingParams
 from llmjax.cluster.cluster import Cluster
 from llmjax.cluster.instance import LocalInstance
-from llmjax.cluster.transfer import TransferError, kv_head_map, make_transport
+from llmjax.cluster.transfer import TransferError, kv_head_map
 from llmjax.cluster.transfer_server import ServerOffer, TransferServerTransport
+from llmjax.cluster.transports import make_transport
 from tests.transfer_server_worker import MAX_TOKENS, OPTS, PROMPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

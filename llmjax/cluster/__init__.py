@@ -1,14 +1,16 @@
 """Many engine instances: routers, prefill/decode disaggregation with KV page transfer
 (DistServe), launchers (issue 21; docs/cluster.md).
 
-`router.py`: `RouteRequest`, the `InstanceLoad` and `Router` protocols, and the routers by name
+`routing.py`: `RouteRequest` and the `InstanceLoad` and `Router` protocols. `router.py`: the
+routers by name
 (`ROUTERS`, `make_router`): `round_robin`, `random`, `least_outstanding`, `power_of_two`,
 `cache_aware` (sglang-router's), `mooncake` (`conductor.py`: Mooncake's Conductor, with its
 cost models `SimCostModel` and `MeasuredCostModel`). `cluster.py`: `Cluster`, instances
 behind a router with DistServe's pull-based migration (duck-types as one engine for
 `llmjax.bench.replay`). `instance.py`:
-`LocalInstance`, one engine with a role and the calls a Cluster makes on it. `transfer.py`: KV
-transports (`local`; `transfer_server` in transfer_server.py). `launch.py`: `launch` and
+`LocalInstance`, one engine with a role and the calls a Cluster makes on it. `transfer.py`: the
+KV transport protocol and `local`; `transfer_server.py` the transfer server's;
+`transports.py` them by name (`make_transport`). `launch.py`: `launch` and
 `InstanceSpec` (the `local` launcher on sub-meshes; `ray` in ray_launcher.py).
 `llmjax.sim.SimCluster` runs the same routers over simulated engines. Importing this package
 imports no jax.
@@ -37,7 +39,8 @@ from llmjax.cluster.router import (
     RouteRequest,
     make_router,
 )
-from llmjax.cluster.transfer import TRANSPORTS, LocalTransport, Offer, TransferError
+from llmjax.cluster.transfer import LocalTransport, Offer, TransferError
+from llmjax.cluster.transports import TRANSPORTS
 
 __all__ = [
     "LAUNCHERS",

@@ -80,7 +80,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from llmjax.cluster.router import InstanceLoad, RouteRequest
+    from llmjax.cluster.routing import InstanceLoad, RouteRequest
 
 REJECTION_MODES = ("none", "current", "predicted")
 POOL = "pool"  # a fetch source: the cluster's KV pool (Mooncake Store's DRAM pool)

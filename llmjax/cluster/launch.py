@@ -35,7 +35,7 @@ import dataclasses
 
 from llmjax.cluster.cluster import Cluster
 from llmjax.cluster.instance import LocalInstance
-from llmjax.cluster.transfer import make_transport
+from llmjax.cluster.transports import make_transport
 from llmjax.config import KVStoreConfig
 from llmjax.engine.clock import WALL_CLOCK
 

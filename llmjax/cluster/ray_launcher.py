@@ -67,7 +67,7 @@ import time
 import traceback
 import uuid
 
-from llmjax.cluster.transfer import TRANSPORTS
+from llmjax.cluster.transports import TRANSPORTS
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class _InstanceActor:
 
             initialize(*distributed)
         from llmjax.cluster.instance import LocalInstance
-        from llmjax.cluster.transfer import make_transport
+        from llmjax.cluster.transports import make_transport
         from llmjax.llm import LLM
 
         role, tp, pp, options = spec

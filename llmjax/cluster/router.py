@@ -5,7 +5,8 @@
     i = router.route(request, instances, now)                    # an index into `instances`
 
 A router sees every instance as an `InstanceLoad` (the simulator's `llmjax.sim.cluster.
-InstanceView` is one) and the request as a `RouteRequest`; `now` is the routing time (seconds on
+InstanceView` is one) and the request as a `RouteRequest` (both in routing.py, with the `Router`
+protocol); `now` is the routing time (seconds on
 the caller's timeline, non-decreasing from one call to the next). Routers by name (`ROUTERS`):
 
   round_robin        0, 1, ..., n - 1, 0, ... in arrival order.
@@ -33,67 +34,26 @@ Nothing here imports jax (or the engine).
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
 
-from llmjax.sampling_params import SamplingParams
+from llmjax.cluster.routing import InstanceLoad, Router, RouteRequest
 
-
-@dataclasses.dataclass(frozen=True)
-class RouteRequest:
-    """A request being routed: its cluster-wide id, prompt, arrival time (seconds on the
-    simulated timeline) and sampling params; `hints` (a program's `ProgramHints`, passed to the
-    engine) and `instance` (an entry instance chosen upstream, by a program's scheduler: the
-    router is not asked)."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    arrival_time: float
-    sampling_params: SamplingParams
-    hints: object = None
-    instance: int | None = None
-
-
-class InstanceLoad(Protocol):
-    """What a router may read of instance `index` as of the routing time (the simulator's
-    `InstanceView` documents exactly when each count changes)."""
-
-    @property
-    def index(self) -> int: ...  # its position in the instances list
-
-    @property
-    def num_outstanding(self) -> int: ...  # routed here and not finished (nor aborted)
-
-    @property
-    def num_waiting(self) -> int: ...  # queued, not admitted
-
-    @property
-    def num_running(self) -> int: ...  # admitted (holding KV pages)
-
-    @property
-    def num_free_pages(self) -> int: ...  # KV pages on the free list
-
-    @property
-    def num_available_pages(self) -> int: ...  # free + prefix-cache pages no request holds
-
-    def cached_prefix_tokens(self, prompt_token_ids: Sequence[int]) -> int:
-        """Prompt tokens whose KV the instance's prefix cache holds now."""
-        ...
-
-
-class Router(Protocol):
-    """Picks the instance of each arriving request: the index into `instances` (all of them,
-    in index order, as of `now`, the routing time)."""
-
-    name: str
-
-    def route(
-        self, request: RouteRequest, instances: Sequence[InstanceLoad], now: float
-    ) -> int: ...
+__all__ = [  # the routing types are re-exported from routing.py
+    "ROUTERS",
+    "CacheAware",
+    "InstanceLoad",
+    "LeastOutstanding",
+    "PowerOfTwo",
+    "PrefixTrie",
+    "RandomRouter",
+    "RoundRobin",
+    "RouteRequest",
+    "Router",
+    "make_router",
+]
 
 
 class RoundRobin:
@@ -308,7 +268,7 @@ class CacheAware:
         return min(instances, key=lambda v: (self.tree(v.index).size, v.index)).index
 
 
-from llmjax.cluster.conductor import Conductor  # noqa: E402 (it needs nothing of this module)
+from llmjax.cluster.conductor import Conductor  # noqa: E402
 
 ROUTERS = {
     r.name: r

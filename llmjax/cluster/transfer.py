@@ -194,16 +194,3 @@ class LocalTransport:
     def num_offers(self) -> int:
         """Offers alive (their arrays held)."""
         return len(self._offers)
-
-
-TRANSPORTS = ("local", "transfer_server")
-
-
-def make_transport(name: str, **kwargs) -> KVTransport:
-    if name == "local":
-        return LocalTransport(**kwargs)
-    if name == "transfer_server":
-        from llmjax.cluster.transfer_server import TransferServerTransport
-
-        return TransferServerTransport(**kwargs)
-    raise ValueError(f"unknown KV transport {name!r}; choose one of {TRANSPORTS}")

@@ -283,7 +283,7 @@ class LLMEngine(EngineRoles):
     def structured(self):
         """llguidance over this engine's tokenizer (llmjax/engine/structured.py)."""
         if self._structured is None:
-            from llmjax.engine.structured import StructuredOutputs
+            from llmjax.engine.grammar import StructuredOutputs
 
             m = self.config.model
             self._structured = StructuredOutputs(self.tokenizer, m.vocab_size, m.eos_token_ids)

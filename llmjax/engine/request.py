@@ -221,7 +221,7 @@ class Request:
         self.metrics.token_times.append(now)
         params = self.sampling_params
         if self.matcher is not None:
-            from llmjax.engine.structured import StructuredOutputs
+            from llmjax.engine.grammar import StructuredOutputs
 
             ended = StructuredOutputs.advance(self.matcher, token_id)
             if ended == "stop":  # the grammar is complete (with EOS or not)

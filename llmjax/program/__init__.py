@@ -7,6 +7,7 @@ or throughput, and schedules accordingly (`ProgramExecutor` with Parrot's global
 the engine's `ProgramHints`).
 
     frontend.py    Program, SemanticVariable, variable(), get()
+    context.py     the program calls record into (the innermost `with Program(...)`)
     function.py    SemanticFunction, @semantic_function, Input, Output
     graph.py       the serving side's DAG: tasks, variables, performance deduction
     scheduler.py   Parrot's global scheduler (app FIFO, grouping, context-aware placement, caps)

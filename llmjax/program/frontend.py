@@ -25,24 +25,11 @@ it failed. Leaving the `with` block cancels whatever is still running.
 
 from __future__ import annotations
 
-import contextvars
 import itertools
 
+from llmjax.program.context import _CURRENT, current_program
 from llmjax.program.function import SemanticFunction
 from llmjax.program.graph import CRITERIA, CallSpec, ProgramError
-
-_CURRENT: contextvars.ContextVar[Program | None] = contextvars.ContextVar(
-    "llmjax_program", default=None
-)
-
-
-def current_program(what: str) -> Program:
-    program = _CURRENT.get()
-    if program is None:
-        raise RuntimeError(
-            f"{what!r} needs a program: call it inside `with llmjax.program.Program(llm):`"
-        )
-    return program
 
 
 class SemanticVariable:

@@ -225,7 +225,7 @@ class SemanticFunction:
         return bound
 
     def __call__(self, *args, **kwargs):
-        from llmjax.program.frontend import current_program
+        from llmjax.program.context import current_program
 
         outs = current_program(self.name).call(self, self.bind(args, kwargs))
         return outs[0] if len(outs) == 1 else outs

@@ -12,6 +12,8 @@ same pool at the same budget. Switched on with `EngineConfig.sparse_kv` (`Sparse
                  its variants: per-page bounds of the cut columns, the layer's own query);
                  the exact top-k by each layer's own logits ('oracle', reads every key) and
                  Quest's page bounds from per-page key min/max ('quest'), chosen in the layer
+  select.py      the selection they share: of each decode token's resident rows, the sinks, the
+                 recent window and the best scored up to the cap (tokens or pages)
   h2o.py         H2O: accumulated attention per token on the device, heavy hitters kept and the
                  rest evicted for good ('h2o')
   host_pool.py   InfiniGen's pool bound: each request keeps `capacity` of its pages, evicting

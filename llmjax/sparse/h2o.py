@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
+from llmjax.sparse.select import candidates, select_rows
 
 Q_BLOCK = 32  # query tokens per block of the dense path
 
@@ -120,8 +121,6 @@ def select(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode-only step's rows: the sinks, the recent window and the `max_num_kv` heavy
     hitters -> (positions [D, K, M], valid, acc with every other candidate evicted)."""
-    from llmjax.sparse.infinigen import candidates, select_rows
-
     _, G, K = acc.shape
     D = seq_ids.shape[0]
     C = step.page_indices.shape[1] * G
