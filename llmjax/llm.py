@@ -367,7 +367,9 @@ class LLM:
         elif os.path.isdir(model):
             model_config, source = ModelConfig.from_hf_config(model), tokenizer or model
         elif model.endswith(".gguf") and os.path.isfile(model):
-            model_config, source = ModelConfig.from_gguf(model), tokenizer or model
+            from llmjax.checkpoint.gguf import model_config_from_gguf
+
+            model_config, source = model_config_from_gguf(model), tokenizer or model
         else:
             raise ValueError(
                 f"model {model!r} is not a preset ({sorted(configs.PRESETS)}), an HF directory "

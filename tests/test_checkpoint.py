@@ -16,7 +16,7 @@ import pytest
 
 import configs
 from llmjax.checkpoint import load_gguf, load_hf, load_model, restore_params, save_params
-from llmjax.checkpoint.gguf import unpermute_rope_rows
+from llmjax.checkpoint.gguf import model_config_from_gguf, unpermute_rope_rows
 from llmjax.config import ModelConfig
 from llmjax.model.params import init_params
 from tests.conftest import TESTDATA
@@ -472,7 +472,7 @@ def test_hf_bf16_safetensors(tmp_path):
 
 
 def test_smollm2_gguf_config_matches_preset_and_hf_config(smollm2_path):
-    config = ModelConfig.from_gguf(smollm2_path)
+    config = model_config_from_gguf(smollm2_path)
     assert_same_shape_fields(config, configs.SMOLLM2_135M)
     assert config.bos_token_id == configs.SMOLLM2_135M.bos_token_id
     assert config.eos_token_ids == configs.SMOLLM2_135M.eos_token_ids
@@ -545,7 +545,7 @@ def test_missing_paths(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape(missing)):
         load_model(missing)
     with pytest.raises(FileNotFoundError, match=re.escape(missing)):
-        ModelConfig.from_gguf(missing + ".gguf")
+        model_config_from_gguf(missing + ".gguf")
 
 
 def test_directory_that_is_no_checkpoint(tmp_path):
@@ -643,7 +643,7 @@ def test_unknown_architecture_gguf(tmp_path):
     with pytest.raises(ValueError, match=f"{re.escape(path)}.*'gpt2'"):
         load_gguf(path)
     with pytest.raises(ValueError, match=f"{re.escape(path)}.*'gpt2'"):
-        ModelConfig.from_gguf(path)
+        model_config_from_gguf(path)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Tensor and pipeline parallelism over `jax.sharding` meshes (ParallelConfig in llmjax/config.py).
+"""Tensor and pipeline parallelism over `jax.sharding` meshes (ParallelConfig in
+llmjax/config/parallel.py).
 
 heads.py        how tp splits the attention heads (as they are, kv heads repeated, or padded)
 mesh.py         the mesh, the one logical-axis -> mesh-axis rules table, weight placement

@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from llmjax.config import ModelConfig
+from llmjax.config import ModelConfig, tp_head_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,21 +44,9 @@ class HeadLayout:
 
 
 def tp_head_layout(config: ModelConfig, tp: int, pad_heads: bool = False) -> HeadLayout:
-    K, N = config.num_kv_heads, config.num_heads
-    Q = N // K
-    if K % tp == 0:
-        return HeadLayout("as_is", K, N)
-    if tp % K == 0 and Q % (tp // K) == 0:
-        return HeadLayout("replicate", tp, N, kv_repeats=tp // K)
-    padded = -(-K // tp) * tp
-    if pad_heads:
-        return HeadLayout("pad", padded, padded * Q, num_pad_kv_heads=padded - K)
-    raise ValueError(
-        f"tp={tp} cannot split num_heads={N} / num_kv_heads={K} evenly (tp must divide the kv "
-        f"heads, or be a multiple r of them with r dividing the {Q} query heads per kv head); "
-        f"ParallelConfig(pad_heads=True) pads the kv heads {K} -> {padded} with zero weights "
-        f"(exact outputs, {padded / K - 1:.0%} more KV memory)"
-    )
+    """The layout of `config`'s heads over `tp` devices (the counts: `tp_head_counts`, which
+    EngineConfig checks too); an uneven split without `pad_heads` raises a ValueError."""
+    return HeadLayout(*tp_head_counts(config.num_heads, config.num_kv_heads, tp, pad_heads))
 
 
 # Leaf name -> (axis of the kv-head dim to repeat/pad, or None; axis of the q-head dim to pad)

@@ -80,7 +80,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def _read_gguf_tokenizer_metadata(source: str | os.PathLike | gguf.GGUFReader) -> tuple[str, dict]:
     """`(file name, {key: value})` for general.architecture and every tokenizer.* key."""
-    from llmjax.checkpoint.gguf import gguf_file_name, open_gguf
+    from llmjax.checkpoint.gguf_file import gguf_file_name, open_gguf
 
     if isinstance(source, gguf.GGUFReader):
         reader = source
