@@ -55,6 +55,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from llmjax.cluster.conductor import ConductorStats
+from llmjax.cluster.migration import ParkedQueue, choose
 from llmjax.cluster.router import Router, RouteRequest, make_router
 from llmjax.engine.clock import WALL_CLOCK
 from llmjax.engine.request import MigratedRequest, RequestMetrics, RequestOutput
@@ -606,13 +607,7 @@ class Cluster:
 
     def _choose(self, router, route: RouteRequest, candidates: list[int]) -> int:
         views = [_View(k, self, i) for k, i in enumerate(candidates)]
-        k = router.route(route, views, route.arrival_time)
-        if isinstance(k, bool) or not hasattr(k, "__index__") or not 0 <= k < len(views):
-            raise ValueError(
-                f"router {getattr(router, 'name', router)!r} returned {k!r}; need an index in "
-                f"[0, {len(views)})"
-            )
-        return candidates[int(k)]
+        return candidates[choose(router, route, views, route.arrival_time)]
 
     def _track(self, outs: list[RequestOutput]) -> list[RequestOutput]:
         kept = []
@@ -662,44 +657,63 @@ class Cluster:
             self._loads[j] = self.instances[j].load()
 
     def _start_transfers(self) -> None:
-        """Move parked requests while a decode instance can take them, oldest first (by
-        first-token time, across the prefill instances): an unpinned one to any decode
-        instance that can take it (FIFO: none overtakes an unpinned one that could not move),
-        a pinned one (the Conductor) only to its decode instance (FIFO per decode instance)."""
-        parked = []
+        """Move parked requests while a decode instance can take them, by DistServe's pull rule
+        (llmjax/cluster/migration.py, the policy the simulated cluster runs too), every decode
+        instance able to pull now: the oldest first (by first-token time, across the prefill
+        instances), an unpinned one to any decode instance that can take it (none overtakes an
+        unpinned one that could not move), a pinned one (the Conductor) only to its decode
+        instance, if that one is alive."""
+        queue = ParkedQueue()
+        decode = set(self._alive_with(("decode",)))
         for i in self._alive_with(("prefill",)):
             if self._loads[i].num_parked:
                 try:
-                    queue = self.instances[i].parked()
+                    parked = self.instances[i].parked()
                 except Exception as e:
                     self.kill(i, reason=f"instance {i} failed: {e!r}")
                     continue
-                parked += [
-                    (m.metrics.first_token_time or 0.0, i, k, m) for k, m in enumerate(queue)
-                ]
-        blocked: set[int | None] = set()  # decode instances (None: the unpinned FIFO) held up
-        for _, i, _, m in sorted(parked, key=lambda x: x[:3]):
+                for m in parked:
+                    rec = self._records.get(m.request_id)
+                    if rec is not None:  # else aborted meanwhile
+                        pin = rec.decode if rec.decode in decode else None
+                        queue.park(m.request_id, m.metrics.first_token_time or 0.0, i, m, pin)
+        failed: list[tuple[int, Exception]] = []
+
+        def accept_time(j: int, p) -> float | None:  # now, if j can take it
+            try:
+                return (
+                    0.0
+                    if self.instances[j].can_accept(p.request, self.waiting_page_fraction)
+                    else None
+                )
+            except Exception as e:
+                failed.append((j, e))
+                return None
+
+        while True:
             decode = self._alive_with(("decode",))
             if not decode:
                 return
-            rec = self._records.get(m.request_id)
-            if rec is None or not self.alive[i]:  # aborted, or its instance died meanwhile
-                continue
-            pin = rec.decode if rec.decode in decode else None
-            if pin in blocked:
-                continue
-            accepting = []
-            for j in [pin] if pin is not None else decode:
-                try:
-                    if self.instances[j].can_accept(m, self.waiting_page_fraction):
-                        accepting.append(j)
-                except Exception as e:
+            pull = queue.next_pull(decode, accept_time)
+            if failed:  # decode instances that died answering: drop them, decide again
+                for j, e in failed:
                     self.kill(j, reason=f"instance {j} failed: {e!r}")
-            if not accepting:
-                blocked.add(pin)
+                    queue.unpin(j)
+                failed.clear()
                 continue
-            j = pin if pin is not None else self._choose(self.decode_router, rec.route, accepting)
-            self._move(i, j, m, rec)
+            if pull is None:
+                return
+            p = queue.take(pull)
+            rec = self._records.get(p.request_id)
+            if rec is None or not self.alive[p.instance]:  # aborted, or its instance died
+                continue
+            j = p.pin
+            if j is None:
+                views = [_View(k, self, c) for k, c in enumerate(pull.candidates)]
+                j = pull.candidates[
+                    choose(self.decode_router, rec.route, views, rec.route.arrival_time)
+                ]
+            self._move(p.instance, j, p.request, rec)
 
     def _move(self, i: int, j: int, m, rec: _Record) -> None:
         """Start moving parked request `m` from prefill instance i to decode instance j."""

@@ -135,6 +135,7 @@ from collections.abc import Callable, Sequence
 
 from llmjax.cluster.cluster import TransferStats
 from llmjax.cluster.conductor import ConductorStats, SimCostModel
+from llmjax.cluster.migration import ParkedQueue, Pull, checked_choice, choose
 from llmjax.cluster.router import (  # re-exported: the router interface moved there
     ROUTERS,
     CacheAware,
@@ -473,9 +474,8 @@ class SimCluster:
         self._where: dict[str, int | None] = {}  # request id -> instance (None: not routed yet)
         self._path: dict[str, list[int]] = {}  # request id -> the instances it ran on, in order
         self._open: set[str] = set()  # ids queued or live on an instance
-        # parked requests not pulled yet: (first-token time, instance, seq, id, MigratedRequest)
-        self._parked: list[tuple[float, int, int, str, MigratedRequest]] = []
-        self._parked_ids: set[str] = set()
+        # parked requests not pulled yet (llmjax/cluster/migration.py: the pull policy)
+        self._queue = ParkedQueue()
         self._transfers: list[tuple[float, int, _Transfer]] = []  # by end time
         self._moving: dict[str, _Transfer] = {}
         self._errors: list[RequestOutput] = []  # failed at routing, out with the next step
@@ -483,10 +483,9 @@ class SimCluster:
         # reserved for transfers): not busy until an event there may let them run (the doc)
         self._blocked: set[int] = set()
         self._last_event = self._time  # the time of the last event processed
-        # the Conductor (a router with `schedule`): decode pins, their parked requests per
-        # decode instance (entries as in _parked), and prefix fetches in flight by end time
+        # the Conductor (a router with `schedule`): decode pins, and prefix fetches in flight
+        # by end time
         self._pinned: dict[str, int] = {}
-        self._parked_to: dict[int, list] = {j: [] for j in self._decode}
         self._fetching: list[tuple[float, int, _Fetch]] = []
         self._fetches: dict[str, _Fetch] = {}
         self.kv_pool_bandwidth = kv_pool_bandwidth
@@ -600,13 +599,13 @@ class SimCluster:
                 heapq.heappop(self._transfers)
                 self._finish_transfer(arg)
             elif kind == "pull":
-                self._start_transfer(t, *arg)
+                self._start_transfer(t, arg)
             else:
                 return outputs + self._take_errors() + self._step_instance(arg)
 
     def has_unfinished_requests(self) -> bool:
         return bool(
-            self._pending or self._errors or self._parked_ids or self._moving or self._fetches
+            self._pending or self._errors or self._queue or self._moving or self._fetches
         ) or any(e.has_unfinished_requests() for e in self.instances)
 
     def abort_request(self, request_id: str) -> bool:
@@ -639,7 +638,7 @@ class SimCluster:
             return False  # e.g. rejected: its error output is still to come
         self._unblock(i, self._last_event)
         inst.live.discard(request_id)
-        self._parked_ids.discard(request_id)
+        self._queue.discard(request_id)
         self._open.discard(request_id)
         self._left(request_id)
         return True
@@ -699,7 +698,7 @@ class SimCluster:
             return "fetching"
         if request_id in self._moving:
             return "transfer"
-        if request_id in self._parked_ids:
+        if request_id in self._queue:
             return "parked"
         return "decoding" if self.roles[i] == "decode" else "running"
 
@@ -786,7 +785,7 @@ class SimCluster:
             events.append((self._transfers[0][0], 2, "transfer", self._transfers[0][2]))
         pull = self._next_pull()
         if pull is not None:
-            events.append((pull[0], 3, "pull", pull[1:]))
+            events.append((pull.time, 3, "pull", pull))
         t, i = self._busy_clock()
         if i is not None:
             events.append((t, 4, "step", i))
@@ -795,58 +794,30 @@ class SimCluster:
         t, _, kind, arg = min(events, key=lambda e: e[:2])
         return kind, t, arg
 
-    def _head(self, heap: list | None = None):
-        """The oldest parked request of `heap` (default the unpinned FIFO) not pulled yet
-        (dropping aborted ones), or None."""
-        heap = self._parked if heap is None else heap
-        while heap and heap[0][3] not in self._parked_ids:
-            heapq.heappop(heap)
-        return heap[0] if heap else None
+    def _next_pull(self) -> Pull | None:
+        """The next pull (llmjax/cluster/migration.py's policy): a decode instance j can take a
+        parked request p when `can_accept` holds on its state, at max(p's first-token time,
+        j's clock, the last event's time): between its steps or while idle."""
 
-    def _next_pull(self) -> tuple[float, list, tuple, list[int]] | None:
-        """(time, its heap, head, decode instances that can pull it then) of the next pull,
-        or None: the unpinned head to any decode instance that can take it, or a decode
-        instance's oldest pinned request to it (the earliest; ties: first-token order)."""
-        pulls = []
-        head = self._head()
-        if head is not None:
-            ready, m = head[0], head[4]
-            at = {}
-            for j in self._decode:
-                e = self.instances[j]
-                if e.can_accept(m, self.waiting_page_fraction):  # (never before an event done)
-                    at[j] = max(ready, e.clock.now(), self._last_event)
-            if at:
-                t = min(at.values())
-                pulls.append(
-                    (t, head[:3], self._parked, head, [j for j, tj in at.items() if tj == t])
-                )
-        for j, heap in self._parked_to.items():
-            pinned = self._head(heap)
-            if pinned is None:
-                continue
+        def accept_time(j: int, p) -> float | None:
             e = self.instances[j]
-            if e.can_accept(pinned[4], self.waiting_page_fraction):
-                t = max(pinned[0], e.clock.now(), self._last_event)
-                pulls.append((t, pinned[:3], heap, pinned, [j]))
-        if not pulls:
-            return None
-        t, _, heap, head, candidates = min(pulls, key=lambda p: p[:2])
-        return t, heap, head, candidates
+            if not e.can_accept(p.request, self.waiting_page_fraction):
+                return None  # (never before an event done)
+            return max(p.ready, e.clock.now(), self._last_event)
 
-    def _start_transfer(self, t: float, heap: list, head: tuple, candidates: list[int]) -> None:
-        heapq.heappop(heap)  # the head (`_next_event` just found it on top)
-        _, i, _, rid, m = head
-        self._parked_ids.discard(rid)
+        return self._queue.next_pull(self._decode, accept_time)
+
+    def _start_transfer(self, t: float, pull: Pull) -> None:
+        p = self._queue.take(pull)
+        i, rid, m = p.instance, p.request_id, p.request
         if rid in self._pinned:  # the Conductor's choice
             j = self._pinned.pop(rid)
         else:
-            views = [InstanceView(self._instances[j], t, k) for k, j in enumerate(candidates)]
+            views = [InstanceView(self._instances[j], t, k) for k, j in enumerate(pull.candidates)]
             route = RouteRequest(
                 rid, tuple(m.prompt_token_ids), m.metrics.arrival_time, m.sampling_params
             )
-            k = self.decode_router.route(route, views, t)
-            j = candidates[_check_choice(self.decode_router, k, len(candidates), rid)]
+            j = pull.candidates[choose(self.decode_router, route, views, t)]
         m, _ = self.instances[i].export_request(rid)
         self.instances[j].reserve_import(m)
         seconds, nbytes = self.transfer_seconds(i, j, m)
@@ -889,12 +860,9 @@ class SimCluster:
                 self._open.discard(rid)
                 inst.finished_at.append(out.metrics.finished_time)
                 self._left(rid, None if out.error is not None else len(out.token_ids))
-            elif rid in parked and rid in inst.live and rid not in self._parked_ids:
+            elif rid in parked and rid in inst.live and rid not in self._queue:
                 m, _ = engine.export_request(rid)
-                entry = (m.metrics.first_token_time, i, next(self._seq), rid, m)
-                j = self._pinned.get(rid)
-                heapq.heappush(self._parked if j is None else self._parked_to[j], entry)
-                self._parked_ids.add(rid)
+                self._queue.park(rid, m.metrics.first_token_time, i, m, self._pinned.get(rid))
         return outputs
 
     def _left(self, request_id: str, num_output_tokens: int | None = None) -> None:
@@ -933,7 +901,7 @@ class SimCluster:
             return
         entry = [self._instances[i] for i in self._entry]
         views = [InstanceView(inst, now, k) for k, inst in enumerate(entry)]
-        k = _check_choice(self.router, self.router.route(req, views, now), len(entry),
+        k = checked_choice(self.router, self.router.route(req, views, now), len(entry),
                           req.request_id)  # fmt: skip
         self._admit(self._entry[k], req, prompt, now)
 
@@ -970,8 +938,8 @@ class SimCluster:
         else:
             d = self.router.schedule(req, prefill_views, decode_views, now, pool=self.kv_pool)
         rid = req.request_id
-        p = self._entry[_check_choice(self.router, d.prefill, len(entry), rid)]
-        j = self._decode[_check_choice(self.router, d.decode, len(decode), rid)]
+        p = self._entry[checked_choice(self.router, d.prefill, len(entry), rid)]
+        j = self._decode[checked_choice(self.router, d.decode, len(decode), rid)]
         self.conductor_stats.record(d)
         if d.rejected is not None:
             self._fail(req, prompt, d.rejected, now, finish_reason="rejected")
@@ -992,7 +960,7 @@ class SimCluster:
             self.kv_pool.touch(self.kv_pool.keys(req.prompt_token_ids[: d.fetch_tokens]))
             seconds, nbytes = self.kv_pool_seconds(p, missing)
         else:
-            source = self._entry[_check_choice(self.router, d.fetch_from, len(entry), rid)]
+            source = self._entry[checked_choice(self.router, d.fetch_from, len(entry), rid)]
             seconds, nbytes = self.kv_transfer_seconds(source, p, missing)
         fetch = _Fetch(req, prompt, source, p, d.fetch_tokens, now, now + seconds, nbytes)
         heapq.heappush(self._fetching, (fetch.end, next(self._seq), fetch))
@@ -1082,12 +1050,3 @@ def _router(router: Router | str) -> Router:
     if not callable(getattr(r, "route", None)):
         raise ValueError(f"router {router!r} has no route(request, instances, now)")
     return r
-
-
-def _check_choice(router, choice, n: int, request_id: str) -> int:
-    if isinstance(choice, bool) or not hasattr(choice, "__index__") or not 0 <= choice < n:
-        raise ValueError(
-            f"router {getattr(router, 'name', router)!r} returned {choice!r} for "
-            f"request {request_id}; need an instance index in [0, {n})"
-        )
-    return int(choice)
