@@ -54,16 +54,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from llmjax.cluster.conductor import ConductorStats
+from llmjax.cluster.core import ENTRY_ROLES, ClusterCore
 from llmjax.cluster.migration import ParkedQueue, choose
-from llmjax.cluster.router import Router, RouteRequest, make_router
+from llmjax.cluster.router import Router, RouteRequest
 from llmjax.engine.clock import WALL_CLOCK
 from llmjax.engine.request import MigratedRequest, RequestMetrics, RequestOutput
 from llmjax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-ENTRY_ROLES = ("colocated", "prefill")
 TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 
 
@@ -102,7 +101,6 @@ class _Record:
     tokens: list[int] = dataclasses.field(default_factory=list)
     metrics: RequestMetrics | None = None
     source: int | None = None  # while moving: the prefill instance that still holds it
-    decode: int | None = None  # the decode instance the Conductor pinned it to
 
 
 class _View:
@@ -181,16 +179,10 @@ class Cluster:
         if not self.instances:
             raise ValueError("a Cluster needs at least one instance")
         roles = [inst.role for inst in self.instances]
-        if not any(r in ENTRY_ROLES for r in roles):
-            raise ValueError(f"no instance takes arrivals (roles {roles}): add a prefill one")
-        if "prefill" in roles and "decode" not in roles:
-            raise ValueError(f"prefill instances need at least one decode instance ({roles})")
-        if "decode" in roles and "prefill" not in roles:
-            raise ValueError(f"decode instances need at least one prefill instance ({roles})")
+        # the routing and migration policies, shared with the simulated cluster
+        self.core = ClusterCore(roles, router, decode_router, waiting_page_fraction)
         if on_transfer_failure not in TRANSFER_FAILURE_POLICIES:
             raise ValueError(f"{on_transfer_failure=} must be one of {TRANSFER_FAILURE_POLICIES}")
-        if not 0 < waiting_page_fraction <= 1:
-            raise ValueError(f"{waiting_page_fraction=} must be in (0, 1]")
         first = self.instances[0].config
         for i, inst in enumerate(self.instances):
             m = inst.config.model
@@ -200,10 +192,7 @@ class Cluster:
             ):
                 raise ValueError(f"instance {i} serves another vocabulary than instance 0")
         self.roles = roles
-        self.router = make_router(router) if isinstance(router, str) else router
-        self.decode_router = (
-            make_router(decode_router) if isinstance(decode_router, str) else decode_router
-        )
+        self.router, self.decode_router = self.core.router, self.core.decode_router
         self.waiting_page_fraction = waiting_page_fraction
         self.on_transfer_failure = on_transfer_failure
         self.transfer_timeout_s = transfer_timeout_s
@@ -219,7 +208,7 @@ class Cluster:
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(seed)
         self.transfer_stats = TransferStats()
-        self.conductor_stats = ConductorStats()
+        self.conductor_stats = self.core.conductor_stats
         self._t_start = time.perf_counter()
 
     # ---- the engine interface --------------------------------------------------------------
@@ -236,8 +225,8 @@ class Cluster:
     ) -> str:
         """Route a request to an entry instance now; returns its id. `instance`: the entry
         instance (an index into the entry instances, as `entry_instances` lists them) chosen by
-        the caller (a program's scheduler, llmjax/program/) instead of the router, if it is
-        alive (the Conductor's (prefill, decode) placement ignores it); `hints`: the engine's
+        the caller (a program's scheduler, llmjax/program/) instead of the router or the
+        Conductor, if it is alive (`ClusterCore.place`); `hints`: the engine's
         `ProgramHints`, kept if the request is recomputed elsewhere."""
         entry = self.entry_instances
         if instance is not None and not 0 <= instance < len(entry):
@@ -255,65 +244,37 @@ class Cluster:
         route = RouteRequest(
             request_id, tuple(int(t) for t in prompt_token_ids), arrival, params, hints, instance
         )
-        if getattr(self.router, "schedule", None) is not None and "decode" in self.roles:
-            self._schedule(route, prompt, seed)
-            return request_id
         while True:
-            entry = self._alive_with(ENTRY_ROLES)
-            if not entry:
-                raise RuntimeError("no live instance takes arrivals (all prefill instances died)")
-            placed = None if instance is None else self.entry_instances[instance]
-            i = placed if placed in entry else self._choose(self.router, route, entry)
+            alive = lambda i: self.alive[i]
+            views = lambda idx: [_View(k, self, i) for k, i in enumerate(idx)]
+            placement = self.core.place(route, views, route.arrival_time, alive=alive)
+            if placement.rejected is not None:
+                self.core.commit(placement, route)
+                self._reject(route, prompt, placement.rejected)
+                return request_id
+            i = placement.prefill
+            if placement.fetches:
+                self.fetch_prefix(
+                    placement.fetch_from, i, route.prompt_token_ids[: placement.fetch_tokens]
+                )
             try:
                 self.instances[i].add_request(
                     list(route.prompt_token_ids), params, request_id, prompt, arrival, hints
                 )
-            except ValueError:
-                raise
-            except Exception as e:  # a dead instance: route again
-                self.kill(i, reason=f"instance {i} failed: {e!r}")
-                continue
-            break
-        self._records[request_id] = _Record(route, prompt, seed, i)
-        self._outstanding[i] += 1
-        return request_id
-
-    def _schedule(self, route: RouteRequest, prompt: str | None, seed: int) -> None:
-        """The Conductor's placement (the module doc): reject, or fetch the prefix if it says
-        so, add the request to its prefill instance and pin its decode instance."""
-        rid, params = route.request_id, route.sampling_params
-        while True:
-            prefill, decode = self._alive_with(("prefill",)), self._alive_with(("decode",))
-            if not prefill or not decode:
-                raise RuntimeError(f"no live prefill or decode instance (roles {self.roles})")
-            views = [_View(k, self, i) for k, i in enumerate(prefill)]
-            decision = self.router.schedule(
-                route, views, [_View(k, self, j) for k, j in enumerate(decode)], route.arrival_time
-            )
-            i, j = prefill[decision.prefill], decode[decision.decode]
-            if decision.rejected is not None:
-                self.conductor_stats.record(decision)
-                self._reject(route, prompt, decision.rejected)
-                return
-            if decision.fetch_from is not None and decision.fetch_tokens > decision.local_tokens:
-                source = prefill[decision.fetch_from]
-                self.fetch_prefix(source, i, route.prompt_token_ids[: decision.fetch_tokens])
-            try:
-                self.instances[i].add_request(
-                    list(route.prompt_token_ids), params, rid, prompt, route.arrival_time,
-                    route.hints,
-                )  # fmt: skip
-                self._loads[i] = self.instances[i].load()  # the next arrival sees it queued
+                if placement.decision is not None:  # the Conductor's next arrival sees it queued
+                    self._loads[i] = self.instances[i].load()
             except ValueError:
                 raise
             except Exception as e:  # a dead instance: place it again
-                self.router.finished(rid)
+                if placement.decision is not None:
+                    self.core.left(request_id)
                 self.kill(i, reason=f"instance {i} failed: {e!r}")
                 continue
             break
-        self.conductor_stats.record(decision)
-        self._records[rid] = _Record(route, prompt, seed, i, decode=j)
+        self.core.commit(placement, route)
+        self._records[request_id] = _Record(route, prompt, seed, i)
         self._outstanding[i] += 1
+        return request_id
 
     def fetch_prefix(self, source: int, dest: int, token_ids: Sequence[int]) -> int:
         """The Conductor's KV fetch: copy the cached prefix `token_ids` from prefill instance
@@ -571,10 +532,8 @@ class Cluster:
         self._loads[j] = self.instances[j].load()
 
     def _left(self, rid: str, num_output_tokens: int | None = None) -> None:
-        """Tell a router that wants to know (the Conductor) that `rid` left."""
-        finished = getattr(self.router, "finished", None)
-        if finished is not None:
-            finished(rid, num_output_tokens)
+        """`rid` left the cluster (ClusterCore.left: its pin dropped, the router told)."""
+        self.core.left(rid, num_output_tokens)
 
     def _fail(self, rid: str, error: str) -> None:
         self._left(rid)
@@ -675,7 +634,8 @@ class Cluster:
                 for m in parked:
                     rec = self._records.get(m.request_id)
                     if rec is not None:  # else aborted meanwhile
-                        pin = rec.decode if rec.decode in decode else None
+                        pin = self.core.pins.get(m.request_id)
+                        pin = pin if pin in decode else None
                         queue.park(m.request_id, m.metrics.first_token_time or 0.0, i, m, pin)
         failed: list[tuple[int, Exception]] = []
 

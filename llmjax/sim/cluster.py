@@ -134,8 +134,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from llmjax.cluster.cluster import TransferStats
-from llmjax.cluster.conductor import ConductorStats, SimCostModel
-from llmjax.cluster.migration import ParkedQueue, Pull, checked_choice, choose
+from llmjax.cluster.conductor import SimCostModel
+from llmjax.cluster.core import ClusterCore
+from llmjax.cluster.migration import ParkedQueue, Pull, choose
 from llmjax.cluster.router import (  # re-exported: the router interface moved there
     ROUTERS,
     CacheAware,
@@ -167,8 +168,6 @@ __all__ = [  # with the router interface of llmjax.cluster.router, re-exported
     "TransferStats",
     "make_router",
 ]
-
-ENTRY_ROLES = ("colocated", "prefill")  # the roles that take arrivals
 
 
 class InstanceView:
@@ -428,14 +427,8 @@ class SimCluster:
         if min(map(len, distinct)) < len(engines):
             raise ValueError("each instance needs its own engine and its own VirtualClock")
         self.roles = tuple(getattr(e, "role", "colocated") for e in engines)
-        if not any(r in ENTRY_ROLES for r in self.roles):
-            raise ValueError(f"no instance takes arrivals (roles {self.roles}): add a prefill one")
-        if ("prefill" in self.roles) != ("decode" in self.roles):
-            raise ValueError(
-                f"prefill instances need a decode instance and vice versa (roles {self.roles})"
-            )
-        if not 0 < waiting_page_fraction <= 1:
-            raise ValueError(f"{waiting_page_fraction=} must be in (0, 1]")
+        # the routing and migration policies, shared with the real cluster
+        self.core = ClusterCore(self.roles, router, decode_router, waiting_page_fraction)
         if transfer_bandwidth is not None and not transfer_bandwidth > 0:
             raise ValueError(f"{transfer_bandwidth=} must be > 0 bytes/s (math.inf: instant)")
         if transfer_latency_s is not None and not transfer_latency_s >= 0:
@@ -448,9 +441,8 @@ class SimCluster:
             raise ValueError("give kv_pool or kv_pool_bytes_per_node, not both")
         if kv_pool_bytes_per_node is not None and not kv_pool_bytes_per_node >= 0:
             raise ValueError(f"{kv_pool_bytes_per_node=} must be >= 0")
-        self.router = _router(router)
-        self.decode_router = _router(decode_router)
-        self.conductor_stats = ConductorStats()
+        self.router, self.decode_router = self.core.router, self.core.decode_router
+        self.conductor_stats = self.core.conductor_stats
         self.waiting_page_fraction = waiting_page_fraction
         self.transfer_bandwidth = transfer_bandwidth
         self.transfer_latency_s = transfer_latency_s
@@ -459,8 +451,7 @@ class SimCluster:
         self.nodes = [node_of(i) if callable(node_of) else node_of[i] for i in range(len(engines))]
         self.instances = tuple(engines)
         self._instances = [_Instance(i, e) for i, e in enumerate(engines)]
-        self._entry = [i for i, r in enumerate(self.roles) if r in ENTRY_ROLES]
-        self._decode = [i for i, r in enumerate(self.roles) if r == "decode"]
+        self._entry, self._decode = self.core.entry, self.core.decode
         self.config = engines[0].config
         self.tokenizer = engines[0].tokenizer
         self.clock = ClusterClock(self)
@@ -483,9 +474,9 @@ class SimCluster:
         # reserved for transfers): not busy until an event there may let them run (the doc)
         self._blocked: set[int] = set()
         self._last_event = self._time  # the time of the last event processed
-        # the Conductor (a router with `schedule`): decode pins, and prefix fetches in flight
-        # by end time
-        self._pinned: dict[str, int] = {}
+        # the Conductor (a router with `schedule`): decode pins (the core's), and prefix
+        # fetches in flight by end time
+        self._pinned = self.core.pins
         self._fetching: list[tuple[float, int, _Fetch]] = []
         self._fetches: dict[str, _Fetch] = {}
         self.kv_pool_bandwidth = kv_pool_bandwidth
@@ -866,12 +857,8 @@ class SimCluster:
         return outputs
 
     def _left(self, request_id: str, num_output_tokens: int | None = None) -> None:
-        """`request_id` left the cluster (finished with that many tokens, or None: aborted or
-        failed): drop its pin and tell a router that wants to know (the Conductor)."""
-        self._pinned.pop(request_id, None)
-        finished = getattr(self.router, "finished", None)
-        if finished is not None:
-            finished(request_id, num_output_tokens)
+        """`request_id` left the cluster (ClusterCore.left: its pin dropped, the router told)."""
+        self.core.left(request_id, num_output_tokens)
 
     def _unblock(self, i: int, t: float) -> None:
         """Instance i, blocked since its clock, may run again from time t."""
@@ -893,17 +880,26 @@ class SimCluster:
         if self._decode and (error := self._undecodable(req)) is not None:
             self._fail(req, prompt, error, now)
             return
-        if req.instance is not None:  # placed upstream (a program's scheduler)
-            self._admit(self._entry[req.instance], req, prompt, now)
-            return
-        if self._decode and getattr(self.router, "schedule", None) is not None:
-            self._schedule(req, prompt, now)
-            return
-        entry = [self._instances[i] for i in self._entry]
-        views = [InstanceView(inst, now, k) for k, inst in enumerate(entry)]
-        k = checked_choice(self.router, self.router.route(req, views, now), len(entry),
-                          req.request_id)  # fmt: skip
-        self._admit(self._entry[k], req, prompt, now)
+        views = lambda idx: [InstanceView(self._instances[i], now, k) for k, i in enumerate(idx)]
+        placement = self.core.place(req, views, now, can_pin=self._can_hold, pool=self.kv_pool)
+        self.core.commit(placement, req)
+        if placement.rejected is not None:
+            self._fail(req, prompt, placement.rejected, now, finish_reason="rejected")
+        elif placement.fetches:
+            self._fetch(req, prompt, placement, now)
+        else:
+            self._admit(placement.prefill, req, prompt, now)
+
+    def _can_hold(self, j: int, req: RouteRequest) -> bool:
+        """Whether decode instance j could hold `req` to its last token (else the Conductor's
+        pin is dropped: any decode instance pulls it)."""
+        from llmjax.engine.engine import InvalidRequest
+
+        try:
+            self.instances[j].validate_request(list(req.prompt_token_ids), req.sampling_params)
+            return True
+        except InvalidRequest:
+            return False
 
     def _admit(self, i: int, req: RouteRequest, prompt: str | None, now: float) -> None:
         """Put `req` on instance i's engine at `now`."""
@@ -924,45 +920,18 @@ class SimCluster:
             self._where[req.request_id] = i
             self._path[req.request_id].append(i)
 
-    def _schedule(self, req: RouteRequest, prompt: str | None, now: float) -> None:
-        """The Conductor's routing (the module doc): reject, or place on (p, d), fetching the
-        prefix first if it says so."""
-        from llmjax.engine.engine import InvalidRequest
-
-        entry = [self._instances[i] for i in self._entry]
-        decode = [self._instances[j] for j in self._decode]
-        prefill_views = [InstanceView(inst, now, k) for k, inst in enumerate(entry)]
-        decode_views = [InstanceView(inst, now, k) for k, inst in enumerate(decode)]
-        if self.kv_pool is None:
-            d = self.router.schedule(req, prefill_views, decode_views, now)
-        else:
-            d = self.router.schedule(req, prefill_views, decode_views, now, pool=self.kv_pool)
-        rid = req.request_id
-        p = self._entry[checked_choice(self.router, d.prefill, len(entry), rid)]
-        j = self._decode[checked_choice(self.router, d.decode, len(decode), rid)]
-        self.conductor_stats.record(d)
-        if d.rejected is not None:
-            self._fail(req, prompt, d.rejected, now, finish_reason="rejected")
-            self._left(rid)
-            return
-        try:  # a pin the decode instance could never hold: any decode instance pulls it
-            self.instances[j].validate_request(list(req.prompt_token_ids), req.sampling_params)
-            self._pinned[rid] = j
-        except InvalidRequest:
-            pass
-        pooled = d.from_pool and self.kv_pool is not None
-        if (d.fetch_from is None and not pooled) or d.fetch_tokens <= d.local_tokens:
-            self._admit(p, req, prompt, now)
-            return
-        missing = d.fetch_tokens - d.local_tokens
-        if pooled:  # read now (recency), not held: as an instance's cache below
-            source = None
-            self.kv_pool.touch(self.kv_pool.keys(req.prompt_token_ids[: d.fetch_tokens]))
+    def _fetch(self, req: RouteRequest, prompt: str | None, placement, now: float) -> None:
+        """The Conductor's prefix fetch (the module doc): the request waits for the missing
+        tokens' KV (from another prefill instance's cache, or the pool) before it joins its
+        prefill instance's queue."""
+        rid, p, missing = req.request_id, placement.prefill, placement.missing_tokens
+        source = placement.fetch_from
+        if placement.from_pool:  # read now (recency), not held: as an instance's cache below
+            self.kv_pool.touch(self.kv_pool.keys(req.prompt_token_ids[: placement.fetch_tokens]))
             seconds, nbytes = self.kv_pool_seconds(p, missing)
         else:
-            source = self._entry[checked_choice(self.router, d.fetch_from, len(entry), rid)]
             seconds, nbytes = self.kv_transfer_seconds(source, p, missing)
-        fetch = _Fetch(req, prompt, source, p, d.fetch_tokens, now, now + seconds, nbytes)
+        fetch = _Fetch(req, prompt, source, p, placement.fetch_tokens, now, now + seconds, nbytes)
         heapq.heappush(self._fetching, (fetch.end, next(self._seq), fetch))
         self._fetches[rid] = fetch
         inst = self._instances[p]
@@ -975,7 +944,7 @@ class SimCluster:
         st.fetched_tokens += missing
         st.fetch_bytes += nbytes
         st.fetch_seconds += seconds
-        if pooled:
+        if placement.from_pool:
             st.num_pool_fetches += 1
             st.pool_fetched_tokens += missing
 
@@ -1043,10 +1012,3 @@ def _pool_writer(pool: SimKVPool, cache, inner):
         pool.insert_path(cache.path_keys(leaf))
 
     return inserted
-
-
-def _router(router: Router | str) -> Router:
-    r = make_router(router) if isinstance(router, str) else router
-    if not callable(getattr(r, "route", None)):
-        raise ValueError(f"router {router!r} has no route(request, instances, now)")
-    return r
