@@ -1,7 +1,11 @@
 """Many engine instances: routers, prefill/decode disaggregation with KV page transfer
 (DistServe), launchers (issue 21; docs/cluster.md).
 
-`routing.py`: `RouteRequest` and the `InstanceLoad` and `Router` protocols. `router.py`: the
+`core.py`: `ClusterCore`, the policies both clusters run (where an arrival goes: the router,
+an upstream placement, or the Conductor's placement with its prefix fetch, pin or rejection;
+who hears that a request left); `migration.py`: DistServe's pull rule over the parked requests
+(`ParkedQueue`), also shared. `routing.py`: `RouteRequest` and the `InstanceLoad` and `Router`
+protocols. `router.py`: the
 routers by name
 (`ROUTERS`, `make_router`): `round_robin`, `random`, `least_outstanding`, `power_of_two`,
 `cache_aware` (sglang-router's), `mooncake` (`conductor.py`: Mooncake's Conductor, with its
@@ -12,7 +16,7 @@ behind a router with DistServe's pull-based migration (duck-types as one engine 
 KV transport protocol and `local`; `transfer_server.py` the transfer server's;
 `transports.py` them by name (`make_transport`). `launch.py`: `launch` and
 `InstanceSpec` (the `local` launcher on sub-meshes; `ray` in ray_launcher.py).
-`llmjax.sim.SimCluster` runs the same routers over simulated engines. Importing this package
+`llmjax.sim.SimCluster` is the same core over simulated engines and a discrete-event loop. Importing this package
 imports no jax.
 """
 

@@ -9,6 +9,10 @@ or disaggregated (DistServe, issue 21: prefill and decode instances with KV migr
     cluster = SimCluster([prefill_engine, decode_engine, decode_engine2], "round_robin")
     cluster.transfer_stats                  # KV moved: count, bytes, modeled seconds
 
+The policies -- routing, the Conductor's placement, DistServe's pull rule -- are the real
+cluster's (`llmjax.cluster.core.ClusterCore`, `llmjax.cluster.migration.ParkedQueue`); what is
+simulated is how instances run (virtual clocks) and how long KV takes to move.
+
 Each instance is a real simulated `LLMEngine` (its scheduler, block manager and radix cache)
 with its OWN `VirtualClock`, which reads the time the instance is free to start its next step
 (when its last step ends). `SimCluster` is a conservative discrete-event simulation over them and
