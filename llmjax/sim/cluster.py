@@ -35,13 +35,10 @@ duck-types as one engine for `replay`. The events, processed in time order, are:
                  `can_accept(head, waiting_page_fraction)` holds on its state then (its
                  waiting queue uses < 5 % of its pages and the pages fit). The pull is at the
                  smallest such p; among the decode instances that can pull the head then,
-                 `decode_router` picks one. The pull reserves the pages there
-                 (`reserve_import`), and the transfer takes
-                   latency + max(KV bytes per sending device, per receiving device) / bandwidth
-                 (the request's KV pages in each side's layout, `kv_page_bytes_per_device`): the
-                 node's links (`Hardware.link_bandwidth`, `link_latency_s`) when both instances
-                 are in one node, else the network (`network_bandwidth`, `network_latency_s`);
-                 `transfer_bandwidth` / `transfer_latency_s` override both.
+                 `decode_router` picks one (llmjax/cluster/migration.py: the rule, shared
+                 with the real cluster). The pull reserves the pages there (`reserve_import`),
+                 and the transfer takes its modeled time (transfers.py: the node's links or
+                 the network; `transfer_bandwidth` / `transfer_latency_s` override both).
   step at t      the busy instance with the smallest clock t (ties: lowest index) runs one
                  engine step: it schedules at t, with exactly the requests that arrived <= t,
                  and its clock moves on by the cost model's step time. A step that
@@ -111,21 +108,8 @@ request that leaves (`finished`). A Conductor without a cost model gets `SimCost
 first prefill (or entry) and first decode instance's configs, with this cluster's transfer
 overrides.
 
-What a router sees (`InstanceView`), as of the arrival time a: every instance's last step
-started at or before a but may end after it (its clock > a). That step's effects are not yet
-visible at a, and for the request counts the view undoes them: a request counts as outstanding
-on its instance from its routing until routings at times a >= its `metrics.finished_time` (not
-from when the cluster simulated the step that finishes it), so the requests that the step in
-progress will finish still count, as running. On a prefill instance a request counts until it is
-pulled (as running until its first-token time, then as parked); on a decode instance from its
-pull (as running, also while its KV is in transfer) until its finish. An abort
-(`abort_request`) takes effect at once, in any state (queued, on a prefill instance, parked, in
-transfer: both sides free their pages, decoding). The page and prefix-cache views
-(`num_free_pages`, `num_available_pages`, `cached_prefix_tokens`) read the block manager as it
-is, i.e. with the in-progress step's frees and cache inserts already made: at most one step ahead
-(the engine has no hook to read its state between schedule and update). So do the Conductor's
-`queued_prefills` (the scheduler's requests not past their prefill, and those fetching a prefix
-for this instance) and `decode_requests` (running, waiting and receiving requests with output).
+What a router sees of an instance as of the arrival time (`InstanceView`, with the rule for what
+a step in progress shows) is in views.py; how long KV takes to move, in transfers.py.
 """
 
 from __future__ import annotations
@@ -134,7 +118,6 @@ import dataclasses
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 
 from llmjax.cluster.cluster import TransferStats
@@ -152,10 +135,12 @@ from llmjax.cluster.router import (  # re-exported: the router interface moved t
     RouteRequest,
     make_router,
 )
-from llmjax.engine.request import MigratedRequest, RequestMetrics, RequestOutput
+from llmjax.engine.request import RequestMetrics, RequestOutput
 from llmjax.sampling_params import SamplingParams
 from llmjax.sim.kvpool import SimKVPool
 from llmjax.sim.roofline import kv_page_bytes_per_device
+from llmjax.sim.transfers import TransferModel, pack_nodes
+from llmjax.sim.views import InstanceState, InstanceView
 
 __all__ = [  # with the router interface of llmjax.cluster.router, re-exported
     "ROUTERS",
@@ -172,137 +157,6 @@ __all__ = [  # with the router interface of llmjax.cluster.router, re-exported
     "TransferStats",
     "make_router",
 ]
-
-
-class InstanceView:
-    """Instance `index` as a router sees it at time `now` (the rule in the module doc). `index`
-    is its position in the list the router is given (the instance's own index by default)."""
-
-    def __init__(self, instance: _Instance, now: float, index: int | None = None):
-        self._instance = instance
-        self.index = instance.index if index is None else index
-        self.now = now
-
-    @property
-    def _engine(self):
-        return self._instance.engine
-
-    @property
-    def role(self) -> str:
-        return self._engine.role
-
-    @property
-    def num_outstanding(self) -> int:
-        """Requests routed (or pulled) here and not finished by `now` (finished_time <= now)
-        nor pulled away; an aborted one stops counting at once."""
-        return len(self._instance.live) + self._finishing
-
-    @property
-    def _finishing(self) -> int:
-        """Requests whose finish (by the step in progress at `now`) lies after `now`."""
-        return sum(t > self.now for t in self._instance.finished_at)
-
-    def _parked(self) -> list[float]:
-        """First-token times of the requests parked here and not pulled yet."""
-        live = self._instance.live
-        return [r.metrics.first_token_time for rid, r in self._engine.parked.items() if rid in live]
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued here, not admitted (or preempted back into the queue)."""
-        return len(self._engine.scheduler.waiting)
-
-    @property
-    def num_running(self) -> int:
-        """Requests admitted here (holding KV pages) as of `now`, including those the step in
-        progress finishes (or parks) after `now` and, on a decode instance, those whose KV is
-        in transfer to it."""
-        late_parked = sum(t > self.now for t in self._parked())
-        receiving = len(getattr(self._engine, "_receiving", ()))
-        return len(self._engine.scheduler.running) + self._finishing + late_parked + receiving
-
-    @property
-    def num_parked(self) -> int:
-        """Prefill instance: requests past their first token by `now`, waiting for a decode
-        instance to pull them (their KV pages held here)."""
-        return sum(t <= self.now for t in self._parked())
-
-    @property
-    def free_at(self) -> float:
-        """When the instance can start its next step (its clock; > `now` while a step runs)."""
-        return self._engine.clock.now()
-
-    @property
-    def num_free_pages(self) -> int:
-        """KV pages on the free list (one step ahead at most, see the module doc)."""
-        return self._engine.block_manager.num_free_pages
-
-    @property
-    def num_available_pages(self) -> int:
-        """Free pages plus prefix-cache pages no request holds (evicted on demand)."""
-        return self._engine.block_manager.num_available_pages
-
-    def cached_prefix_tokens(self, prompt_token_ids: Sequence[int]) -> int:
-        """Prompt tokens whose KV this instance's prefix cache holds now (what admission would
-        reuse: whole pages of all but the last token); reads the radix tree without touching
-        its LRU order (`BlockManager.peek_prefix`)."""
-        ids = list(prompt_token_ids)[:-1]
-        return self._engine.block_manager.peek_prefix(ids).num_tokens
-
-    # ---- what the Conductor reads (llmjax.cluster.conductor.ConductorLoad) --------------------
-
-    @property
-    def instance_id(self) -> int:
-        """The instance's index in the cluster."""
-        return self._instance.index
-
-    def queued_prefills(self) -> list[tuple[str, int, int]]:
-        """(id, tokens to prefill, tokens computed) of the requests here not past their
-        prefill (waiting, mid-prefill, or fetching a prefix for this instance)."""
-        sched = self._engine.scheduler
-        out = [(rid, n, 0) for rid, n in self._instance.fetching.items()]
-        for r in (*sched.running, *sched.waiting):
-            if not r.output_token_ids or r.num_uncomputed_tokens > 1:
-                out.append((r.request_id, r.num_tokens, r.num_computed_tokens))
-        return out
-
-    def decode_requests(self) -> list[tuple[str, int, int]]:
-        """(id, context tokens, output tokens) of the requests decoding here, waiting after a
-        preemption, or whose KV is in transfer to here."""
-        sched = self._engine.scheduler
-        receiving = [r for r, _ in getattr(self._engine, "_receiving", {}).values()]
-        return [
-            (r.request_id, r.num_tokens, len(r.output_token_ids))
-            for r in (*sched.running, *sched.waiting, *receiving)
-            if r.output_token_ids
-        ]
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        bm = self._engine.block_manager
-        return bm.num_usable_pages * bm.page_size
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._engine.config.scheduler.max_num_seqs
-
-    def __repr__(self) -> str:
-        return (
-            f"InstanceView(index={self.index}, now={self.now}, "
-            f"outstanding={self.num_outstanding}, free_at={self.free_at})"
-        )
-
-
-@dataclasses.dataclass
-class _Instance:
-    index: int
-    engine: object  # a simulated LLMEngine
-    live: set[str] = dataclasses.field(default_factory=set)  # routed here, not finished/aborted
-    # finished_time of finished requests that a routing may still see as outstanding (> the last
-    # routing time), in finishing order (the engine's clock never goes back)
-    finished_at: deque[float] = dataclasses.field(default_factory=deque)
-    # requests fetching a prefix for this instance (the Conductor): id -> prompt tokens
-    fetching: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -356,23 +210,6 @@ class ClusterClock:
 
     def __repr__(self) -> str:
         return f"ClusterClock(now={self._cluster._time})"
-
-
-def pack_nodes(engines: Sequence) -> list[int]:
-    """The default `node_of`: instances packed in index order into nodes of their hardware's
-    `devices_per_node`, `tp * pp` devices each (one that does not fit in what its node has
-    left starts the next node; one larger than a node spans nodes of its own)."""
-    nodes, node, used = [], 0, 0
-    for e in engines:
-        per = e.config.sim.hardware.devices_per_node
-        devices = e.config.parallel.tp * e.config.parallel.pp
-        if used and used + devices > per:
-            node, used = node + 1, 0
-        nodes.append(node)
-        used += devices
-        if used >= per:  # full (or spanning): the next instance starts past it
-            node, used = node + math.ceil(used / per), 0
-    return nodes
 
 
 class SimCluster:
@@ -433,14 +270,6 @@ class SimCluster:
         self.roles = tuple(getattr(e, "role", "colocated") for e in engines)
         # the routing and migration policies, shared with the real cluster
         self.core = ClusterCore(self.roles, router, decode_router, waiting_page_fraction)
-        if transfer_bandwidth is not None and not transfer_bandwidth > 0:
-            raise ValueError(f"{transfer_bandwidth=} must be > 0 bytes/s (math.inf: instant)")
-        if transfer_latency_s is not None and not transfer_latency_s >= 0:
-            raise ValueError(f"{transfer_latency_s=} must be >= 0")
-        if kv_pool_bandwidth is not None and not kv_pool_bandwidth > 0:
-            raise ValueError(f"{kv_pool_bandwidth=} must be > 0 bytes/s (math.inf: instant)")
-        if kv_pool_latency_s is not None and not kv_pool_latency_s >= 0:
-            raise ValueError(f"{kv_pool_latency_s=} must be >= 0")
         if kv_pool is not None and kv_pool_bytes_per_node is not None:
             raise ValueError("give kv_pool or kv_pool_bytes_per_node, not both")
         if kv_pool_bytes_per_node is not None and not kv_pool_bytes_per_node >= 0:
@@ -453,8 +282,20 @@ class SimCluster:
         if node_of is None:
             node_of = pack_nodes(engines)
         self.nodes = [node_of(i) if callable(node_of) else node_of[i] for i in range(len(engines))]
+        # how long KV takes to move (llmjax/sim/transfers.py): the simulated transports
+        self.transfers = TransferModel(
+            engines,
+            self.nodes,
+            transfer_bandwidth,
+            transfer_latency_s,
+            kv_pool_bandwidth,
+            kv_pool_latency_s,
+        )
+        self.transfer_seconds = self.transfers.transfer_seconds
+        self.kv_transfer_seconds = self.transfers.kv_transfer_seconds
+        self.kv_pool_seconds = self.transfers.kv_pool_seconds
         self.instances = tuple(engines)
-        self._instances = [_Instance(i, e) for i, e in enumerate(engines)]
+        self._instances = [InstanceState(i, e) for i, e in enumerate(engines)]
         self._entry, self._decode = self.core.entry, self.core.decode
         self.config = engines[0].config
         self.tokenizer = engines[0].tokenizer
@@ -703,55 +544,6 @@ class SimCluster:
         return [
             InstanceView(inst, self._routed_at if now is None else now) for inst in self._instances
         ]
-
-    def transfer_seconds(self, source: int, dest: int, m: MigratedRequest) -> tuple[float, int]:
-        """The modeled time of moving `m`'s KV from instance `source` to `dest` (the module
-        doc) and the bytes the receiving devices get."""
-        return self._kv_seconds(source, dest, m.num_kv_pages)
-
-    def kv_transfer_seconds(self, source: int, dest: int, num_tokens: int) -> tuple[float, int]:
-        """The modeled time of moving the KV pages of `num_tokens` tokens from instance
-        `source` to `dest` (the module doc) and the bytes the receiving devices get."""
-        return self._kv_seconds(source, dest, lambda page_size: -(-num_tokens // page_size))
-
-    def kv_pool_seconds(self, dest: int, num_tokens: int) -> tuple[float, int]:
-        """The modeled time of moving the KV pages of `num_tokens` tokens from the KV pool to
-        instance `dest` (the module doc) and the bytes its devices get."""
-        c = self.instances[dest].config
-        tp, pp = c.parallel.tp, c.parallel.pp
-        pages = -(-num_tokens // c.cache.page_size)
-        per_device = pages * kv_page_bytes_per_device(c.model, c.cache.page_size, c.dtype, tp, pp)
-        hw = c.sim.hardware
-        bandwidth = self.kv_pool_bandwidth or self.transfer_bandwidth or hw.network_bandwidth
-        latency = self.kv_pool_latency_s
-        if latency is None:
-            latency = self.transfer_latency_s
-        if latency is None:
-            latency = hw.network_latency_s
-        return latency + per_device / bandwidth, int(per_device * tp * pp)
-
-    def _kv_seconds(self, source: int, dest: int, num_pages) -> tuple[float, int]:
-        """`transfer_seconds` of `num_pages(page_size)` pages on each side."""
-        per_device, total = [], 0
-        for k in (source, dest):
-            c = self.instances[k].config
-            tp, pp = c.parallel.tp, c.parallel.pp
-            page = kv_page_bytes_per_device(c.model, c.cache.page_size, c.dtype, tp, pp)
-            per_device.append(num_pages(c.cache.page_size) * page)
-            total = per_device[-1] * tp * pp  # the receiving side's (dest is last)
-        hw = self.instances[dest].config.sim.hardware
-        local = self.nodes[source] == self.nodes[dest] and all(
-            self.instances[k].config.parallel.tp * self.instances[k].config.parallel.pp
-            <= hw.devices_per_node
-            for k in (source, dest)
-        )
-        bandwidth = self.transfer_bandwidth or (
-            hw.link_bandwidth if local else hw.network_bandwidth
-        )
-        latency = self.transfer_latency_s
-        if latency is None:
-            latency = hw.link_latency_s if local else hw.network_latency_s
-        return latency + max(per_device) / bandwidth, int(total)
 
     # ---- events ------------------------------------------------------------------------------
 
