@@ -16,11 +16,12 @@ behind a router with DistServe's pull-based migration (duck-types as one engine 
 KV transport protocol and `local`; `transfer_server.py` the transfer server's;
 `transports.py` them by name (`make_transport`). `launch.py`: `launch` and
 `InstanceSpec` (the `local` launcher on sub-meshes; `ray` in ray_launcher.py).
-`llmjax.sim.SimCluster` is the same core over simulated engines and a discrete-event loop. Importing this package
-imports no jax.
+`stats.py`: `TransferStats`; `serving_view.py`: a cluster as the server drives one engine.
+`llmjax.sim.SimCluster` is the same core over simulated engines and a discrete-event loop.
+Importing this package imports no jax.
 """
 
-from llmjax.cluster.cluster import Cluster, TransferStats
+from llmjax.cluster.cluster import Cluster
 from llmjax.cluster.conductor import (
     Conductor,
     ConductorStats,
@@ -43,6 +44,7 @@ from llmjax.cluster.router import (
     RouteRequest,
     make_router,
 )
+from llmjax.cluster.stats import TransferStats
 from llmjax.cluster.transfer import LocalTransport, Offer, TransferError
 from llmjax.cluster.transports import TRANSPORTS
 

@@ -5,7 +5,9 @@
     replay(cluster, specs)    # llmjax.bench.replay: a Cluster duck-types as one engine
 
 A `Cluster` holds instances (`LocalInstance`s in this process, or the Ray launcher's actor
-handles with the same calls) and does three things each `step()`:
+handles with the same calls) under the cluster's policies (`ClusterCore`, core.py, and the pull
+rule of migration.py: the simulated cluster runs the same ones) and does three things each
+`step()`:
 
 1. **Route** (at `add_request`): an arriving request goes to a 'colocated' or 'prefill' instance
    chosen by `router` (a name of `llmjax.cluster.router.ROUTERS`) over those instances' loads.
@@ -57,6 +59,8 @@ import numpy as np
 from llmjax.cluster.core import ENTRY_ROLES, ClusterCore
 from llmjax.cluster.migration import ParkedQueue, choose
 from llmjax.cluster.router import Router, RouteRequest
+from llmjax.cluster.serving_view import ServingView
+from llmjax.cluster.stats import TransferStats
 from llmjax.engine.clock import WALL_CLOCK
 from llmjax.engine.request import MigratedRequest, RequestMetrics, RequestOutput
 from llmjax.sampling_params import SamplingParams
@@ -64,30 +68,6 @@ from llmjax.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
-
-
-@dataclasses.dataclass
-class TransferStats:
-    """KV transfers between instances: count, bytes moved (bucket padding included), seconds
-    from the pull's start to the pages' scatter (sum and per transfer), failures (transfers that
-    failed or timed out), requests recomputed after a failure or an instance death, requests
-    failed."""
-
-    num_transfers: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    transfer_seconds: list[float] = dataclasses.field(default_factory=list)
-    num_failures: int = 0
-    num_recomputed: int = 0
-    num_failed_requests: int = 0
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        times = d.pop("transfer_seconds")
-        d["mean_transfer_s"] = float(np.mean(times)) if times else 0.0
-        d["p99_transfer_s"] = float(np.percentile(times, 99)) if times else 0.0
-        d["bandwidth_gb_s"] = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-        return d
 
 
 @dataclasses.dataclass
@@ -692,82 +672,3 @@ class Cluster:
             self._loads[j] = self.instances[j].load()
         except Exception as e:  # recovers the request from its source's KV-less state
             self.kill(j, reason=f"instance {j} failed: {e!r}")
-
-
-class ServingView:
-    """The cluster as the server's engine thread drives an `LLMEngine` (llmjax/serve/): the
-    same calls, `stats` as one `EngineStats` summed over the instances (updated in place, so a
-    reader's counters carry on), and `scheduler` / `block_manager` with the counts the server
-    reads (`len(scheduler.waiting)`, `len(scheduler.running)`, `block_manager.num_pages`)."""
-
-    def __init__(self, cluster: Cluster):
-        from llmjax.engine.stats import EngineStats
-
-        self.cluster = cluster
-        self.config = cluster.config
-        self.tokenizer = cluster.tokenizer
-        self._stats = EngineStats(num_pages=0)
-
-    def add_request(self, *args, **kwargs) -> str:
-        return self.cluster.add_request(*args, **kwargs)
-
-    def step(self) -> list[RequestOutput]:
-        return self.cluster.step()
-
-    def abort_request(self, request_id: str) -> bool:
-        return self.cluster.abort_request(request_id)
-
-    def abort_all(self) -> list[str]:
-        return self.cluster.abort_all()
-
-    def has_unfinished_requests(self) -> bool:
-        return self.cluster.has_unfinished_requests()
-
-    def validate_request(self, prompt_token_ids, sampling_params) -> None:
-        """What an entry instance would reject (`LLMEngine.validate_request`)."""
-        i = self.cluster._alive_with(ENTRY_ROLES)
-        if i:
-            self.cluster.instances[i[0]].validate_request(prompt_token_ids, sampling_params)
-
-    @property
-    def stats(self):
-        total = self.cluster.total_stats
-        for f in dataclasses.fields(total):
-            setattr(self._stats, f.name, getattr(total, f.name))
-        return self._stats
-
-    def reset_stats(self) -> None:
-        from llmjax.engine.stats import EngineStats
-
-        self.cluster.reset_stats()
-        self._stats = EngineStats(num_pages=0)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.cluster.reset_prefix_cache()
-
-    @property
-    def scheduler(self):
-        loads = [ld for i, ld in enumerate(self.cluster._loads) if self.cluster.alive[i]]
-        return _Queues(
-            range(sum(ld.num_waiting for ld in loads)),
-            range(sum(ld.num_running + ld.num_receiving for ld in loads)),
-        )
-
-    @property
-    def block_manager(self):
-        return _Pages(sum(ld.num_usable_pages + 1 for ld in self.cluster._loads))
-
-    @property
-    def num_compiles(self) -> int:
-        return self.cluster.num_compiles
-
-
-@dataclasses.dataclass(frozen=True)
-class _Queues:
-    waiting: range
-    running: range
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pages:
-    num_pages: int

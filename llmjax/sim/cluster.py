@@ -120,7 +120,6 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
-from llmjax.cluster.cluster import TransferStats
 from llmjax.cluster.conductor import SimCostModel
 from llmjax.cluster.core import ClusterCore
 from llmjax.cluster.migration import ParkedQueue, Pull, choose
@@ -135,6 +134,7 @@ from llmjax.cluster.router import (  # re-exported: the router interface moved t
     RouteRequest,
     make_router,
 )
+from llmjax.cluster.stats import TransferStats
 from llmjax.engine.request import RequestMetrics, RequestOutput
 from llmjax.sampling_params import SamplingParams
 from llmjax.sim.kvpool import SimKVPool
