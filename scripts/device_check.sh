@@ -21,6 +21,10 @@
 #           synchronous steps against async scheduling (host, waited and device ms a step): is a
 #           step's wall time within 10 % of its device time with async at batch 16? (sets
 #           config.ASYNC_BY_DEFAULT for GPUs; not in the default STAGES until it has run once)
+#   moe     scripts/bench_moe.py: a mixture-of-experts MLP (Mixtral- and Qwen3-MoE-like, bf16) at
+#           1/16/256 tokens against the dense MLP of its active parameters, and one grouped
+#           projection by ragged_dot (the GPU default) against one dot of its FLOPs: is XLA:GPU's
+#           ragged_dot a grouped GEMM (issue 39)? (not in the default STAGES: STAGES=moe)
 #   bench   scripts/bench_kernels.py: decode-heavy, prefill-heavy and mixed batches (llama3-8b-like
 #           heads, bf16), our kernels (Mosaic GPU, Triton) against the reference, JAX's Pallas ops
 #           and cuDNN, with Mosaic GPU block-size, stage and warp-specialized variants, and the
@@ -112,6 +116,14 @@ if want async; then
   JAX_PLATFORMS=$PLATFORM timeout 120 $PY scripts/bench_async.py --load_format dummy \
     --dtype bfloat16 --batch_sizes 1,16,64 --max_tokens 48 --rounds 2 \
     --json_out "$WORK/async.json" 2>"$WORK/async.log" | grep -v "^wrote" | tail -8 \
+    | tee -a "$OUT/summary.txt"
+  save
+fi
+
+if want moe; then
+  log "moe: MoE MLP vs dense, grouped matmul (ragged_dot) vs dot, bf16; 120 s at most"
+  JAX_PLATFORMS=$PLATFORM timeout 120 $PY scripts/bench_moe.py --dtype bfloat16 --repeats 10 \
+    --json_out "$WORK/moe.json" 2>"$WORK/moe.log" | grep -v "^wrote" | tail -9 \
     | tee -a "$OUT/summary.txt"
   save
 fi
