@@ -15,6 +15,8 @@
                     cached / prompt tokens over the finished requests, where a request's cached
                     tokens are `RequestOutput.num_cached_tokens` (prompt tokens whose KV came from
                     the prefix cache at its first admission).
+  device utilization  the devices' busy (step) time / their time over the makespan, from the
+                    engines' `EngineStats` (`device_utilization`; not part of `Summary`).
 Percentiles are numpy's (linear interpolation between order statistics).
 """
 
@@ -155,6 +157,20 @@ def summarize(
             summary, meets_capacity=meets_capacity(summary, tbt_slo, max_scheduling_delay)
         )
     return summary
+
+
+def device_utilization(engines: Sequence, duration_s: float) -> float | None:
+    """The share of the devices' time spent running steps over `duration_s` (a run's makespan,
+    `Summary.duration_s`): sum over `engines` (a cluster's instances) of tp x pp x
+    `EngineStats.device_time_s`, over their devices x duration_s. On a simulated device
+    `device_time_s` is the modeled seconds of its steps, so this is busy time / wall time as
+    `nvidia-smi` reports GPU utilization (not MFU); on hardware it is launch-to-collect time.
+    None for a zero duration or no devices."""
+    devices = [e.config.parallel.tp * e.config.parallel.pp for e in engines]
+    if not sum(devices) or not duration_s > 0:
+        return None
+    busy = sum(n * e.stats.device_time_s for n, e in zip(devices, engines, strict=True))
+    return float(busy / (sum(devices) * duration_s))
 
 
 # ------------------------------------------------------------------------------------------------
