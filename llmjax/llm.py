@@ -16,29 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterator, Sequence
 
-import numpy as np
-
-from llmjax.config import (
-    QUANTIZATIONS,
-    CacheConfig,
-    EngineConfig,
-    KVStoreConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SparseKVConfig,
-    SpeculativeConfig,
-    apply_overrides,
-    layer_loop_scans,
-    read_override,
-)
-from llmjax.engine.block_manager import pages_needed
-from llmjax.engine.engine import LLMEngine
+from llmjax.config import ModelConfig, ParallelConfig, SparseKVConfig
 from llmjax.engine.request import RequestOutput
+from llmjax.llm_options import WEIGHT_OPTIONS, build_engine, engine_config, option_values
+from llmjax.loading import load_weights, sim_model
 from llmjax.progress import progress_bar
 from llmjax.sampling_params import SamplingParams
 from llmjax.tokenizer import TextStream, Tokenizer
@@ -46,104 +30,9 @@ from llmjax.tokenizer import TextStream, Tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# Where JAX reports no device memory limit (the CPU), the KV cache gets at most this many bytes
-# unless num_pages is given.
-CPU_KV_CACHE_BYTES = 1 << 30
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
-
-
-# EngineConfig fields that an LLM option sets: an override by path acts as the option.
-OPTION_PATHS = {
-    "max_model_len": "max_model_len",
-    "cache.page_size": "page_size",
-    "cache.num_pages": "num_pages",
-    "cache.prefix_cache": "prefix_cache",
-    "scheduler.policy": "scheduler_policy",
-    "scheduler.max_num_seqs": "max_num_seqs",
-    "scheduler.max_num_batched_tokens": "max_num_batched_tokens",
-    "scheduler.admission_order": "admission_order",
-    "scheduler.balance_micro_batches": "balance_micro_batches",
-    "parallel.check_lockstep": "check_lockstep",
-    "attention_backend": "attention_backend",
-    "flash_prefill": "flash_prefill",
-    "pallas_kernel": "pallas_kernel",
-    "kernel_options": "kernel_options",
-    "layer_loop": "layer_loop",
-    "seed": "seed",
-    "precompile": "precompile",
-    "async_scheduling": "async_scheduling",
-    "compilation_cache_dir": "compilation_cache_dir",
-}
-
-
-def default_num_pages(config: EngineConfig, params_bytes: int, devices=None) -> int:
-    """Pages for max_num_seqs full-length requests, capped by the memory budget (per device:
-    tp * pp devices share the weights and the KV pages; the memory read is `devices[0]`'s, by
-    default the first local device). In a multi-process run every process takes the smallest
-    process's answer, so their block managers stay in lockstep."""
-    import jax
-
-    from llmjax.model.kv_cache import kv_cache_bytes
-    from llmjax.parallel.heads import tp_head_layout
-
-    page_size = config.cache.page_size
-    wanted = config.scheduler.max_num_seqs * pages_needed(config.max_model_len, page_size) + 1
-    parallel = config.parallel
-    layout = tp_head_layout(config.model, parallel.tp, parallel.pad_heads)
-    per_page = kv_cache_bytes(layout.model_config(config.model), 1, page_size, config.dtype)
-    per_page //= parallel.num_devices
-    device = next(iter(devices)) if devices else jax.local_devices()[0]
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-        used = stats.get("bytes_in_use", 0) + params_bytes // parallel.num_devices
-        free = stats["bytes_limit"] - used
-        budget = int(config.cache.memory_fraction * max(free, 0))
-    else:
-        budget = CPU_KV_CACHE_BYTES
-    num_pages = max(2, min(wanted, budget // per_page))
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        everyone = multihost_utils.process_allgather(np.array([num_pages], np.int64))
-        num_pages = int(np.min(everyone))
-    return num_pages
-
-
-# LLM.__init__'s engine options (what `with_options` may change), in order.
-ENGINE_OPTIONS = (
-    "max_model_len",
-    "page_size",
-    "num_pages",
-    "scheduler_policy",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "prefix_cache",
-    "admission_order",
-    "balance_micro_batches",
-    "attention_backend",
-    "flash_prefill",
-    "pallas_kernel",
-    "kernel_options",
-    "layer_loop",
-    "check_lockstep",
-    "sparse_kv",
-    "calibration_tokens",
-    "seed",
-    "precompile",
-    "async_scheduling",
-    "compilation_cache_dir",
-    "overrides",
-    "role",
-    "devices",
-    "kv_store",
-    "speculative_config",
-)
-
-
-def _option_values(arguments: dict) -> dict:
-    return {name: arguments[name] for name in ENGINE_OPTIONS}
 
 
 class LLM:
@@ -252,47 +141,31 @@ class LLM:
             raise ValueError(f"{load_format=} must be 'auto' or 'dummy'")
         t0 = time.perf_counter()
         if device == "sim":
-            self._init_sim(model, dtype or "bfloat16", quantization, tokenizer, tp, pp, ep, sim)
-            self._build_engine(dict(_option_values(locals())), t0)
+            self._model_config, self.tokenizer, self._fixed = sim_model(
+                model, dtype or "bfloat16", quantization, tokenizer, tp, pp, ep, sim
+            )
+            self._weights = None
+            self._build_engine(dict(option_values(locals())), t0)
             return
         if device != "jax":
             raise ValueError(f"unknown {device=}; choose 'jax' or 'sim'")
         if sim is not None:
             raise ValueError("sim= (a SimConfig) goes with device='sim'")
         dtype = dtype or "float32"
-        sharded = tp * pp > 1  # then weights load one at a time, each device getting its shard
         parallel = ParallelConfig(
             tp=tp, pp=pp, ep=ep, pad_heads=pad_heads, check_lockstep=check_lockstep
         )
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"unknown {quantization=}; choose one of {QUANTIZATIONS}")
-        if quantization != "none" and sharded:
-            raise ValueError(
-                f"quantization={quantization!r} runs on one device for now (tp={tp}, pp={pp})"
-            )
-        alpha = _smoothquant_alpha(smoothquant, quantization)  # checked before the load
-        self._model_config, params, self.tokenizer = _load(
-            model, dtype, load_format, tokenizer, parallel if sharded else None, quantization
+        self._model_config, params, self.tokenizer, alpha = load_weights(
+            model,
+            dtype,
+            quantization,
+            smoothquant,
+            tokenizer,
+            load_format,
+            parallel,
+            layer_loop,
+            sparse_kv,
         )
-        if alpha is not None and self._model_config.is_moe:
-            if smoothquant != "auto":
-                raise ValueError(
-                    f"smoothquant={smoothquant!r}: SmoothQuant of a mixture of experts (its "
-                    "router and experts share the MLP input) is not implemented; use "
-                    "smoothquant='none'"
-                )
-            logger.info("SmoothQuant skipped: not implemented for a mixture of experts")
-            alpha = None
-        if alpha is not None:
-            params = _smoothed(params, self._model_config, self.tokenizer, alpha)
-        if not sharded:  # else ModelRunner places (and converts) each weight on the mesh
-            params = _pack_weights(params, quantization, dtype)
-            sparse = sparse_kv if isinstance(sparse_kv, str) else sparse_kv.mode
-            if layer_loop_scans(layer_loop, sparse != "none"):
-                from llmjax.model.params import stack_layers
-
-                params = stack_layers(params)  # on the host, before the device holds them
-            params = _to_device(params, dtype)
         self._weights = params
         self._fixed = dict(
             model=model,
@@ -305,23 +178,9 @@ class LLM:
         )
         self._fixed["smoothquant"] = alpha
         self._fixed["device"], self._fixed["sim"] = "jax", None
-        self._build_engine(dict(_option_values(locals())), t0)
+        self._build_engine(dict(option_values(locals())), t0)
 
-    # Arguments that fix how the weights were loaded and placed: `with_options` cannot change them.
-    WEIGHT_OPTIONS = (
-        "model",
-        "dtype",
-        "quantization",
-        "smoothquant",
-        "tokenizer",
-        "load_format",
-        "tp",
-        "pp",
-        "ep",
-        "pad_heads",
-        "device",
-        "sim",
-    )
+    WEIGHT_OPTIONS = WEIGHT_OPTIONS  # what `with_options` cannot change
 
     def with_options(self, **options) -> LLM:
         """Another LLM over this one's loaded weights and tokenizer, with other engine options
@@ -353,47 +212,6 @@ class LLM:
         other._build_engine({**self._options, **options}, time.perf_counter())
         return other
 
-    def _init_sim(self, model, dtype, quantization, tokenizer, tp, pp, ep, sim) -> None:
-        """device='sim': the model's shape only (a preset, an HF directory's config.json or a
-        GGUF file's metadata), no weights and no JAX; the tokenizer from `tokenizer` or the
-        model's own file (a preset's: pass tokenizer=)."""
-        import configs
-        from llmjax.sim.runner import SimConfig
-
-        if quantization != "none":
-            raise ValueError(f"the simulated device models no quantization ({quantization=})")
-        if model in configs.PRESETS:
-            model_config, source = configs.get_preset(model), tokenizer
-        elif os.path.isdir(model):
-            model_config, source = ModelConfig.from_hf_config(model), tokenizer or model
-        elif model.endswith(".gguf") and os.path.isfile(model):
-            from llmjax.checkpoint.gguf import model_config_from_gguf
-
-            model_config, source = model_config_from_gguf(model), tokenizer or model
-        else:
-            raise ValueError(
-                f"model {model!r} is not a preset ({sorted(configs.PRESETS)}), an HF directory "
-                "or a .gguf file"
-            )
-        tok = None
-        if source is not None:
-            if source.endswith(".gguf"):
-                tok = Tokenizer.from_gguf(source)
-            elif os.path.exists(os.path.join(source, "tokenizer.json")):
-                tok = Tokenizer.from_hf_dir(source)
-        self._model_config, self._weights, self.tokenizer = model_config, None, tok
-        self._fixed = dict(
-            model=model,
-            dtype=dtype,
-            quantization="none",
-            tp=tp,
-            pp=pp,
-            ep=ep,
-            pad_heads=False,
-            device="sim",
-            sim=sim if sim is not None else SimConfig(),
-        )
-
     @property
     def smoothquant_alpha(self) -> float | None:
         """SmoothQuant's migration strength the int8 weights were smoothed with at load (the
@@ -409,128 +227,20 @@ class LLM:
         return self._weights
 
     def _build_engine(self, options: dict, t0: float) -> None:
-        o, fixed, model_config = dict(options), self._fixed, self._model_config
-        if o["overrides"]:
-            # An override of a field that an option sets is that option, so the defaults that
-            # derive from it (the token budget from the policy, num_pages) follow it.
-            overrides = dict(o["overrides"])
-            for path, name in OPTION_PATHS.items():
-                if path in overrides:
-                    o[name] = read_override(EngineConfig, path, overrides.pop(path))
-            o["overrides"] = overrides
+        o, config, kv_store = engine_config(options, self._fixed, self._model_config)
         self._options = dict(o)
-        parallel = ParallelConfig(
-            tp=fixed["tp"],
-            pp=fixed["pp"],
-            ep=fixed["ep"],
-            pad_heads=fixed["pad_heads"],
-            check_lockstep=o["check_lockstep"],
-        )
-        max_model_len = o["max_model_len"]
-        if max_model_len is None:
-            max_model_len = min(model_config.max_position_embeddings, 4096)
-        max_num_batched_tokens = o["max_num_batched_tokens"]
-        if max_num_batched_tokens is None:  # whole-prompt policies need room for any prompt
-            chunked = SchedulerConfig(policy=o["scheduler_policy"]).chunks_prefills
-            max_num_batched_tokens = 512 if chunked else max_model_len
-        extra = {}
-        if o["compilation_cache_dir"] is not None:
-            extra["compilation_cache_dir"] = o["compilation_cache_dir"]
-        sparse_kv = o["sparse_kv"]
-        kv_store = o["kv_store"]
-        if isinstance(kv_store, KVStoreConfig):
-            extra["kv_store"] = kv_store
-            kv_store = None
-        config = EngineConfig(
-            model=model_config,
-            cache=CacheConfig(
-                page_size=o["page_size"], num_pages=o["num_pages"], prefix_cache=o["prefix_cache"]
-            ),
-            scheduler=SchedulerConfig(
-                policy=o["scheduler_policy"],
-                max_num_seqs=o["max_num_seqs"],
-                max_num_batched_tokens=max_num_batched_tokens,
-                admission_order=o["admission_order"],
-                balance_micro_batches=o["balance_micro_batches"],
-            ),
-            dtype=fixed["dtype"],
-            quantization=fixed["quantization"],
-            max_model_len=max_model_len,
-            attention_backend=o["attention_backend"],
-            flash_prefill=o["flash_prefill"],
-            pallas_kernel=o["pallas_kernel"],
-            kernel_options=o["kernel_options"],
-            layer_loop=o["layer_loop"],
-            parallel=parallel,
-            sparse_kv=sparse_kv
-            if isinstance(sparse_kv, SparseKVConfig)
-            else SparseKVConfig(mode=sparse_kv),
-            seed=o["seed"],
-            precompile=o["precompile"],
-            async_scheduling=o["async_scheduling"],
-            device=fixed["device"],
-            sim=fixed["sim"],
-            speculative=SpeculativeConfig.coerce(o["speculative_config"]),
-            **extra,
-        )
-        if o["overrides"]:  # any other field, by dotted path (the scripts' --override)
-            config = apply_overrides(config, o["overrides"])
-        if config.device == "sim":
-            self.config = config
-            self.engine = LLMEngine(
-                config, None, config.cache.num_pages, self.tokenizer, role=o["role"]
-            )
-            logger.info(
-                "simulated %s on %s (tp=%d, pp=%d, %s) with %d KV pages in %.3f s",
-                fixed["model"],
-                config.sim.hardware.name,
-                config.parallel.tp,
-                config.parallel.pp,
-                fixed["dtype"],
-                self.engine.block_manager.num_usable_pages,
-                time.perf_counter() - t0,
-            )
-            return
-        import jax.numpy as jnp
-
-        from llmjax.model.params import num_params
-        from llmjax.model.quant import weight_bytes
-
-        itemsize = jnp.dtype(fixed["dtype"]).itemsize
-        params_bytes = num_params(model_config) * itemsize
-        if config.parallel.num_devices == 1:
-            params_bytes = weight_bytes(self._weights)  # quantized weights as stored
-        num_pages = config.cache.num_pages
-        if num_pages is None:
-            num_pages = default_num_pages(config, params_bytes, o["devices"])
         self.config = config
-        skew = None
-        if config.sparse_kv.mode == "infinigen":
-            skew = _infinigen_skew(config, self._weights, self.tokenizer, o["calibration_tokens"])
-        self.engine = LLMEngine(
-            config,
-            self._weights,
-            num_pages,
-            self.tokenizer,
-            skew=skew,
-            role=o["role"],
-            devices=o["devices"],
-            kv_store=kv_store,
+        self.engine = build_engine(
+            config, o, self._fixed, self._weights, self.tokenizer, kv_store, t0
         )
-        if config.parallel.num_devices == 1 and not config.sparse_kv.enabled:
+        if (
+            config.device != "sim"
+            and config.parallel.num_devices == 1
+            and not config.sparse_kv.enabled
+        ):
             # The runner converted the layers' layout if this engine loops the other way
             # (with_options): keep one copy of the weights, in the layout now used.
             self._weights = self.engine.runner.params
-        logger.info(
-            "loaded %s (%.1f M params, %s, quantization %s, %.0f MB) with %d KV pages in %.1f s",
-            fixed["model"],
-            num_params(model_config) / 1e6,
-            fixed["dtype"],
-            fixed["quantization"],
-            params_bytes / 1e6,
-            num_pages,
-            time.perf_counter() - t0,
-        )
 
     @property
     def model_name(self) -> str:
@@ -659,157 +369,3 @@ class LLM:
                         return
         finally:
             self.engine.abort_request(request_id)
-
-
-def _infinigen_skew(config: EngineConfig, params, tokenizer, num_tokens: int):
-    """InfiniGen's skew for `config.model`: read from `sparse_kv.skew_dir` if it holds one, else
-    calibrated on the bundled text (and written there when a skew_dir is given)."""
-    from llmjax.model.params import unstack_layers
-    from llmjax.sparse.skew import SKEW_FILE, calibrate_on_text, load_skew, save_skew
-
-    params = unstack_layers(params)
-
-    skew_dir = config.sparse_kv.skew_dir
-    if skew_dir and os.path.exists(os.path.join(skew_dir, SKEW_FILE)):
-        return load_skew(skew_dir, config.model)
-    t = time.perf_counter()
-    n = min(num_tokens, config.max_model_len)
-    skew = calibrate_on_text(params, config.model, tokenizer, n)
-    logger.info("InfiniGen skew calibrated on %d tokens in %.1f s", n, time.perf_counter() - t)
-    if skew_dir:
-        logger.info("wrote %s", save_skew(skew_dir, *skew, n))
-    return skew
-
-
-def _smoothquant_alpha(smoothquant, quantization: str) -> float | None:
-    """LLM's `smoothquant` -> SmoothQuant's migration strength, or None (not smoothed)."""
-    from llmjax.model.smooth import DEFAULT_ALPHA, check_alpha
-
-    if smoothquant == "auto":
-        return DEFAULT_ALPHA if quantization == "int8" else None
-    if smoothquant is None or smoothquant == "none":
-        return None
-    try:
-        alpha = float(smoothquant)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"{smoothquant=} must be 'auto', None / 'none' or a migration strength in [0, 1]"
-        ) from None
-    if quantization != "int8":
-        raise ValueError(
-            f"smoothquant={smoothquant!r} smooths activations for W8A8 (quantization='int8'), "
-            f"not for quantization={quantization!r}"
-        )
-    return check_alpha(alpha)
-
-
-def _smoothed(params, model_config, tokenizer, alpha: float):
-    """SmoothQuant (llmjax/model/smooth.py) of the loaded float weights: activation statistics
-    from one prefill of the tail of the bundled text, then every layer's inputs smoothed."""
-    from llmjax.model import smooth
-
-    t = time.perf_counter()
-    ids = smooth.calibration_tokens(tokenizer, model_config.vocab_size)
-    params = smooth.smoothquant(params, model_config, ids, alpha)
-    logger.info(
-        "SmoothQuant (alpha %g) calibrated on %d tokens in %.1f s",
-        alpha,
-        len(ids),
-        time.perf_counter() - t,
-    )
-    return params
-
-
-def _pack_weights(params, quantization: str, dtype: str):
-    """The loaded (list-layout, host) weights packed for `quantization` (llmjax/model/quant.py):
-    'int8', 'int8_wo', 'q8_0', 'q4_0', 'q4_1' quantize every matrix; 'gguf' came packed from the
-    loader.
-    Unquantized weights on a CPU are packed [out, in] ('dense'): the C++ dense kernel
-    (kernels_cpu/dense_matmul.py) takes them at decode-sized steps, and XLA:CPU's bf16 and f16
-    dots run on their fast kernels only with both operands contracting their last dim."""
-    import jax
-
-    from llmjax.model.quant import quantize_params
-
-    if quantization == "none":
-        if jax.default_backend() == "cpu":
-            return quantize_params(params, "dense")
-        return params
-    if quantization == "gguf":
-        return params
-    return quantize_params(params, quantization)
-
-
-def _to_device(params, dtype: str):
-    """Each weight as a jax array in `dtype` (a packed weight's dense values too; quantized
-    values and their scales keep their own dtypes)."""
-    import dataclasses
-
-    import jax
-    import jax.numpy as jnp
-
-    from llmjax.model.quant import is_packed
-
-    def one(x):
-        if not is_packed(x):
-            return jnp.asarray(x, dtype)
-        values = jnp.asarray(x.values, dtype if x.fmt == "dense" else None)
-        return dataclasses.replace(
-            x,
-            values=values,
-            **{k: jax.tree.map(jnp.asarray, getattr(x, k)) for k in ("scales", "mins")},
-        )
-
-    return jax.tree.map(one, params, is_leaf=is_packed)
-
-
-def _load(
-    model: str,
-    dtype: str,
-    load_format: str,
-    tokenizer_path: str | None,
-    parallel: ParallelConfig | None = None,
-    quantization: str = "none",
-):
-    """-> (ModelConfig, params, Tokenizer | None). With `parallel` (a sharded run), GGUF/HF
-    weights come as thunks that load one weight each (see `params_from_hf_tensors`) and orbax
-    restores each device's shards directly; ModelRunner then places them on the mesh."""
-    import jax
-
-    import configs
-    from llmjax.checkpoint import PRESET_WEIGHTS, load_gguf, load_model, resolve_model_path
-    from llmjax.checkpoint.gguf import open_gguf
-    from llmjax.model.params import init_params
-
-    if load_format == "dummy":
-        if quantization == "gguf":
-            raise ValueError("quantization='gguf' keeps a GGUF file's blocks: not with 'dummy'")
-        config = configs.get_preset(model)
-        params = init_params(config, jax.random.key(0), dtype)
-        if tokenizer_path is None and model in PRESET_WEIGHTS:
-            # Random weights, but the preset's real tokenizer when its file is at hand.
-            with contextlib.suppress(FileNotFoundError):
-                tokenizer_path = resolve_model_path(model)
-        tok = Tokenizer.from_gguf(tokenizer_path) if tokenizer_path else None
-        return config, params, tok
-    np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.float32
-    path = resolve_model_path(model)
-    if path.endswith(".gguf") and os.path.isfile(path):
-        reader = open_gguf(path)  # read once for both weights and tokenizer
-        config, params = load_gguf(
-            reader, np_dtype, lazy=parallel is not None, quantized=quantization == "gguf"
-        )
-        kind, path = "gguf", reader
-    elif quantization == "gguf":
-        raise ValueError(f"quantization='gguf' needs a .gguf checkpoint; {model!r} is not one")
-    else:
-        config, params, kind = load_model(model, np_dtype, parallel=parallel)
-    source = tokenizer_path or path
-    if not isinstance(source, str) or source.endswith(".gguf"):
-        tok = Tokenizer.from_gguf(source)
-    elif os.path.exists(os.path.join(source, "tokenizer.json")):
-        tok = Tokenizer.from_hf_dir(source)
-    else:
-        logger.warning("no tokenizer found for %s (%s); pass tokenizer=... for text", model, kind)
-        tok = None
-    return config, params, tok

@@ -17,8 +17,8 @@ in flight, streamed responses timed at every text-bearing chunk. Prints a table,
 
 Datasets: `random` (uniform lengths within --random_range_ratio of --random_input_len /
 --random_output_len, random token ids), `sharegpt` (ShareGPT-shaped lognormal lengths from
-llmjax/bench/workloads.py, times --sharegpt_scale), `trace` (--trace: llmjax's JSONL trace, or a
-Mooncake trace, recognized by its hash_ids, whose blocks become shared token runs: see
+llmjax/bench/length_workloads.py, times --sharegpt_scale), `trace` (--trace: llmjax's JSONL
+trace, or a Mooncake trace, recognized by its hash_ids, whose blocks become shared token runs: see
 llmjax/bench/mooncake.py). A trace keeps its arrival times unless --request_rate is given.
 Token-id prompts go to /v1/completions; with --endpoint chat they are detokenized first (by the
 server's /detokenize). --warmup passes over a same-shaped workload of other prompts run first,

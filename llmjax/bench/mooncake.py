@@ -22,12 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from llmjax.bench.workloads import (
-    MIN_RANDOM_TOKEN_ID,
-    RequestSpec,
-    clip_to_context,
-    read_json_object,
-)
+from llmjax.bench.specs import MIN_RANDOM_TOKEN_ID, RequestSpec, clip_to_context
+from llmjax.bench.traces import read_json_object
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the released traces
 

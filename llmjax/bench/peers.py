@@ -325,7 +325,7 @@ def engine_kwargs(spec: EngineSpec, opts: Options) -> dict:
     if spec.engine == "vllm":
         if not opts.hf_dir:
             raise ValueError("vLLM configurations need an HF directory (--hf_dir)")
-        # The same KV budget as llmjax's default on a CPU (llmjax.llm.CPU_KV_CACHE_BYTES).
+        # The same KV budget as llmjax's default on a CPU (llmjax.llm_options.CPU_KV_CACHE_BYTES).
         shared |= {"model": opts.hf_dir, "dtype": "float32", "seed": 0}
         shared["kv_cache_memory_bytes"] = opts.kv_cache_bytes
     else:

@@ -17,7 +17,7 @@ import heapq
 import time
 from collections.abc import Callable, Sequence
 
-from llmjax.bench.workloads import RequestSpec, with_token_ids
+from llmjax.bench.specs import RequestSpec, with_token_ids
 from llmjax.engine.clock import WALL_CLOCK
 from llmjax.engine.request import RequestMetrics, RequestOutput
 from llmjax.progress import progress_bar
