@@ -54,6 +54,13 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 W_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
 
+def _check_dtypes(x, w) -> None:
+    if x.ndim != 2 or jnp.dtype(x.dtype) not in DTYPES:
+        raise ValueError(f"want x [T, in] of float32 or bfloat16: {x.shape=} {x.dtype=}")
+    if jnp.dtype(w.dtype) not in W_DTYPES:
+        raise ValueError(f"want w of float32, bfloat16 or int8: {w.dtype=}")
+
+
 def dense_matmul(x, w, *, layer=None) -> jax.Array:
     """y[T, out] = x[T, in] @ w.T in float32 (x float32 or bfloat16, w float32, bfloat16 or int8;
     the module docstring says what each computes).
@@ -62,11 +69,7 @@ def dense_matmul(x, w, *, layer=None) -> jax.Array:
     clamped to [0, L). Raises ValueError for shapes or dtypes it does not take,
     KernelsUnavailable where the kernels do not build."""
     load()
-    x_dtype, w_dtype = jnp.dtype(x.dtype), jnp.dtype(w.dtype)
-    if x.ndim != 2 or x_dtype not in DTYPES:
-        raise ValueError(f"want x [T, in] of float32 or bfloat16: {x.shape=} {x.dtype=}")
-    if w_dtype not in W_DTYPES:
-        raise ValueError(f"want w of float32, bfloat16 or int8: {w.dtype=}")
+    _check_dtypes(x, w)
     T, n_in = x.shape
     if layer is None:
         if w.ndim != 2:
@@ -80,12 +83,8 @@ def dense_matmul(x, w, *, layer=None) -> jax.Array:
         raise ValueError(f"w's in={w_in} must equal x's in={n_in} (>= 1): {x.shape=} {w.shape=}")
     if out < 1 or L < 1:
         raise ValueError(f"want out >= 1 and L >= 1: {w.shape=}")
-    layer = jnp.asarray(layer)
-    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
-        raise ValueError(f"layer must be an integer scalar: {layer.shape=} {layer.dtype=}")
-    layer = layer.astype(jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((T, out), jnp.float32))
-    return call(x, w, layer)
+    return call(x, w, _layer_index(layer))
 
 
 def _layer_index(layer) -> jax.Array:
@@ -105,11 +104,7 @@ def grouped_dense_matmul(x, w, group_sizes, *, layer=None) -> jax.Array:
     matrix (the same arithmetic). Raises ValueError for shapes or dtypes it does not take,
     KernelsUnavailable where the kernels do not build."""
     load()
-    x_dtype, w_dtype = jnp.dtype(x.dtype), jnp.dtype(w.dtype)
-    if x.ndim != 2 or x_dtype not in DTYPES:
-        raise ValueError(f"want x [M, in] of float32 or bfloat16: {x.shape=} {x.dtype=}")
-    if w_dtype not in W_DTYPES:
-        raise ValueError(f"want w of float32, bfloat16 or int8: {w.dtype=}")
+    _check_dtypes(x, w)
     if layer is None:
         if w.ndim != 3:
             raise ValueError(f"want w [G, out, in] (no layer given): {w.shape=}")

@@ -97,8 +97,7 @@ def _cpu_grouped_kernel(rows, w: PackedWeight, group_sizes):
     try:
         if w.fmt in ("dense", "int8_wo"):
             wo = w.fmt == "int8_wo"
-            lo, hi = quant.dense_kernel_tokens(w.values.dtype)
-            if not (lo <= M <= hi) or quant._cpu_dense_kernel() is None:
+            if quant.dense_kernel_for(w.values.dtype, M) is None:
                 return None
             from kernels_cpu.dense_matmul import grouped_dense_matmul
 
@@ -111,14 +110,7 @@ def _cpu_grouped_kernel(rows, w: PackedWeight, group_sizes):
                 )
                 y = y * scales[expert]
             return y
-        if w.fmt not in quant.CPU_KERNEL_FORMATS:
-            return None
-        usable = quant._cpu_kernel() is not None
-        if w.fmt == "int8" and M > quant.INT8_KERNEL_MAX_TOKENS:
-            usable = False  # XLA's int8 GEMM (oneDNN), tile by tile
-        elif not usable and w.fmt == "int8" and M <= quant.PORTABLE_INT8_MAX_TOKENS:
-            usable = quant._cpu_kernel(vectorized=False) is not None
-        if not usable:
+        if quant.qmatmul_kernel_for(w.fmt, M) is None:
             return None
         from kernels_cpu.qmatmul import grouped_qmatmul
 

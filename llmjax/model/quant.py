@@ -493,11 +493,29 @@ def _widen_bf16(dtype, T: int) -> bool:
     return build.engines()["dense_matmul"] == "avx2"
 
 
+def dense_kernel_for(dtype, T: int):
+    """kernels_cpu.dense_matmul where it takes T tokens of weights of `dtype` on this CPU
+    (`dense_kernel_tokens`), else None."""
+    lo, hi = dense_kernel_tokens(dtype)
+    return _cpu_dense_kernel() if lo <= T <= hi else None
+
+
+def qmatmul_kernel_for(fmt: str, T: int):
+    """kernels_cpu.qmatmul where it beats XLA's form of `fmt` at T tokens on this CPU, else
+    None: the GGUF blocks at every size, int8 up to INT8_KERNEL_MAX_TOKENS (and on the portable
+    engine up to PORTABLE_INT8_MAX_TOKENS)."""
+    kernel = _cpu_kernel() if fmt in CPU_KERNEL_FORMATS else None
+    if fmt == "int8" and T > INT8_KERNEL_MAX_TOKENS:
+        return None  # XLA's int8 GEMM (oneDNN) is faster at prefill sizes
+    if kernel is None and fmt == "int8" and T <= PORTABLE_INT8_MAX_TOKENS:
+        return _cpu_kernel(vectorized=False)
+    return kernel
+
+
 def cpu_dot(x, w: PackedWeight):
     if w.fmt in ("dense", "int8_wo"):  # the dense kernel (int8_wo: on the codes, then scaled)
         wo = w.fmt == "int8_wo"
-        lo, hi = dense_kernel_tokens(w.values.dtype)
-        kernel = _cpu_dense_kernel() if lo <= x.shape[0] <= hi else None
+        kernel = dense_kernel_for(w.values.dtype, x.shape[0])
         if kernel is not None:
             try:
                 y = kernel(x.astype(jnp.float32 if wo else w.values.dtype), w.values, layer=w.layer)
@@ -509,11 +527,7 @@ def cpu_dot(x, w: PackedWeight):
         if wo or _widen_bf16(w.values.dtype, x.shape[0]):  # XLA's f32 GEMM, values widened
             w = w.one_layer()
             return dense_dot_xla(x.astype(jnp.float32), w.values, scales=w.scales, widen=True)
-    kernel = _cpu_kernel() if w.fmt in CPU_KERNEL_FORMATS else None
-    if w.fmt == "int8" and x.shape[0] > INT8_KERNEL_MAX_TOKENS:
-        kernel = None  # XLA's int8 GEMM (oneDNN) is faster at prefill sizes
-    elif kernel is None and w.fmt == "int8" and x.shape[0] <= PORTABLE_INT8_MAX_TOKENS:
-        kernel = _cpu_kernel(vectorized=False)
+    kernel = qmatmul_kernel_for(w.fmt, x.shape[0])
     if kernel is not None:
         try:
             return kernel(x, w.values, w.scales, w.mins, fmt=w.fmt, layer=w.layer)
