@@ -3,7 +3,7 @@ r"""What each weight precision costs in quality (llmjax/quality.py), on SmolLM2 
 For each --precisions entry (name=dtype:quantization[:smoothquant]; the first is the reference;
 smoothquant as LLM takes it: auto, none or SmoothQuant's migration strength, for int8 only):
   MB       bytes of the weights as the engine holds them (quantized ones packed)
-  ppl      perplexity of the bundled public-domain text (llmjax/bench/data/alice.txt):
+  ppl      perplexity of the bundled public-domain text (llmjax/data/alice.txt):
            --num_windows windows of --window tokens, each one prefill, every next token scored
   agree    greedy agreement with the reference on the reference's own greedy continuations
            (--gen_len tokens after --num_prompts prompts of --prompt_len tokens taken from the
@@ -67,7 +67,7 @@ def parse_precisions(entries: list[str]) -> list[tuple[str, str, str]]:
 def main(argv):
     del argv
     from llmjax import LLM, SamplingParams, quality
-    from llmjax.bench.texts import text_token_ids
+    from llmjax.data.texts import text_token_ids
     from llmjax.model.quant import weight_bytes
 
     precisions = parse_precisions(FLAGS.precisions)

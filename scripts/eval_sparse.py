@@ -4,7 +4,7 @@ its alternatives at equal budgets.
 For full attention ('offload') and each of --modes at each of --budgets (the cap on selected
 tokens, `max_num_kv`, as a fraction of the context; sinks and recent tokens come on top, and the
 first --num_dense_layers layers attend fully), on SmolLM2-135M-Instruct by default, it reports:
-  ppl        perplexity of held-out public-domain text (llmjax/bench/data/), each of
+  ppl        perplexity of held-out public-domain text (llmjax/data/), each of
              --num_segments segments prefilled for the context length, then --score_len tokens
              scored one decode step at a time (teacher forcing, the sparse path)
   agree      teacher-forced greedy-token agreement with full attention on full attention's own
@@ -119,7 +119,7 @@ def main(argv):
     import jax
 
     from llmjax import LLM
-    from llmjax.bench.texts import public_domain_text
+    from llmjax.data.texts import public_domain_text
     from llmjax.config import PAGE_RESIDUALS, QUERY_SOURCES
     from llmjax.sparse.evaluate import (
         agreed_prefix,

@@ -506,7 +506,7 @@ def test_text_prompts_are_distinct_windows_of_the_bundled_text(tmp_path):
     tokenized by the HF directory's tokenizer.json, the same for the same seed."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from llmjax.bench.texts import public_domain_text
+    from llmjax.data.texts import public_domain_text
 
     text = public_domain_text("alice")
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))

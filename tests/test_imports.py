@@ -5,7 +5,11 @@ level or inside a function, a `TYPE_CHECKING` block included), each resolved to 
 it names (`from llmjax.model import quant` names llmjax.model.quant; `from llmjax.config import
 X` names llmjax.config). A module may import its own package's `__init__` (re-exports), which is
 not an edge here; every other edge counts. The test fails naming the modules of any strongly
-connected component of more than one module, with the import lines that close it."""
+connected component of more than one module, with the import lines that close it.
+
+The house has floors (`FLOORS`, bottom first; docs/structure.md draws them): a module may import
+its own floor and those below, never one above, and every module stands on a floor (a new package
+is placed in the table, by its longest matching prefix)."""
 
 from __future__ import annotations
 
@@ -62,6 +66,77 @@ def import_graph(package: str = "llmjax") -> dict[str, dict[str, int]]:
                     edges.setdefault(name, node.lineno)
         graph[module] = edges
     return graph
+
+
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    # Configs, sampling parameters and data: import nothing of llmjax.
+    ("ground", ("llmjax.config", "llmjax.sampling_params", "llmjax.progress", "llmjax.data")),
+    # The device side: pure functions over pytrees, their sharding, weights and tokenizers.
+    (
+        "device",
+        (
+            "llmjax.model",
+            "llmjax.parallel",
+            "llmjax.checkpoint",
+            "llmjax.tokenizer",
+            "llmjax.roofline",
+        ),
+    ),
+    # One engine on its device: the host side, sparse KV, the KV tiers, and the simulated
+    # device that stands in for the runner (sim/'s device half: the engine picks its runner).
+    (
+        "engine",
+        (
+            "llmjax.engine",
+            "llmjax.sparse",
+            "llmjax.kvstore",
+            "llmjax.sim.runner",
+            "llmjax.sim.cost",
+            "llmjax.sim.hardware",
+            "llmjax.sim.roofline",
+            "llmjax.sim.kvpool",
+        ),
+    ),
+    # The user-facing LLM over one engine, and how its weights and options are loaded.
+    ("llm", ("llmjax.llm", "llmjax.llm_options", "llmjax.loading")),
+    # Many engines: the cluster core and its two drivers (sim/'s cluster half), programs.
+    ("cluster", ("llmjax.cluster", "llmjax.program", "llmjax.sim")),
+    # Front doors and tools over all of it: the server, benchmarks, flags, notebooks' helpers.
+    (
+        "doors",
+        (
+            "llmjax.serve",
+            "llmjax.bench",
+            "llmjax.viz",
+            "llmjax.notebook",
+            "llmjax.peer_worker",
+            "llmjax.engine_flags",
+            "llmjax.quality",
+            "llmjax",
+        ),
+    ),
+]
+
+
+def floor_of(module: str, floors=FLOORS) -> int | None:
+    """The index of the floor whose longest prefix matches `module` (None: on no floor)."""
+    best, length = None, -1
+    for i, (_, prefixes) in enumerate(floors):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > length:
+                best, length = i, len(p)
+    return best
+
+
+def upward_imports(graph, floors=FLOORS) -> list[str]:
+    """Each import of a module on a higher floor than the importer's, as a readable line."""
+    out = []
+    for m, edges in sorted(graph.items()):
+        for dep, line in edges.items():
+            here, there = floor_of(m, floors), floor_of(dep, floors)
+            if here is not None and there is not None and there > here:
+                out.append(f"{m}:{line} ({floors[here][0]}) imports {dep} ({floors[there][0]})")
+    return out
 
 
 def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -132,3 +207,21 @@ def test_no_import_circles(package):
                 if dep in members:
                     lines.append(f"    {m}:{line} imports {dep}")
     assert not found, "import circles:\n" + "\n".join(lines)
+
+
+def test_the_floor_check_finds_an_upward_import():
+    floors = [("low", ("p.a",)), ("high", ("p.b", "p"))]
+    assert floor_of("p.a.x", floors) == 0 and floor_of("p.c", floors) == 1
+    assert floor_of("q", floors) is None
+    graph = {"p.a.x": {"p.b": 3}, "p.b": {"p.a.x": 1}, "p.c": {}}
+    assert upward_imports(graph, floors) == ["p.a.x:3 (low) imports p.b (high)"]
+
+
+def test_every_module_stands_on_a_floor():
+    lost = [m for m in import_graph() if floor_of(m) is None]
+    assert not lost, f"modules on no floor (place them in FLOORS): {lost}"
+
+
+def test_no_floor_imports_a_higher_one():
+    found = upward_imports(import_graph())
+    assert not found, "imports that run up the house:\n" + "\n".join(found)

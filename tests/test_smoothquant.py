@@ -144,7 +144,7 @@ def test_int8_packs_the_lm_head_weight_only():
 
 
 def test_calibration_tokens_are_the_texts_tail():
-    from llmjax.bench.texts import public_domain_text
+    from llmjax.data.texts import public_domain_text
 
     text = public_domain_text()
     ids = smooth.calibration_tokens(None, 300, 100)

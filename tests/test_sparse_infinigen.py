@@ -686,7 +686,7 @@ def test_teacher_forced_scores_equal_full_logits(model):
 
 
 def test_long_context_workload_is_real_text():
-    from llmjax.bench.texts import public_domain_text
+    from llmjax.data.texts import public_domain_text
     from llmjax.bench.workloads import make_workload
 
     specs = make_workload("long_context", 3, prompt_len=50, output_len=7, vocab_size=256)

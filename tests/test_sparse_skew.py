@@ -109,7 +109,7 @@ def test_calibrate_tiny_model_and_store_it_beside_the_checkpoint(tmp_path):
 
 
 def test_calibration_text_is_the_bundled_public_domain_book():
-    from llmjax.bench.texts import public_domain_text
+    from llmjax.data.texts import public_domain_text
 
     ids = calibration_tokens(None, 256, 100)
     assert len(ids) == 100 and max(ids) < 256

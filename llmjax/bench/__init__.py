@@ -17,7 +17,6 @@ decode-only step on a live engine (Sarathi-Serve's TBT SLO is a multiple of it).
     length_workloads.py  sharegpt, arxiv, fixed, long_prompt_interference (length statistics)
     prefix_workloads.py  shared_system_prompt, few_shot, multi_turn_chat, long_context (token ids)
     traces.py            JSONL trace files; mooncake.py: Mooncake's released traces
-    texts.py             the bundled public-domain text (data/)
     replay.py            replay, warm_up: a workload through an engine (or a cluster)
     metrics.py           summarize, Summary, the side-by-side tables
     step_time.py         measure_decode_step

@@ -166,12 +166,12 @@ def make_prompts(n: int, length: int, allowed_ids: np.ndarray, seed: tuple) -> l
 
 
 def text_prompts(n: int, length: int, hf_dir: str, seed: tuple) -> list[list[int]]:
-    """`n` windows of `length` tokens of the bundled text (llmjax/bench/data/alice.txt),
+    """`n` windows of `length` tokens of the bundled text (llmjax/data/alice.txt),
     tokenized with `hf_dir`'s tokenizer.json, at distinct random offsets; never from its last
     `smooth.CALIBRATION_TOKENS` tokens (what int8's SmoothQuant scales are calibrated on)."""
     from tokenizers import Tokenizer
 
-    from llmjax.bench.texts import public_domain_text
+    from llmjax.data.texts import public_domain_text
     from llmjax.model.smooth import CALIBRATION_TOKENS
 
     text = public_domain_text("alice")

@@ -265,11 +265,11 @@ def long_context(
 ) -> list[RequestSpec]:
     """Long real-text prompts with long generations (InfiniGen's setting, ALGORITHMS.md §11.5:
     1920-token prompts, 128 generated): request i's prompt is a `prompt_len`-token window of the
-    bundled public-domain text (llmjax/bench/data/), starting at a seeded offset, tokenized with
+    bundled public-domain text (llmjax/data/), starting at a seeded offset, tokenized with
     `tokenizer` (its bytes folded into the vocabulary without one). Real text, because sparse
     attention's selection and accuracy mean little on random tokens."""
     del scale
-    from llmjax.bench.texts import public_domain_text
+    from llmjax.data.texts import public_domain_text
 
     _check_positive(prompt_len=prompt_len, output_len=output_len)
     text = public_domain_text()

@@ -128,11 +128,11 @@ def collect_input_absmax(params, config: ModelConfig, token_ids, page_size: int 
 
 
 def calibration_tokens(tokenizer, vocab_size: int, n: int = CALIBRATION_TOKENS) -> list[int]:
-    """The last `n` tokens of the bundled public-domain text (llmjax/bench/data/alice.txt): its
+    """The last `n` tokens of the bundled public-domain text (llmjax/data/alice.txt): its
     end, so that scripts/eval_precision.py's perplexity windows and prompts (its beginning) are
     never what the scales were calibrated on. Without a tokenizer (random weights) its bytes
     folded into the vocabulary."""
-    from llmjax.bench.texts import text_token_ids
+    from llmjax.data.texts import text_token_ids
 
     ids = text_token_ids(tokenizer, vocab_size)
     if len(ids) < n:

@@ -136,9 +136,9 @@ def calibrate(params, config: ModelConfig, token_ids) -> tuple[np.ndarray, np.nd
 
 
 def calibration_tokens(tokenizer, vocab_size: int, n: int) -> list[int]:
-    """The first `n` tokens of the bundled public-domain text (llmjax/bench/data/), tokenized;
+    """The first `n` tokens of the bundled public-domain text (llmjax/data/), tokenized;
     without a tokenizer (dummy weights), its bytes folded into the vocabulary."""
-    from llmjax.bench.texts import text_token_ids
+    from llmjax.data.texts import text_token_ids
 
     ids = text_token_ids(tokenizer, vocab_size)
     if len(ids) < n:

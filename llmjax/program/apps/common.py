@@ -28,9 +28,9 @@ class AppParams:
 
 def document_chunks(tokenizer, num_chunks: int, chunk_tokens: int, offset: int = 0) -> list[str]:
     """`num_chunks` consecutive windows of about `chunk_tokens` tokens of the bundled
-    public-domain text (llmjax/bench/data/), from token `offset`, as text; the text repeats if
+    public-domain text (llmjax/data/), from token `offset`, as text; the text repeats if
     more is asked for than it has."""
-    from llmjax.bench.texts import public_domain_text
+    from llmjax.data.texts import public_domain_text
 
     if num_chunks < 1 or chunk_tokens < 1:
         raise ValueError(f"{num_chunks=} and {chunk_tokens=} must be >= 1")

@@ -1,6 +1,6 @@
 """Public-domain English prose shipped with llmjax, for perplexity evaluation and calibration.
 
-The texts are stored under `llmjax/bench/data/` (see its README.md for provenance). They stand in
+The texts are stored beside this module in `llmjax/data/` (see its README.md for provenance). They stand in
 for PG-19 (Project Gutenberg books), which InfiniGen uses to calibrate its skewing matrices, so
 the sparse-attention code in `llmjax/sparse/` can be evaluated and calibrated offline.
 """
@@ -30,7 +30,7 @@ def public_domain_text(name: str = "alice") -> str:
             f"unknown public-domain text {name!r}; available: {', '.join(AVAILABLE_TEXTS)}"
         )
     return (
-        resources.files("llmjax.bench").joinpath("data", f"{name}.txt").read_text(encoding="utf-8")
+        resources.files("llmjax.data").joinpath(f"{name}.txt").read_text(encoding="utf-8")
     )
 
 
