@@ -686,8 +686,8 @@ def test_teacher_forced_scores_equal_full_logits(model):
 
 
 def test_long_context_workload_is_real_text():
-    from llmjax.data.texts import public_domain_text
     from llmjax.bench.workloads import make_workload
+    from llmjax.data.texts import public_domain_text
 
     specs = make_workload("long_context", 3, prompt_len=50, output_len=7, vocab_size=256)
     assert [s.prompt_len for s in specs] == [50] * 3 and {s.output_len for s in specs} == {7}

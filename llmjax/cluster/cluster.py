@@ -11,12 +11,11 @@ rule of migration.py: the simulated cluster runs the same ones) and does three t
 
 1. **Route** (at `add_request`): an arriving request goes to a 'colocated' or 'prefill' instance
    chosen by `router` (a name of `llmjax.cluster.router.ROUTERS`) over those instances' loads.
-2. **Step** every instance that has work (in this process one after the other; Ray's actors in
-   parallel) and pass their outputs on: a prefill instance's output carries the first token
-   (TTFT), the decode instance's the rest.
-3. **Migrate** (DistServe's pull-based protocol, ALGORITHMS.md §7): prefill instances park each
-   request after its first token with its KV pages held. The oldest parked request (across
-   prefill instances) moves when a decode instance can take it: its waiting queue uses less than
+2. **Migrate** (DistServe's pull-based protocol, ALGORITHMS.md §7), first in each `step()`, so
+   that arrivals added between two steps are routed before the pulls of that time, as the
+   simulated cluster orders its events: prefill instances park each request after its first
+   token with its KV pages held. The oldest parked request (across prefill instances) moves
+   when a decode instance can take it: its waiting queue uses less than
    `waiting_page_fraction` (5 %) of its pages and the request's pages fit (`LLMEngine.
    can_accept`); among those that can, `decode_router` picks one. Until then the KV stays where
    it is, counted as used there, and no later request overtakes it (FIFO). The move: the prefill
@@ -24,10 +23,17 @@ rule of migration.py: the simulated cluster runs the same ones) and does three t
    reserves pages and pulls; when the array arrives it is scattered into those pages, the
    request joins the decode batch, and the prefill side frees its pages (its prompt stays in
    that side's prefix cache).
+3. **Step** every instance that has work (in this process one after the other; Ray's actors in
+   parallel) and pass their outputs on: a prefill instance's output carries the first token
+   (TTFT), the decode instance's the rest.
+
+tests/test_cluster_same_decisions.py builds one cluster both ways (this one on a virtual clock
+advanced by each step's wall time, and the simulated one driven by those recorded times) and
+checks that every routing and migration decision is the same.
 
 **The Conductor** (`router="mooncake"` or a `Conductor`, llmjax/cluster/conductor.py) over
 prefill and decode instances: at arrival it names the prefill instance, the decode instance the
-request will migrate to (step 3 then moves it only there: each decode instance takes its own
+request will migrate to (step 2 then moves it only there: each decode instance takes its own
 pinned requests FIFO, while unpinned requests keep the one FIFO), and whether to fetch a longer
 prefix from another prefill instance's cache first (`fetch_prefix`); or it rejects the request,
 which then finishes at once with no tokens, `finish_reason='rejected'` and the reason as its
@@ -56,7 +62,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from llmjax.cluster.core import ENTRY_ROLES, ClusterCore
+from llmjax.cluster.core import ENTRY_ROLES, ClusterCore, ended_output
 from llmjax.cluster.migration import ParkedQueue, choose
 from llmjax.cluster.router import Router, RouteRequest
 from llmjax.cluster.serving_view import ServingView
@@ -241,8 +247,7 @@ class Cluster:
                 self.instances[i].add_request(
                     list(route.prompt_token_ids), params, request_id, prompt, arrival, hints
                 )
-                if placement.decision is not None:  # the Conductor's next arrival sees it queued
-                    self._loads[i] = self.instances[i].load()
+                self._loads[i] = self.instances[i].load()  # the next arrival sees it queued
             except ValueError:
                 raise
             except Exception as e:  # a dead instance: place it again
@@ -294,23 +299,15 @@ class Cluster:
     def _reject(self, route: RouteRequest, prompt: str | None, reason: str) -> None:
         """The Conductor rejected the request: it finishes with the next step's outputs."""
         self._errors.append(
-            RequestOutput(
-                request_id=route.request_id,
-                prompt=prompt,
-                prompt_token_ids=list(route.prompt_token_ids),
-                token_ids=[],
-                text="",
-                finished=True,
-                finish_reason="rejected",
-                metrics=RequestMetrics(route.arrival_time, finished_time=self.clock.now()),
-                error=reason,
-            )
+            ended_output(route, prompt, reason, self.clock.now(), finish_reason="rejected")
         )
 
     def step(self) -> list[RequestOutput]:
-        """Step every live instance with work, then move KV (the module doc); returns every
+        """Move KV, then step every live instance with work (the module doc); returns every
         output (first tokens from prefill instances, the rest from decode instances)."""
         outputs, self._errors = self._errors, []
+        if "decode" in self.roles:  # the pulls first: what the arrivals added since saw stays
+            self._migrate()
         busy = [
             i
             for i in range(len(self.instances))
@@ -340,8 +337,6 @@ class Cluster:
                 self.kill(i, reason=f"instance {i} failed: {e!r}")
                 continue
             outputs += self._track(outs)
-        if "decode" in self.roles:
-            self._migrate()
         return outputs + self._take_errors()
 
     def has_unfinished_requests(self) -> bool:
@@ -518,19 +513,10 @@ class Cluster:
     def _fail(self, rid: str, error: str) -> None:
         self._left(rid)
         rec = self._records.pop(rid)
-        metrics = rec.metrics or RequestMetrics(rec.route.arrival_time)
-        metrics.finished_time = self.clock.now()
+        now = self.clock.now()
         self._errors.append(
-            RequestOutput(
-                request_id=rid,
-                prompt=rec.prompt,
-                prompt_token_ids=list(rec.route.prompt_token_ids),
-                token_ids=list(rec.tokens),
-                text="",
-                finished=True,
-                finish_reason="error",
-                metrics=metrics,
-                error=error,
+            ended_output(
+                rec.route, rec.prompt, error, now, token_ids=rec.tokens, metrics=rec.metrics
             )
         )
         self.transfer_stats.num_failed_requests += 1
@@ -565,35 +551,39 @@ class Cluster:
 
     def _migrate(self) -> None:
         self._poll()
-        self._start_transfers()
-        self._poll()  # the local transport moves at once: decode can start next step
+        self._start_transfers()  # each pull polled at once
+        self._poll()  # and any that arrived meanwhile: decode can start this step
 
     def _poll(self) -> None:
         for j in self._alive_with(("decode",)):
-            try:
-                results = self.instances[j].poll_imports()
-            except Exception as e:
-                self.kill(j, reason=f"instance {j} failed: {e!r}")
-                continue
-            for res in results:
-                rec = self._records.get(res.request_id)
-                if rec is not None and rec.source is not None:
-                    if self.alive[rec.source]:
-                        self.instances[rec.source].release(res.request_id)
-                    rec.source = None
-                st = self.transfer_stats
-                if res.status == "done":
-                    st.num_transfers += 1
-                    st.bytes += res.nbytes
-                    st.seconds += res.seconds
-                    st.transfer_seconds.append(res.seconds)
+            self._poll_instance(j)
+
+    def _poll_instance(self, j: int) -> None:
+        """Finish the pulls that arrived at decode instance j (a pull that arrives at once,
+        as the local transport's do, commits before the next pull is decided, as a transfer
+        that ends at once does in the simulated cluster)."""
+        try:
+            results = self.instances[j].poll_imports()
+        except Exception as e:
+            self.kill(j, reason=f"instance {j} failed: {e!r}")
+            return
+        for res in results:
+            rec = self._records.get(res.request_id)
+            if rec is not None and rec.source is not None:
+                if self.alive[rec.source]:
+                    self.instances[rec.source].release(res.request_id)
+                    self._loads[rec.source] = self.instances[rec.source].load()
+                rec.source = None
+            st = self.transfer_stats
+            if res.status == "done":
+                st.record(res.nbytes, res.seconds)
+            else:
+                st.num_failures += 1
+                if res.status == "recomputed":
+                    st.num_recomputed += 1
                 else:
-                    st.num_failures += 1
-                    if res.status == "recomputed":
-                        st.num_recomputed += 1
-                    else:
-                        st.num_failed_requests += 1
-            self._loads[j] = self.instances[j].load()
+                    st.num_failed_requests += 1
+        self._loads[j] = self.instances[j].load()
 
     def _start_transfers(self) -> None:
         """Move parked requests while a decode instance can take them, by DistServe's pull rule
@@ -650,9 +640,7 @@ class Cluster:
             j = p.pin
             if j is None:
                 views = [_View(k, self, c) for k, c in enumerate(pull.candidates)]
-                j = pull.candidates[
-                    choose(self.decode_router, rec.route, views, rec.route.arrival_time)
-                ]
+                j = pull.candidates[choose(self.decode_router, rec.route, views, self.clock.now())]
             self._move(p.instance, j, p.request, rec)
 
     def _move(self, i: int, j: int, m, rec: _Record) -> None:
@@ -672,3 +660,5 @@ class Cluster:
             self._loads[j] = self.instances[j].load()
         except Exception as e:  # recovers the request from its source's KV-less state
             self.kill(j, reason=f"instance {j} failed: {e!r}")
+            return
+        self._poll_instance(j)

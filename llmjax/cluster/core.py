@@ -27,6 +27,7 @@ from llmjax.cluster.conductor import ConductorStats, Decision
 from llmjax.cluster.migration import checked_choice, choose
 from llmjax.cluster.router import make_router
 from llmjax.cluster.routing import Router, RouteRequest
+from llmjax.engine.request import RequestMetrics, RequestOutput
 
 ENTRY_ROLES = ("colocated", "prefill")  # the roles that take arrivals
 
@@ -51,6 +52,32 @@ class Placement:
     @property
     def fetches(self) -> bool:
         return self.missing_tokens > 0
+
+
+def ended_output(
+    route: RouteRequest,
+    prompt: str | None,
+    error: str,
+    now: float,
+    finish_reason: str = "error",
+    token_ids=(),
+    metrics: RequestMetrics | None = None,
+) -> RequestOutput:
+    """The last output of a request the cluster itself ends (rejected by the Conductor, failed
+    with no instance left to run it) at `now`, with the tokens it had and the reason."""
+    metrics = metrics or RequestMetrics(route.arrival_time)
+    metrics.finished_time = now
+    return RequestOutput(
+        request_id=route.request_id,
+        prompt=prompt,
+        prompt_token_ids=list(route.prompt_token_ids),
+        token_ids=list(token_ids),
+        text="",
+        finished=True,
+        finish_reason=finish_reason,
+        metrics=metrics,
+        error=error,
+    )
 
 
 def as_router(router: Router | str) -> Router:

@@ -24,6 +24,13 @@ class TransferStats:
     num_recomputed: int = 0
     num_failed_requests: int = 0
 
+    def record(self, nbytes: int, seconds: float) -> None:
+        """One transfer done: `nbytes` moved in `seconds` (measured, or the modeled time)."""
+        self.num_transfers += 1
+        self.bytes += nbytes
+        self.seconds += seconds
+        self.transfer_seconds.append(seconds)
+
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         times = d.pop("transfer_seconds")

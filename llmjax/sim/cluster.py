@@ -121,7 +121,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from llmjax.cluster.conductor import SimCostModel
-from llmjax.cluster.core import ClusterCore
+from llmjax.cluster.core import ClusterCore, ended_output
 from llmjax.cluster.migration import ParkedQueue, Pull, choose
 from llmjax.cluster.router import (  # re-exported: the router interface moved there
     ROUTERS,
@@ -135,7 +135,7 @@ from llmjax.cluster.router import (  # re-exported: the router interface moved t
     make_router,
 )
 from llmjax.cluster.stats import TransferStats
-from llmjax.engine.request import RequestMetrics, RequestOutput
+from llmjax.engine.request import RequestOutput
 from llmjax.sampling_params import SamplingParams
 from llmjax.sim.kvpool import SimKVPool
 from llmjax.sim.roofline import kv_page_bytes_per_device
@@ -625,11 +625,7 @@ class SimCluster:
             dest.clock.advance_to(move.end)  # an idle instance's clock may lag: it starts at e
         self._unblock(move.dest, move.end)
         dest.commit_import(move.request_id)
-        st = self.transfer_stats
-        st.num_transfers += 1
-        st.bytes += move.nbytes
-        st.seconds += move.end - move.start
-        st.transfer_seconds.append(move.end - move.start)
+        self.transfer_stats.record(move.nbytes, move.end - move.start)
 
     def _step_instance(self, i: int) -> list[RequestOutput]:
         inst = self._instances[i]
@@ -783,19 +779,7 @@ class SimCluster:
         finish_reason: str = "error",
     ) -> None:
         self._open.discard(req.request_id)
-        self._errors.append(
-            RequestOutput(
-                request_id=req.request_id,
-                prompt=prompt,
-                prompt_token_ids=list(req.prompt_token_ids),
-                token_ids=[],
-                text="",
-                finished=True,
-                finish_reason=finish_reason,
-                metrics=RequestMetrics(req.arrival_time, finished_time=now),
-                error=error,
-            )
-        )
+        self._errors.append(ended_output(req, prompt, error, now, finish_reason))
 
 
 def _pool_writer(pool: SimKVPool, cache, inner):
