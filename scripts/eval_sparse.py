@@ -119,8 +119,8 @@ def main(argv):
     import jax
 
     from llmjax import LLM
-    from llmjax.data.texts import public_domain_text
     from llmjax.config import PAGE_RESIDUALS, QUERY_SOURCES
+    from llmjax.data.texts import public_domain_text
     from llmjax.sparse.evaluate import (
         agreed_prefix,
         clear_compiled,

@@ -102,8 +102,8 @@ def repeated_chats(tok, vocab_size: int, n: int, count: int, seed: int) -> list[
 def main(argv):
     del argv
     from llmjax import LLM
-    from llmjax.data.texts import public_domain_text
     from llmjax.config import SparseKVConfig
+    from llmjax.data.texts import public_domain_text
     from llmjax.sparse.evaluate import clear_compiled, decode
     from llmjax.sparse.skew import calibrate
 

@@ -1,8 +1,9 @@
 """Public-domain English prose shipped with llmjax, for perplexity evaluation and calibration.
 
-The texts are stored beside this module in `llmjax/data/` (see its README.md for provenance). They stand in
-for PG-19 (Project Gutenberg books), which InfiniGen uses to calibrate its skewing matrices, so
-the sparse-attention code in `llmjax/sparse/` can be evaluated and calibrated offline.
+The texts are stored beside this module in `llmjax/data/` (see its README.md for provenance).
+They stand in for PG-19 (Project Gutenberg books), which InfiniGen uses to calibrate its
+skewing matrices, so the sparse-attention code in `llmjax/sparse/` can be evaluated and
+calibrated offline.
 """
 
 from importlib import resources
@@ -29,9 +30,7 @@ def public_domain_text(name: str = "alice") -> str:
         raise ValueError(
             f"unknown public-domain text {name!r}; available: {', '.join(AVAILABLE_TEXTS)}"
         )
-    return (
-        resources.files("llmjax.data").joinpath(f"{name}.txt").read_text(encoding="utf-8")
-    )
+    return resources.files("llmjax.data").joinpath(f"{name}.txt").read_text(encoding="utf-8")
 
 
 def text_token_ids(tokenizer, vocab_size: int, name: str = "alice") -> list[int]:
