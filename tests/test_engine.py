@@ -17,7 +17,7 @@ ENGINE_DIR = os.path.join(os.path.dirname(__file__), "..", "llmjax", "engine")
 
 def test_only_the_runner_imports_jax():
     for name in os.listdir(ENGINE_DIR):
-        if not name.endswith(".py") or name == "runner.py":
+        if not name.endswith(".py"):  # runner/, the package that may import jax
             continue
         tree = ast.parse(open(os.path.join(ENGINE_DIR, name)).read())
         for node in ast.walk(tree):

@@ -1,1 +1,1 @@
-"""Host side: scheduler, block manager, batch packing; only runner.py imports jax."""
+"""Host side: scheduler, block manager, batch packing; only runner/ imports jax."""

@@ -11,7 +11,7 @@ Einsum letters:
 it embeds `step.token_ids`, writes each token's K/V to its slot, attends over each sequence's pages,
 and returns logits only for the rows in `step.logits_indices` (the last new token of each sequence
 when serving; every token in tests). Jit it at the boundary with the pages donated (see
-`llmjax/engine/runner.py`).
+`llmjax/engine/runner/`).
 
 The layer loop follows the weights' layout (llmjax/model/params.py): a list of layers is unrolled
 (L copies of the layer in the program), stacked layers are scanned (`lax.scan`: one copy,

@@ -181,7 +181,7 @@ def expert_parallel_mlp(
 
 def expert_mesh():
     """The mesh in context when it splits experts (its 'ep' axis > 1), else None. The engine's
-    step traces under its mesh (llmjax/engine/runner.py); the pipeline's stages under theirs."""
+    step traces under its mesh (llmjax/engine/runner/); the pipeline's stages under theirs."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get("ep", 1) == 1:
         return None

@@ -1,20 +1,11 @@
-"""The device side of the engine: weights, KV pages and the jitted step (forward, greedy ids and
-logits; then sampling, its own program, when a row samples), on one device or sharded over a mesh
-(llmjax/parallel/).
-
-This is the only module under `llmjax/engine/` that imports jax. The step is jitted once per shape
-bucket (T tokens, S sequences, P pages per sequence), the sampler once per S; the KV pages are
-donated, so they are updated in place. `num_compiles` counts step traces (`num_sample_compiles`
-the sampler's), so tests can assert that steady-state serving does not recompile; `precompile`
-compiles every bucket up front.
-"""
+"""`ModelRunner`: weights, KV pages, the jitted step and its sampling programs; `launch` /
+`collect`; compiling (`precompile`, compiling ahead). Its parts for page transfer, pipeline
+parallelism and sparse KV are the mixins of pages.py, pipeline_ticks.py and sparse_step.py."""
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -24,10 +15,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from llmjax.config import EngineConfig
 from llmjax.engine.batch import SamplingInput, SpecInput, spec_rows, step_shape
+from llmjax.engine.runner.launched import Launched, greedy_sampling
+from llmjax.engine.runner.pages import PageTransfer
+from llmjax.engine.runner.pipeline_ticks import PipelineTicks
+from llmjax.engine.runner.sparse_step import SparseStep
 from llmjax.model.attention import make_attention_fn, resolve_attention_backend
 from llmjax.model.draft import draft_proposals
 from llmjax.model.kv_cache import allocate_kv_pages
@@ -37,12 +31,11 @@ from llmjax.model.quant import is_packed
 from llmjax.model.sampler import (
     greedy_ids,
     prompt_logprobs,
-    sample,
     sample_processed,
     sample_random,
     verify_proposals,
 )
-from llmjax.model.step_input import RESERVED_PAGE, StepInput
+from llmjax.model.step_input import StepInput
 from llmjax.parallel import pipeline
 from llmjax.parallel.distributed import check_lockstep, to_host
 from llmjax.parallel.heads import tp_head_layout
@@ -58,18 +51,6 @@ from llmjax.sampling_params import MAX_LOGPROBS
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class Launched:
-    """A dispatched step (`ModelRunner.launch`): device arrays that `collect` waits for."""
-
-    tag: object  # handed back by collect (the engine's scheduled batch)
-    next_ids: jax.Array | None  # [S]; None: a pipeline tick that no micro-batch left
-    logprobs: tuple | None = None  # the sampler's (top ids, top logprobs, sampled, rank)
-    prompt_logprobs: tuple | None = None  # (target logprob, rank, top ids, top logprobs) [T]
-    spec: tuple | None = None  # (tokens, accepted, (processed ids, plain rows) or None)
-    sparse_stats: object = None  # sparse_kv's SparseStats
-
-
 def enable_compilation_cache(cache_dir: str) -> None:
     """Point JAX's persistent compilation cache at `cache_dir` unless the user configured one."""
     if not cache_dir or jax.config.jax_compilation_cache_dir:
@@ -79,7 +60,7 @@ def enable_compilation_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-class ModelRunner:
+class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
     """Weights, KV pages and the jitted step, on one device or on a (pp, ep, tp / ep) mesh
     (`config.parallel`, llmjax/parallel/). `params` come in the model's own layout (numpy or jax
     arrays, or thunks that load a weight); with a mesh each weight is converted to the
@@ -286,111 +267,6 @@ class ModelRunner:
             )
             self._ran_shapes: set[tuple[int, int, int]] = set()
 
-    def _init_sparse(self, params, num_pages: int, skew) -> None:
-        """sparse_kv != 'none': the KV pool in host memory, InfiniGen's partial keys and
-        speculation weights, and the jitted sparse step (llmjax/sparse/infinigen.py)."""
-        from llmjax.sparse import infinigen
-        from llmjax.sparse.skew import load_skew
-
-        config, sparse = self.config, self.sparse
-        pallas = self.attention_backend == "pallas"
-        if pallas and sparse.capacity < 1:
-            raise ValueError(
-                f"sparse_kv capacity={sparse.capacity} evicts pages (holes in the page tables), "
-                "which only the jnp attention masks: use attention_backend='reference' or "
-                "capacity=1.0"
-            )
-        self.model_config = config.model
-        self.params = unstack_layers(params)
-        page_size = config.cache.page_size
-        self.pool_memory_kind = infinigen.pool_memory_kind(sparse.pool_memory)
-        self.kv_pages = infinigen.allocate_pool(
-            config.model, num_pages, page_size, self.dtype, self.pool_memory_kind
-        )
-        self.partial_keys = infinigen.allocate_partial_keys(
-            config.model, sparse, num_pages, page_size, self.dtype
-        )
-        self.spec_weights = [None] * config.model.num_layers
-        if sparse.mode == "infinigen":
-            if skew is None:
-                if sparse.skew_dir is None:
-                    raise ValueError(
-                        "sparse_kv='infinigen' needs the skewing matrices: pass skew=(A, energy) "
-                        "(llmjax.sparse.skew.calibrate) or set SparseKVConfig.skew_dir (LLM "
-                        "calibrates on a bundled text when neither is given)"
-                    )
-                skew = load_skew(sparse.skew_dir, config.model)
-            self.spec_weights = infinigen.speculation_weights(*skew, config.model, sparse)
-        host = self.pool_memory_kind is not None
-
-        def step_impl(params, pool, partial, weights, step, sampling):
-            self.num_compiles += 1  # runs only while tracing
-            logits, pool, partial, stats = infinigen.sparse_forward(
-                params,
-                pool,
-                partial,
-                weights,
-                step,
-                config.model,
-                sparse,
-                host,
-                pallas,
-                implementation=None if config.pallas_kernel == "auto" else config.pallas_kernel,
-            )
-            return sample(logits, *sampling), pool, partial, stats
-
-        self._sparse_step = jax.jit(step_impl, donate_argnames=("pool", "partial"))
-
-    def fetch_rows_per_token(self, P: int) -> int:
-        """sparse_kv='infinigen': rows per (token, kv head) of a sparse layer's fetch buffer, in
-        a bucket of P pages per sequence."""
-        from llmjax.sparse.infinigen import fetch_buffer_rows
-
-        G = self.config.cache.page_size
-        return fetch_buffer_rows(self.sparse, P * G, G)
-
-    def _init_pipeline(self, params, num_pages: int, attention_fn) -> None:
-        """pp > 1: weights and KV pages per stage, and the jitted pipeline tick
-        (llmjax/parallel/pipeline.py)."""
-        config, mesh = self.config, self.mesh
-        layout = tp_head_layout(config.model, config.parallel.tp, config.parallel.pad_heads)
-        self.model_config = layout.model_config(config.model)
-        scan = config.scans_layers
-        self.params = pipeline.place_pp_params(
-            unstack_layers(params), config.model, layout, mesh, self.dtype, stacked=scan
-        )
-        num_slots = len(pipeline.stage_layers(config.model.num_layers, config.parallel.pp)[0])
-        self.kv_pages = pipeline.allocate_pp_kv_pages(
-            self.model_config,
-            mesh,
-            num_slots,
-            num_pages,
-            config.cache.page_size,
-            self.dtype,
-            stacked=scan,
-        )
-        pp = mesh.shape["pp"]
-        carry = NamedSharding(mesh, PartitionSpec("pp"))
-        self._h = jax.device_put(
-            jnp.zeros((pp, 1, self.model_config.hidden_size), self.dtype), carry
-        )
-        self._slots: collections.deque = collections.deque()  # index = stage; None = empty
-        tick = pipeline.make_tick(self.model_config, attention_fn, mesh, num_slots)
-
-        def tick_impl(params, kv, h, metas, sampling):
-            self.num_compiles += 1  # runs only while tracing
-            return tick(params, kv, h, metas, sampling)
-
-        self._tick = jax.jit(
-            tick_impl,
-            donate_argnames=("kv", "h"),
-            out_shardings=(
-                replicated(mesh),
-                carry,
-                jax.tree.map(lambda x: x.sharding, self.kv_pages),
-            ),
-        )
-
     @staticmethod
     def annotate(name: str, **metadata):
         """A named range on the profiler's host timeline (jax.profiler.TraceAnnotation; next to
@@ -401,56 +277,6 @@ class ModelRunner:
     def annotate_step(step_num: int):
         """One engine step, as a step marker for the profile viewers' step views."""
         return jax.profiler.StepTraceAnnotation("llmjax_step", step_num=step_num)
-
-    @property
-    def num_in_flight(self) -> int:
-        """Micro-batches in the pipeline (pp > 1)."""
-        return sum(s is not None for s in self._slots) if self.pipelined else 0
-
-    def tick(self, step: StepInput | None, sampling: SamplingInput | None, tag=None):
-        """pp > 1: one pipeline tick, waited for. The micro-batch (`step`, `sampling`; None for
-        none) enters stage 0. Returns (exited, tokens): exited = (tag, next token ids) of the
-        micro-batch leaving the last stage, or None; tokens = each stage's token count this
-        tick (0 for an empty stage), for the bubble statistics."""
-        return self.collect(self.launch(step, sampling, tag)), self.last_stage_tokens
-
-    def _launch_tick(self, step, sampling, tag) -> Launched:
-        pp = self.mesh.shape["pp"]
-        self._slots.appendleft(None if step is None else (tag, step, sampling))
-        while len(self._slots) < pp:
-            self._slots.append(None)
-        steps = [None if s is None else s[1] for s in self._slots]
-        T, S, P = pipeline.step_bucket(steps)
-        padded = [pipeline.pad_step(x, T, S, P) for x in steps]
-        metas = StepInput(*(np.stack(field) for field in zip(*padded, strict=True)))
-        exiting = self._slots[pp - 1]
-        arrays = self._sampling_arrays(exiting[2]) if exiting else None
-        sampling_arrays = _pad_sampling(arrays, S)
-        sharding = NamedSharding(self.mesh, PartitionSpec("pp"))
-        metas = jax.tree.map(lambda x: place(x, sharding), metas)
-        sampling_arrays = tuple(place(x, replicated(self.mesh)) for x in sampling_arrays)
-        h = pipeline.resize_carry(self._h, T)
-        next_ids, self._h, self.kv_pages = self._tick(
-            self.params, self.kv_pages, h, metas, sampling_arrays
-        )
-        self._slots.pop()
-        self.last_stage_tokens = [0 if x is None else int(x.cu_q_lens[-1]) for x in steps]
-        self.num_steps += 1
-        if exiting is None:
-            return Launched(None, None)
-        return Launched(exiting[0], next_ids)
-
-    def lower_tick(self, T: int, S: int, P: int):
-        """pp > 1: the lowered pipeline tick of one (T, S, P) bucket (for HLO inspection)."""
-        pp = self.mesh.shape["pp"]
-        padded = [pipeline.pad_step(None, T, S, P)] * pp
-        metas = StepInput(*(np.stack(field) for field in zip(*padded, strict=True)))
-        metas = jax.tree.map(
-            lambda x: place(x, NamedSharding(self.mesh, PartitionSpec("pp"))), metas
-        )
-        sampling = tuple(place(x, replicated(self.mesh)) for x in _pad_sampling(None, S))
-        h = pipeline.resize_carry(self._h, T)
-        return self._tick.lower(self.params, self.kv_pages, h, metas, sampling)
 
     def _step_impl(self, params, kv_pages, step, *, model_config, attention_fn):
         """One step's forward -> (greedy next ids [S], logits [S, V], kv_pages)."""
@@ -637,159 +463,6 @@ class ModelRunner:
             logits, *sampling_args[:-1], *arrays, bitmask, num_logprobs=proc.num_logprobs
         )
 
-    # ---- KV page transfer (disaggregated serving, llmjax/cluster/transfer.py) -----------------
-
-    @property
-    def kv_transfer_sharding(self):
-        """The sharding of `export_pages`' array [L, 2, n, page_size, K', H]: K' (the device
-        layout's kv heads) split as the KV pages split them; the rest replicated."""
-        if self.pipelined or self.sparse.enabled:
-            raise ValueError("KV page transfer needs pp == 1 and sparse_kv='none'")
-        if self.mesh is None:
-            leaf = jax.tree.leaves(self.kv_pages)[0]
-            return jax.sharding.SingleDeviceSharding(next(iter(leaf.devices())))
-        spec = jax.tree.leaves(self.kv_pages)[0].sharding.spec
-        kv_axis = spec[2] if len(spec) > 2 else None
-        return NamedSharding(self.mesh, PartitionSpec(None, None, None, None, kv_axis, None))
-
-    @property
-    def kv_dtype(self) -> np.dtype:
-        """The dtype of the KV pages (what `export_pages` returns)."""
-        return np.dtype(jax.tree.leaves(self.kv_pages)[0].dtype)
-
-    def transfer_shape(self, num_pages: int) -> tuple[int, ...]:
-        """The shape `export_pages` returns for `num_pages` pages (bucketed)."""
-        m = self.model_config
-        G = self.config.cache.page_size
-        return (m.num_layers, 2, transfer_bucket(num_pages), G, m.num_kv_heads, m.head_dim)
-
-    def _transfer(self):
-        if self._transfer_fns is not None:
-            return self._transfer_fns
-        out = self.kv_transfer_sharding
-        kv_out = jax.tree.map(lambda x: x.sharding, self.kv_pages)
-        stacked = not isinstance(self.kv_pages, list)
-        L, N = self.model_config.num_layers, self.num_pages
-
-        def rows(idx):  # stacked layout: layer l's page p is row l * N + p
-            return (jnp.arange(L, dtype=jnp.int32)[:, None] * N + idx[None, :]).reshape(-1)
-
-        def gather(kv_pages, idx):
-            self.num_transfer_compiles += 1  # runs only while tracing
-            if stacked:
-                k, v = kv_pages
-                r = rows(idx)
-                out_shape = (L, len(idx), *k.shape[1:])
-                return jnp.stack([k[r].reshape(out_shape), v[r].reshape(out_shape)], axis=1)
-            return jnp.stack([jnp.stack([k[idx], v[idx]]) for k, v in kv_pages])
-
-        def scatter(kv_pages, idx, data):
-            self.num_transfer_compiles += 1
-            data = data.astype(self.dtype)
-            if stacked:
-                k, v = kv_pages
-                r = rows(idx)
-                flat = (L * len(idx), *k.shape[1:])
-                return k.at[r].set(data[:, 0].reshape(flat)), v.at[r].set(data[:, 1].reshape(flat))
-            return [
-                (k.at[idx].set(data[i, 0]), v.at[idx].set(data[i, 1]))
-                for i, (k, v) in enumerate(kv_pages)
-            ]
-
-        host = out
-        if self.host_memory_kind is not None:
-            host = out.with_memory_kind(self.host_memory_kind)
-        self._transfer_fns = (
-            jax.jit(gather, out_shardings=out),
-            jax.jit(scatter, donate_argnames=("kv_pages",), out_shardings=kv_out),
-            jax.jit(gather, out_shardings=host) if host is not out else None,
-        )
-        return self._transfer_fns
-
-    @property
-    def host_memory_kind(self) -> str | None:
-        """Where `export_host_pages` puts its gather: 'pinned_host' when every device of this
-        runner has that memory (TPU, GPU and the CPU backend do), so the copy out of device
-        memory is one DMA into page-locked host memory; None: device memory, copied to
-        pageable host memory by `np.asarray`."""
-        if self.host_memory == "numpy":
-            return None
-        leaf = jax.tree.leaves(self.kv_pages)[0]
-        kinds = [{m.kind for m in d.addressable_memories()} for d in leaf.devices()]
-        if all("pinned_host" in k for k in kinds):
-            return "pinned_host"
-        if self.host_memory == "pinned_host":
-            raise ValueError(
-                f"kv_store.host_memory='pinned_host' but the devices have only {sorted(kinds[0])}"
-            )
-        return None
-
-    @staticmethod
-    def _page_index(pages, bucket: int) -> np.ndarray:
-        idx = np.full(bucket, RESERVED_PAGE, np.int32)  # padding reads / writes the reserved page
-        idx[: len(pages)] = pages
-        return idx
-
-    def export_pages(self, pages) -> jax.Array:
-        """The KV of `pages` (in order; all layers, K and V) gathered into one array
-        [L, 2, bucket, page_size, K', H] with `kv_transfer_sharding`, padded to a power-of-two
-        page bucket with the reserved page (one compile per bucket)."""
-        idx = self._page_index(pages, transfer_bucket(len(pages)))
-        return self._transfer()[0](self.kv_pages, idx)
-
-    def import_pages(self, pages, data: jax.Array) -> None:
-        """Write `data` (as `export_pages` returns it, placed with this runner's
-        `kv_transfer_sharding`) into `pages`, in place (the pages are donated); the padded
-        rows go to the reserved page."""
-        want = self.transfer_shape(len(pages))
-        bucket = data.shape[2] if data.ndim == 6 else 0
-        if (
-            data.ndim != 6
-            or data.shape[:2] + data.shape[3:] != want[:2] + want[3:]
-            or bucket < len(pages)
-            or bucket != transfer_bucket(bucket)
-        ):
-            raise ValueError(
-                f"KV data of shape {data.shape} does not fit {len(pages)} pages of this "
-                f"instance (want {want})"
-            )
-        idx = self._page_index(pages, data.shape[2])
-        self.kv_pages = self._transfer()[1](self.kv_pages, idx, data)
-
-    def export_host_pages(self, pages) -> jax.Array:
-        """`export_pages` for a lower KV tier (llmjax/engine/kv_tiers.py), gathered into
-        `host_memory_kind` memory; the caller copies it out (`np.asarray`) after the step it
-        overlaps."""
-        fns = self._transfer()
-        if fns[2] is None:
-            return self.export_pages(pages)
-        return fns[2](self.kv_pages, self._page_index(pages, transfer_bucket(len(pages))))
-
-    def import_host_pages(self, pages, data: np.ndarray) -> None:
-        """`import_pages` from host memory: `data` [L, 2, len(pages), page_size, K', H] (a
-        lower KV tier's blocks, llmjax/engine/kv_tiers.py), padded to the page bucket and
-        copied to the device with `kv_transfer_sharding` (asynchronously)."""
-        bucket = transfer_bucket(len(pages))
-        if data.shape[2] != len(pages):
-            raise ValueError(f"KV data for {data.shape[2]} pages, {len(pages)} pages given")
-        if bucket > len(pages):
-            pad = np.zeros((*data.shape[:2], bucket - len(pages), *data.shape[3:]), data.dtype)
-            data = np.concatenate([data, pad], axis=2)
-        self.import_pages(pages, jax.device_put(data, self.kv_transfer_sharding))
-
-    def precompile_transfer(self, max_pages: int, host: bool = False) -> None:
-        """Compile the gather and the scatter for every page bucket up to `max_pages` (each
-        runs once on the reserved page only); `host`: also `export_host_pages`' gather."""
-        b = 1
-        while True:
-            idx = self._page_index([], b)
-            if host and self._transfer()[2] is not None:
-                self._transfer()[2](self.kv_pages, idx)
-            self.import_pages([], self._transfer()[0](self.kv_pages, idx))
-            if b >= max_pages:
-                break
-            b *= 2
-
     def compile_ahead(self, shapes) -> None:
         """Compile the step for these (T, S, P) shapes in the background (those not yet run or
         queued), so that a step meeting one finds it ready instead of compiling it on the spot;
@@ -807,7 +480,7 @@ class ModelRunner:
         T, S, P = shape
         self._tracing.ahead = True
         try:
-            step, _ = self._inputs(pipeline.pad_step(None, T, S, P), _greedy_sampling(S))
+            step, _ = self._inputs(pipeline.pad_step(None, T, S, P), greedy_sampling(S))
             lowered = self._step.lower(self.params, self._kv_structs, step)
         finally:
             self._tracing.ahead = False
@@ -840,7 +513,7 @@ class ModelRunner:
         sampled, drafted = set(), set()
         K = self.config.speculative.num_speculative_tokens
         for T, S, P in shapes:
-            sampling = _greedy_sampling(S)
+            sampling = greedy_sampling(S)
             if S not in sampled:
                 sampled.add(S)
                 sampling.temperature[0], sampling.all_greedy = 1.0, False
@@ -855,48 +528,3 @@ class ModelRunner:
                     zeros = np.zeros(S, np.int32)
                     self.draft(zeros, zeros, np.zeros((S, P), np.int32), zeros)
             progress()
-
-    def _precompile_pipeline(self, shapes: list[tuple[int, int, int]], progress) -> None:
-        if self.num_in_flight:
-            raise RuntimeError("precompile needs an empty pipeline")
-        pp = self.mesh.shape["pp"]
-        for T, S, P in shapes:
-            self.tick(pipeline.pad_step(None, T, S, P), _greedy_sampling(S))
-            for _ in range(pp - 1):
-                self.tick(None, None)
-            progress()
-        # The carry as ticks leave it (sharded over 'pp'), resized from every bucket to every other.
-        carry = NamedSharding(self.mesh, PartitionSpec("pp"))
-        token_buckets = sorted({T for T, _, _ in shapes})
-        for old in token_buckets:
-            h = jax.device_put(jnp.zeros((pp, old, self._h.shape[2]), self._h.dtype), carry)
-            for new in token_buckets:
-                pipeline.resize_carry(h, new).block_until_ready()
-
-
-def transfer_bucket(num_pages: int) -> int:
-    """Pages per KV transfer, padded: the next power of two (at least 1)."""
-    return 1 << max(0, int(num_pages) - 1).bit_length()
-
-
-def _greedy_sampling(S: int) -> SamplingInput:
-    zeros = np.zeros(S, np.float32)
-    return SamplingInput(
-        zeros,
-        zeros.astype(np.int32),
-        zeros + 1,
-        zeros.astype(np.uint32),
-        zeros.astype(np.int32),
-        all_greedy=True,
-    )
-
-
-def _pad_sampling(arrays: tuple | None, S: int) -> tuple:
-    """The exiting micro-batch's sampling arrays padded to S rows (greedy rows for padding and
-    for a tick with no micro-batch leaving)."""
-    if arrays is None:
-        z = np.zeros(S, np.float32)
-        return (z, z.astype(np.int32), z + 1, z.astype(np.uint32), z.astype(np.int32), np.bool_(1))
-    temperature, top_k, top_p, seeds, counters, all_greedy = arrays
-    pad = lambda x, v=0: np.pad(np.asarray(x), (0, S - len(x)), constant_values=v)
-    return (pad(temperature), pad(top_k), pad(top_p, 1), pad(seeds), pad(counters), all_greedy)
