@@ -27,8 +27,9 @@ def pytest_configure(config):
     """One persistent compilation cache for the whole run, shared by the xdist workers: many
     tests compile the same step shapes (the tiny model's buckets, SmolLM2's), and on a fresh
     machine compiling dominates the suite. Tests that pass compilation_cache_dir="" use it too
-    (the engine leaves a configured cache alone); the test of the engine's own cache runs in
-    subprocesses with their own directory. LLMJAX_TEST_COMPILATION_CACHE='' turns it off."""
+    (the engine leaves a configured cache alone), and so do the processes they start (through
+    JAX_COMPILATION_CACHE_DIR); the test of the engine's own cache runs in subprocesses with
+    their own directory. LLMJAX_TEST_COMPILATION_CACHE='' turns it off."""
     import jax
 
     cache_dir = os.environ.get(
@@ -41,6 +42,9 @@ def pytest_configure(config):
         os.makedirs(cache_dir, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        # and the processes the tests start (scripts, notebooks' kernels, multi-process runs)
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", cache_dir)
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 # Files whose tests take the longest (real SmolLM2, interpreted kernels in the engine, notebooks,

@@ -308,6 +308,7 @@ def test_startup_reuses_the_persistent_compilation_cache(tmp_path):
         "print('HITS', len(hits))"
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # not the test run's shared cache (conftest.py)
     run = lambda: (
         subprocess.run(
             [sys.executable, "-c", code, str(tmp_path)],
