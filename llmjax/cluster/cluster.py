@@ -63,12 +63,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from llmjax.cluster.core import ENTRY_ROLES, ClusterCore, ended_output
-from llmjax.cluster.migration import ParkedQueue, choose
+from llmjax.cluster.migration import choose
+from llmjax.cluster.pulls import Pulls
+from llmjax.cluster.recovery import FailureRecovery, Record
 from llmjax.cluster.router import Router, RouteRequest
 from llmjax.cluster.serving_view import ServingView
 from llmjax.cluster.stats import TransferStats
+from llmjax.cluster.views import LoadView
 from llmjax.engine.clock import WALL_CLOCK
-from llmjax.engine.request import MigratedRequest, RequestMetrics, RequestOutput
+from llmjax.engine.request import RequestOutput
 from llmjax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -76,76 +79,7 @@ logger = logging.getLogger(__name__)
 TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 
 
-@dataclasses.dataclass
-class _Record:
-    """The cluster's copy of one request: enough to recompute it anywhere."""
-
-    route: RouteRequest
-    prompt: str | None
-    seed: int
-    instance: int  # where it runs now (the decode side while it is being moved)
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    metrics: RequestMetrics | None = None
-    source: int | None = None  # while moving: the prefill instance that still holds it
-
-
-class _View:
-    """An instance as a router sees it (`InstanceLoad`): its index among the candidates, the
-    requests the cluster has there, and its load report from its last step."""
-
-    def __init__(self, index: int, cluster: Cluster, i: int):
-        self.index = index
-        self._cluster, self._i = cluster, i
-        self._load = cluster._loads[i]
-
-    @property
-    def num_outstanding(self) -> int:
-        return self._cluster._outstanding[self._i]
-
-    @property
-    def num_waiting(self) -> int:
-        return self._load.num_waiting
-
-    @property
-    def num_running(self) -> int:
-        return self._load.num_running + self._load.num_receiving
-
-    @property
-    def num_free_pages(self) -> int:
-        return self._load.num_free_pages
-
-    @property
-    def num_available_pages(self) -> int:
-        return self._load.num_available_pages
-
-    def cached_prefix_tokens(self, prompt_token_ids) -> int:
-        try:
-            return self._cluster.instances[self._i].cached_prefix_tokens(prompt_token_ids)
-        except Exception:  # a dead instance holds nothing (its next step call retires it)
-            return 0
-
-    # what the Conductor reads (llmjax.cluster.conductor.ConductorLoad), from the load report
-
-    @property
-    def instance_id(self) -> int:
-        return self._i
-
-    def queued_prefills(self):
-        return self._load.queued_prefills
-
-    def decode_requests(self):
-        return self._load.decode_requests
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self._load.kv_capacity_tokens
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._cluster.instances[self._i].config.scheduler.max_num_seqs
-
-
-class Cluster:
+class Cluster(FailureRecovery, Pulls):
     """Instances behind a router, with DistServe's migration between prefill and decode ones
     (the module doc). `instances`: `LocalInstance`s or Ray actor handles (`launch`)."""
 
@@ -189,7 +123,7 @@ class Cluster:
         self.alive = [True] * len(self.instances)
         self._loads = [inst.load() for inst in self.instances]
         self._outstanding = [0] * len(self.instances)
-        self._records: dict[str, _Record] = {}
+        self._records: dict[str, Record] = {}
         self._errors: list[RequestOutput] = []  # failed by the cluster, out with the next step
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(seed)
@@ -232,7 +166,7 @@ class Cluster:
         )
         while True:
             alive = lambda i: self.alive[i]
-            views = lambda idx: [_View(k, self, i) for k, i in enumerate(idx)]
+            views = lambda idx: [LoadView(k, self, i) for k, i in enumerate(idx)]
             placement = self.core.place(route, views, route.arrival_time, alive=alive)
             if placement.rejected is not None:
                 self.core.commit(placement, route)
@@ -257,7 +191,7 @@ class Cluster:
                 continue
             break
         self.core.commit(placement, route)
-        self._records[request_id] = _Record(route, prompt, seed, i)
+        self._records[request_id] = Record(route, prompt, seed, i)
         self._outstanding[i] += 1
         return request_id
 
@@ -449,77 +383,9 @@ class Cluster:
                     done[out.request_id] = out
         return [done[i] for i in ids]
 
-    # ---- failures --------------------------------------------------------------------------
-
-    def kill(self, i: int, reason: str | None = None) -> None:
-        """Instance `i` is gone (a test's failure injection, or an actor that died): stop
-        using it and recompute its requests elsewhere (the module doc)."""
-        if not self.alive[i]:
-            return
-        self.alive[i] = False
-        reason = reason or f"instance {i} died"
-        with contextlib.suppress(Exception):  # already gone
-            self.instances[i].shutdown()
-        for rid, rec in list(self._records.items()):
-            if rec.source == i:  # moving away from i: the pull fails and the decode side copes
-                rec.source = None
-                continue
-            if rec.instance != i:
-                continue
-            self._outstanding[i] -= 1
-            self._recover(rid, rec, reason)
-
-    def _recover(self, rid: str, rec: _Record, reason: str) -> None:
-        if rec.source is not None and self.alive[rec.source]:
-            self.instances[rec.source].release(rid)  # its pull died with the decode side
-            rec.source = None
-        roles = ("decode", "colocated") if rec.tokens else ENTRY_ROLES
-        while True:
-            live = self._alive_with(roles)
-            if not live:
-                self._fail(rid, f"{reason}, and no live {' or '.join(roles)} instance is left")
-                return
-            j = self._choose(self.decode_router if rec.tokens else self.router, rec.route, live)
-            try:
-                self._resubmit(rid, rec, j)
-                break
-            except Exception as e:  # that one is gone too
-                self.kill(j, reason=f"instance {j} failed: {e!r}")
-        rec.instance = j
-        self._outstanding[j] += 1
-        self.transfer_stats.num_recomputed += 1
-        logger.warning("request %s: %s; recomputing it on instance %d", rid, reason, j)
-
-    def _resubmit(self, rid: str, rec: _Record, j: int) -> None:
-        metrics = rec.metrics or RequestMetrics(rec.route.arrival_time)
-        m = MigratedRequest(
-            request_id=rid,
-            prompt_token_ids=list(rec.route.prompt_token_ids),
-            output_token_ids=list(rec.tokens),
-            sampling_params=rec.route.sampling_params,
-            seed=rec.seed,
-            num_kv_tokens=0,
-            metrics=metrics,
-            prompt=rec.prompt,
-            hints=rec.route.hints,
-        )
-        self.instances[j].recompute_request(m)
-        self._loads[j] = self.instances[j].load()
-
     def _left(self, rid: str, num_output_tokens: int | None = None) -> None:
         """`rid` left the cluster (ClusterCore.left: its pin dropped, the router told)."""
         self.core.left(rid, num_output_tokens)
-
-    def _fail(self, rid: str, error: str) -> None:
-        self._left(rid)
-        rec = self._records.pop(rid)
-        now = self.clock.now()
-        self._errors.append(
-            ended_output(
-                rec.route, rec.prompt, error, now, token_ids=rec.tokens, metrics=rec.metrics
-            )
-        )
-        self.transfer_stats.num_failed_requests += 1
 
     def _take_errors(self) -> list[RequestOutput]:
         out, self._errors = self._errors, []
@@ -531,7 +397,7 @@ class Cluster:
         return [i for i, r in enumerate(self.roles) if r in roles and self.alive[i]]
 
     def _choose(self, router, route: RouteRequest, candidates: list[int]) -> int:
-        views = [_View(k, self, i) for k, i in enumerate(candidates)]
+        views = [LoadView(k, self, i) for k, i in enumerate(candidates)]
         return candidates[choose(router, route, views, route.arrival_time)]
 
     def _track(self, outs: list[RequestOutput]) -> list[RequestOutput]:
@@ -548,117 +414,3 @@ class Cluster:
                 self._left(out.request_id, None if out.error else len(out.token_ids))
             kept.append(out)
         return kept
-
-    def _migrate(self) -> None:
-        self._poll()
-        self._start_transfers()  # each pull polled at once
-        self._poll()  # and any that arrived meanwhile: decode can start this step
-
-    def _poll(self) -> None:
-        for j in self._alive_with(("decode",)):
-            self._poll_instance(j)
-
-    def _poll_instance(self, j: int) -> None:
-        """Finish the pulls that arrived at decode instance j (a pull that arrives at once,
-        as the local transport's do, commits before the next pull is decided, as a transfer
-        that ends at once does in the simulated cluster)."""
-        try:
-            results = self.instances[j].poll_imports()
-        except Exception as e:
-            self.kill(j, reason=f"instance {j} failed: {e!r}")
-            return
-        for res in results:
-            rec = self._records.get(res.request_id)
-            if rec is not None and rec.source is not None:
-                if self.alive[rec.source]:
-                    self.instances[rec.source].release(res.request_id)
-                    self._loads[rec.source] = self.instances[rec.source].load()
-                rec.source = None
-            st = self.transfer_stats
-            if res.status == "done":
-                st.record(res.nbytes, res.seconds)
-            else:
-                st.num_failures += 1
-                if res.status == "recomputed":
-                    st.num_recomputed += 1
-                else:
-                    st.num_failed_requests += 1
-        self._loads[j] = self.instances[j].load()
-
-    def _start_transfers(self) -> None:
-        """Move parked requests while a decode instance can take them, by DistServe's pull rule
-        (llmjax/cluster/migration.py, the policy the simulated cluster runs too), every decode
-        instance able to pull now: the oldest first (by first-token time, across the prefill
-        instances), an unpinned one to any decode instance that can take it (none overtakes an
-        unpinned one that could not move), a pinned one (the Conductor) only to its decode
-        instance, if that one is alive."""
-        queue = ParkedQueue()
-        decode = set(self._alive_with(("decode",)))
-        for i in self._alive_with(("prefill",)):
-            if self._loads[i].num_parked:
-                try:
-                    parked = self.instances[i].parked()
-                except Exception as e:
-                    self.kill(i, reason=f"instance {i} failed: {e!r}")
-                    continue
-                for m in parked:
-                    rec = self._records.get(m.request_id)
-                    if rec is not None:  # else aborted meanwhile
-                        pin = self.core.pins.get(m.request_id)
-                        pin = pin if pin in decode else None
-                        queue.park(m.request_id, m.metrics.first_token_time or 0.0, i, m, pin)
-        failed: list[tuple[int, Exception]] = []
-
-        def accept_time(j: int, p) -> float | None:  # now, if j can take it
-            try:
-                return (
-                    0.0
-                    if self.instances[j].can_accept(p.request, self.waiting_page_fraction)
-                    else None
-                )
-            except Exception as e:
-                failed.append((j, e))
-                return None
-
-        while True:
-            decode = self._alive_with(("decode",))
-            if not decode:
-                return
-            pull = queue.next_pull(decode, accept_time)
-            if failed:  # decode instances that died answering: drop them, decide again
-                for j, e in failed:
-                    self.kill(j, reason=f"instance {j} failed: {e!r}")
-                    queue.unpin(j)
-                failed.clear()
-                continue
-            if pull is None:
-                return
-            p = queue.take(pull)
-            rec = self._records.get(p.request_id)
-            if rec is None or not self.alive[p.instance]:  # aborted, or its instance died
-                continue
-            j = p.pin
-            if j is None:
-                views = [_View(k, self, c) for k, c in enumerate(pull.candidates)]
-                j = pull.candidates[choose(self.decode_router, rec.route, views, self.clock.now())]
-            self._move(p.instance, j, p.request, rec)
-
-    def _move(self, i: int, j: int, m, rec: _Record) -> None:
-        """Start moving parked request `m` from prefill instance i to decode instance j."""
-        try:
-            m, offer = self.instances[i].offer(m.request_id)
-        except Exception as e:
-            self.kill(i, reason=f"instance {i} failed to offer KV: {e!r}")
-            return
-        self._outstanding[i] -= 1
-        self._outstanding[j] += 1
-        rec.instance, rec.source = j, i
-        try:
-            self.instances[j].begin_import(
-                m, offer, self.transfer_timeout_s, self.on_transfer_failure
-            )
-            self._loads[j] = self.instances[j].load()
-        except Exception as e:  # recovers the request from its source's KV-less state
-            self.kill(j, reason=f"instance {j} failed: {e!r}")
-            return
-        self._poll_instance(j)

@@ -12,7 +12,9 @@ efficiencies; `roofline.py`: the analytic cost model, with tp and pp; `runner.py
 the drop-in for `ModelRunner`, and `SimConfig`; `cluster.py`: `SimCluster`, many simulated
 instances on one timeline behind a router (llmjax/cluster/router.py: `round_robin`,
 `least_outstanding`, `power_of_two`, `cache_aware`), which `llmjax.bench.replay` drives as one
-engine, with the real cluster's policies (llmjax/cluster/core.py, migration.py); `views.py`:
+engine, with the real cluster's policies (llmjax/cluster/core.py, migration.py) and
+`pulls.py`, its migration, and `fetches.py`, the Conductor's prefix fetches and the KV pool's
+hook; `views.py`:
 what a router sees of a simulated instance; `transfers.py`: how long KV takes to move (the
 simulated transports); `kvpool.py`: Mooncake Store's DRAM pool. Nothing here imports jax.
 """

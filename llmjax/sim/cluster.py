@@ -13,100 +13,11 @@ The policies -- routing, the Conductor's placement, DistServe's pull rule -- are
 cluster's (`llmjax.cluster.core.ClusterCore`, `llmjax.cluster.migration.ParkedQueue`); what is
 simulated is how instances run (virtual clocks) and how long KV takes to move.
 
-Each instance is a real simulated `LLMEngine` (its scheduler, block manager and radix cache)
-with its OWN `VirtualClock`, which reads the time the instance is free to start its next step
-(when its last step ends). `SimCluster` is a conservative discrete-event simulation over them and
-duck-types as one engine for `replay`. The events, processed in time order, are:
-
-  arrival at a   the router picks an instance for the request (`Router.route`, seeing every
-                 entry instance, 'colocated' or 'prefill', as of a, below); an idle instance's
-                 clock is first moved up to a.
-  transfer end   a KV migration started at p ends at e = p + its modeled time: the prefill
-    at e         instance frees the request's pages (`release_request`; they counted as used
-                 until e) and the decode instance commits it (`commit_import`) into its running
-                 batch, its clock first moved up to e if it is idle (so the commit takes effect
-                 at max(e, its clock): a decode instance mid-step at e takes it in the next step).
-  pull at p      DistServe's pull-based migration (ALGORITHMS.md §7.1). A prefill instance parks
-                 each request after its first token (KV pages held); parked requests queue FIFO
-                 across prefill instances by first-token time (ties: lower instance index, then
-                 parking order), and only the head may move (nothing overtakes it). A decode
-                 instance pulls only between its steps or while idle: at p = max(head's first
-                 token time, the decode instance's clock, the last event's time), if
-                 `can_accept(head, waiting_page_fraction)` holds on its state then (its
-                 waiting queue uses < 5 % of its pages and the pages fit). The pull is at the
-                 smallest such p; among the decode instances that can pull the head then,
-                 `decode_router` picks one (llmjax/cluster/migration.py: the rule, shared
-                 with the real cluster). The pull reserves the pages there (`reserve_import`),
-                 and the transfer takes its modeled time (transfers.py: the node's links or
-                 the network; `transfer_bandwidth` / `transfer_latency_s` override both).
-  step at t      the busy instance with the smallest clock t (ties: lowest index) runs one
-                 engine step: it schedules at t, with exactly the requests that arrived <= t,
-                 and its clock moves on by the cost model's step time. A step that
-                 schedules nothing (a prefill instance whose pages all hold parked requests, a
-                 decode instance whose free pages are reserved for transfers) blocks the
-                 instance: it is not busy until a transfer end frees or commits pages there, a
-                 request is routed to it or one of its requests is aborted, and then resumes at
-                 that event's time.
-
-  fetch end at f  (the Conductor only, llmjax/cluster/conductor.py) a request whose Conductor
-                 decision fetches a longer prefix from another prefill instance's cache waits
-                 for the fetch, modeled as a KV transfer of the missing tokens' pages from that
-                 instance to its own (`kv_transfer_seconds`), before it joins its prefill
-                 instance's queue at f = arrival + that time; at f the fetched prefix is
-                 inserted into that instance's prefix cache (so hot prefixes replicate to the
-                 instances that fetch them; pages evicted there LRU first, fewer if they do not
-                 fit). The source's cache is read at the decision and not held.
-                 With a KV pool (`kv_pool_bytes_per_node` or `kv_pool`: Mooncake Store's DRAM
-                 pool, llmjax/sim/kvpool.py) the source may be the pool: the transfer is
-                 `kv_pool_seconds` (latency + the instance's bytes per device / the pool's
-                 bandwidth, by default the network's), the pool's LRU is touched at the
-                 decision. Every page an entry instance's radix cache inserts (each prefill
-                 chunk's full pages when the step that computed them is simulated, so, as the
-                 caches themselves, at most one step ahead of a routing; a fetched prefix) is
-                 written to the pool (`RadixCache.on_insert`), at no modeled cost: Mooncake
-                 streams the KV to the store during the prefill.
-
-At one time, arrivals go first, then fetch ends, then transfer ends, then pulls, then steps: a
-step at t sees the arrivals, commits and freed pages of t, and a decode instance's pull at t
-counts the pages it reserves before its step at t. Every event is processed only once the
-caller has added every arrival up to its time (the cluster's clock, below), so a routing never
-sees a pull, commit or step that lies after it. A pull at p needs every request that parks by p
-to be known: a parked request's first-token time is the end of the prefill step that made it,
-which started (and was simulated) before p. A request that finishes at its first token
-(max_tokens 1) never parks. Instances sit on nodes (`node_of`; default: packed in index order,
-`tp * pp` devices each, into nodes of the hardware's `devices_per_node`). A request that no
-decode instance could hold to its last token (prompt + max_tokens over its whole cache) fails at
-its arrival with that reason.
-
-`add_request` only queues a request until its arrival is the next event: routing at add time would
-be wrong when one replay iteration adds several arrivals (everything due by `clock.now()`) while
-instances are idle. Say instance 1 is idle at 0 while instance 0 runs a 10 s step; at now = 10
-the replay adds arrivals at 1 and 3. Routed at once, both could land on instance 1, whose step at
-1 would then schedule the request that only arrives at 3. In event order, instance 1 steps at 1
-with the first alone, and the second is routed at 3 seeing that step in progress.
-
-The cluster's clock (`clock.now()`) is the time up to which the caller has been asked for
-arrivals: the next event's time (the smallest busy clock, queued arrival, transfer end or pull),
-but never less than a value already returned (a replay asked up to t adds every arrival <= t, so
-the cluster may then process any event at <= t; `clock.advance_to(t)` says the same when all are
-idle). It never decreases. A `step()` processes the arrivals, transfer ends and pulls due until
-the next engine step and runs that step (returning its outputs); finding no step within that
-time it moves the clock to the next event and returns [] (so a caller adding late arrivals can
-still add them first). A prefill instance's outputs carry each request's first token (its TTFT),
-the decode instance's the rest, with the request's metrics carried over (`MigratedRequest`), so
-every token time is an engine's and `summarize` reads them unchanged.
-
-With the Conductor as the router (any router with `schedule`) over prefill and decode
-instances, routing is its `schedule(request, prefill views, decode views, a)`: the request goes
-to the prefill instance it names, is pinned to the decode instance it names (the pull above then
-takes a parked request only to its pinned instance, each decode instance pulling its own pinned
-requests FIFO by first-token time; requests of other routers keep the one FIFO), and may fetch a
-prefix (above); or it is rejected: it finishes at a with no tokens, `finish_reason='rejected'`
-and the reason as its `error` (so `summarize` counts it as not served), and the engines never
-see it. `conductor_stats` counts decisions, rejections and fetches; the router hears of every
-request that leaves (`finished`). A Conductor without a cost model gets `SimCostModel` of the
-first prefill (or entry) and first decode instance's configs, with this cluster's transfer
-overrides.
+Each instance is a real simulated `LLMEngine` with its OWN `VirtualClock`; `SimCluster` is a
+conservative discrete-event simulation over them (arrivals, prefix-fetch ends, transfer ends,
+pulls, steps, in that order at one time) and duck-types as one engine for `replay`. The events,
+what a routing may see, the cluster's clock and the Conductor's placement are specified in
+docs/simulator.md, "The simulated cluster's events".
 
 What a router sees of an instance as of the arrival time (`InstanceView`, with the rule for what
 a step in progress shows) is in views.py; how long KV takes to move, in transfers.py.
@@ -114,7 +25,6 @@ a step in progress shows) is in views.py; how long KV takes to move, in transfer
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -122,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 from llmjax.cluster.conductor import SimCostModel
 from llmjax.cluster.core import ClusterCore, ended_output
-from llmjax.cluster.migration import ParkedQueue, Pull, choose
+from llmjax.cluster.migration import ParkedQueue
 from llmjax.cluster.router import (  # re-exported: the router interface moved there
     ROUTERS,
     CacheAware,
@@ -137,8 +47,9 @@ from llmjax.cluster.router import (  # re-exported: the router interface moved t
 from llmjax.cluster.stats import TransferStats
 from llmjax.engine.request import RequestOutput
 from llmjax.sampling_params import SamplingParams
+from llmjax.sim.fetches import Fetch, PrefixFetches
 from llmjax.sim.kvpool import SimKVPool
-from llmjax.sim.roofline import kv_page_bytes_per_device
+from llmjax.sim.pulls import SimPulls, Transfer
 from llmjax.sim.transfers import TransferModel, pack_nodes
 from llmjax.sim.views import InstanceState, InstanceView
 
@@ -159,36 +70,8 @@ __all__ = [  # with the router interface of llmjax.cluster.router, re-exported
 ]
 
 
-@dataclasses.dataclass
-class _Fetch:
-    """A prefix fetch in flight (the Conductor): the request joins `dest` at `end`."""
-
-    request: RouteRequest
-    prompt: str | None
-    source: int | None  # None: the KV pool
-    dest: int
-    num_tokens: int  # the prefix dest holds once it arrives
-    start: float
-    end: float
-    nbytes: int
-    cancelled: bool = False
-
-
-@dataclasses.dataclass
-class _Transfer:
-    """A KV migration in flight: pulled at `start`, committed at `end`."""
-
-    request_id: str
-    source: int  # the prefill instance
-    dest: int  # the decode instance
-    start: float
-    end: float
-    nbytes: int
-    cancelled: bool = False  # aborted meanwhile
-
-
 class ClusterClock:
-    """The cluster's simulated time (the module doc): `now()`, and `advance_to(t)`, which says
+    """The cluster's simulated time (docs/simulator.md): `now()`, and `advance_to(t)`, which says
     that every arrival up to t has been added (the replay's call while all instances idle)."""
 
     def __init__(self, cluster: SimCluster):
@@ -212,9 +95,9 @@ class ClusterClock:
         return f"ClusterClock(now={self._cluster._time})"
 
 
-class SimCluster:
+class SimCluster(PrefixFetches, SimPulls):
     """Simulated engines on one timeline, behind `router` (a `Router` or a name of ROUTERS):
-    the engine interface `llmjax.bench.replay` drives (see the module doc for the events).
+    the engine interface `llmjax.bench.replay` drives (docs/simulator.md gives the events).
 
     Engines of role 'prefill' need at least one of role 'decode' (and vice versa); arrivals go
     to the 'colocated' and 'prefill' ones. `decode_router` picks among the decode instances that
@@ -312,8 +195,8 @@ class SimCluster:
         self._open: set[str] = set()  # ids queued or live on an instance
         # parked requests not pulled yet (llmjax/cluster/migration.py: the pull policy)
         self._queue = ParkedQueue()
-        self._transfers: list[tuple[float, int, _Transfer]] = []  # by end time
-        self._moving: dict[str, _Transfer] = {}
+        self._transfers: list[tuple[float, int, Transfer]] = []  # by end time
+        self._moving: dict[str, Transfer] = {}
         self._errors: list[RequestOutput] = []  # failed at routing, out with the next step
         # instances whose last step scheduled nothing (pages all held by parked requests or
         # reserved for transfers): not busy until an event there may let them run (the doc)
@@ -322,8 +205,8 @@ class SimCluster:
         # the Conductor (a router with `schedule`): decode pins (the core's), and prefix
         # fetches in flight by end time
         self._pinned = self.core.pins
-        self._fetching: list[tuple[float, int, _Fetch]] = []
-        self._fetches: dict[str, _Fetch] = {}
+        self._fetching: list[tuple[float, int, Fetch]] = []
+        self._fetches: dict[str, Fetch] = {}
         self.kv_pool_bandwidth = kv_pool_bandwidth
         self.kv_pool_latency_s = kv_pool_latency_s
         self.kv_pool = self._make_pool(kv_pool, kv_pool_bytes_per_node)
@@ -339,35 +222,6 @@ class SimCluster:
                 if kv_pool_latency_s is None
                 else kv_pool_latency_s,
             )
-
-    def _make_pool(self, pool: SimKVPool | None, bytes_per_node: float | None):
-        """The KV pool (the class doc), hooked to every entry instance's radix cache: each page
-        it inserts (a prefill chunk's, a fetched prefix's) is written to the pool."""
-        if pool is None and bytes_per_node is None:
-            return None
-        caches = [self.instances[i].block_manager.prefix_cache for i in self._entry]
-        salts = {getattr(c, "salt", None) for c in caches}
-        sizes = {self.instances[i].config.cache.page_size for i in self._entry}
-        if None in salts or len(salts) > 1 or len(sizes) > 1:
-            raise ValueError(
-                "a KV pool needs every entry instance to keep a radix prefix cache "
-                "(CacheConfig(prefix_cache='radix')) with the same page keys (model, dtype, "
-                "page size, KV layout)"
-            )
-        (salt,), (page_size,) = salts, sizes
-        if pool is None:
-            c = self.instances[self._entry[0]].config
-            per_token = kv_page_bytes_per_device(c.model, 1, c.dtype, 1, 1)  # the full KV
-            num_nodes = len({self.nodes[i] for i in self._entry})
-            pool = SimKVPool(int(bytes_per_node * num_nodes // per_token), page_size, salt)
-        elif (pool.page_size, pool.salt) != (page_size, salt):
-            raise ValueError(
-                f"kv_pool has page_size={pool.page_size} and its own salt; the entry instances "
-                f"have page_size={page_size} and salt {salt.hex()[:16]}..."
-            )
-        for cache in caches:
-            cache.on_insert = _pool_writer(pool, cache, cache.on_insert)
-        return pool
 
     # ---- the engine interface --------------------------------------------------------------
 
@@ -558,7 +412,7 @@ class SimCluster:
 
     def _next_event(self) -> tuple[str | None, float, object]:
         """(kind, time, what) of the next event: at one time an arrival, then a transfer end,
-        then a pull, then a step (the module doc); (None, inf, None) when there is none."""
+        then a pull, then a step (docs/simulator.md); (None, inf, None) when there is none."""
         events = []
         if self._pending:
             events.append((self._pending[0][0], 0, "arrival", None))
@@ -581,52 +435,6 @@ class SimCluster:
         t, _, kind, arg = min(events, key=lambda e: e[:2])
         return kind, t, arg
 
-    def _next_pull(self) -> Pull | None:
-        """The next pull (llmjax/cluster/migration.py's policy): a decode instance j can take a
-        parked request p when `can_accept` holds on its state, at max(p's first-token time,
-        j's clock, the last event's time): between its steps or while idle."""
-
-        def accept_time(j: int, p) -> float | None:
-            e = self.instances[j]
-            if not e.can_accept(p.request, self.waiting_page_fraction):
-                return None  # (never before an event done)
-            return max(p.ready, e.clock.now(), self._last_event)
-
-        return self._queue.next_pull(self._decode, accept_time)
-
-    def _start_transfer(self, t: float, pull: Pull) -> None:
-        p = self._queue.take(pull)
-        i, rid, m = p.instance, p.request_id, p.request
-        if rid in self._pinned:  # the Conductor's choice
-            j = self._pinned.pop(rid)
-        else:
-            views = [InstanceView(self._instances[j], t, k) for k, j in enumerate(pull.candidates)]
-            route = RouteRequest(
-                rid, tuple(m.prompt_token_ids), m.metrics.arrival_time, m.sampling_params
-            )
-            j = pull.candidates[choose(self.decode_router, route, views, t)]
-        m, _ = self.instances[i].export_request(rid)
-        self.instances[j].reserve_import(m)
-        seconds, nbytes = self.transfer_seconds(i, j, m)
-        move = _Transfer(rid, i, j, t, t + seconds, nbytes)
-        heapq.heappush(self._transfers, (move.end, next(self._seq), move))
-        self._moving[rid] = move
-        self._instances[i].live.discard(rid)
-        self._instances[j].live.add(rid)
-        self._where[rid] = j
-        self._path[rid].append(j)
-
-    def _finish_transfer(self, move: _Transfer) -> None:
-        del self._moving[move.request_id]
-        self.instances[move.source].release_request(move.request_id)
-        self._unblock(move.source, move.end)
-        dest = self.instances[move.dest]
-        if not dest.has_unfinished_requests():
-            dest.clock.advance_to(move.end)  # an idle instance's clock may lag: it starts at e
-        self._unblock(move.dest, move.end)
-        dest.commit_import(move.request_id)
-        self.transfer_stats.record(move.nbytes, move.end - move.start)
-
     def _step_instance(self, i: int) -> list[RequestOutput]:
         inst = self._instances[i]
         engine = inst.engine
@@ -634,7 +442,7 @@ class SimCluster:
         outputs = engine.step()
         after = engine.clock.now(), engine.stats.num_steps, engine.stats.num_pipeline_ticks
         if after == before and engine.has_unfinished_requests():
-            self._blocked.add(i)  # it scheduled nothing: wait for pages (the module doc)
+            self._blocked.add(i)  # it scheduled nothing: wait for pages (docs/simulator.md)
         parked = engine.parked if engine.role == "prefill" else {}
         for out in outputs:
             rid = out.request_id
@@ -712,51 +520,6 @@ class SimCluster:
             self._where[req.request_id] = i
             self._path[req.request_id].append(i)
 
-    def _fetch(self, req: RouteRequest, prompt: str | None, placement, now: float) -> None:
-        """The Conductor's prefix fetch (the module doc): the request waits for the missing
-        tokens' KV (from another prefill instance's cache, or the pool) before it joins its
-        prefill instance's queue."""
-        rid, p, missing = req.request_id, placement.prefill, placement.missing_tokens
-        source = placement.fetch_from
-        if placement.from_pool:  # read now (recency), not held: as an instance's cache below
-            self.kv_pool.touch(self.kv_pool.keys(req.prompt_token_ids[: placement.fetch_tokens]))
-            seconds, nbytes = self.kv_pool_seconds(p, missing)
-        else:
-            seconds, nbytes = self.kv_transfer_seconds(source, p, missing)
-        fetch = _Fetch(req, prompt, source, p, placement.fetch_tokens, now, now + seconds, nbytes)
-        heapq.heappush(self._fetching, (fetch.end, next(self._seq), fetch))
-        self._fetches[rid] = fetch
-        inst = self._instances[p]
-        inst.fetching[rid] = len(req.prompt_token_ids)
-        inst.live.add(rid)
-        self._where[rid] = p
-        self._path[rid].append(p)
-        st = self.conductor_stats
-        st.num_fetches += 1
-        st.fetched_tokens += missing
-        st.fetch_bytes += nbytes
-        st.fetch_seconds += seconds
-        if placement.from_pool:
-            st.num_pool_fetches += 1
-            st.pool_fetched_tokens += missing
-
-    def _finish_fetch(self, fetch: _Fetch) -> None:
-        """The prefix arrived at `fetch.dest`: into its prefix cache, and the request into its
-        queue."""
-        rid = fetch.request.request_id
-        del self._fetches[rid]
-        self._instances[fetch.dest].fetching.pop(rid, None)
-        engine = self.instances[fetch.dest]
-        bm = engine.block_manager
-        tokens = list(fetch.request.prompt_token_ids[: fetch.num_tokens])
-        holder = f"__prefix_fetch__{rid}"  # a page table only for the insert
-        while tokens and not bm.can_allocate(holder, len(tokens)):
-            tokens = tokens[: len(tokens) - bm.page_size]  # what fits (LRU pages evicted)
-        if tokens:
-            bm.allocate(holder, len(tokens))
-            bm.free(holder, tokens)  # offers its full pages to the prefix cache
-        self._admit(fetch.dest, fetch.request, fetch.prompt, fetch.end)
-
     def _undecodable(self, req: RouteRequest) -> str | None:
         """Why no decode instance could ever hold `req` to its last token, or None."""
         from llmjax.engine.engine import InvalidRequest
@@ -780,15 +543,3 @@ class SimCluster:
     ) -> None:
         self._open.discard(req.request_id)
         self._errors.append(ended_output(req, prompt, error, now, finish_reason))
-
-
-def _pool_writer(pool: SimKVPool, cache, inner):
-    """A radix cache's `on_insert` that writes the new leaf's path to `pool` (after `inner`,
-    the hook it had, if any)."""
-
-    def inserted(leaf):
-        if inner is not None:
-            inner(leaf)
-        pool.insert_path(cache.path_keys(leaf))
-
-    return inserted

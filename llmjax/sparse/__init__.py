@@ -11,7 +11,9 @@ same pool at the same budget. Switched on with `EngineConfig.sparse_kv` (`Sparse
                  partial key cache, a gather of only those rows, attention over them ('infinigen';
                  its variants: per-page bounds of the cut columns, the layer's own query);
                  the exact top-k by each layer's own logits ('oracle', reads every key) and
-                 Quest's page bounds from per-page key min/max ('quest'), chosen in the layer
+                 Quest's page bounds from per-page key min/max ('quest'), chosen in the layer;
+                 its parts: pool.py (the host pool, the partial keys, the gathers and writes)
+                 and attend.py (speculation, the scores, attention over the selected rows)
   select.py      the selection they share: of each decode token's resident rows, the sinks, the
                  recent window and the best scored up to the cap (tokens or pages)
   h2o.py         H2O: accumulated attention per token on the device, heavy hitters kept and the
