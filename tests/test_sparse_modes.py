@@ -165,20 +165,23 @@ def _llm(sparse):
 
 def _prompts(n, seed=0):
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, 256, rng.integers(20, 60)).tolist() for _ in range(n)]
+    return [rng.integers(3, 256, rng.integers(20, 44)).tolist() for _ in range(n)]
+
+
+N, MAX_TOKENS = 4, 8  # the engine tests' requests: every step bucket compiles per sparse engine
 
 
 @pytest.fixture(scope="module")
 def dense_outputs():
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    return [o.token_ids for o in _llm("none").generate(_prompts(5), params)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.token_ids for o in _llm("none").generate(_prompts(N), params)]
 
 
 @pytest.fixture(scope="module")
 def offload_h2d_bytes():
     """What full fetches (mode 'offload') of the same requests move host -> device."""
     full = _llm(SparseKVConfig(mode="offload"))
-    full.generate(_prompts(5), SamplingParams(max_tokens=10, ignore_eos=True))
+    full.generate(_prompts(N), SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     return full.engine.stats.h2d_bytes
 
 
@@ -194,9 +197,9 @@ def offload_h2d_bytes():
 def test_engine_selecting_everything_equals_dense_and_a_budget_fetches_less(
     dense_outputs, offload_h2d_bytes, mode, variant
 ):
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     llm = _llm(SparseKVConfig(mode=mode, **EVERYTHING, **variant))
-    assert [o.token_ids for o in llm.generate(_prompts(5), params)] == dense_outputs
+    assert [o.token_ids for o in llm.generate(_prompts(N), params)] == dense_outputs
     assert llm.engine.stats.num_sparse_steps > 0
     small = _llm(
         SparseKVConfig(
@@ -204,12 +207,12 @@ def test_engine_selecting_everything_equals_dense_and_a_budget_fetches_less(
             **{k: v for k, v in variant.items() if k != "alpha"},
         )
     )  # fmt: skip
-    outs = small.generate(_prompts(5), params)
-    assert all(len(o.token_ids) == 10 for o in outs)
+    outs = small.generate(_prompts(N), params)
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
     assert small.engine.stats.h2d_bytes < 0.8 * offload_h2d_bytes
     compiles = small.engine.num_compiles
     small.reset_prefix_cache()
-    small.generate(_prompts(5), params)
+    small.generate(_prompts(N), params)
     assert small.engine.num_compiles == compiles
 
 
