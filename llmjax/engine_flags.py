@@ -2,6 +2,7 @@ r"""The absl flags every script shares for building an engine, in one place.
 
 Short flags for what researchers set most: `--model`, `--load_format`, `--tokenizer`, `--dtype`,
 `--quantization`, `--smoothquant`, `--max_model_len`, `--page_size`, `--num_pages`,
+`--kv_cache_dtype`,
 `--max_num_seqs`, `--max_num_batched_tokens`, `--precompile`, `--async_scheduling`,
 `--speculative_config`, the step's
 kernels (`--attention_backend`, `--flash_prefill`, `--pallas_kernel`, `--kernel_options`,
@@ -58,6 +59,7 @@ from llmjax.config import (
     DTYPES,
     FIXED_BY_WEIGHTS,
     FLASH_PREFILL_MODES,
+    KV_CACHE_DTYPES,
     LAYER_LOOPS,
     PALLAS_KERNELS,
     QUANTIZATIONS,
@@ -126,6 +128,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "max_model_len", None, "Max prompt + generated tokens (default: min(context, 4096)).", **f
     )
     flags.DEFINE_integer("page_size", 16, "Tokens per KV page.", **f)
+    flags.DEFINE_enum(
+        "kv_cache_dtype",
+        "auto",
+        list(KV_CACHE_DTYPES),
+        "What the KV pages store (vLLM's names): auto = the model dtype; int8 / fp8_e4m3 / "
+        "fp8_e5m2 with a float32 scale per token and kv head (CacheConfig.kv_cache_dtype).",
+        **f,
+    )
     flags.DEFINE_integer(
         "num_pages", None, "KV cache pages (default: sized from the memory budget).", **f
     )
@@ -533,6 +543,7 @@ def llm_kwargs(values: flags.FlagValues) -> dict:
         max_model_len=values.max_model_len,
         page_size=values.page_size,
         num_pages=values.num_pages,
+        kv_cache_dtype=values.kv_cache_dtype,
         max_num_seqs=values.max_num_seqs,
         max_num_batched_tokens=values.max_num_batched_tokens,
         precompile=values.precompile,

@@ -53,7 +53,9 @@ class LLM:
     `scheduler_policy` (sarathi | prefill_first | decode_first | splitfuse, see SchedulerConfig),
     `max_num_seqs`, `max_num_batched_tokens` (the token budget; default 512 for the chunking
     policies, max_model_len for the whole-prompt ones), `prefix_cache` ('radix' reuses the KV of
-    shared prefixes, 'none' turns that off; see CacheConfig), `admission_order` ('fcfs' or 'lpm',
+    shared prefixes, 'none' turns that off; see CacheConfig), `kv_cache_dtype` ('auto': the
+    model dtype; 'int8', 'fp8_e4m3', 'fp8_e5m2': quantized pages with a scale per token and kv
+    head, vLLM's names; see CacheConfig), `admission_order` ('fcfs' or 'lpm',
     longest cached prefix first; see SchedulerConfig), `balance_micro_batches` (pp > 1: decodes
     spread evenly over the micro-batches; see SchedulerConfig), `seed` (for requests without their
     own seed), `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig),
@@ -110,6 +112,7 @@ class LLM:
         max_num_seqs: int = 32,
         max_num_batched_tokens: int | None = None,
         prefix_cache: str = "radix",
+        kv_cache_dtype: str = "auto",
         admission_order: str = "fcfs",
         balance_micro_batches: bool = False,
         attention_backend: str = "auto",

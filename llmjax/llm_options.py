@@ -45,6 +45,7 @@ OPTION_PATHS = {
     "cache.page_size": "page_size",
     "cache.num_pages": "num_pages",
     "cache.prefix_cache": "prefix_cache",
+    "cache.kv_cache_dtype": "kv_cache_dtype",
     "scheduler.policy": "scheduler_policy",
     "scheduler.max_num_seqs": "max_num_seqs",
     "scheduler.max_num_batched_tokens": "max_num_batched_tokens",
@@ -77,7 +78,9 @@ def default_num_pages(config: EngineConfig, params_bytes: int, devices=None) -> 
     wanted = config.scheduler.max_num_seqs * pages_needed(config.max_model_len, page_size) + 1
     parallel = config.parallel
     layout = tp_head_layout(config.model, parallel.tp, parallel.pad_heads)
-    per_page = kv_cache_bytes(layout.model_config(config.model), 1, page_size, config.dtype)
+    per_page = kv_cache_bytes(
+        layout.model_config(config.model), 1, page_size, config.dtype, config.cache.kv_cache_dtype
+    )
     per_page //= parallel.num_devices
     device = next(iter(devices)) if devices else jax.local_devices()[0]
     stats = device.memory_stats() or {}
@@ -105,6 +108,7 @@ ENGINE_OPTIONS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "prefix_cache",
+    "kv_cache_dtype",
     "admission_order",
     "balance_micro_batches",
     "attention_backend",
@@ -187,7 +191,10 @@ def engine_config(options: dict, fixed: dict, model_config: ModelConfig):
     config = EngineConfig(
         model=model_config,
         cache=CacheConfig(
-            page_size=o["page_size"], num_pages=o["num_pages"], prefix_cache=o["prefix_cache"]
+            page_size=o["page_size"],
+            num_pages=o["num_pages"],
+            prefix_cache=o["prefix_cache"],
+            kv_cache_dtype=o["kv_cache_dtype"],
         ),
         scheduler=SchedulerConfig(
             policy=o["scheduler_policy"],

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import configs
+from llmjax.model.kv_cache import QuantizedPages as QPages
 from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
 from llmjax.model.params import init_params
@@ -97,8 +98,9 @@ def _compiled_step_hlo(
     attention="auto",
     quantization="none",
     dtype="float32",
+    kv_cache_dtype="auto",
 ):
-    from llmjax.config import EngineConfig
+    from llmjax.config import CacheConfig, EngineConfig
     from llmjax.engine.batch import SamplingInput
     from llmjax.engine.runner import ModelRunner
     from llmjax.model.quant import quantize_params
@@ -114,6 +116,7 @@ def _compiled_step_hlo(
         attention_backend=attention,
         compilation_cache_dir="",
         dtype=dtype,
+        cache=CacheConfig(kv_cache_dtype=kv_cache_dtype),
     )
     runner = ModelRunner(engine_config, params, num_pages)
     page_size = engine_config.cache.page_size
@@ -175,6 +178,18 @@ def test_quantized_step_copies_neither_kv_pages_nor_weights(quantization, layer_
     _assert_no_copies(config, runner, hlo, layer_loop)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_quantized_kv_step_copies_neither_pages_nor_scales(kv_cache_dtype, layer_loop, num_tokens):
+    """A quantized KV cache (issue 41): its values and scales are donated and written in place."""
+    config = configs.get_preset("tiny")
+    runner, hlo = _compiled_step_hlo(
+        config, num_tokens, layer_loop=layer_loop, kv_cache_dtype=kv_cache_dtype
+    )
+    _assert_no_copies(config, runner, hlo, layer_loop)
+
+
 @pytest.mark.skipif(not _cpu_kernels(), reason="no C++ compiler here")
 @pytest.mark.parametrize("num_tokens", [8, 128])  # not 16: [16, 1, 16] is also a page
 def test_bf16_step_reads_scanned_weights_in_place(num_tokens):
@@ -200,20 +215,28 @@ def test_bf16_step_reads_scanned_weights_in_place(num_tokens):
             assert shape not in layer_shapes, f"a layer's weights sliced: {line.strip()}"
 
 
+def _is_quantized(x):
+    return isinstance(x, QPages)
+
+
 def _assert_no_copies(
     config, runner, hlo, layer_loop
 ):  # Every KV array is donated and aliased to an output: the update happens in place.
     header = hlo.splitlines()[0]
-    num_kv_arrays = 2 if layer_loop == "scan" else 2 * config.num_layers
-    assert header.count("-alias)") == num_kv_arrays, header[:300]
+    leaves = jax.tree.leaves(runner.kv_pages)  # K and V per layer (quantized: and their scales)
+    quantized = isinstance(jax.tree.leaves(runner.kv_pages, is_leaf=_is_quantized)[0], QPages)
+    num_kv_arrays = (2 if layer_loop == "scan" else 2 * config.num_layers) * (1 + quantized)
+    assert len(leaves) == num_kv_arrays and header.count("-alias)") == num_kv_arrays, header[:300]
     # No weight or KV page array (or a flattened view of one; stacked: the whole cache's or one
-    # layer's share) is copied or transposed. A scanned step reads each
-    # layer's weights as a slice of the stacked ones (what the scan hands its body).
-    kv = runner.kv_pages[0][0].shape  # one layer's pages
-    kv_shapes = {kv, (kv[0] * kv[1], *kv[2:])}
-    if layer_loop == "scan":  # every layer's: [L * pages, ...]
-        kv = runner.kv_pages[0].shape
+    # layer's share; a quantized cache's scales too) is copied or transposed. A scanned step
+    # reads each layer's weights as a slice of the stacked ones (what the scan hands its body).
+    kv_shapes = set()
+    for x in leaves:
+        kv = x.shape
         kv_shapes |= {kv, (kv[0] * kv[1], *kv[2:])}
+        if layer_loop == "scan":  # one layer's share of the stacked cache
+            kv = (kv[0] // config.num_layers, *kv[1:])
+            kv_shapes |= {kv, (kv[0] * kv[1], *kv[2:])}
     weights = jax.tree.leaves(runner.params)
     weight_shapes = {x.shape for x in weights if x.ndim > 1}
     if layer_loop == "scan":

@@ -173,7 +173,10 @@ class SimCostModel:
         c = prefill_config
         page = c.cache.page_size
         self._kv_bytes_per_token = (
-            kv_page_bytes_per_device(c.model, page, c.dtype, c.parallel.tp, c.parallel.pp) / page
+            kv_page_bytes_per_device(
+                c.model, page, c.dtype, c.parallel.tp, c.parallel.pp, c.cache.kv_cache_dtype
+            )
+            / page
         )
         hw = c.sim.hardware
         self._bandwidth = transfer_bandwidth or hw.network_bandwidth

@@ -58,6 +58,7 @@ class Offer:
     kv_heads: tuple[int, ...]  # the source layout's kv heads: original head index, -1 for padding
     lease_deadline: float  # time.time() after which the prefill side may drop it
     address: str | None = None  # transfer_server: where to pull from
+    kv_cache_dtype: str = "auto"  # the source's CacheConfig.kv_cache_dtype (the bytes' meaning)
 
 
 class KVTransport(Protocol):
@@ -70,6 +71,18 @@ class KVTransport(Protocol):
     def poll(self, handle): ...
 
     def release(self, offer: Offer) -> None: ...
+
+
+def kv_cache_dtype_error(offer: Offer, runner) -> TransferError | None:
+    """The error of pulling `offer` into `runner` when their caches store different KV dtypes
+    (an int8 page's bytes read as fp8 would decode garbage), else None."""
+    want = getattr(runner, "kv_cache_dtype", "auto")
+    if offer.kv_cache_dtype != want:
+        return TransferError(
+            f"KV of request {offer.request_id!r} is stored as {offer.kv_cache_dtype!r}; this "
+            f"instance's cache stores {want!r} (kv_cache_dtype must match across instances)"
+        )
+    return None
 
 
 def kv_head_map(runner) -> tuple[int, ...]:
@@ -154,6 +167,7 @@ class LocalTransport:
             nbytes=int(data.nbytes),
             kv_heads=heads,
             lease_deadline=time.time() + self.lease_s,
+            kv_cache_dtype=getattr(runner, "kv_cache_dtype", "auto"),
         )
         self._offers[offer.transfer_id] = (offer, data)
         return offer
@@ -167,6 +181,9 @@ class LocalTransport:
                 "or its prefill instance died)"
             )
         data = entry[1]
+        error = kv_cache_dtype_error(offer, runner)
+        if error is not None:
+            return error
         if isinstance(data, np.ndarray) or not hasattr(runner, "kv_transfer_sharding"):
             return data  # a host-side fake runner (tests)
         try:

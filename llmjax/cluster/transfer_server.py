@@ -70,7 +70,13 @@ import threading
 import time
 from collections import OrderedDict
 
-from llmjax.cluster.transfer import Offer, TransferError, kv_head_map, reshard_kv
+from llmjax.cluster.transfer import (
+    Offer,
+    TransferError,
+    kv_cache_dtype_error,
+    kv_head_map,
+    reshard_kv,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +223,7 @@ class TransferServerTransport:
             kv_heads=heads,
             lease_deadline=time.time() + self.lease_s,
             address=address,
+            kv_cache_dtype=runner.kv_cache_dtype,
             shards=tuple((lo, hi) for lo, hi, _ in shards),
         )
         server.await_pull(uuid, arrays)
@@ -306,6 +313,9 @@ class TransferServerTransport:
         what = f"KV of request {offer.request_id!r}"
         if not isinstance(offer, ServerOffer) or offer.address is None or not offer.shards:
             return _Failed(TransferError(f"{what}: not offered through a transfer server"))
+        error = kv_cache_dtype_error(offer, runner)
+        if error is not None:
+            return _Failed(error)
         with self._lock:
             if offer.transfer_id in self._pulled:
                 return _Failed(TransferError(f"{what}: already pulled (one pull per offer)"))

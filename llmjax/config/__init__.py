@@ -24,12 +24,15 @@ import it, never the reverse. Every name is importable from `llmjax.config`.
 """
 
 from llmjax.config.cache import (
+    KV_CACHE_DTYPES,
     KV_HOST_MEMORIES,
     KV_LOAD_POLICIES,
+    KV_SCALE_BYTES,
     KV_WRITE_POLICIES,
     PREFIX_CACHES,
     CacheConfig,
     KVStoreConfig,
+    kv_row_bytes,
 )
 from llmjax.config.engine import (
     ASYNC_BY_DEFAULT,
@@ -90,8 +93,10 @@ __all__ = [
     "HF_DEFAULTS",
     "HF_MODEL_TYPES",
     "HIDDEN_ACTS",
+    "KV_CACHE_DTYPES",
     "KV_HOST_MEMORIES",
     "KV_LOAD_POLICIES",
+    "KV_SCALE_BYTES",
     "KV_WRITE_POLICIES",
     "LAYER_LOOPS",
     "LAYER_TYPES",
@@ -124,6 +129,7 @@ __all__ = [
     "SparseKVConfig",
     "SpeculativeConfig",
     "apply_overrides",
+    "kv_row_bytes",
     "layer_loop_scans",
     "parse_kernel_options",
     "read_override",

@@ -8,6 +8,19 @@ import dataclasses
 from llmjax.config.checks import _check_positive
 
 PREFIX_CACHES = ("none", "radix")  # implemented in llmjax/engine/radix_cache.py
+# vLLM's names; 'auto' stores the model dtype (llmjax/model/kv_cache.py: the quantized layout)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+KV_SCALE_BYTES = 4  # a quantized cache's float32 scale per token and kv head
+
+
+def kv_row_bytes(head_dim: int, dtype_itemsize: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one token's K (or V) row of one kv head in the cache: head_dim elements of the
+    model dtype (`dtype_itemsize` bytes each), or of one byte and the row's scale."""
+    if kv_cache_dtype == "auto":
+        return head_dim * dtype_itemsize
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown {kv_cache_dtype=}; choose one of {KV_CACHE_DTYPES}")
+    return head_dim + KV_SCALE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +36,12 @@ class CacheConfig:
     tree of whole pages with LRU eviction, evicted before anyone is preempted; the default, as in
     SGLang and vLLM v1) or 'none' (every request computes its whole prompt). See
     llmjax/engine/radix_cache.py.
+
+    `kv_cache_dtype` (vLLM's names) is what the pages store: 'auto' (the model dtype, the
+    default), 'int8', 'fp8_e4m3' or 'fp8_e5m2', each with a float32 scale per token and kv head
+    beside the pages (absmax over the head dim; llmjax/model/kv_cache.py). K and V are quantized
+    when the step writes them; every token, the step's own included, attends over the stored
+    values.
     """
 
     page_size: int = 16
@@ -30,11 +49,14 @@ class CacheConfig:
     memory_fraction: float = 0.5
     watermark: float = 0.01  # fraction of pages a new admission must leave free (vLLM)
     prefix_cache: str = "radix"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         _check_positive(self, "page_size", "num_pages")
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"unknown {self.prefix_cache=}; choose one of {PREFIX_CACHES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown {self.kv_cache_dtype=}; choose one of {KV_CACHE_DTYPES}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"{self.watermark=} must be in [0, 1)")
         if self.num_pages is not None and self.num_pages < 2:

@@ -9,9 +9,10 @@ key names its whole prefix, not only its own tokens, and equal keys mean equal K
 partial last page gets no key (it is never stored). Python's `hash` is never used: the keys are
 the same in every process and on every host.
 
-The salt covers what changes a page's bytes: the model (its name and shape), the KV dtype, the
-page size and the KV layout (kv heads as the devices hold them, tp). Per-device shards of a
-tensor-parallel page are separate objects: `shard_key(key, rank)`.
+The salt covers what changes a page's bytes: the model (its name and shape), the KV dtype (the
+model dtype, and a quantized cache's `kv_cache_dtype`: an int8 or fp8 page never serves an engine
+that stores another dtype), the page size and the KV layout (kv heads as the devices hold them,
+tp). Per-device shards of a tensor-parallel page are separate objects: `shard_key(key, rank)`.
 
 `RadixCache` (llmjax/engine/radix_cache.py) computes the keys as it inserts pages: each node
 holds `page_keys`, one per page, chained from its parent's last key.
@@ -75,7 +76,7 @@ class KeySalt:
     """What makes a page's bytes; `digest` salts its keys (blake2b's 32-byte key)."""
 
     model: str  # name and shape
-    dtype: str
+    dtype: str  # the model dtype; '<dtype>+kv:<kv_cache_dtype>' for a quantized cache
     page_size: int
     kv_layout: str  # e.g. 'tp=2,kv_heads=4,head_dim=64'
 
@@ -86,7 +87,8 @@ class KeySalt:
 
     @classmethod
     def for_engine(cls, config) -> KeySalt:
-        """The salt of an `EngineConfig`: its model's name and shape, KV dtype, page size, and
+        """The salt of an `EngineConfig`: its model's name and shape, KV dtype (and quantized
+        cache dtype), page size, and
         the kv heads per layer as its tp layout holds them (llmjax/parallel/heads.py)."""
         from llmjax.parallel.heads import tp_head_layout
 
@@ -100,9 +102,13 @@ class KeySalt:
             f"{m.name or 'model'}:{m.architecture}:L{m.num_layers}:D{m.hidden_size}:"
             f"K{m.num_kv_heads}:H{m.head_dim}:V{m.vocab_size}"
         )
+        dtype = str(config.dtype)
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        if kv_cache_dtype != "auto":
+            dtype += f"+kv:{kv_cache_dtype}"
         return cls(
             model=shape,
-            dtype=str(config.dtype),
+            dtype=dtype,
             page_size=int(config.cache.page_size),
             kv_layout=f"tp={tp},kv_heads={heads},head_dim={m.head_dim},pp={config.parallel.pp}",
         )

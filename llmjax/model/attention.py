@@ -5,7 +5,11 @@ Interface (`AttentionFn`): `attention_fn(q [T, N, H], k_pages, v_pages [num_page
 step: StepInput, *, sm_scale, sliding_window, soft_cap, new_kv) -> [T, N, H]`, the contract of
 kernels_pallas/ragged_paged_attention/reference.py (scores q.k * sm_scale, soft capped to
 soft_cap * tanh(s / soft_cap) where soft_cap is set, then masked); `new_kv` = the step's own
-(k, v) [T, K, H] (already written to the pages; a backend may use them for a fresh prompt).
+(k, v) [T, K, H] (already written to the pages, as the pages store them; a backend may use them
+for a fresh prompt). With a quantized cache (`CacheConfig.kv_cache_dtype`) the pages are
+`QuantizedPages` (values and a scale per token and kv head, llmjax/model/kv_cache.py), which the
+reference dequantizes as it gathers; the other backends take model-dtype pages only for now
+(`QUANTIZED_KV_BACKENDS`).
 Backends:
   reference  `reference_attention` below (plain jnp; fast enough on a CPU).
   pallas     `pallas_attention`: kernels_pallas' ragged paged attention (the TPU or GPU kernel of
@@ -39,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from llmjax.config import ATTENTION_BACKENDS
+from llmjax.model.kv_cache import Pages, take_pages
 from llmjax.model.step_input import StepInput
 
 logger = logging.getLogger(__name__)
@@ -59,8 +64,8 @@ def token_seq_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
 
 def paged_attention_reference(
     q: jax.Array,  # [T, N, H]
-    k_pages: jax.Array,  # [num_pages, G, K, H]
-    v_pages: jax.Array,  # [num_pages, G, K, H]
+    k_pages: Pages,  # [num_pages, G, K, H]; QuantizedPages: dequantized as gathered
+    v_pages: Pages,  # [num_pages, G, K, H]
     positions: jax.Array,  # [T] int32
     cu_q_lens: jax.Array,  # [S + 1] int32
     page_indices: jax.Array,  # [S, P] int32
@@ -111,15 +116,15 @@ def paged_attention_reference(
     def per_token(q_blk, pos_blk, seq_blk):
         B = q_blk.shape[0]
         pages = page_indices[seq_blk]  # [B, P]
-        k = k_pages[pages].reshape(B, -1, K, H)  # [B, C, K, H]
-        v = v_pages[pages].reshape(B, -1, K, H)
+        k = take_pages(k_pages, pages, q.dtype).reshape(B, -1, K, H)  # [B, C, K, H]
+        v = take_pages(v_pages, pages, q.dtype).reshape(B, -1, K, H)
         return attend(q_blk.reshape(B, K, N // K, H), k, v, pos_blk, "bckh", pages)
 
     def one_sequence(q_blk, pos_blk, seq_blk):
         B = q_blk.shape[0]
         pages = page_indices[seq_blk[0]]  # [P]
-        k = k_pages[pages].reshape(-1, K, H)  # [C, K, H]
-        v = v_pages[pages].reshape(-1, K, H)
+        k = take_pages(k_pages, pages, q.dtype).reshape(-1, K, H)  # [C, K, H]
+        v = take_pages(v_pages, pages, q.dtype).reshape(-1, K, H)
         return attend(q_blk.reshape(B, K, N // K, H), k, v, pos_blk, "ckh", pages)
 
     def block(q_blk, pos_blk, seq_blk):
@@ -267,12 +272,28 @@ def flash_min_tokens(
     return ENGINE_MIN_TOKENS[implementation or default_implementation(platform)]
 
 
-def resolve_attention_backend(name: str, platform: str | None = None) -> str:
+# The backends that read a quantized cache's pages (QuantizedPages).
+QUANTIZED_KV_BACKENDS = ("reference",)
+
+
+def resolve_attention_backend(
+    name: str, platform: str | None = None, kv_cache_dtype: str = "auto"
+) -> str:
     """'auto' -> 'pallas' on GPU/TPU; on the CPU 'cpu' where kernels_cpu builds, else
-    'reference'. Other names are checked ('cpu' runs on the CPU only, and needs its kernels)."""
+    'reference'; with a quantized `kv_cache_dtype`, the first backend of
+    `QUANTIZED_KV_BACKENDS`. Other names are checked ('cpu' runs on the CPU only, and needs its
+    kernels; a quantized cache needs a backend that reads it)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
     platform = platform or jax.default_backend()
+    if kv_cache_dtype != "auto":
+        if name == "auto":
+            return QUANTIZED_KV_BACKENDS[0]
+        if name not in QUANTIZED_KV_BACKENDS:
+            raise ValueError(
+                f"attention_backend={name!r} does not read a {kv_cache_dtype} KV cache yet; "
+                f"use one of {QUANTIZED_KV_BACKENDS} (or kv_cache_dtype='auto')"
+            )
     if name == "auto":
         if platform != "cpu":
             return "pallas"
@@ -301,7 +322,8 @@ def shard_heads(attention_fn: AttentionFn, mesh) -> AttentionFn:
 
     from llmjax.parallel.mesh import TP_AXES
 
-    heads, pages = P(None, TP_AXES, None), P(None, None, TP_AXES, None)
+    heads = P(None, TP_AXES, None)
+    pages = P(None, None, TP_AXES, None)  # QuantizedPages: its values and scales [.., 1] alike
 
     def sharded(
         q, k_pages, v_pages, step, *, sm_scale, sliding_window=None, soft_cap=None, new_kv=None

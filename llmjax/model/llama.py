@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from llmjax.config import ModelConfig
 from llmjax.model.attention import AttentionFn, reference_attention
-from llmjax.model.kv_cache import KVPages, write_kv
+from llmjax.model.kv_cache import KVPages, as_stored, write_kv
 from llmjax.model.layers import apply_rope, gated_mlp, layer_rope, norm, rope_cos_sin
 from llmjax.model.moe import moe_mlp
 from llmjax.model.params import Params, layers_stacked
@@ -124,7 +124,8 @@ def _attention_block(
     h = norm(x, layer["attn_norm"], config)
     q, k, v = attention_qkv(layer, h, *layer_rope(cos, sin, kind), config)
     k_pages, v_pages = write_kv(*kv, k, v, step.slot_mapping)
-    o = attend(q, k_pages, v_pages, step, kind, config, attention_fn, new_kv=(k, v))  # [T, N, H]
+    new_kv = as_stored(k, k_pages), as_stored(v, v_pages)  # what later steps will read
+    o = attend(q, k_pages, v_pages, step, kind, config, attention_fn, new_kv=new_kv)  # [T, N, H]
     out = linear(o, layer["wo"])  # [T, N, H] @ [N, H, D]
     return norm(out, layer.get("attn_post_norm"), config), (k_pages, v_pages)
 

@@ -33,6 +33,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from llmjax.config import ModelConfig, ParallelConfig
+from llmjax.model.kv_cache import QuantizedPages
 from llmjax.model.params import ParamSpec, map_specs, param_specs, unstack_layers
 from llmjax.parallel.heads import HeadLayout, transform_weight
 
@@ -138,14 +139,24 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules=None, stacked: bool =
 
 
 def kv_pages_sharding(
-    config: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, stacked: bool = False
+    config: ModelConfig,
+    mesh: Mesh,
+    num_pages: int,
+    page_size: int,
+    stacked: bool = False,
+    kv_cache_dtype: str = "auto",
 ):
     """The sharding of one layer's KV pages, or (`stacked`) of the stacked cache's
-    ([L * num_pages, ...]: the same axes)."""
+    ([L * num_pages, ...]: the same axes); for a quantized `kv_cache_dtype` a `QuantizedPages`
+    of the values' sharding and the scales' ([P, G, K, 1]: split as the values)."""
     if stacked:
         num_pages *= config.num_layers
     shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
-    return NamedSharding(mesh, partition_spec(shape, KV_PAGES_AXES, mesh, name="kv_pages"))
+    spec = partition_spec(shape, KV_PAGES_AXES, mesh, name="kv_pages")
+    if kv_cache_dtype == "auto":
+        return NamedSharding(mesh, spec)
+    scales = P(*(tuple(spec) + (None,) * 4)[:3], None)
+    return QuantizedPages(NamedSharding(mesh, spec), NamedSharding(mesh, scales), kv_cache_dtype)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

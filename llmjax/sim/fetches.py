@@ -61,7 +61,9 @@ class PrefixFetches:
         (salt,), (page_size,) = salts, sizes
         if pool is None:
             c = self.instances[self._entry[0]].config
-            per_token = kv_page_bytes_per_device(c.model, 1, c.dtype, 1, 1)  # the full KV
+            per_token = kv_page_bytes_per_device(
+                c.model, 1, c.dtype, 1, 1, c.cache.kv_cache_dtype
+            )  # the full KV
             num_nodes = len({self.nodes[i] for i in self._entry})
             pool = SimKVPool(int(bytes_per_node * num_nodes // per_token), page_size, salt)
         elif (pool.page_size, pool.salt) != (page_size, salt):

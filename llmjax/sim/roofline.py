@@ -48,7 +48,7 @@ import math
 
 import numpy as np
 
-from llmjax.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from llmjax.config import SUPPORTED_ARCHITECTURES, ModelConfig, kv_row_bytes
 from llmjax.sim.cost import StepFeatures
 from llmjax.sim.hardware import Hardware, get_hardware
 
@@ -178,17 +178,14 @@ def window_kv_needed(model: ModelConfig, context_len: int, page_size: int = 16) 
     return read / (model.num_layers * pages)
 
 
-def kv_page_bytes_per_device(model: ModelConfig, page_size: int, dtype: str, tp: int, pp: int):
-    """One page's K and V bytes on each device (its stage's layers, its tp share of KV heads)."""
+def kv_page_bytes_per_device(
+    model: ModelConfig, page_size: int, dtype: str, tp: int, pp: int, kv_cache_dtype: str = "auto"
+):
+    """One page's K and V bytes on each device (its stage's layers, its tp share of KV heads;
+    a quantized cache's one-byte values and float32 scale per row, `kv_row_bytes`)."""
     layers = math.ceil(model.num_layers / pp)
-    return (
-        2
-        * layers
-        * page_size
-        * kv_heads_per_device(model, tp)
-        * model.head_dim
-        * (DTYPE_BYTES[dtype])
-    )
+    row = kv_row_bytes(model.head_dim, DTYPE_BYTES[dtype], kv_cache_dtype)
+    return 2 * layers * page_size * kv_heads_per_device(model, tp) * row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,9 +200,11 @@ class RooflineCostModel:
     padded: bool = False
     ep: int = 1
     expert_skew: float = 0.0
+    kv_cache_dtype: str = "auto"  # CacheConfig's: the bytes attention reads and writes per row
 
     def __post_init__(self):
         object.__setattr__(self, "hardware", get_hardware(self.hardware))
+        kv_row_bytes(self.model.head_dim, 1, self.kv_cache_dtype)  # checks the name
         if self.ep > 1 and (not self.model.is_moe or self.tp % self.ep):
             raise ValueError(
                 f"ep={self.ep} splits a mixture of experts over devices of the tp group "
@@ -265,22 +264,24 @@ class RooflineCostModel:
             t["mlp_up"] = self._matmul(T, h, (mlp_matrices(m) - 1) * ffn)
             t["mlp_down"] = self._matmul(T, ffn, h)
         prefill_tokens = f.tokens - f.decodes
+        row = kv_row_bytes(hd, b, self.kv_cache_dtype)  # one K or V row of a kv head, stored
         t["prefill_attention"] = self._op(
             4 * f.prefill_pairs * hd * heads,
-            b * (2 * prefill_tokens * heads * hd + 2 * f.prefill_context * kvd * hd),
+            b * 2 * prefill_tokens * heads * hd + 2 * f.prefill_context * kvd * row,
             hw.prefill_attention_efficiency,
             hw.memory_efficiency,
         )
         t["decode_attention"] = self._op(
             4 * f.decode_context * hd * heads,
-            b * (2 * f.decodes * heads * hd + 2 * f.decode_context * kvd * hd),
+            b * 2 * f.decodes * heads * hd + 2 * f.decode_context * kvd * row,
             hw.matmul_efficiency,
             hw.decode_attention_efficiency,
         )
         # norms (read + write, x2), residual adds (x2), RoPE on Q and K, the activation (reads
-        # gate and up, writes one), the new K and V written to their pages
-        elementwise = T * (8 * h + 2 * (heads + kvd) * hd + mlp_matrices(m) * ffn + 2 * kvd * hd)
-        t["elementwise"] = b * elementwise / (hw.memory_bandwidth * hw.memory_efficiency)
+        # gate and up, writes one); then the new K and V written to their pages
+        elementwise = T * (8 * h + 2 * (heads + kvd) * hd + mlp_matrices(m) * ffn)
+        elementwise_bytes = b * elementwise + T * 2 * kvd * row
+        t["elementwise"] = elementwise_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
         reduces = 1 if m.architecture == "falcon" else 2
         t["tp_all_reduce"] = reduces * self._allreduce(b * T * h)
         return t

@@ -96,6 +96,7 @@ def make_cost_model(config: EngineConfig):
             sim.padded,
             ep=p.ep,
             expert_skew=sim.expert_skew,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
         )
     if sim.cost_model == "fitted":
         return LinearCostModel.from_profile(sim.profile)
@@ -110,7 +111,9 @@ def sim_num_pages(config: EngineConfig, hardware: Hardware | None = None) -> int
     free = hw.memory_bytes * sim.memory_utilization - weight_bytes_per_device(
         config.model, config.dtype, p.tp, p.pp
     )
-    page = kv_page_bytes_per_device(config.model, config.cache.page_size, config.dtype, p.tp, p.pp)
+    page = kv_page_bytes_per_device(
+        config.model, config.cache.page_size, config.dtype, p.tp, p.pp, config.cache.kv_cache_dtype
+    )
     pages = int(free // page)
     if pages < 2:
         raise ValueError(

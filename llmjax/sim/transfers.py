@@ -83,7 +83,9 @@ class TransferModel:
         c = self.engines[dest].config
         tp, pp = c.parallel.tp, c.parallel.pp
         pages = -(-num_tokens // c.cache.page_size)
-        per_device = pages * kv_page_bytes_per_device(c.model, c.cache.page_size, c.dtype, tp, pp)
+        per_device = pages * kv_page_bytes_per_device(
+            c.model, c.cache.page_size, c.dtype, tp, pp, c.cache.kv_cache_dtype
+        )
         hw = c.sim.hardware
         bandwidth = self.kv_pool_bandwidth or self.transfer_bandwidth or hw.network_bandwidth
         latency = self.kv_pool_latency_s
@@ -99,7 +101,9 @@ class TransferModel:
         for k in (source, dest):
             c = self.engines[k].config
             tp, pp = c.parallel.tp, c.parallel.pp
-            page = kv_page_bytes_per_device(c.model, c.cache.page_size, c.dtype, tp, pp)
+            page = kv_page_bytes_per_device(
+                c.model, c.cache.page_size, c.dtype, tp, pp, c.cache.kv_cache_dtype
+            )
             per_device.append(num_pages(c.cache.page_size) * page)
             total = per_device[-1] * tp * pp  # the receiving side's (dest is last)
         hw = self.engines[dest].config.sim.hardware

@@ -90,7 +90,10 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
         page_size = config.cache.page_size
         self.num_compiles = 0
         self.num_steps = 0
-        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        self.kv_cache_dtype = config.cache.kv_cache_dtype
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, kv_cache_dtype=self.kv_cache_dtype
+        )
         attention_fn = make_attention_fn(
             self.attention_backend,
             flash_prefill=config.flash_prefill,
@@ -107,6 +110,11 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
             )
         self.sparse = config.sparse_kv
         self.last_sparse_stats = None
+        if self.kv_cache_dtype != "auto" and (self.sparse.enabled or parallel.pp > 1):
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} does not run with sparse_kv or pp > 1 "
+                "yet; use kv_cache_dtype='auto' there"
+            )
         # The CPU kernel walks each sequence's page table only as far as its kv_lens, so the
         # engine pads every table to the longest (Buckets.create(ragged_pages=True)): the page
         # count stops being a compiled dimension. The jnp reference gathers all P pages, and the
@@ -128,7 +136,7 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
                 self.params = jax.device_put(self.params, self.device)
             with jax.default_device(self.device):
                 self.kv_pages = allocate_kv_pages(
-                    config.model, num_pages, page_size, self.dtype, stacked=scan
+                    config.model, num_pages, page_size, self.dtype, scan, self.kv_cache_dtype
                 )
             out_shardings = None
         else:
@@ -138,13 +146,19 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
                 params, config.model, layout, self.mesh, self.dtype, stacked=scan
             )
             kv_sharding = kv_pages_sharding(
-                self.model_config, self.mesh, num_pages, page_size, stacked=scan
+                self.model_config, self.mesh, num_pages, page_size, scan, self.kv_cache_dtype
             )
             kv_shardings = (kv_sharding, kv_sharding)  # per layer unless stacked
             if not scan:
                 kv_shardings = [kv_shardings] * self.model_config.num_layers
             allocate = functools.partial(
-                allocate_kv_pages, self.model_config, num_pages, page_size, self.dtype, stacked=scan
+                allocate_kv_pages,
+                self.model_config,
+                num_pages,
+                page_size,
+                self.dtype,
+                scan,
+                self.kv_cache_dtype,
             )
             self.kv_pages = jax.jit(allocate, out_shardings=kv_shardings)()
             out_shardings = (

@@ -2,7 +2,8 @@
 `ModelRunner`): disaggregated serving's transfers between instances (llmjax/cluster/transfer.py),
 the Conductor's prefix fetches and the KV tiers' copies to and from host memory
 (llmjax/engine/kv_tiers.py). One compile per power-of-two page bucket (`transfer_bucket`); the
-padded rows read and write the reserved page."""
+padded rows read and write the reserved page. A quantized cache's pages travel packed, each row's
+values then its float32 scale as bytes (llmjax/model/kv_cache.py `pack_pages`), bitwise."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from llmjax.model.kv_cache import QuantizedPages, pack_pages, packed_row, unpack_pages
 from llmjax.model.step_input import RESERVED_PAGE
 
 
@@ -21,7 +23,7 @@ def transfer_bucket(num_pages: int) -> int:
 
 class PageTransfer:
     """The page transfer of a `ModelRunner` (its `kv_pages`, `mesh`, `model_config`, `dtype`,
-    `num_pages`, `pipelined`, `sparse`, `host_memory`; `_transfer_fns` and
+    `kv_cache_dtype`, `num_pages`, `pipelined`, `sparse`, `host_memory`; `_transfer_fns` and
     `num_transfer_compiles` start as None and 0)."""
 
     @property
@@ -39,14 +41,17 @@ class PageTransfer:
 
     @property
     def kv_dtype(self) -> np.dtype:
-        """The dtype of the KV pages (what `export_pages` returns)."""
-        return np.dtype(jax.tree.leaves(self.kv_pages)[0].dtype)
+        """The dtype of what `export_pages` returns: the pages' (uint8 for a quantized cache:
+        values and scales packed, llmjax/model/kv_cache.py `pack_pages`)."""
+        return packed_row(self.model_config.head_dim, self.dtype, self.kv_cache_dtype)[1]
 
     def transfer_shape(self, num_pages: int) -> tuple[int, ...]:
-        """The shape `export_pages` returns for `num_pages` pages (bucketed)."""
+        """The shape `export_pages` returns for `num_pages` pages (bucketed): [L, 2, bucket,
+        page_size, K', H] (H + 4 for a quantized cache: each row's scale packed after it)."""
         m = self.model_config
         G = self.config.cache.page_size
-        return (m.num_layers, 2, transfer_bucket(num_pages), G, m.num_kv_heads, m.head_dim)
+        row = packed_row(m.head_dim, self.dtype, self.kv_cache_dtype)[0]
+        return (m.num_layers, 2, transfer_bucket(num_pages), G, m.num_kv_heads, row)
 
     def _transfer(self):
         if self._transfer_fns is not None:
@@ -59,25 +64,39 @@ class PageTransfer:
         def rows(idx):  # stacked layout: layer l's page p is row l * N + p
             return (jnp.arange(L, dtype=jnp.int32)[:, None] * N + idx[None, :]).reshape(-1)
 
+        kv_cache_dtype = self.kv_cache_dtype
+
         def gather(kv_pages, idx):
             self.num_transfer_compiles += 1  # runs only while tracing
             if stacked:
                 k, v = kv_pages
                 r = rows(idx)
+                k, v = pack_pages(k[r]), pack_pages(v[r])
                 out_shape = (L, len(idx), *k.shape[1:])
-                return jnp.stack([k[r].reshape(out_shape), v[r].reshape(out_shape)], axis=1)
-            return jnp.stack([jnp.stack([k[idx], v[idx]]) for k, v in kv_pages])
+                return jnp.stack([k.reshape(out_shape), v.reshape(out_shape)], axis=1)
+            return jnp.stack(
+                [jnp.stack([pack_pages(k[idx]), pack_pages(v[idx])]) for k, v in kv_pages]
+            )
+
+        def put(pages, rows, data):  # data: packed rows [n, page_size, K', H(+4)]
+            if kv_cache_dtype == "auto":
+                return pages.at[rows].set(data.astype(self.dtype))
+            new = unpack_pages(data, kv_cache_dtype)
+            return QuantizedPages(
+                pages.values.at[rows].set(new.values),
+                pages.scales.at[rows].set(new.scales),
+                kv_cache_dtype,
+            )
 
         def scatter(kv_pages, idx, data):
             self.num_transfer_compiles += 1
-            data = data.astype(self.dtype)
             if stacked:
                 k, v = kv_pages
                 r = rows(idx)
-                flat = (L * len(idx), *k.shape[1:])
-                return k.at[r].set(data[:, 0].reshape(flat)), v.at[r].set(data[:, 1].reshape(flat))
+                flat = (L * len(idx), *data.shape[3:])
+                return put(k, r, data[:, 0].reshape(flat)), put(v, r, data[:, 1].reshape(flat))
             return [
-                (k.at[idx].set(data[i, 0]), v.at[idx].set(data[i, 1]))
+                (put(k, idx, data[i, 0]), put(v, idx, data[i, 1]))
                 for i, (k, v) in enumerate(kv_pages)
             ]
 
