@@ -34,9 +34,13 @@ def _scores(params, kv, step, targets, config: ModelConfig):
     return nll, jnp.argmax(logits, axis=-1)
 
 
-def teacher_forced(params, config: ModelConfig, sequences, page_size: int = 16):
+def teacher_forced(
+    params, config: ModelConfig, sequences, page_size: int = 16, kv_cache_dtype: str = "auto"
+):
     """[B, n] token ids -> (nll [B, n-1] of each next token, argmax [B, n-1]) from one prefill
-    of each row (a row at a time: the logits of every position of a 49k vocabulary are big)."""
+    of each row (a row at a time: the logits of every position of a 49k vocabulary are big),
+    over a KV cache of `kv_cache_dtype` (CacheConfig's: every position attends over the stored,
+    possibly quantized, keys and values)."""
     sequences = np.asarray(sequences, np.int32)
     n = sequences.shape[1]
     dtype = params["final_norm"].dtype
@@ -45,7 +49,12 @@ def teacher_forced(params, config: ModelConfig, sequences, page_size: int = 16):
         step, _ = contiguous_prefill(row[None], n, page_size)
         step = step._replace(logits_indices=np.arange(n - 1, dtype=np.int32))
         kv = allocate_kv_pages(
-            config, 2 + -(-n // page_size), page_size, dtype, stacked=layers_stacked(params)
+            config,
+            2 + -(-n // page_size),
+            page_size,
+            dtype,
+            stacked=layers_stacked(params),
+            kv_cache_dtype=kv_cache_dtype,
         )
         nl, am = _scores(params, kv, step, jnp.asarray(row[1:]), config)
         nll.append(np.asarray(nl))
@@ -62,8 +71,8 @@ def text_windows(token_ids, window: int, num_windows: int) -> np.ndarray:
     return token_ids[: num_windows * window].reshape(num_windows, window)
 
 
-def perplexity(params, config: ModelConfig, windows) -> float:
-    nll, _ = teacher_forced(params, config, windows)
+def perplexity(params, config: ModelConfig, windows, kv_cache_dtype: str = "auto") -> float:
+    nll, _ = teacher_forced(params, config, windows, kv_cache_dtype=kv_cache_dtype)
     return float(np.exp(nll.astype(np.float64).mean()))
 
 

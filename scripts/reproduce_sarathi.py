@@ -5,6 +5,8 @@ paper's three deployments (ALGORITHMS.md §3.4), and the pipeline bubbles of chu
     python scripts/reproduce_sarathi.py                     # all of it, 2 jobs at once
     python scripts/reproduce_sarathi.py --models mistral-7b --datasets sharegpt --slos strict
     python scripts/reproduce_sarathi.py --models mistral-7b --async_scheduling off,on
+    python scripts/reproduce_sarathi.py --models mistral-7b,llama2-7b --datasets sharegpt \
+        --kv_cache_dtypes auto,fp8_e4m3                   # an fp8 KV cache against fp16
 
 Each (model, dataset, SLO) runs `scripts/simulate.py --capacity_search` in a subprocess with both
 policies: Sarathi-Serve at the paper's token budget (512 under the strict SLO, 2048 under the
@@ -30,11 +32,16 @@ import tempfile
 
 from absl import app, flags
 
+from llmjax.config import KV_CACHE_DTYPES
+
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 
 # name: (model preset, hardware, tp, pp, max_model_len, (strict, relaxed) P99 TBT SLO s, paper)
 DEPLOYMENTS = {
     "mistral-7b": ("mistral-7b-instruct-v0.2", "a100-80gb-pcie", 1, 1, 8192, (0.1, 0.5), 2.6),
+    # Not a deployment of the paper: Llama-2-7B's 32 kv heads make its KV cache 4x Mistral's
+    # per token, so memory, not the TBT SLO, can bound the batch (the KV cache dtype comparison)
+    "llama2-7b": ("llama2-7b", "a100-80gb-pcie", 1, 1, 4096, (0.1, 0.5), None),
     "yi-34b": ("yi-34b", "a100-80gb-pcie", 2, 1, 8192, (0.2, 1.0), 3.7),
     "falcon-180b": ("falcon-180b", "a100-80gb-pcie", 4, 2, 4096, (1.0, 5.0), 5.6),
     # Not in Sarathi-Serve's evaluation: a mixture of experts (12.9B active of 46.7B) at TP2 on
@@ -57,6 +64,13 @@ flags.DEFINE_list(
     ["off"],
     "Run each capacity search with async scheduling off, on, or both ('off,on': the host's "
     "per-step overhead hidden behind the device's step, EngineConfig.async_scheduling).",
+)
+flags.DEFINE_list(
+    "kv_cache_dtypes",
+    ["auto"],
+    "Run each capacity search with these KV cache dtypes (CacheConfig.kv_cache_dtype: auto = "
+    "the model dtype; fp8_e4m3 etc. store a byte per element and a scale per row, so more "
+    "requests stay resident and attention reads fewer bytes).",
 )
 flags.DEFINE_integer("jobs", 2, "Simulations run at once (one core each).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
@@ -90,13 +104,16 @@ def deployment_args(name: str) -> list[str]:
     ]
 
 
-def capacity_job(name: str, dataset: str, slo: str, overlap: str = "off") -> dict:
+def capacity_job(
+    name: str, dataset: str, slo: str, overlap: str = "off", kv_cache_dtype: str = "auto"
+) -> dict:
     strict, relaxed = DEPLOYMENTS[name][5]
     tbt_slo = strict if slo == "strict" else relaxed
     doc = simulate(
         [
             *deployment_args(name),
             "--async_scheduling" if overlap == "on" else "--noasync_scheduling",
+            f"--kv_cache_dtype={kv_cache_dtype}",
             "--policies=sarathi,prefill_first",
             f"--workload={dataset}",
             f"--num_requests={FLAGS.num_requests}",
@@ -114,6 +131,7 @@ def capacity_job(name: str, dataset: str, slo: str, overlap: str = "off") -> dic
         "dataset": dataset,
         "slo": slo,
         "async_scheduling": overlap,
+        "kv_cache_dtype": kv_cache_dtype,
         "tbt_slo": tbt_slo,
         "capacity_qps": caps,
         "ratio": caps["sarathi"] / caps["prefill_first"] if caps["prefill_first"] else None,
@@ -150,6 +168,7 @@ def report(rows: list[dict], bubble: dict | None) -> str:
             r["dataset"],
             f"{r['slo']} ({r['tbt_slo']:g} s)",
             r["async_scheduling"],
+            r.get("kv_cache_dtype", "auto"),
             f"{r['capacity_qps']['sarathi']:.3f}",
             f"{r['capacity_qps']['prefill_first']:.3f}",
             f"{r['ratio']:.2f}x" if r["ratio"] else "-",
@@ -162,6 +181,7 @@ def report(rows: list[dict], bubble: dict | None) -> str:
         "dataset",
         "P99 TBT SLO",
         "async",
+        "KV cache",
         "sarathi qps",
         "vllm qps",
         "ours",
@@ -190,6 +210,7 @@ def main(argv):
     bad += [d for d in FLAGS.datasets if d not in ("sharegpt", "arxiv")]
     bad += [s for s in FLAGS.slos if s not in BUDGETS]
     bad += [m for m in FLAGS.async_scheduling if m not in ("off", "on")]
+    bad += [k for k in FLAGS.kv_cache_dtypes if k not in KV_CACHE_DTYPES]
     if bad:
         raise app.UsageError(f"unknown {bad}")
     jobs = [
@@ -198,6 +219,7 @@ def main(argv):
         for d in FLAGS.datasets
         for s in FLAGS.slos
         for a in FLAGS.async_scheduling
+        for k in FLAGS.kv_cache_dtypes
     ]
     with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:
         bubble_future = pool.submit(bubble_job) if "falcon-180b" in FLAGS.models else None
