@@ -162,8 +162,8 @@ def test_step_equals_a_float_cache_holding_the_quantized_values(name, layer_loop
 
 
 @functools.cache
-def _llm(kv_cache_dtype: str, tp: int = 1) -> LLM:
-    return LLM("tiny", tp=tp, kv_cache_dtype=kv_cache_dtype, **ENGINE_OPTS)
+def _llm(kv_cache_dtype: str, tp: int = 1, pp: int = 1) -> LLM:
+    return LLM("tiny", tp=tp, pp=pp, kv_cache_dtype=kv_cache_dtype, **ENGINE_OPTS)
 
 
 def _tokens(outs):
@@ -190,11 +190,18 @@ def test_chunking_prefix_hits_and_preemption_leave_outputs_unchanged(name):
     assert isinstance(pages, QuantizedPages) and pages.kv_cache_dtype == name
 
 
-def test_tp2_equals_one_device():
-    got = _tokens(_llm("int8", tp=2).generate(prompts(8), GREEDY, use_tqdm=False))
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_tp2_and_pp2_equal_one_device(tp, pp):
+    llm = _llm("int8", tp=tp, pp=pp)
+    got = _tokens(llm.generate(prompts(8), GREEDY, use_tqdm=False))
     assert got == _alone("int8")
-    pages = _llm("int8", tp=2).engine.runner.kv_pages[0]
-    assert pages.scales.sharding.spec[2] is not None  # the scales split over kv heads too
+    pages = llm.engine.runner.kv_pages[0]  # stacked: (k, v)
+    spec = pages.scales.sharding.spec
+    assert isinstance(pages, QuantizedPages)
+    if tp > 1:  # the scales split over kv heads too
+        assert spec[2] is not None
+    else:
+        assert spec[0] == "pp"  # each stage holds its layers' pages and scales
 
 
 def test_pd_transfer_moves_quantized_pages_bitwise_and_refuses_another_dtype():

@@ -132,7 +132,8 @@ def kv_page_shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[
     return (num_pages, page_size, config.num_kv_heads, config.head_dim)
 
 
-def _zero_pages(shape, dtype, kv_cache_dtype: str) -> Pages:
+def zero_pages(shape, dtype, kv_cache_dtype: str = "auto") -> Pages:
+    """Zero pages of `shape` [..., H]: an array of `dtype`, or `QuantizedPages`."""
     if kv_cache_dtype == "auto":
         return jnp.zeros(shape, dtype)
     return QuantizedPages(
@@ -156,9 +157,9 @@ def allocate_kv_pages(
     shape = kv_page_shape(config, num_pages, page_size)
     if stacked:
         shape = (config.num_layers * num_pages, *shape[1:])
-        return _zero_pages(shape, dtype, kv_cache_dtype), _zero_pages(shape, dtype, kv_cache_dtype)
+        return zero_pages(shape, dtype, kv_cache_dtype), zero_pages(shape, dtype, kv_cache_dtype)
     return [
-        (_zero_pages(shape, dtype, kv_cache_dtype), _zero_pages(shape, dtype, kv_cache_dtype))
+        (zero_pages(shape, dtype, kv_cache_dtype), zero_pages(shape, dtype, kv_cache_dtype))
         for _ in range(config.num_layers)
     ]
 

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from llmjax.config import ModelConfig
-from llmjax.model.kv_cache import kv_page_shape
+from llmjax.model.kv_cache import QuantizedPages, kv_page_shape, zero_pages
 from llmjax.model.layers import rope_cos_sin
 from llmjax.model.llama import decoder_layer, embed_tokens, lm_head, scan_layers
 from llmjax.model.params import param_specs
@@ -123,22 +123,29 @@ def allocate_pp_kv_pages(
     page_size: int,
     dtype,
     stacked: bool = False,
+    kv_cache_dtype: str = "auto",
 ):
     """Zero KV pages per slot: [(k, v) each [pp, num_pages, G, K, H]], or with `stacked` one
-    (k, v) each [pp, num_slots * num_pages, G, K, H] (llmjax/model/kv_cache.py); sharded over
-    'pp' and over 'tp' by kv head, created in place on the devices."""
+    (k, v) each [pp, num_slots * num_pages, G, K, H] (llmjax/model/kv_cache.py; `QuantizedPages`
+    for a quantized `kv_cache_dtype`, the scales split as the values); sharded over 'pp' and
+    over 'tp' by kv head, created in place on the devices."""
     page_shape = kv_page_shape(config, num_pages, page_size)
-    tp_spec = partition_spec(page_shape, KV_PAGES_AXES, mesh, name="kv_pages")
+    tp_spec = (*partition_spec(page_shape, KV_PAGES_AXES, mesh, name="kv_pages"), None, None)
     pp = mesh.shape["pp"]
-    sharding = NamedSharding(mesh, P("pp", *tp_spec))
+    sharding = NamedSharding(mesh, P("pp", *tp_spec[:4]))
+    if kv_cache_dtype != "auto":  # the scales [..., 1]: the values' spec, head_dim unsplit
+        sharding = QuantizedPages(
+            sharding, NamedSharding(mesh, P("pp", *tp_spec[:3], None)), kv_cache_dtype
+        )
+    shape = (pp, num_slots * num_pages, *page_shape[1:]) if stacked else (pp, *page_shape)
+    one = lambda: (
+        zero_pages(shape, dtype, kv_cache_dtype),
+        zero_pages(shape, dtype, kv_cache_dtype),
+    )
     if stacked:
-        shape = (pp, num_slots * num_pages, *page_shape[1:])
-        zeros = lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-        return jax.jit(zeros, out_shardings=(sharding, sharding))()
-    shape = (pp, *page_shape)
+        return jax.jit(one, out_shardings=(sharding, sharding))()
     zeros = jax.jit(
-        lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_slots)],
-        out_shardings=[(sharding, sharding)] * num_slots,
+        lambda: [one() for _ in range(num_slots)], out_shardings=[(sharding, sharding)] * num_slots
     )
     return zeros()
 

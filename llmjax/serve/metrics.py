@@ -264,6 +264,7 @@ class ServingMetrics:
             "enable_prefix_caching": cache.prefix_cache != "none",
             "prefix_cache": cache.prefix_cache,
             "watermark": cache.watermark,
+            "cache_dtype": cache.kv_cache_dtype,  # vLLM's label
         }
         Gauge(
             p + "cache_config_info", "The KV cache's configuration.", list(cache_info), **reg

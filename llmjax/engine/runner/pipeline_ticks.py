@@ -43,6 +43,7 @@ class PipelineTicks:
             config.cache.page_size,
             self.dtype,
             stacked=scan,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         pp = mesh.shape["pp"]
         carry = NamedSharding(mesh, PartitionSpec("pp"))
