@@ -188,6 +188,11 @@ def test_chunking_prefix_hits_and_preemption_leave_outputs_unchanged(name):
     assert stats.num_preemptions > 0 and stats.num_cached_prefill_tokens > 0
     pages = llm.engine.runner.kv_pages[0]  # stacked (k, v); the step test shows they are read
     assert isinstance(pages, QuantizedPages) and pages.kv_cache_dtype == name
+    import kernels_cpu  # 'auto' reads a quantized cache with the C++ kernel where it builds
+
+    assert llm.engine.runner.attention_backend == (
+        "cpu" if kernels_cpu.available() else "reference"
+    )
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])

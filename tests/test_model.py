@@ -178,15 +178,29 @@ def test_quantized_step_copies_neither_kv_pages_nor_weights(quantization, layer_
     _assert_no_copies(config, runner, hlo, layer_loop)
 
 
+@pytest.mark.parametrize(
+    "attention",
+    [
+        "reference",
+        pytest.param(
+            "cpu", marks=pytest.mark.skipif(not _cpu_kernels(), reason="no C++ compiler here")
+        ),
+    ],
+)
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
 @pytest.mark.parametrize("num_tokens", [1, 16])
-def test_quantized_kv_step_copies_neither_pages_nor_scales(kv_cache_dtype, layer_loop, num_tokens):
-    """A quantized KV cache (issue 41): its values and scales are donated and written in place."""
+def test_quantized_kv_step_copies_neither_pages_nor_scales(
+    kv_cache_dtype, layer_loop, num_tokens, attention
+):
+    """A quantized KV cache (issue 41): its values and scales are donated and written in place,
+    and the CPU kernel reads them in place."""
     config = configs.get_preset("tiny")
     runner, hlo = _compiled_step_hlo(
-        config, num_tokens, layer_loop=layer_loop, kv_cache_dtype=kv_cache_dtype
-    )
+        config, num_tokens, layer_loop=layer_loop, attention=attention,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+    assert ("llmjax_cpu_ragged_paged_attention" in hlo) == (attention == "cpu")
     _assert_no_copies(config, runner, hlo, layer_loop)
 
 

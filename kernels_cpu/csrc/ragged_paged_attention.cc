@@ -26,10 +26,19 @@
 // every query head, in three passes (scores, exponentials, values). Work items are shared over
 // XLA's intra-op thread pool; K/V are read in place from their pages.
 //
+// A quantized KV cache (llmjax/model/kv_cache.py): the pages hold one byte per element (int8, or
+// fp8 e4m3fn / e5m2 bits, converted to float32 through float16: e5m2 is float16's upper byte,
+// e4m3fn's bits shifted into float16's are its value / 256) and k_scales / v_scales a float32
+// per row and kv head; a key's scale multiplies its 16 scores, a value's its weight (after the
+// weights are summed for the softmax's denominator), so the loops read the bytes as they are.
+//
 // Arguments (shapes as in the reference):
-//   q [T, N, H], k_pages / v_pages [num_pages, G, K, H]  (float32 or bfloat16, all the same)
+//   q [T, N, H] (float32 or bfloat16), k_pages / v_pages [num_pages, G, K, H] (q's dtype, or
+//   int8 / uint8 for a quantized cache), k_scales / v_scales [num_pages, G, K, 1] float32
+//   (read only for a quantized cache; anything else otherwise)
 //   kv_lens [S], page_indices [S, P], cu_q_lens [S + 1], num_seqs [1]  (int32)
-//   attributes: sm_scale (f32), sliding_window (i64, 0 = none), soft_cap (f32, 0 = none)
+//   attributes: sm_scale (f32), sliding_window (i64, 0 = none), soft_cap (f32, 0 = none),
+//   kv_format (i64: 0 the pages in q's dtype, 1 int8, 2 fp8_e4m3, 3 fp8_e5m2)
 // Result: [T, N, H] in q's dtype; rows from cu_q_lens[num_seqs] on are 0.
 
 #include <array>
@@ -43,12 +52,59 @@ namespace llmjax_cpu {
 
 namespace {
 
-// What every work item reads: the inputs, shapes and attributes of one call.
-template <typename E>
+// The one-byte KV elements of a quantized cache (int8_t is the third).
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+};
+
+inline float f16_to_f32(uint16_t h) {
+  const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m), -24)
+                         : std::ldexp(static_cast<float>(m | 0x400), e - 25);  // no inf/NaN here
+  return (h & 0x8000) ? -v : v;
+}
+inline uint16_t e4m3_as_f16(uint8_t b) {  // its value / 256 (normal and subnormal alike)
+  return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7f) << 7));
+}
+inline float kv_to_f32(int8_t x) { return static_cast<float>(x); }
+inline float kv_to_f32(Fp8E5M2 x) { return f16_to_f32(static_cast<uint16_t>(x.bits << 8)); }
+inline float kv_to_f32(Fp8E4M3 x) { return f16_to_f32(e4m3_as_f16(x.bits)) * 256.0f; }
+
+template <typename KE>
+constexpr bool kQuantized = !std::is_same_v<KE, float> && !std::is_same_v<KE, uint16_t>;
+
+// sum_i a[i] * b[i] and acc[i] += p * b[i] over a row of KV elements.
+template <typename KE>
+inline float dot_kv(const float* a, const KE* b, int64_t n) {
+  if constexpr (!kQuantized<KE>) {
+    return dot<KE>(a, b, n);
+  } else {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; ++i) s += a[i] * kv_to_f32(b[i]);
+    return s;
+  }
+}
+template <typename KE>
+inline void axpy_kv(float p, const KE* b, float* acc, int64_t n) {
+  if constexpr (!kQuantized<KE>) {
+    axpy<KE>(p, b, acc, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) acc[i] += p * kv_to_f32(b[i]);
+  }
+}
+
+// What every work item reads: the inputs, shapes and attributes of one call. E: q's and the
+// output's element; KE: the pages' (E, or a quantized cache's byte, with its scales).
+template <typename E, typename KE>
 struct Args {
   const E* q;
-  const E* k_pages;
-  const E* v_pages;
+  const KE* k_pages;
+  const KE* v_pages;
+  const float* k_scales;  // [num_pages, G, K] (a quantized cache)
+  const float* v_scales;
   const int32_t* pages;  // [S, P]
   const int32_t* kv_lens;
   E* out;
@@ -78,8 +134,8 @@ struct Row {
 
 // Each visible key's row [K, H] (all heads, contiguous in the page) is read once for the scores,
 // and each value row once for the sum.
-template <typename E>
-void attend_row(const Args<E>& a, Row row, std::vector<float>& buf) {
+template <typename E, typename KE>
+void attend_row(const Args<E, KE>& a, Row row, std::vector<float>& buf) {
   const int64_t N = a.N, K = a.K, H = a.H, G = a.G, Q = N / K;
   const int32_t* pages = a.pages + static_cast<int64_t>(row.seq) * a.P;
   const Span span = visible(row.pos, a.kv_lens[row.seq], a.P * G, a.window);
@@ -99,14 +155,15 @@ void attend_row(const Args<E>& a, Row row, std::vector<float>& buf) {
   load_f32(a.q + row.t * N * H, qf, N * H);
   std::fill(maxima, maxima + N, -INFINITY);
   const int64_t row_stride = K * H;  // one position's keys of every head
-  auto key_row = [&](const E* base, int64_t key) {
-    return base + (static_cast<int64_t>(pages[key / G]) * G + key % G) * row_stride;
-  };
+  auto slot = [&](int64_t key) { return static_cast<int64_t>(pages[key / G]) * G + key % G; };
+  auto key_row = [&](const KE* base, int64_t key) { return base + slot(key) * row_stride; };
   for (int64_t c = 0; c < C; ++c) {
-    const E* kp = key_row(a.k_pages, start + c);
+    const KE* kp = key_row(a.k_pages, start + c);
     if (c + 2 < C) prefetch_row(key_row(a.k_pages, start + c + 2), row_stride);
+    const float* ks = kQuantized<KE> ? a.k_scales + slot(start + c) * K : nullptr;
     for (int64_t n = 0; n < N; ++n) {
-      float s = dot(qf + n * H, kp + (n / Q) * H, H) * a.scale;
+      float s = dot_kv(qf + n * H, kp + (n / Q) * H, H) * a.scale;
+      if constexpr (kQuantized<KE>) s *= ks[n / Q];
       if (a.soft_cap > 0) s = a.soft_cap * std::tanh(s / a.soft_cap);
       scores[n * C + c] = s;
       maxima[n] = std::max(maxima[n], s);
@@ -115,9 +172,13 @@ void attend_row(const Args<E>& a, Row row, std::vector<float>& buf) {
   for (int64_t n = 0; n < N; ++n) inv_sum[n] = 1.0f / exp_shifted_sum(scores + n * C, C, maxima[n]);
   std::fill(acc, acc + N * H, 0.0f);
   for (int64_t c = 0; c < C; ++c) {
-    const E* vp = key_row(a.v_pages, start + c);
+    const KE* vp = key_row(a.v_pages, start + c);
     if (c + 2 < C) prefetch_row(key_row(a.v_pages, start + c + 2), row_stride);
-    for (int64_t n = 0; n < N; ++n) axpy(scores[n * C + c], vp + (n / Q) * H, acc + n * H, H);
+    const float* vs = kQuantized<KE> ? a.v_scales + slot(start + c) * K : nullptr;
+    for (int64_t n = 0; n < N; ++n) {
+      const float w = kQuantized<KE> ? scores[n * C + c] * vs[n / Q] : scores[n * C + c];
+      axpy_kv(w, vp + (n / Q) * H, acc + n * H, H);
+    }
   }
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) acc[n * H + h] *= inv_sum[n];
@@ -159,6 +220,25 @@ inline __m512 load16<float>(const float* p) {
 template <>
 inline __m512 load16<uint16_t>(const uint16_t* p) {
   return load_bf16x16(p);
+}
+template <>
+inline __m512 load16<int8_t>(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256i load_bytes16(const void* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <>
+inline __m512 load16<Fp8E5M2>(const Fp8E5M2* p) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(load_bytes16(p), 8));
+}
+template <>
+inline __m512 load16<Fp8E4M3>(const Fp8E4M3* p) {
+  const __m256i b = load_bytes16(p);
+  const __m256i h =
+      _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 
 template <typename E>
@@ -284,8 +364,8 @@ template <typename E, int M, int J>
 }
 
 // One tile (see the header).
-template <typename E, int M>
-void attend_tile(const Args<E>& a, const Tile& tile, Scratch& scratch) {
+template <typename E, typename KE, int M>
+void attend_tile(const Args<E, KE>& a, const Tile& tile, Scratch& scratch) {
   const int64_t N = a.N, K = a.K, H = a.H, G = a.G, Q = N / K, nk = tile.kv_heads;
   const int32_t* pages = a.pages + static_cast<int64_t>(tile.seq) * a.P;
   // each vector's visible keys (a row's), and the tile's: [lo, lo + C)
@@ -335,7 +415,7 @@ void attend_tile(const Args<E>& a, const Tile& tile, Scratch& scratch) {
   // scores by rows for few vectors (30 shuffles each; the transposes take 4 H for all M)
   constexpr bool by_rows = M <= 4;
   constexpr int J = M <= 6 ? 4 : M <= 12 ? 2 : 1;  // lanes of 16 per value pass: M J <= 24
-  const E* zeros = reinterpret_cast<const E*>(kZeros);
+  const KE* zeros = reinterpret_cast<const KE*>(kZeros);
   constexpr int64_t kAhead = 32;
   for (int64_t b = 0; b < C; b += 16) {  // keys lo + b .. lo + b + n - 1
     const int n = static_cast<int>(std::min<int64_t>(16, C - b));
@@ -344,26 +424,32 @@ void attend_tile(const Args<E>& a, const Tile& tile, Scratch& scratch) {
     for (int64_t c = b + kAhead; c < std::min(C, b + kAhead + 16); ++c) {
       const char* k_row = reinterpret_cast<const char*>(a.k_pages + rows[c] + tile.k * H);
       const char* v_row = reinterpret_cast<const char*>(a.v_pages + rows[c] + tile.k * H);
-      for (int64_t l = 0; l < nk * H * static_cast<int64_t>(sizeof(E)); l += 64) {
+      for (int64_t l = 0; l < nk * H * static_cast<int64_t>(sizeof(KE)); l += 64) {
         __builtin_prefetch(k_row + l, 0, 2);
         __builtin_prefetch(v_row + l, 0, 2);
       }
     }
     for (int64_t kk = 0; kk < nk; ++kk) {
       const int64_t head = (tile.k + kk) * H;
-      const E* keys[16];
-      const E* values[16];
+      const KE* keys[16];
+      const KE* values[16];
+      alignas(64) float ks[16], vs[16];  // a quantized cache's scales of the 16 rows (0: none)
       for (int i = 0; i < 16; ++i) {
         keys[i] = i < n ? a.k_pages + rows[b + i] + head : zeros;
         values[i] = i < n ? a.v_pages + rows[b + i] + head : nullptr;
+        if constexpr (kQuantized<KE>) {
+          const int64_t r = i < n ? rows[b + i] / H + tile.k + kk : -1;  // [.., K] row index
+          ks[i] = r >= 0 ? a.k_scales[r] : 0.0f;
+          vs[i] = r >= 0 ? a.v_scales[r] : 0.0f;
+        }
       }
       // 1. scores
       if constexpr (by_rows) {
         const float* keys32[16];
         for (int i = 0; i < 16; ++i) {
-          if constexpr (std::is_same_v<E, float>) {
+          if constexpr (std::is_same_v<KE, float>) {
             keys32[i] = keys[i];
-          } else {  // bfloat16 rows as float32, once for the M vectors
+          } else {  // bfloat16 or quantized rows as float32, once for the M vectors
             for (int64_t h = 0; h < H; h += 16)
               _mm512_store_ps(kt + i * H + h, load16(keys[i] + h));
             keys32[i] = kt + i * H;
@@ -378,6 +464,8 @@ void attend_tile(const Args<E>& a, const Tile& tile, Scratch& scratch) {
       float* ok = o + kk * M * H;
       for (int m = 0; m < M; ++m) {
         float* wm = w + m * 16;
+        if constexpr (kQuantized<KE>)  // each key's scale times its scores
+          _mm512_store_ps(wm, _mm512_mul_ps(_mm512_load_ps(wm), _mm512_load_ps(ks)));
         const int64_t first = std::max<int64_t>(span[m].lo - lo - b, 0);
         const int64_t last = std::min<int64_t>(span[m].hi - lo - b + 1, n);
         if (last <= first) {  // it sees none of these keys
@@ -401,13 +489,14 @@ void attend_tile(const Args<E>& a, const Tile& tile, Scratch& scratch) {
           max = block_max;
         }
         const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(x, _mm512_set1_ps(max))));
-        _mm512_store_ps(wm, e);
+        // a quantized cache: each value's scale times its weight (the sum keeps the weights)
+        _mm512_store_ps(wm, kQuantized<KE> ? _mm512_mul_ps(e, _mm512_load_ps(vs)) : e);
         _mm512_store_ps(sum, _mm512_add_ps(_mm512_load_ps(sum), e));
       }
       // 3. values
       int64_t h0 = 0;
-      for (; h0 + 16 * J <= H; h0 += 16 * J) add_values<E, M, J>(values, n, w, h0, H, ok);
-      for (; h0 < H; h0 += 16) add_values<E, M, 1>(values, n, w, h0, H, ok);
+      for (; h0 + 16 * J <= H; h0 += 16 * J) add_values<KE, M, J>(values, n, w, h0, H, ok);
+      for (; h0 < H; h0 += 16) add_values<KE, M, 1>(values, n, w, h0, H, ok);
     }
   }
   for (int64_t kk = 0; kk < nk; ++kk)
@@ -421,18 +510,19 @@ void attend_tile(const Args<E>& a, const Tile& tile, Scratch& scratch) {
     }
 }
 
-// attend_tile<E, M> for M = 1 .. kMaxM, by M - 1.
-template <typename E, int... I>
+// attend_tile<E, KE, M> for M = 1 .. kMaxM, by M - 1.
+template <typename E, typename KE, int... I>
 constexpr auto tile_kernels(std::integer_sequence<int, I...>) {
-  return std::array<void (*)(const Args<E>&, const Tile&, Scratch&), sizeof...(I)>{
-      &attend_tile<E, I + 1>...};
+  return std::array<void (*)(const Args<E, KE>&, const Tile&, Scratch&), sizeof...(I)>{
+      &attend_tile<E, KE, I + 1>...};
 }
 
 #endif  // LLMJAX_AVX512
 
-template <typename E>
+template <typename E, typename KE>
 ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
-               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
+               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales,
+               ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
                ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t sliding_window,
                float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
@@ -443,10 +533,12 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
   const int32_t* cu = cu_q_lens.typed_data();
   const int32_t* lens = kv_lens.typed_data();
   const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], S);
-  const Args<E> args{reinterpret_cast<const E*>(q.untyped_data()),
-                     reinterpret_cast<const E*>(k_pages.untyped_data()),
-                     reinterpret_cast<const E*>(v_pages.untyped_data()),
-                     page_indices.typed_data(),
+  const Args<E, KE> args{reinterpret_cast<const E*>(q.untyped_data()),
+                         reinterpret_cast<const KE*>(k_pages.untyped_data()),
+                         reinterpret_cast<const KE*>(v_pages.untyped_data()),
+                         k_scales.typed_data(),
+                         v_scales.typed_data(),
+                         page_indices.typed_data(),
                      lens,
                      reinterpret_cast<E*>(out->untyped_data()),
                      N, K, H, G, P, sm_scale, soft_cap, sliding_window};
@@ -500,7 +592,8 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
     }
     std::stable_sort(tiles.begin(), tiles.end(),
                      [](const auto& x, const auto& y) { return x.first > y.first; });
-    static constexpr auto kernels = tile_kernels<E>(std::make_integer_sequence<int, kMaxM>{});
+    static constexpr auto kernels =
+        tile_kernels<E, KE>(std::make_integer_sequence<int, kMaxM>{});
     parallel_for(pool, static_cast<int64_t>(tiles.size()), 1, [&](int64_t i) {
       thread_local Scratch scratch;
       const Tile& tile = tiles[i].second;
@@ -511,29 +604,69 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
 #endif
   parallel_for(pool, static_cast<int64_t>(rows.size()), 1, [&](int64_t r) {
     thread_local std::vector<float> buf;
-    attend_row<E>(args, rows[r], buf);
+    attend_row<E, KE>(args, rows[r], buf);
   });
   return ffi::Error::Success();
 }
 
+template <typename E>
+ffi::Error RunKv(int64_t kv_format, ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                 ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales,
+                 ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
+                 ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+                 ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t sliding_window,
+                 float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
+  switch (kv_format) {
+    case 0:
+      return Run<E, E>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens, page_indices,
+                       cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap, out);
+    case 1:
+      return Run<E, int8_t>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens, page_indices,
+                            cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap, out);
+    case 2:
+      return Run<E, Fp8E4M3>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
+                             page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window,
+                             soft_cap, out);
+    default:
+      return Run<E, Fp8E5M2>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
+                             page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window,
+                             soft_cap, out);
+  }
+}
+
 ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
-                    ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
+                    ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales,
+                    ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
                     ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                     ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t sliding_window,
-                    float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
+                    float soft_cap, int64_t kv_format, ffi::Result<ffi::AnyBuffer> out) {
   auto dtype = q.element_type();
-  if (k_pages.element_type() != dtype || v_pages.element_type() != dtype ||
+  if (kv_format < 0 || kv_format > 3)
+    return ffi::Error::InvalidArgument("kv_format must be 0 (q's dtype), 1, 2 or 3");
+  const ffi::DataType kv_dtype = kv_format == 0   ? dtype
+                                 : kv_format == 1 ? ffi::DataType::S8
+                                                  : ffi::DataType::U8;
+  if (k_pages.element_type() != kv_dtype || v_pages.element_type() != kv_dtype ||
       out->element_type() != dtype)
-    return ffi::Error::InvalidArgument("q, k_pages, v_pages and the output need one dtype");
+    return ffi::Error::InvalidArgument(
+        "the pages need q's dtype (int8 / uint8 for a quantized cache), the output q's");
   if (q.dimensions().size() != 3 || k_pages.dimensions().size() != 4 ||
       q.dimensions()[2] != k_pages.dimensions()[3] || q.dimensions()[1] % k_pages.dimensions()[2])
     return ffi::Error::InvalidArgument("want q [T, N, H], pages [num_pages, G, K, H], K | N");
+  if (kv_format != 0) {
+    const auto kd = k_pages.dimensions();
+    const int64_t rows = kd[0] * kd[1] * kd[2];
+    if (k_scales.element_count() != rows || v_scales.element_count() != rows)
+      return ffi::Error::InvalidArgument("want k/v scales [num_pages, G, K, 1] float32");
+  }
   if (dtype == ffi::DataType::F32)
-    return Run<float>(pool, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sm_scale, sliding_window, soft_cap, out);
+    return RunKv<float>(kv_format, pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
+                        page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
+                        out);
   if (dtype == ffi::DataType::BF16)
-    return Run<uint16_t>(pool, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                         sm_scale, sliding_window, soft_cap, out);
+    return RunKv<uint16_t>(kv_format, pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
+                           page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
+                           out);
   return ffi::Error::InvalidArgument("ragged paged attention (CPU) takes float32 or bfloat16");
 }
 
@@ -547,6 +680,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxRaggedPagedAttention, llmjax_cpu::Dispatch,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
@@ -554,4 +689,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxRaggedPagedAttention, llmjax_cpu::Dispatch,
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("kv_format")
                                   .Ret<xla::ffi::AnyBuffer>());

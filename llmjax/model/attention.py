@@ -8,8 +8,8 @@ soft_cap * tanh(s / soft_cap) where soft_cap is set, then masked); `new_kv` = th
 (k, v) [T, K, H] (already written to the pages, as the pages store them; a backend may use them
 for a fresh prompt). With a quantized cache (`CacheConfig.kv_cache_dtype`) the pages are
 `QuantizedPages` (values and a scale per token and kv head, llmjax/model/kv_cache.py), which the
-reference dequantizes as it gathers; the other backends take model-dtype pages only for now
-(`QUANTIZED_KV_BACKENDS`).
+reference dequantizes as it gathers and the CPU kernel reads in place; the Pallas kernels take
+model-dtype pages only for now (`QUANTIZED_KV_BACKENDS`).
 Backends:
   reference  `reference_attention` below (plain jnp; fast enough on a CPU).
   pallas     `pallas_attention`: kernels_pallas' ragged paged attention (the TPU or GPU kernel of
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from llmjax.config import ATTENTION_BACKENDS
-from llmjax.model.kv_cache import Pages, take_pages
+from llmjax.model.kv_cache import Pages, QuantizedPages, take_pages
 from llmjax.model.step_input import StepInput
 
 logger = logging.getLogger(__name__)
@@ -181,6 +181,14 @@ def cpu_attention(
     from kernels_cpu import ragged_paged_attention
 
     del new_kv
+    quantized = {}
+    if isinstance(k_pages, QuantizedPages):  # the bytes and their scales, read in place
+        quantized = dict(
+            k_scales=k_pages.scales,
+            v_scales=v_pages.scales,
+            kv_cache_dtype=k_pages.kv_cache_dtype,
+        )
+        k_pages, v_pages = k_pages.values, v_pages.values
     return ragged_paged_attention(
         q,
         k_pages,
@@ -192,6 +200,7 @@ def cpu_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        **quantized,
     )
 
 
@@ -273,23 +282,23 @@ def flash_min_tokens(
 
 
 # The backends that read a quantized cache's pages (QuantizedPages).
-QUANTIZED_KV_BACKENDS = ("reference",)
+QUANTIZED_KV_BACKENDS = ("reference", "cpu")
 
 
 def resolve_attention_backend(
     name: str, platform: str | None = None, kv_cache_dtype: str = "auto"
 ) -> str:
     """'auto' -> 'pallas' on GPU/TPU; on the CPU 'cpu' where kernels_cpu builds, else
-    'reference'; with a quantized `kv_cache_dtype`, the first backend of
-    `QUANTIZED_KV_BACKENDS`. Other names are checked ('cpu' runs on the CPU only, and needs its
-    kernels; a quantized cache needs a backend that reads it)."""
+    'reference' (a quantized `kv_cache_dtype` too; on GPU/TPU it takes 'reference' until the
+    Pallas kernels read it). Other names are checked ('cpu' runs on the CPU only, and needs its
+    kernels; a quantized cache needs a backend of `QUANTIZED_KV_BACKENDS`)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
     platform = platform or jax.default_backend()
     if kv_cache_dtype != "auto":
-        if name == "auto":
-            return QUANTIZED_KV_BACKENDS[0]
-        if name not in QUANTIZED_KV_BACKENDS:
+        if name == "auto" and platform != "cpu":
+            return "reference"  # the Pallas kernels take model-dtype pages only so far
+        if name not in (*QUANTIZED_KV_BACKENDS, "auto"):
             raise ValueError(
                 f"attention_backend={name!r} does not read a {kv_cache_dtype} KV cache yet; "
                 f"use one of {QUANTIZED_KV_BACKENDS} (or kv_cache_dtype='auto')"

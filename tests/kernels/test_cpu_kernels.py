@@ -220,3 +220,44 @@ def test_without_the_kernels_auto_is_the_reference():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.split() == ["False", "reference"], out.stderr
     assert "CPU kernels unavailable" in out.stderr and "LLMJAX_CPU_KERNELS=0" in out.stderr
+
+
+# A quantized KV cache (issue 41): the pages' bytes (int8, fp8 bits) and a float32 scale per row
+# and kv head, against the reference on the dequantized rows. Keys of magnitudes 1e-3 .. 3 and
+# values of 1e-3 .. 1e3 (one scale per row: the scales matter), so the outputs reach ~1e3 and
+# float32's bound is relative to them (only the summation order differs).
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", ["smollm2_like", "q8_h128", "h40_per_row"])
+def test_quantized_cache(kv_cache_dtype, dtype, shape):
+    from llmjax.model.kv_cache import dequantize, quantize
+
+    K, Q, H = SHAPES[shape]
+    kw = dict(num_kv_heads=K, num_queries_per_kv=Q, head_dim=H, dtype=jnp.dtype(dtype))
+    case = make_case(*LONG_CHUNK, num_tokens=300, max_num_seqs=7, seed=11, **kw)
+    rng = np.random.default_rng(12)
+    rows = case.k_pages.shape[:3]
+    k = np.asarray(case.k_pages, np.float32) * 10.0 ** rng.uniform(-3, 0.5, rows)[..., None]
+    v = np.asarray(case.v_pages, np.float32) * 10.0 ** rng.uniform(-3, 3, rows)[..., None]
+    (kq, ks), (vq, vs) = (quantize(jnp.asarray(x), kv_cache_dtype) for x in (k, v))
+    attn = dict(sm_scale=H**-0.5, sliding_window=None, soft_cap=None)
+    out = jax.jit(
+        lambda q, kq, vq, ks, vs, *rest: kernels_cpu.ragged_paged_attention(
+            q, kq, vq, *rest, k_scales=ks, v_scales=vs, kv_cache_dtype=kv_cache_dtype, **attn
+        )
+    )(case.q, kq, vq, ks, vs, *case.args[3:])
+    assert out.dtype == case.q.dtype
+    deq = [dequantize(x, s, jnp.float32, kv_cache_dtype) for x, s in ((kq, ks), (vq, vs))]
+    q32 = jnp.asarray(case.q).astype(jnp.float32)
+    ref = np.asarray(ragged_paged_attention_reference(q32, *deq, *case.args[3:], **attn))
+    out = np.asarray(out.astype(jnp.float32))
+    scale = np.abs(ref).max()
+    assert scale > 100  # the large values arrived
+    err = np.abs(out - ref).max()
+    assert err <= TOL[dtype] * scale, f"max error {err} of {scale}"
+    valid = int(case.cu_q_lens[case.num_seqs[0]])
+    assert (out[valid:] == 0).all()
+    with pytest.raises(ValueError, match="scales"):
+        kernels_cpu.ragged_paged_attention(
+            case.q, kq, vq, *case.args[3:], kv_cache_dtype=kv_cache_dtype, **attn
+        )
