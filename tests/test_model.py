@@ -179,15 +179,16 @@ def test_quantized_step_copies_neither_kv_pages_nor_weights(quantization, layer_
 
 
 @pytest.mark.parametrize(
-    "attention",
+    "attention, kv_cache_dtype",
     [
-        "reference",
+        ("reference", "fp8_e4m3"),
         pytest.param(
-            "cpu", marks=pytest.mark.skipif(not _cpu_kernels(), reason="no C++ compiler here")
+            "cpu",
+            "int8",
+            marks=pytest.mark.skipif(not _cpu_kernels(), reason="no C++ compiler here"),
         ),
     ],
 )
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
 @pytest.mark.parametrize("num_tokens", [1, 16])
 def test_quantized_kv_step_copies_neither_pages_nor_scales(

@@ -165,10 +165,14 @@ def _llm(sparse):
 
 def _prompts(n, seed=0):
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, 256, rng.integers(20, 44)).tolist() for _ in range(n)]
+    return [rng.integers(3, 256, PROMPT_LEN).tolist() for _ in range(n)]
 
 
-N, MAX_TOKENS = 4, 8  # the engine tests' requests: every step bucket compiles per sparse engine
+# The engine tests' requests: every step bucket compiles per sparse engine, so they take few: the
+# prompts fill one step (2 x 16 tokens = the 32-token budget), then decode together to contexts of
+# 40 tokens, 5x the small budget's 8 (chunked prefill beside sparse decodes:
+# test_sparse_infinigen.py's engine tests).
+N, PROMPT_LEN, MAX_TOKENS = 2, 16, 24
 
 
 @pytest.fixture(scope="module")

@@ -226,9 +226,17 @@ def test_without_the_kernels_auto_is_the_reference():
 # and kv head, against the reference on the dequantized rows. Keys of magnitudes 1e-3 .. 3 and
 # values of 1e-3 .. 1e3 (one scale per row: the scales matter), so the outputs reach ~1e3 and
 # float32's bound is relative to them (only the summation order differs).
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("shape", ["smollm2_like", "q8_h128", "h40_per_row"])
+@pytest.mark.parametrize(
+    "kv_cache_dtype, dtype, shape",
+    [  # each KV dtype with both q dtypes, each shape (both paths) twice
+        ("int8", "float32", "smollm2_like"),
+        ("int8", "bfloat16", "h40_per_row"),
+        ("fp8_e4m3", "float32", "q8_h128"),
+        ("fp8_e4m3", "bfloat16", "smollm2_like"),
+        ("fp8_e5m2", "float32", "h40_per_row"),
+        ("fp8_e5m2", "bfloat16", "q8_h128"),
+    ],
+)
 def test_quantized_cache(kv_cache_dtype, dtype, shape):
     from llmjax.model.kv_cache import dequantize, quantize
 
