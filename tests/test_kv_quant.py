@@ -290,6 +290,11 @@ def test_bytes_per_page_and_the_simulators_pages():
     assert sum(x.nbytes for x in jax.tree.leaves(pages)) == i8
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="'mgpu' does not read a fp8_e4m3 KV cache"):
+        EngineConfig(
+            model=configs.get_preset("smollm2-135m-instruct"), dtype="bfloat16",
+            pallas_kernel="mgpu", cache=CacheConfig(kv_cache_dtype="fp8_e4m3"),
+        )  # fmt: skip
     model = configs.get_preset("llama2-7b")
     bf16 = kv_page_bytes_per_device(model, 16, "bfloat16", 1, 1)
     fp8 = kv_page_bytes_per_device(model, 16, "bfloat16", 1, 1, "fp8_e4m3")
@@ -304,3 +309,31 @@ def test_bytes_per_page_and_the_simulators_pages():
         for d in ("auto", "fp8_e4m3")
     }  # fmt: skip
     assert sims["fp8_e4m3"] / sims["auto"] == pytest.approx(bf16 / fp8, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["int8"])  # fp8: tests/kernels/test_rpa_quantized.py
+def test_pallas_kernels_read_the_quantized_cache(name, monkeypatch):
+    """attention_backend='pallas' (the TPU kernels, interpreted here) over a quantized cache: a
+    lone fresh prompt takes flash prefill over the step's K/V as the pages store them (counted),
+    a batch the ragged kernel over codes and scales; the greedy outputs are the reference
+    backend's."""
+    import kernels_pallas.flash_prefill as flash_module
+
+    ran, real = [], flash_module.flash_prefill_attention
+
+    def counting_flash(q, k, v, seq_len, **kw):
+        jax.debug.callback(lambda n: ran.append(int(n[0])), seq_len)
+        return real(q, k, v, seq_len, **kw)
+
+    monkeypatch.setattr(flash_module, "flash_prefill_attention", counting_flash)
+    base = _llm(name).with_options(
+        scheduler_policy="prefill_first", prefix_cache="none", max_num_batched_tokens=128
+    )
+    params = SamplingParams(max_tokens=3, ignore_eos=True)  # interpreted kernels: keep it short
+    batch = prompts(8)[:3]
+    want = [_tokens(base.generate(b, params)) for b in (batch[:1], batch)]
+    llm = base.with_options(attention_backend="pallas", flash_prefill="on")
+    assert llm.engine.runner.attention_backend == "pallas"
+    assert [_tokens(llm.generate(b, params)) for b in (batch[:1], batch)] == want
+    assert ran and set(ran) == {len(batch[0])}  # the lone prompt only (once per layer)
+    assert isinstance(llm.engine.runner.kv_pages[0], QuantizedPages)

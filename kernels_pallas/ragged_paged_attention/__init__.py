@@ -16,6 +16,10 @@ Implementations, chosen by name (`implementation=`) or by the platform (None):
   reference  the plain-jnp specification.
 A kernel asked for by name on a platform it cannot run on raises; nothing silently falls back.
 On the CPU, kernels run in interpret mode (slow; for tests).
+
+A quantized KV cache (`kv_cache_dtype` 'int8', 'fp8_e4m3', 'fp8_e5m2'; kv_quant.py): the pages hold
+codes and `k_scales`/`v_scales` [num_pages, G, K, 1] float32 a scale per row; 'tpu', 'gpu' and the
+reference read them (the kernels dequantize each page block after its copy); 'mgpu' refuses.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from kernels_pallas.kv_quant import check_quantized
 from kernels_pallas.platforms import IMPLEMENTATIONS, choose_implementation, default_implementation
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -35,8 +40,11 @@ __all__ = [
 ]
 
 
-def check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
-    """Shape and dtype checks with errors that print the values (static shapes only)."""
+def check_inputs(
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, quantized=False
+) -> None:
+    """Shape and dtype checks with errors that print the values (static shapes only); with
+    `quantized`, the pages hold codes (checked by kv_quant.check_quantized)."""
     if q.ndim != 3 or k_pages.ndim != 4:
         raise ValueError(
             f"need q [T, N, H] and k_pages [pages, G, K, H]: {q.shape=} {k_pages.shape=}"
@@ -49,7 +57,7 @@ def check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs
         raise ValueError(f"head dims differ: {q.shape=} {k_pages.shape=}")
     if N % K:
         raise ValueError(f"query heads {N=} must be a multiple of kv heads {K=}")
-    if not q.dtype == k_pages.dtype == v_pages.dtype:
+    if not quantized and not q.dtype == k_pages.dtype == v_pages.dtype:
         raise ValueError(f"dtypes differ: {q.dtype=} {k_pages.dtype=} {v_pages.dtype=}")
     if page_indices.ndim != 2:
         raise ValueError(f"page_indices must be [S, P]: {page_indices.shape=}")
@@ -83,14 +91,26 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     implementation: str | None = None,
     interpret: bool | None = None,
+    k_scales: jax.Array | None = None,  # [num_pages, G, K, 1] float32: a quantized cache
+    v_scales: jax.Array | None = None,
+    kv_cache_dtype: str | None = None,  # None/'auto': pages in q's dtype
     **kernel_options,
 ) -> jax.Array:
     """-> [T, N, H]; see reference.py for the contract. `interpret` defaults to True on the CPU
     (where no kernel compiles) and False elsewhere. `kernel_options` go to the implementation's
-    kernel function (block sizes, stages, variants: see `kernel_function`)."""
-    check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    kernel function (block sizes, stages, variants: see `kernel_function`). A quantized cache:
+    its codes as the pages, with `k_scales`, `v_scales` and `kv_cache_dtype` (kv_quant.py)."""
+    quantized = check_quantized(k_pages, v_pages, k_scales, v_scales, kv_cache_dtype)
+    check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, quantized)
     impl, interpret = choose_implementation("ragged paged attention", implementation, interpret)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if quantized:
+        if impl == "mgpu":
+            raise ValueError(
+                f"the 'mgpu' ragged paged attention kernel does not read a {kv_cache_dtype} KV "
+                "cache; use implementation 'gpu' (Triton) or 'reference'"
+            )
+        kwargs.update(k_scales=k_scales, v_scales=v_scales, kv_cache_dtype=kv_cache_dtype)
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if impl == "reference":
         if kernel_options:
@@ -124,6 +144,7 @@ def check_kernel_options(implementation: str, options: dict) -> None:
 
     params = inspect.signature(kernel_function(implementation)).parameters
     contract = {"sm_scale", "sliding_window", "soft_cap", "interpret"}
+    contract |= {"k_scales", "v_scales", "kv_cache_dtype"}
     accepted = sorted(
         n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in contract
     )

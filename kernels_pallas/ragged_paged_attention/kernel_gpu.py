@@ -42,6 +42,10 @@ tile in registers with 4 warps, like JAX's Triton flash attention; block_q is ca
 bucket's average q_len T // S (a decode bucket gets block_q = 1: 16-row tiles, not 64 rows of
 which Q are used).
 
+A quantized cache (kv_quant.py): the gathered code block is loaded like the pages, its rows'
+scales ([pages_per_block, G] float32, same mask) beside it, and the block is dequantized into q's
+dtype before the dots: HBM reads the codes and 4 bytes per row.
+
 Split rule (`choose_num_kv_splits`): a bucket surely has max(min(S, T), cdiv(T, block_q)) * K
 programs of work; below ~256 (two per SM on an H200's 132) split the KV range into the power of
 two that reaches it, at most 16, and keeping >= 4 KV blocks per split (else 1).
@@ -58,6 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import online_softmax
+from kernels_pallas.kv_quant import dequantize
 from kernels_pallas.ragged_paged_attention.tuning import (
     GPU_DECODE_NUM_STAGES,
     GPU_KEYS_PER_BLOCK,
@@ -108,6 +113,8 @@ def _rpa_kernel(
     q_ref,  # [T_pad, K, Qp, H]
     k_pages_ref,  # [num_pages, G, K, H]
     v_pages_ref,  # [num_pages, G, K, H]
+    k_scales_ref,  # [num_pages, G, K, 1] float32 (a quantized cache; else [1, 1, 1, 1], unread)
+    v_scales_ref,
     # outputs
     o_ref,  # [T_pad, K, Qp, H] q.dtype | split-KV: [C, T_pad, K, Qp, H] float32
     *stat_refs,  # split-KV only: m_ref, l_ref [C, T_pad, K, Qp] float32
@@ -117,6 +124,7 @@ def _rpa_kernel(
     block_q: int,
     pages_per_block: int,
     num_kv_splits: int,
+    kv_cache_dtype: str | None,
 ):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, _, Qp, H = q_ref.shape
@@ -158,7 +166,26 @@ def _rpa_kernel(
             idx = (page_id, slot, h, dim)
             key_pg = blk * BK + jax.lax.broadcasted_iota(jnp.int32, shape, 0) * G + slot
             in_seq = key_pg < kv_len  # never read a key at or past kv_len
-            k = pltriton.load(k_pages_ref.at[idx], mask=in_seq, other=0).reshape(BK, H)
+            if kv_cache_dtype is not None:  # each row's scale: index arrays of [ppb, G, 1]
+                sshape = (pages_per_block, G, 1)
+                s_slot = jax.lax.broadcasted_iota(jnp.int32, sshape, 1)
+                sidx = (
+                    jnp.broadcast_to(pages[:, None, None], sshape),
+                    s_slot,
+                    h,
+                    jnp.zeros(sshape, jnp.int32),
+                )
+                s_key = blk * BK + jax.lax.broadcasted_iota(jnp.int32, sshape, 0) * G + s_slot
+                s_ok = s_key < kv_len
+
+            def load(pages_ref, scales_ref):
+                x = pltriton.load(pages_ref.at[idx], mask=in_seq, other=0)
+                if kv_cache_dtype is not None:
+                    scale = pltriton.load(scales_ref.at[sidx], mask=s_ok, other=0)
+                    x = dequantize(x, scale, q.dtype, kv_cache_dtype)
+                return x.reshape(BK, H)
+
+            k = load(k_pages_ref, k_scales_ref)
             s = (
                 jax.lax.dot_general(
                     q,
@@ -175,7 +202,7 @@ def _rpa_kernel(
             visible = (key <= pos) & (key < kv_len)
             if sliding_window is not None:
                 visible &= pos - key < sliding_window
-            v = pltriton.load(v_pages_ref.at[idx], mask=in_seq, other=0).reshape(BK, H)
+            v = load(v_pages_ref, v_scales_ref)
             return online_softmax.update((acc, m, denom), s, visible, v)
 
         state = online_softmax.init(M, H)
@@ -236,6 +263,9 @@ def ragged_paged_attention_gpu(
     num_kv_splits: int | None = None,  # None: choose_num_kv_splits
     num_warps: int = GPU_NUM_WARPS,
     num_stages: int | None = None,  # None: GPU_DECODE_NUM_STAGES for block_q 1, else GPU_NUM_STAGES
+    k_scales: jax.Array | None = None,  # [num_pages, G, K, 1] float32: a quantized cache
+    v_scales: jax.Array | None = None,
+    kv_cache_dtype: str | None = None,  # None/'auto': pages in q's dtype (kv_quant.py)
 ) -> jax.Array:
     """-> [T, N, H] in q's dtype; see reference.py for the contract and the module doc for the
     design."""
@@ -281,7 +311,10 @@ def ragged_paged_attention_gpu(
         block_q=block_q,
         pages_per_block=pages_per_block,
         num_kv_splits=C,
+        kv_cache_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
     )
+    if kv_cache_dtype in (None, "auto"):
+        k_scales = v_scales = jnp.zeros((1, 1, 1, 1), jnp.float32)  # not read
     call = pl.pallas_call(
         kernel,
         grid=(num_blocks, K, C),
@@ -296,7 +329,10 @@ def ragged_paged_attention_gpu(
         warnings.filterwarnings(
             "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning
         )
-        outs = call(kv_lens, page_indices, cu_q_lens, block_seq, block_q0, qg, k_pages, v_pages)
+        outs = call(
+            kv_lens, page_indices, cu_q_lens, block_seq, block_q0, qg, k_pages, v_pages,
+            k_scales, v_scales,
+        )  # fmt: skip
 
     if C == 1:
         o = outs[0][:T]

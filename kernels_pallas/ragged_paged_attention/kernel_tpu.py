@@ -27,6 +27,10 @@ Masks (rows r, keys c of one kv step; t = t0 + r // Q, j = first key of the step
 V rows past the sequence's last needed key (stale VMEM, page tails past kv_len) are zeroed
 before p @ v, so garbage there cannot turn into NaN (0 * NaN) in valid rows.
 
+A quantized cache (kv_quant.py): each page's codes are copied as above and its rows' scales
+([G, K] float32, the wrapper's view of [pages, G, K, 1]) by two more copies on the same slot's
+semaphores; `attend` dequantizes a kv head's [C, H] codes into q's dtype before the dots.
+
 Block sizes (tuning.py; arguments override): bq = 16 tokens (so bq * Q rows fill MXU rows
 for prefill while a decode-heavy block wastes at most bq * Q - Q rows per sequence; at most the
 next power of two >= T, min 8, so a lone decode does not pad to 16); ppb = 8 pages (128 keys at
@@ -43,6 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels_pallas.kv_quant import dequantize
 from kernels_pallas.online_softmax import MASK_VALUE  # finite: exp(MASK - m) is 0, never NaN
 from kernels_pallas.ragged_paged_attention.tuning import (
     TPU_KV_PAGES_PER_BLOCK,  # pages per kv step (ppb)
@@ -92,16 +97,12 @@ def _kernel(
     q_ref,  # VMEM [K, R, H], R = bq * Q rows per kv head
     k_hbm,  # HBM [num_pages, G, K, H]
     v_hbm,  # HBM [num_pages, G, K, H]
-    # outputs
-    o_ref,  # VMEM [K, R, H]
-    # scratch
-    k_buf,  # VMEM [2, ppb, G, K, H]: double-buffered whole pages of one kv step
-    v_buf,  # VMEM [2, ppb, G, K, H]
-    sems,  # DMA semaphores [2 (k, v), 2 (slot)]
-    m_ref,  # VMEM [K, R, LANES] f32: running max, replicated across lanes
-    l_ref,  # VMEM [K, R, LANES] f32: running softmax denominator
-    acc_ref,  # VMEM [K, R, H] f32: running unnormalized output
-    *,
+    *refs,  # a quantized cache: k_scales_hbm, v_scales_hbm HBM [num_pages, G, K] f32; then
+    # outputs: o_ref VMEM [K, R, H]
+    # scratch: k_buf, v_buf VMEM [2, ppb, G, K, H] (double-buffered whole pages of one kv
+    #   step); quantized: ks_buf, vs_buf VMEM [2, ppb, G, K] f32; sems DMA [2 or 4, 2 (slot)];
+    #   m_ref, l_ref VMEM [K, R, LANES] f32 (running max and softmax denominator, replicated
+    #   across lanes); acc_ref VMEM [K, R, H] f32 (running unnormalized output)
     bq: int,
     ppb: int,
     pages_per_seq: int,
@@ -109,7 +110,14 @@ def _kernel(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    kv_cache_dtype: str | None,
 ):
+    if kv_cache_dtype is None:
+        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
+        scale_hbm = scale_buf = ()
+    else:
+        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
+        scale_hbm, scale_buf = (ks_hbm, vs_hbm), (ks_buf, vs_buf)
     q_block = pl.program_id(0)
     _, G, K, H = k_hbm.shape
     Q, P = num_queries_per_kv, pages_per_seq
@@ -144,10 +152,13 @@ def _kernel(
             in_seq = page < span["page_hi"]
             # Clamped for the table read only; pages past page_hi are never copied.
             page_id = page_indices_ref[s * P + jnp.minimum(page, P - 1)]
+            pairs = [(k_hbm, k_buf), (v_hbm, v_buf), *zip(scale_hbm, scale_buf, strict=True)]
             yield (
                 in_seq,
-                pltpu.make_async_copy(k_hbm.at[page_id], k_buf.at[slot, j], sems.at[0, slot]),
-                pltpu.make_async_copy(v_hbm.at[page_id], v_buf.at[slot, j], sems.at[1, slot]),
+                *(
+                    pltpu.make_async_copy(src.at[page_id], dst.at[slot, j], sems.at[i, slot])
+                    for i, (src, dst) in enumerate(pairs)
+                ),
             )
 
     def start_step(s, span, step, slot):
@@ -172,9 +183,18 @@ def _kernel(
             visible &= row < Q * (key - base + sliding_window)  # pos - key < window
         v_key = first_key + lax.broadcasted_iota(jnp.int32, (C, H), 0)
         v_ok = v_key < span["key_hi"]  # stale buffer rows, page tails past kv_len -> 0
+
+        def rows(buf, h, scales):
+            """kv head h's [C, H] rows of this step, dequantized into q's dtype if coded."""
+            x = buf[slot, :, :, h, :].reshape(C, H)
+            if kv_cache_dtype is None:
+                return x
+            return dequantize(x, scales[slot, :, :, h].reshape(C, 1), q_ref.dtype, kv_cache_dtype)
+
+        ks_buf_, vs_buf_ = scale_buf or (None, None)
         for h in range(K):
             q = q_ref[h]  # [R, H]
-            k = k_buf[slot, :, :, h, :].reshape(C, H)
+            k = rows(k_buf, h, ks_buf_)
             precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
             s = lax.dot_general(
                 q,
@@ -191,7 +211,7 @@ def _kernel(
             m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
             p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
             alpha = jnp.exp(m_prev - m_new)
-            v = jnp.where(v_ok, v_buf[slot, :, :, h, :].reshape(C, H), 0)
+            v = jnp.where(v_ok, rows(v_buf, h, vs_buf_), 0)
             pv = lax.dot_general(
                 p.astype(v.dtype),
                 v,
@@ -268,9 +288,14 @@ def ragged_paged_attention_tpu(
     interpret=False,
     num_queries_per_block: int | None = None,
     num_kv_pages_per_block: int | None = None,
+    k_scales: jax.Array | None = None,  # [num_pages, G, K, 1] float32: a quantized cache
+    v_scales: jax.Array | None = None,
+    kv_cache_dtype: str | None = None,  # None/'auto': pages in q's dtype (kv_quant.py)
 ) -> jax.Array:
     """-> [T, N, H]; the contract is reference.py's. `interpret`: False (compile for TPU), True
     (fast generic interpreter) or a `pltpu.InterpretParams` (TPU simulator: DMAs, races)."""
+    if kv_cache_dtype == "auto":
+        kv_cache_dtype = None
     T, N, H = q.shape
     _, G, K, _ = k_pages.shape
     P = page_indices.shape[1]
@@ -305,20 +330,27 @@ def ragged_paged_attention_tpu(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        kv_cache_dtype=kv_cache_dtype,
     )
     R = bq * Q
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    scale_inputs, scale_scratch = (), []
+    if kv_cache_dtype is not None:  # [num_pages, G, K, 1] -> [num_pages, G, K]: a free view
+        scale_inputs = (k_scales[..., 0], v_scales[..., 0])
+        scale_scratch = [pltpu.VMEM((2, ppb, G, K), jnp.float32)] * 2
     q_spec = pl.BlockSpec((K, R, H), lambda b, *_: (0, b, 0))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_blocks,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec, hbm, hbm, *[hbm for _ in scale_inputs]],
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, ppb, G, K, H), k_pages.dtype),
                 pltpu.VMEM((2, ppb, G, K, H), v_pages.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
+                *scale_scratch,
+                pltpu.SemaphoreType.DMA((2 + len(scale_inputs), 2)),
                 pltpu.VMEM((K, R, LANES), jnp.float32),
                 pltpu.VMEM((K, R, LANES), jnp.float32),
                 pltpu.VMEM((K, R, H), jnp.float32),
@@ -338,6 +370,7 @@ def ragged_paged_attention_tpu(
         q_kv,
         k_pages,
         v_pages,
+        *scale_inputs,
     )
     out = out.reshape(K, Tp, Q, H).transpose(1, 0, 2, 3)[:T]
     return out.reshape(T, N, H)

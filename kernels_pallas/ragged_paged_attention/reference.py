@@ -23,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.kv_quant import dequantize
+
 HIGHEST = jax.lax.Precision.HIGHEST  # full float32 on GPUs too (their default is TF32)
 
 
@@ -48,8 +50,12 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # [num_pages, G, K, 1] float32: a quantized cache
+    v_scales: jax.Array | None = None,
+    kv_cache_dtype: str | None = None,  # None/'auto': pages in q's dtype; else kv_quant.py
 ) -> jax.Array:
-    """-> [T, N, H]: every query row attends over its own sequence's cached keys."""
+    """-> [T, N, H]: every query row attends over its own sequence's cached keys (a quantized
+    cache's rows read back as `kv_quant.dequantize(codes, scales, q.dtype, kv_cache_dtype)`)."""
     T, N, H = q.shape
     _, G, K, _ = k_pages.shape
     _, P = page_indices.shape
@@ -57,8 +63,12 @@ def ragged_paged_attention_reference(
     valid = jnp.arange(T) < cu_q_lens[num_seqs[0]]  # [T]
 
     pages = page_indices[seq]  # [T, P]
-    k = k_pages[pages].reshape(T, P * G, K, H).astype(jnp.float32)  # [T, C, K, H]
-    v = v_pages[pages].reshape(T, P * G, K, H).astype(jnp.float32)
+    k, v = k_pages[pages], v_pages[pages]  # [T, P, G, K, H]
+    if kv_cache_dtype not in (None, "auto"):
+        k = dequantize(k, k_scales[pages], q.dtype, kv_cache_dtype)
+        v = dequantize(v, v_scales[pages], q.dtype, kv_cache_dtype)
+    k = k.reshape(T, P * G, K, H).astype(jnp.float32)  # [T, C, K, H]
+    v = v.reshape(T, P * G, K, H).astype(jnp.float32)
     qg = q.reshape(T, K, N // K, H).astype(jnp.float32)
     s = jnp.einsum("tkqh,tckh->tkqc", qg, k, precision=HIGHEST) * sm_scale  # [T, K, Q, C]
     if soft_cap is not None:

@@ -188,6 +188,12 @@ class EngineConfig:
         if self.pallas_kernel == "mgpu":
             from kernels_pallas.ragged_paged_attention.kernel_mgpu import check_supported
 
+            if self.cache.kv_cache_dtype != "auto":
+                raise ValueError(
+                    f"pallas_kernel='mgpu' does not read a {self.cache.kv_cache_dtype} KV cache; "
+                    "use pallas_kernel='gpu' (Triton) or 'auto'"
+                )
+
             m = self.model
             check_supported(
                 self.dtype, m.head_dim, self.cache.page_size, m.num_heads // m.num_kv_heads

@@ -8,8 +8,8 @@ soft_cap * tanh(s / soft_cap) where soft_cap is set, then masked); `new_kv` = th
 (k, v) [T, K, H] (already written to the pages, as the pages store them; a backend may use them
 for a fresh prompt). With a quantized cache (`CacheConfig.kv_cache_dtype`) the pages are
 `QuantizedPages` (values and a scale per token and kv head, llmjax/model/kv_cache.py), which the
-reference dequantizes as it gathers and the CPU kernel reads in place; the Pallas kernels take
-model-dtype pages only for now (`QUANTIZED_KV_BACKENDS`).
+reference dequantizes as it gathers, the CPU kernel reads in place and the Pallas kernels ('tpu',
+'gpu'; not 'mgpu') dequantize after each page copy.
 Backends:
   reference  `reference_attention` below (plain jnp; fast enough on a CPU).
   pallas     `pallas_attention`: kernels_pallas' ragged paged attention (the TPU or GPU kernel of
@@ -226,11 +226,19 @@ def pallas_attention(
     value) pairs go to the ragged kernel's function (EngineConfig.kernel_options)."""
     from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
+    quantized = {}
+    if isinstance(k_pages, QuantizedPages):  # codes and scales, dequantized after each copy
+        quantized = dict(
+            k_scales=k_pages.scales,
+            v_scales=v_pages.scales,
+            kv_cache_dtype=k_pages.kv_cache_dtype,
+        )
+
     def ragged():
         return ragged_paged_attention(
             q,
-            k_pages,
-            v_pages,
+            getattr(k_pages, "values", k_pages),
+            getattr(v_pages, "values", v_pages),
             step.kv_lens,
             step.page_indices,
             step.cu_q_lens,
@@ -239,6 +247,7 @@ def pallas_attention(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             implementation=implementation,
+            **quantized,
             **dict(kernel_options),
         )
 
@@ -250,7 +259,7 @@ def pallas_attention(
     fresh_prompt = (step.num_seqs[0] == 1) & (step.kv_lens[0] == n)
 
     def flash():
-        k, v = new_kv
+        k, v = new_kv  # as the pages store them (a quantized cache: dequantized)
         return flash_prefill_attention(
             q,
             k,
@@ -281,28 +290,13 @@ def flash_min_tokens(
     return ENGINE_MIN_TOKENS[implementation or default_implementation(platform)]
 
 
-# The backends that read a quantized cache's pages (QuantizedPages).
-QUANTIZED_KV_BACKENDS = ("reference", "cpu")
-
-
-def resolve_attention_backend(
-    name: str, platform: str | None = None, kv_cache_dtype: str = "auto"
-) -> str:
+def resolve_attention_backend(name: str, platform: str | None = None) -> str:
     """'auto' -> 'pallas' on GPU/TPU; on the CPU 'cpu' where kernels_cpu builds, else
-    'reference' (a quantized `kv_cache_dtype` too; on GPU/TPU it takes 'reference' until the
-    Pallas kernels read it). Other names are checked ('cpu' runs on the CPU only, and needs its
-    kernels; a quantized cache needs a backend of `QUANTIZED_KV_BACKENDS`)."""
+    'reference'. Other names are checked ('cpu' runs on the CPU only, and needs its kernels).
+    Every backend reads a quantized cache (of the Pallas kernels, 'mgpu' refuses it)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
     platform = platform or jax.default_backend()
-    if kv_cache_dtype != "auto":
-        if name == "auto" and platform != "cpu":
-            return "reference"  # the Pallas kernels take model-dtype pages only so far
-        if name not in (*QUANTIZED_KV_BACKENDS, "auto"):
-            raise ValueError(
-                f"attention_backend={name!r} does not read a {kv_cache_dtype} KV cache yet; "
-                f"use one of {QUANTIZED_KV_BACKENDS} (or kv_cache_dtype='auto')"
-            )
     if name == "auto":
         if platform != "cpu":
             return "pallas"

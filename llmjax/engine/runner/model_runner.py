@@ -91,9 +91,7 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
         self.num_compiles = 0
         self.num_steps = 0
         self.kv_cache_dtype = config.cache.kv_cache_dtype
-        self.attention_backend = resolve_attention_backend(
-            config.attention_backend, kv_cache_dtype=self.kv_cache_dtype
-        )
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
         attention_fn = make_attention_fn(
             self.attention_backend,
             flash_prefill=config.flash_prefill,
