@@ -32,7 +32,8 @@ flags.DEFINE_list(
 flags.DEFINE_list("contexts", ["1024", "2048", "4096", "8192"], "Tokens of context per sequence.")
 flags.DEFINE_integer("batch", 16, "Decoding sequences per step.")
 flags.DEFINE_string("attention_backend", "auto", "EngineConfig.attention_backend.")
-flags.DEFINE_integer("repeats", 10, "Timed runs of each step (after 3 warm-up runs).")
+flags.DEFINE_integer("repeats", 10, "Timed runs of each step a round (after 3 warm-up runs).")
+flags.DEFINE_integer("rounds", 3, "Rounds over the KV dtypes, alternating; the median is kept.")
 flags.DEFINE_integer("seed", 0, "Seed of the cache's random contents and the tokens.")
 flags.DEFINE_string("json_out", "out/bench_kv_cache.json", "Where to write the results.")
 
@@ -116,7 +117,6 @@ def main(argv):
     from llmjax.model.kv_cache import kv_cache_bytes
 
     contexts = [int(c) for c in FLAGS.contexts]
-    num_pages = FLAGS.batch * -(-max(contexts) // PAGE) + 2
     base = LLM(
         FLAGS.model,
         load_format=FLAGS.load_format,
@@ -130,15 +130,21 @@ def main(argv):
     rows = []
     for context in contexts:
         step, sampling = decode_step(FLAGS.batch, context, config.vocab_size, FLAGS.seed)
-        for kv_dtype in FLAGS.kv_cache_dtypes:
-            llm = base.with_options(
+        runners = {}
+        for kv_dtype in FLAGS.kv_cache_dtypes:  # every cache of this context held at once
+            runner = base.with_options(
                 kv_cache_dtype=kv_dtype,
-                num_pages=num_pages,
+                num_pages=FLAGS.batch * -(-context // PAGE) + 2,
                 attention_backend=FLAGS.attention_backend,
-            )
-            runner = llm.engine.runner
+            ).engine.runner
             runner.kv_pages = random_pages(runner.kv_pages, FLAGS.seed)
-            seconds = runner.time_step(step, sampling, FLAGS.repeats)
+            runners[kv_dtype] = runner
+        times = {d: [] for d in runners}
+        for _ in range(FLAGS.rounds):  # the dtypes alternate: drift on a busy machine is shared
+            for kv_dtype, runner in runners.items():
+                times[kv_dtype].append(runner.time_step(step, sampling, FLAGS.repeats))
+        for kv_dtype, runner in runners.items():
+            seconds = float(np.median(times[kv_dtype]))
             read = kv_cache_bytes(config, 1, FLAGS.batch * context, FLAGS.dtype, kv_dtype)
             rows.append(
                 dict(
@@ -158,10 +164,10 @@ def main(argv):
                 f"{rows[-1]['kv_mib_read']:7.1f} MiB of KV  x{rows[-1]['speedup']:.2f}",
                 flush=True,
             )
-            del llm, runner
+        del runners, runner
     print(
         f"\n{config.name or FLAGS.model} {FLAGS.dtype}, {FLAGS.batch} decodes a step, the jitted "
-        "step alone (median of runs)"
+        "step alone (median of the rounds' medians)"
     )
     header = ["context", "KV dtype", "backend", "step ms", "tok/s", "KV MiB read", "vs first"]
     table = [

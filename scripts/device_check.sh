@@ -25,6 +25,10 @@
 #           1/16/256 tokens against the dense MLP of its active parameters, and one grouped
 #           projection by ragged_dot (the GPU default) against one dot of its FLOPs: is XLA:GPU's
 #           ragged_dot a grouped GEMM (issue 39)? (not in the default STAGES: STAGES=moe)
+#   kvquant scripts/bench_kv_cache.py: SmolLM2 shapes (random weights, bf16) decoding 64
+#           sequences of 4k and 8k tokens over a bf16, int8 and fp8 KV cache (the Triton kernel):
+#           does reading half the bytes make the step faster on a GPU? (issue 41; not in the
+#           default STAGES: STAGES=kvquant)
 #   bench   scripts/bench_kernels.py: decode-heavy, prefill-heavy and mixed batches (llama3-8b-like
 #           heads, bf16), our kernels (Mosaic GPU, Triton) against the reference, JAX's Pallas ops
 #           and cuDNN, with Mosaic GPU block-size, stage and warp-specialized variants, and the
@@ -74,7 +78,7 @@ if want tests; then
   JAX_PLATFORMS=$PLATFORM,cpu JAX_DEFAULT_MATMUL_PRECISION=highest timeout -s INT -k 15 150 \
     $PY -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout 90 -m "gpu or not slow" ${TESTS:-tests/kernels/test_rpa_mgpu.py \
     tests/kernels/test_flash_prefill_mgpu.py tests/kernels/test_rpa_gpu.py tests/kernels/test_flash_prefill_gpu.py \
-    tests/kernels/test_rpa_engine.py} \
+    tests/kernels/test_rpa_engine.py tests/kernels/test_rpa_quantized.py::test_compiled_gpu_kernel_equals_the_reference} \
     -k "not Interpret${TESTS_K:+ and $TESTS_K}" --durations=8 > "$WORK/kernel_tests.log" 2>&1
   grep -E "PASSED|FAILED|ERROR" "$WORK/kernel_tests.log" | grep -v "^=" | sed 's/ *\[ *[0-9]*%\]//' \
     | tail -60 | tee -a "$OUT/summary.txt"
@@ -125,6 +129,14 @@ if want moe; then
   JAX_PLATFORMS=$PLATFORM timeout 120 $PY scripts/bench_moe.py --dtype bfloat16 --repeats 10 \
     --json_out "$WORK/moe.json" 2>"$WORK/moe.log" | grep -v "^wrote" | tail -9 \
     | tee -a "$OUT/summary.txt"
+  save
+fi
+
+if want kvquant; then
+  log "kvquant: decode over a bf16 / int8 / fp8 KV cache, batch 64, 4k and 8k; 150 s at most"
+  JAX_PLATFORMS=$PLATFORM timeout 150 $PY scripts/bench_kv_cache.py --load_format dummy \
+    --dtype bfloat16 --batch 64 --contexts 4096,8192 --kv_cache_dtypes auto,int8,fp8_e4m3 \
+    --json_out "$WORK/kv_cache.json" 2>"$WORK/kv_cache.log" | tail -12 | tee -a "$OUT/summary.txt"
   save
 fi
 

@@ -173,3 +173,19 @@ def test_bad_quantized_inputs_are_refused():
         call(kq, vq, *rest, k_scales=ks, v_scales=vs, kv_cache_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="without a quantized"):
         call(kq.astype(jnp.float32), vq.astype(jnp.float32), *rest, k_scales=ks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", list(kv_quant.KV_CACHE_DTYPES))
+def test_compiled_gpu_kernel_equals_the_reference(kv_cache_dtype):
+    """The Triton kernel compiled on an NVIDIA GPU (scripts/device_check.sh runs it): bfloat16
+    queries, one and four KV splits."""
+    case = make_case([1, 20, 1, 7], [300, 70, 45, 7], pages_per_seq=24, num_queries_per_kv=2,
+                     dtype=jnp.bfloat16, seed=9)  # fmt: skip
+    kq, vq, ks, vs = quantized_case(case, kv_cache_dtype)
+    args = (jnp.asarray(case.q), kq, vq, *map(jnp.asarray, case.args[3:]))
+    kw = dict(sm_scale=0.125, k_scales=ks, v_scales=vs, kv_cache_dtype=kv_cache_dtype)
+    ref = ragged_paged_attention(*args, implementation="reference", **kw)
+    for splits in (1, 4):
+        out = ragged_paged_attention_gpu(*args, interpret=False, num_kv_splits=splits, **kw)
+        check(out, ref, "bfloat16")
