@@ -622,18 +622,22 @@ def test_errors(model):
 
 
 @pytest.mark.parametrize(
-    "mode, variant",
+    "mode, variant, kv_cache_dtype",
     [
-        ("infinigen", {}),
-        ("infinigen", {"page_residual": "page_mid"}),
-        ("infinigen", {"query_source": "own_layer"}),
-        ("oracle", {}),
-        ("quest", {}),
-        ("h2o", {}),
+        ("infinigen", {}, "auto"),
+        ("infinigen", {"page_residual": "page_mid"}, "auto"),
+        ("infinigen", {"query_source": "own_layer"}, "auto"),
+        ("oracle", {}, "auto"),
+        ("quest", {}, "auto"),
+        ("h2o", {}, "auto"),
+        ("infinigen", {}, "int8"),  # a quantized pool: codes and scales [50, 4, K, 1]
+        ("quest", {}, "fp8_e4m3"),
     ],
 )
 @pytest.mark.parametrize("pool_memory", ["pinned_host"])  # "device" gave the same HLO copies
-def test_compiled_step_updates_pool_and_partial_keys_in_place(pool_memory, mode, variant):
+def test_compiled_step_updates_pool_and_partial_keys_in_place(
+    pool_memory, mode, variant, kv_cache_dtype
+):
     """The step reads layer i+1's pool pages and partial keys (speculation and fetch, during
     layer i) before layer i+1 writes them; XLA must not copy them to do that (it copied both
     every step until the writes were ordered after the reads). Oracle, Quest and H2O read a
@@ -642,7 +646,8 @@ def test_compiled_step_updates_pool_and_partial_keys_in_place(pool_memory, mode,
     from llmjax.engine.batch import pack
 
     sparse = SparseKVConfig(mode=mode, num_dense_layers=1, pool_memory=pool_memory, **variant)
-    llm = _llm(sparse, num_pages=50, prefix_cache="none" if mode == "h2o" else "radix")
+    prefix_cache = "none" if mode == "h2o" else "radix"
+    llm = _llm(sparse, num_pages=50, prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=4))
     batch = engine.scheduler.schedule()
@@ -653,8 +658,9 @@ def test_compiled_step_updates_pool_and_partial_keys_in_place(pool_memory, mode,
         acc = f"[50,4,{configs.TINY.num_kv_heads}]"
         copies = [line for line in copies if f"f32{acc}" not in line]
     assert not copies, copies
-    if pool_memory == "pinned_host":
-        assert engine.runner.kv_pages[1][0].sharding.memory_kind == "pinned_host"
+    if pool_memory == "pinned_host":  # every array of the pool (a quantized one's codes, scales)
+        for leaf in jax.tree.leaves(engine.runner.kv_pages[1][0]):
+            assert leaf.sharding.memory_kind == "pinned_host"
 
 
 # ---- accuracy evaluation and the benchmark ------------------------------------------------

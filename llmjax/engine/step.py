@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llmjax.config import kv_row_bytes
 from llmjax.engine.batch import step_shape
 
 if TYPE_CHECKING:
@@ -153,7 +154,10 @@ class SparseAccounting(StepFeature):
         batch, step_input = step.batch, step.step_input
         st = e.runner.last_sparse_stats
         m, sparse = e.config.model, e.config.sparse_kv
-        row = 2 * m.head_dim * np.dtype(e.config.dtype).itemsize  # one K and one V row
+        # one K and one V row as the pool stores them (a quantized cache: codes and a scale)
+        row = 2 * kv_row_bytes(
+            m.head_dim, np.dtype(e.config.dtype).itemsize, e.runner.kv_cache_dtype
+        )
         cached_tokens = sum(seq.start + seq.num_new_tokens for seq in batch.seqs)
         is_sparse = bool(st.sparse)
         dense_layers = sparse.num_dense_layers if is_sparse else m.num_layers

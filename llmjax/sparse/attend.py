@@ -77,7 +77,8 @@ def oracle_scores(q: jax.Array, k_pages: jax.Array, step: StepInput, seq_ids, ho
     T, N, H = q.shape
     _, G, K, _ = k_pages.shape
     P = step.page_indices.shape[1]
-    keys = fetch_pages(k_pages, step.page_indices[seq_ids], host).reshape(T, P * G, K, H)
+    keys = fetch_pages(k_pages, step.page_indices[seq_ids], host, q.dtype)
+    keys = keys.reshape(T, P * G, K, H)
     s = jnp.einsum(
         "tkqh,tjkh->tkqj",
         q.reshape(T, K, N // K, H).astype(jnp.float32),
@@ -194,8 +195,8 @@ def dense_attention(
     """Full attention over each sequence's fetched pages (holes masked; with `pallas`, the
     ragged paged attention kernel `implementation` over them, for pools without holes)."""
     S, P = step.page_indices.shape
-    k_all = fetch_pages(pages_k, step.page_indices, host)  # [S * P, G, K, H]
-    v_all = fetch_pages(pages_v, step.page_indices, host)
+    k_all = fetch_pages(pages_k, step.page_indices, host, q.dtype)  # [S * P, G, K, H]
+    v_all = fetch_pages(pages_v, step.page_indices, host, q.dtype)
     local = jnp.arange(S * P, dtype=jnp.int32).reshape(S, P)
     # Holes and padding keep page id 0 in the local table, so mask_holes sees them.
     local = jnp.where(step.page_indices == RESERVED_PAGE, 0, local + 1)

@@ -80,6 +80,7 @@ from llmjax.sparse.pool import (  # noqa: F401
     pool_memory_kind,
     quest_update,
     speculation_weights,
+    stored_rows,
     write_partial,
     write_pool,
 )
@@ -151,11 +152,13 @@ def sparse_forward(
             k_pages = write_pool(pool[i][0], k, step.slot_mapping, host)
             v_pages = write_pool(pool[i][1], v, step.slot_mapping, host)
             new_pool.append((k_pages, v_pages))
+            # the step's own rows as the pool holds them (a quantized pool: dequantized), which
+            # the sparse path attends and the selection metadata is computed from
+            k, v = stored_rows(k, k_pages), stored_rows(v, v_pages)
             if partial_keys[i] is not None and sparse.mode == "h2o":
                 new_partial[i] = h2o.reset(new_partial[i], step.slot_mapping)
             elif partial_keys[i] is not None and sparse.mode == "quest":
-                stored = k.astype(k_pages.dtype)  # the bounds of the keys as the pool holds them
-                new_partial[i] = quest_update(new_partial[i], stored, step.slot_mapping, G)
+                new_partial[i] = quest_update(new_partial[i], k, step.slot_mapping, G)
             elif partial_keys[i] is not None:
                 new_partial[i] = write_partial(new_partial[i], k, weights[i], step.slot_mapping, G)
 
@@ -166,8 +169,8 @@ def sparse_forward(
                 window=window,
             ):  # fmt: skip
                 if heavy:  # H2O: evicted tokens masked, every query's probabilities added
-                    k_all = fetch_pages(k_pages, step.page_indices, host)
-                    v_all = fetch_pages(v_pages, step.page_indices, host)
+                    k_all = fetch_pages(k_pages, step.page_indices, host, q.dtype)
+                    v_all = fetch_pages(v_pages, step.page_indices, host, q.dtype)
                     return h2o.dense_attention(
                         q, k_all, v_all, acc, step, seq_ids, scale, window, cap
                     )
@@ -236,8 +239,8 @@ def sparse_forward(
                 slots = page_of(step, seq_ids[:D], positions, G) * G + positions % G
                 slots = jnp.where(valid, slots, 0)
                 pool_next = pool[i + 1]
-                k_rows = fetch_rows(pool_next[0], slots, host)
-                v_rows = fetch_rows(pool_next[1], slots, host)
+                k_rows = fetch_rows(pool_next[0], slots, host, k.dtype)
+                v_rows = fetch_rows(pool_next[1], slots, host, k.dtype)
                 # Layer i+1 writes its pages in place only after these reads: the barrier makes
                 # the write depend on them (without it XLA copied the pool layer every step).
                 k_rows, v_rows, pool_next = jax.lax.optimization_barrier(
@@ -299,8 +302,8 @@ def _select_in_layer(
     positions, valid, bounds = jax.lax.cond(use_sparse, select, none)
     slots = page_of(step, seq_ids[:D], positions, G) * G + positions % G
     slots = jnp.where(valid, slots, 0)
-    k_rows = fetch_rows(k_pages, slots, host)
-    v_rows = fetch_rows(v_pages, slots, host)
+    k_rows = fetch_rows(k_pages, slots, host, q.dtype)
+    v_rows = fetch_rows(v_pages, slots, host, q.dtype)
     real = seq_ids[:D] < step.num_seqs[0]
     valid_real = valid & real[:, None, None]
     n_rows = jnp.where(use_sparse, valid_real.sum(axis=(1, 2)) + real * K, 0)

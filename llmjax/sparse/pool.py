@@ -2,7 +2,14 @@
 device-resident partial keys InfiniGen speculates with and the speculation weights, and the
 gathers and writes that move rows between them (under `compute_on('device_host')` when the pool
 is on the host, so that only what they return crosses to the device). infinigen.py's step uses
-them (its module doc gives the letters)."""
+them (its module doc gives the letters).
+
+A quantized cache (`CacheConfig.kv_cache_dtype`): each pool layer is `QuantizedPages` (codes and
+a float32 scale per row, llmjax/model/kv_cache.py) in the same memory kind. The step's rows are
+quantized on the device, so only codes and scales cross to the pool, and a fetch gathers codes
+and scales where the pool lives, moves them and dequantizes them on the device into the model's
+dtype: what crosses is 1 byte an element and 4 a row. The selection metadata (partial keys, page
+bounds) is computed from the keys as the pool stores them (`as_stored`)."""
 
 from __future__ import annotations
 
@@ -12,7 +19,16 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 
 from llmjax.config import ModelConfig, SparseKVConfig
-from llmjax.model.kv_cache import KVPages
+from llmjax.model.kv_cache import (
+    SCALE_DTYPE,
+    KVPages,
+    Pages,
+    QuantizedPages,
+    as_stored,
+    dequantize,
+    quantize,
+    storage_dtype,
+)
 from llmjax.sparse.skew import partial_columns
 
 HOST_MEMORY_KIND = "pinned_host"
@@ -36,17 +52,31 @@ def pool_memory_kind(name: str, device=None) -> str | None:
 
 
 def allocate_pool(
-    config: ModelConfig, num_pages: int, page_size: int, dtype, memory_kind: str | None
+    config: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype,
+    memory_kind: str | None,
+    kv_cache_dtype: str = "auto",
 ) -> KVPages:
-    """The paged KV pool [num_pages, G, K, H] per layer (K and V), in `memory_kind`."""
+    """The paged KV pool [num_pages, G, K, H] per layer (K and V), in `memory_kind`; of a
+    quantized `kv_cache_dtype`, `QuantizedPages` (both arrays in that kind) whose scales are
+    [num_pages, G, K], the pool's own layout (`fetch_*` hand the attention [..., 1])."""
     shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
     # device_put of a host buffer: no device memory is touched for a host pool, and the arrays'
     # types carry the memory space (jit's out_shardings gave the kind but not the type, so the
     # first step traced twice).
-    zeros = lambda: jax.device_put(np.zeros(shape, jnp.dtype(dtype)), sharding)
-    return [(zeros(), zeros()) for _ in range(config.num_layers)]
+    zeros = lambda shape, dtype: jax.device_put(np.zeros(shape, jnp.dtype(dtype)), sharding)
+    if kv_cache_dtype == "auto":
+        return [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(config.num_layers)]
+
+    def pages():  # scales [num_pages, G, K]: a trailing 1 made XLA copy them between layouts
+        codes = zeros(shape, storage_dtype(kv_cache_dtype))
+        return QuantizedPages(codes, zeros(shape[:-1], SCALE_DTYPE), kv_cache_dtype)
+
+    return [(pages(), pages()) for _ in range(config.num_layers)]
 
 
 def allocate_partial_keys(
@@ -146,8 +176,16 @@ def _to_device(x, host: bool):
     return jax.device_put(x, jax.memory.Space.Device) if host else x
 
 
-def write_pool(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array, host: bool) -> jax.Array:
-    """Scatter the new tokens' rows [T, K, H] into pool pages [P, G, K, H] at their slots."""
+def write_pool(pages: Pages, new: jax.Array, slot_mapping: jax.Array, host: bool) -> Pages:
+    """Scatter the new tokens' rows [T, K, H] into pool pages [P, G, K, H] at their slots
+    (`QuantizedPages`: quantized here, on the device; codes and scales written)."""
+    if isinstance(pages, QuantizedPages):
+        codes, scales = quantize(new, pages.kv_cache_dtype)
+        return QuantizedPages(
+            write_pool(pages.values, codes, slot_mapping, host),
+            write_pool(pages.scales, scales[..., 0], slot_mapping, host),  # [P, G, K]
+            pages.kv_cache_dtype,
+        )
     shape = pages.shape
 
     # Host computations take their index arrays ready-made: constants made inside one live in
@@ -159,19 +197,48 @@ def write_pool(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array, host: 
     return _on_host(write, pages, new, slot_mapping, host=host)
 
 
-def fetch_pages(pages: jax.Array, page_indices: jax.Array, host: bool) -> jax.Array:
+def stored_rows(x: jax.Array, pages: Pages) -> jax.Array:
+    """The step's rows x [T, K, H] as the pool `pages` holds them, read back: cast to the pages'
+    dtype, or (`QuantizedPages`) quantized and dequantized in x's dtype."""
+    if isinstance(pages, QuantizedPages):
+        return as_stored(x, pages)
+    return x.astype(pages.dtype)
+
+
+def _dequantized(fetch, pages: Pages, index, host: bool, dtype) -> jax.Array:
+    """fetch(array, index, host) of plain pages; of `QuantizedPages`, of their codes and scales,
+    dequantized on the device into `dtype`."""
+    if not isinstance(pages, QuantizedPages):
+        return fetch(pages, index, host)
+    if dtype is None:
+        raise ValueError("a quantized pool's rows are fetched into a dtype: pass dtype=")
+    scales = fetch(pages.scales, index, host)[..., None]  # the pool's [P, G, K] -> [..., 1]
+    return dequantize(fetch(pages.values, index, host), scales, dtype, pages.kv_cache_dtype)
+
+
+def fetch_pages(pages: Pages, page_indices: jax.Array, host: bool, dtype=None) -> jax.Array:
     """All pages of every sequence's table [S, P] -> [S * P, G, K, H] on the device (a full
-    fetch; pages of holes and padding come along and are masked by the attention)."""
-    rows = _on_host(lambda p, idx: p[idx.reshape(-1)], pages, page_indices, host=host)
-    return _to_device(rows, host)
+    fetch; pages of holes and padding come along and are masked by the attention); a quantized
+    pool's in `dtype`."""
+
+    def fetch(pages, page_indices, host):
+        rows = _on_host(lambda p, idx: p[idx.reshape(-1)], pages, page_indices, host=host)
+        return _to_device(rows, host)
+
+    return _dequantized(fetch, pages, page_indices, host, dtype)
 
 
-def fetch_rows(pages: jax.Array, slots: jax.Array, host: bool) -> jax.Array:
-    """Rows [T, K, M, H] at pool slots [T, K, M] (row (t, k, m) from kv head k) -> the device."""
-    K, H = pages.shape[2:]
-    rows = slots * K + jnp.arange(K, dtype=jnp.int32)[None, :, None]  # into [P * G * K, H]
+def fetch_rows(pages: Pages, slots: jax.Array, host: bool, dtype=None) -> jax.Array:
+    """Rows [T, K, M, H] at pool slots [T, K, M] (row (t, k, m) from kv head k) -> the device;
+    a quantized pool's in `dtype`."""
 
-    def gather(pages, rows):
-        return pages.reshape(-1, H)[rows]
+    def fetch(pages, slots, host):  # pages [P, G, K, H], or a quantized pool's scales [P, G, K]
+        K, rest = pages.shape[2], pages.shape[3:]
+        rows = slots * K + jnp.arange(K, dtype=jnp.int32)[None, :, None]  # into [P * G * K, ...]
 
-    return _to_device(_on_host(gather, pages, rows, host=host), host)
+        def gather(pages, rows):
+            return pages.reshape(-1, *rest)[rows]
+
+        return _to_device(_on_host(gather, pages, rows, host=host), host)
+
+    return _dequantized(fetch, pages, slots, host, dtype)

@@ -108,11 +108,6 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
             )
         self.sparse = config.sparse_kv
         self.last_sparse_stats = None
-        if self.kv_cache_dtype != "auto" and self.sparse.enabled:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} does not run with sparse_kv yet; use "
-                "kv_cache_dtype='auto' there"
-            )
         # The CPU kernel walks each sequence's page table only as far as its kv_lens, so the
         # engine pads every table to the longest (Buckets.create(ragged_pages=True)): the page
         # count stops being a compiled dimension. The jnp reference gathers all P pages, and the

@@ -33,7 +33,12 @@ class SparseStep:
         page_size = config.cache.page_size
         self.pool_memory_kind = infinigen.pool_memory_kind(sparse.pool_memory)
         self.kv_pages = infinigen.allocate_pool(
-            config.model, num_pages, page_size, self.dtype, self.pool_memory_kind
+            config.model,
+            num_pages,
+            page_size,
+            self.dtype,
+            self.pool_memory_kind,
+            config.cache.kv_cache_dtype,
         )
         self.partial_keys = infinigen.allocate_partial_keys(
             config.model, sparse, num_pages, page_size, self.dtype
