@@ -147,14 +147,18 @@ def _llm():
     return tiny_llm(96)
 
 
-def _reference_decode(prompt, params: SamplingParams, n: int):
-    """Greedy decoding with the processing in numpy over the reference forward (full logits of
-    the whole sequence each step): the tokens and each step's raw log-softmax."""
+def _reference_decode(prompt, params: SamplingParams, n: int, proposed: list[int]):
+    """Greedy decoding with the processing in numpy over the reference forward: the tokens and
+    each step's raw log-softmax. The forward runs once, over prompt + `proposed` (the engine's
+    tokens): the model is causal, so while the reference's tokens equal the proposed ones its
+    logits at each step are that pass's; it stops at the first token that differs (returned, so
+    the comparison fails there)."""
     llm = _llm()
     weights = llm.engine.runner.params
-    seq, out, logps = list(prompt), [], []
-    for _ in range(n):
-        raw = full_logits(weights, TINY, seq)[-1].astype(np.float64)
+    raws = full_logits(weights, TINY, list(prompt) + list(proposed[: n - 1]))
+    out, logps = [], []
+    for step in range(n):
+        raw = raws[len(prompt) - 1 + step].astype(np.float64)
         bias = list(params.logit_bias)
         if len(out) < params.min_tokens:
             bias += [(t, -np.inf) for t in params.stop_token_ids]
@@ -164,8 +168,9 @@ def _reference_decode(prompt, params: SamplingParams, n: int):
         )  # fmt: skip
         token = int(np.argmax(x))
         logps.append(raw - raw.max() - np.log(np.exp(raw - raw.max()).sum()))
-        seq.append(token)
         out.append(token)
+        if token != proposed[step]:
+            break
     return out, logps
 
 
@@ -189,7 +194,7 @@ def test_greedy_with_processing_equals_the_numpy_decode_loop_and_logprobs_the_fo
     assert sum(changed) >= 2, changed  # the processing matters on these prompts
     for i, (prompt, out) in enumerate(zip(PROMPTS, outs, strict=True)):
         params = _params(i)
-        want, logps = _reference_decode(prompt, params, 8)
+        want, logps = _reference_decode(prompt, params, 8, out.token_ids)
         assert out.token_ids == want, i
         if params.logprobs is not None:
             assert len(out.logprobs) == 8

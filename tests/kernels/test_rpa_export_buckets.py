@@ -1,8 +1,9 @@
-"""Every step shape the engine can run lowers for the real targets: the TPU kernel for `tpu` and the
-GPU kernels (Triton, Mosaic GPU) for `cuda`, at every (T, S, P) bucket of SmolLM2's default engine
-configuration (`Buckets.shapes()`, as precompilation visits them), in bfloat16, the accelerators'
-dtype. The per-kernel test files export a few shapes of several models; this one sweeps the buckets
-(slow)."""
+"""Every kernel configuration the engine's step shapes reach lowers for the real targets: the TPU
+kernel for `tpu` and the GPU kernels (Triton, Mosaic GPU) for `cuda`, over the (T, S, P) buckets of
+SmolLM2's default engine configuration (`Buckets.shapes()`, as precompilation visits them), one
+bucket of each configuration (block sizes, split count: what changes the lowered kernel), in
+bfloat16, the accelerators' dtype. The per-kernel test files export a few shapes of several
+models; this one sweeps the buckets (slow)."""
 
 import time
 from functools import partial
@@ -50,8 +51,24 @@ def _args(config, T, S, P, num_pages=2048, page_size=16):
     )
 
 
+def _one_per_configuration(shapes, configuration) -> list:
+    """The first bucket of each kernel configuration (what changes the lowered kernel: block
+    sizes, split count), and the smallest and largest bucket; the grid and array sizes of the
+    others only scale it."""
+    chosen = {}
+    for shape in shapes:
+        chosen.setdefault(configuration(*shape), shape)
+    return sorted({shapes[0], shapes[-1], *chosen.values()})
+
+
 def test_every_engine_bucket_exports_for_tpu():
+    from kernels_pallas.ragged_paged_attention.kernel_tpu import _default_queries_per_block
+    from kernels_pallas.ragged_paged_attention.tuning import TPU_KV_PAGES_PER_BLOCK
+
     config, shapes = _engine_shapes()
+    shapes = _one_per_configuration(
+        shapes, lambda T, S, P: (_default_queries_per_block(T), min(TPU_KV_PAGES_PER_BLOCK, P))
+    )
     fn = jax.jit(partial(ragged_paged_attention_tpu, sm_scale=config.head_dim**-0.5))
     t = time.perf_counter()
     for T, S, P in shapes:
@@ -61,7 +78,16 @@ def test_every_engine_bucket_exports_for_tpu():
 
 
 def test_every_engine_bucket_exports_for_cuda():
+    from kernels_pallas.ragged_paged_attention import kernel_gpu
+
     config, shapes = _engine_shapes()
+    K, Q, G = config.num_kv_heads, config.num_heads // config.num_kv_heads, 16
+
+    def configuration(T, S, P):
+        block_q, ppb = kernel_gpu.default_block_sizes(T, S, Q, G)
+        return block_q, ppb, kernel_gpu.choose_num_kv_splits(T, S, K, P, G, block_q, ppb)
+
+    shapes = _one_per_configuration(shapes, configuration)
     fn = jax.jit(partial(ragged_paged_attention_gpu, sm_scale=config.head_dim**-0.5))
     t = time.perf_counter()
     for T, S, P in shapes:
