@@ -168,7 +168,7 @@ QUOTED = (
 
 def test_greedy_with_ngram_speculation_matches_hf_and_plain_decoding(llm, golden):
     """Speculation changes no greedy token: the five HF golden continuations with prompt lookup
-    and with an early-exit draft, and a long answer that quotes its prompt (where most of prompt
+    (two of them with an early-exit draft), and a long answer that quotes its prompt (where most of prompt
     lookup's proposals are accepted)."""
     from llmjax import SamplingParams
 
@@ -183,8 +183,11 @@ def test_greedy_with_ngram_speculation_matches_hf_and_plain_decoding(llm, golden
     draft = llm.with_options(
         speculative_config={"method": "draft", "num_draft_layers": 26, "adaptive": False}
     )
-    for engine in (spec, draft):  # prompt lookup, and the first 26 of 30 layers as a draft
-        for out, want in zip(engine.generate(prompts, params), npz["greedy_ids"], strict=True):
+    # prompt lookup on all five, the first 26 of 30 layers as a draft on two (its steps run
+    # both models: the suite's time)
+    for engine, n in ((spec, len(prompts)), (draft, 2)):
+        outs = engine.generate(prompts[:n], params)
+        for out, want in zip(outs, npz["greedy_ids"][:n], strict=True):
             assert out.token_ids == want.tolist()
     assert draft.engine.stats.num_spec_accepted_tokens > 0
     chat = [{"role": "user", "content": "Repeat this text word for word:\n\n" + QUOTED}]
