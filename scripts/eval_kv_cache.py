@@ -12,7 +12,11 @@ first is the reference, normally 'auto': the model dtype):
              of generated positions equal to the reference's, and the mean position of the first
              difference (gen_len where none)
   KiB/token  the cache's bytes per token (all layers, K and V, the scales included)
-and what fits: for each --memory_models preset on --memory_hardware (the simulator's sizing,
+the scale granularity: the keys and values SmolLM2 (the first --models entry) writes for one
+window of the longest context, quantized with a scale per token and kv head (what the cache
+stores) and with one per page (16 tokens) and kv head, each layer's relative RMS error of the
+rows read back (mean and worst over layers): the measurement behind the per-token choice.
+And what fits: for each --memory_models preset on --memory_hardware (the simulator's sizing,
 llmjax/sim/runner.py `sim_num_pages`: --memory_utilization of the device's memory less the weights
 in --memory_dtype), the KV pages (16 tokens) per GiB, the pages that fit, the longest context one
 request can have (by KV memory alone) and the most requests of --memory_context tokens that fit, per
@@ -146,6 +150,61 @@ def evaluate_model(model: str) -> list[dict]:
     return rows
 
 
+def granularity(model: str) -> list[dict]:
+    """Per KV dtype: the relative RMS error of K and V read back with a scale per token and kv
+    head, and with one per page and kv head, over the rows one prefill writes."""
+    import jax
+    import jax.numpy as jnp
+
+    from llmjax import LLM
+    from llmjax.data.texts import text_token_ids
+    from llmjax.model.kv_cache import allocate_kv_pages, fake_quantize
+    from llmjax.model.llama import forward
+    from llmjax.model.params import layers_stacked
+    from llmjax.model.step_input import contiguous_prefill
+
+    n, G = max(int(c) for c in FLAGS.contexts), 16
+    llm = LLM(model, dtype=FLAGS.dtype, load_format="auto" if os.path.exists(model) else
+              FLAGS.load_format, max_model_len=n, num_pages=4)  # fmt: skip
+    config, params = llm.model_config, llm.engine.runner.params
+    ids = np.asarray(text_token_ids(llm.tokenizer, config.vocab_size, "alice"), np.int32)[:n]
+    step, tables = contiguous_prefill(ids[None], n, G)
+    kv = allocate_kv_pages(config, 2 + n // G, G, jnp.dtype(FLAGS.dtype),
+                           stacked=layers_stacked(params))  # fmt: skip
+    _, kv = jax.jit(forward, static_argnames="config")(params, kv, step, config=config)
+    # K and V as [L, pages, G, K, H] float32, this window's pages (a stacked cache holds every
+    # layer's pages along one axis, layer-major; an unstacked one is a list of layers)
+    L = config.num_layers
+    if isinstance(kv, tuple):
+        rows = [np.asarray(x, np.float32).reshape(L, -1, *x.shape[1:]) for x in kv]
+    else:
+        rows = [np.stack([np.asarray(layer[i], np.float32) for layer in kv]) for i in (0, 1)]
+    rows = [r[:, tables[0]] for r in rows]
+    out = []
+    for kv_dtype in FLAGS.kv_cache_dtypes:
+        if kv_dtype == "auto":
+            continue
+        row = dict(model=config.name or model, kv_cache_dtype=kv_dtype, tokens=n)
+        for name, x in zip("kv", rows, strict=True):
+            L, P_, _, K, H = x.shape
+            per_token = np.asarray(fake_quantize(jnp.asarray(x), kv_dtype))
+            paged = x.transpose(0, 1, 3, 2, 4).reshape(L, P_, K, G * H)  # a row per page, head
+            per_page = np.asarray(fake_quantize(jnp.asarray(paged), kv_dtype))
+            per_page = per_page.reshape(L, P_, K, G, H).transpose(0, 1, 3, 2, 4)
+            for tag, got in (("token", per_token), ("page", per_page)):
+                err = np.sqrt(
+                    ((got - x) ** 2).mean(axis=(1, 2, 3, 4)) / (x**2).mean(axis=(1, 2, 3, 4))
+                )
+                row[f"{name}_{tag}_mean"], row[f"{name}_{tag}_max"] = (
+                    float(err.mean()),
+                    float(err.max()),
+                )
+        out.append(row)
+    del llm
+    gc.collect()
+    return out
+
+
 def what_fits() -> list[dict]:
     """Per --memory_models preset and KV dtype: pages per GiB, the pages beside the weights on
     --memory_hardware, the longest context and the requests of --memory_context tokens."""
@@ -200,6 +259,18 @@ def main(argv):
             f"| {r['longest_context']} | {r['requests']} |"
         )
     print(flush=True)
+    grains = granularity(FLAGS.models[0])
+    print(
+        f"Scale granularity ({grains[0]['model'] if grains else ''}, one {FLAGS.contexts[-1]}"
+        "-token window): relative RMS error of the rows read back, mean / worst layer"
+    )
+    print("| KV dtype | K per token | K per page | V per token | V per page |")
+    print("|---|---|---|---|---|")
+    for g in grains:
+        cells = [f"{g[f'{x}_mean']:.4f} / {g[f'{x}_max']:.4f}"
+                 for x in ("k_token", "k_page", "v_token", "v_page")]  # fmt: skip
+        print(f"| {g['kv_cache_dtype']} | " + " | ".join(cells) + " |")
+    print(flush=True)
     rows = []
     for model in FLAGS.models:
         rows += evaluate_model(model)
@@ -223,6 +294,7 @@ def main(argv):
         gen_len=FLAGS.gen_len,
         reference=FLAGS.kv_cache_dtypes[0],
         rows=rows,
+        granularity=grains,
         memory=dict(
             hardware=FLAGS.memory_hardware,
             dtype=FLAGS.memory_dtype,
