@@ -214,7 +214,7 @@ def main(argv):
     if bad:
         raise app.UsageError(f"unknown {bad}")
     jobs = [
-        (m, d, s, a)
+        (m, d, s, a, k)
         for m in FLAGS.models
         for d in FLAGS.datasets
         for s in FLAGS.slos

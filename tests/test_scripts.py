@@ -188,15 +188,17 @@ def test_reproduce_sarathi_prints_ours_beside_the_paper(tmp_path):
     out = tmp_path / "rep.json"
     stdout = _run(
         "reproduce_sarathi.py", "--models=mistral-7b", "--datasets=arxiv", "--slos=relaxed",
-        "--num_requests=24", "--capacity_max_iters=3", "--jobs=2", f"--json_out={out}",
-        "--async_scheduling=off,on",
+        "--num_requests=24", "--capacity_max_iters=2", "--jobs=2", f"--json_out={out}",
+        "--async_scheduling=off,on", "--kv_cache_dtypes=auto,fp8_e4m3",
     ).stdout  # fmt: skip
     assert "mistral-7b" in stdout and "2.6x" in stdout
     rows = json.loads(out.read_text())["capacity"]
-    assert [r["async_scheduling"] for r in rows] == ["off", "on"]
+    runs = [(r["async_scheduling"], r["kv_cache_dtype"]) for r in rows]
+    assert runs == [("off", "auto"), ("off", "fp8_e4m3"), ("on", "auto"), ("on", "fp8_e4m3")]
     for row in rows:
         assert row["capacity_qps"]["sarathi"] > 0 and row["tbt_slo"] == 0.5
-        assert len(row["trials"]["sarathi"]) == 3
+        assert len(row["trials"]["sarathi"]) == 2
+    assert "fp8_e4m3" in stdout
 
 
 def test_profile_serving_counts_real_and_padded_tokens_per_bucket(tmp_path):
