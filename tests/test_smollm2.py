@@ -168,8 +168,8 @@ QUOTED = (
 
 def test_greedy_with_ngram_speculation_matches_hf_and_plain_decoding(llm, golden):
     """Speculation changes no greedy token: the five HF golden continuations with prompt lookup
-    (two of them with an early-exit draft), and a long answer that quotes its prompt (where most of prompt
-    lookup's proposals are accepted)."""
+    (two of them with an early-exit draft), and a long answer that quotes its prompt (where most
+    of prompt lookup's proposals are accepted)."""
     from llmjax import SamplingParams
 
     npz, _ = golden
