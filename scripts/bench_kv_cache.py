@@ -52,15 +52,29 @@ def random_pages(kv_pages, seed: int):
 
     key = jax.random.key(seed)
 
-    def fill(x, key, kind):
+    def values(key, shape, dtype, kind):
         if kind == "scales":
-            return jax.random.uniform(key, x.shape, x.dtype, 0.005, 0.01)
+            return jax.random.uniform(key, shape, dtype, 0.005, 0.01)
         if kind == "auto":
-            return jax.random.normal(key, x.shape, x.dtype)
-        bits = jax.random.bits(key, x.shape, jnp.uint8)
+            return jax.random.normal(key, shape, dtype)
+        bits = jax.random.bits(key, shape, jnp.uint8)
         if kind == "int8":
             return jax.lax.bitcast_convert_type(bits, jnp.int8)
         return bits & jnp.uint8(0xBF)  # fp8: exponent's top bit cleared (no NaN, no inf)
+
+    def fill(x, key, kind):
+        """x (donated) filled in place, 16 slabs of pages one after another: no full-size
+        temporary (a 6 GiB float32 cache and its random bits did not fit 24 GiB beside the
+        others). The last slab may overlap the one before it; both are random."""
+        n = -(-x.shape[0] // 16)
+
+        def slab(i, x):
+            new = values(jax.random.fold_in(key, i), (n, *x.shape[1:]), x.dtype, kind)
+            return jax.lax.dynamic_update_slice_in_dim(
+                x, new, jnp.minimum(i * n, x.shape[0] - n), 0
+            )
+
+        return jax.lax.fori_loop(0, 16, slab, x)
 
     def one(pages, key):
         f = jax.jit(fill, static_argnums=2, donate_argnums=0)
