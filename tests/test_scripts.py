@@ -266,3 +266,26 @@ def test_bench_async_compares_sync_and_async_steps(tmp_path):
         assert r["steps"] > 0 and r["device_ms"] > 0 and r["tokens_per_s"] > 0
         assert r["wall_ms"] == pytest.approx(r["host_ms"] + r["waited_ms"])
     assert all("host_hidden" in r for r in rows if r["mode"] == "async")
+
+
+def test_bench_kv_cache_times_each_kv_dtype(tmp_path):
+    """scripts/bench_kv_cache.py on the tiny model: a row per context and KV dtype, the KV bytes
+    a step reads (head_dim + 4) / (4 head_dim) of float32's for a quantized cache."""
+    import configs
+
+    out = tmp_path / "kv.json"
+    _run(
+        "bench_kv_cache.py", "--model=tiny", "--load_format=dummy", "--contexts=32,64",
+        "--kv_cache_dtypes=auto,int8,fp8_e5m2", "--repeats=1", "--rounds=2", "--batch=4",
+        f"--json_out={out}",
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context"], r["kv_cache_dtype"]) for r in rows] == [
+        (c, d) for c in (32, 64) for d in ("auto", "int8", "fp8_e5m2")
+    ]
+    H = configs.get_preset("tiny").head_dim
+    for auto, *quantized in (rows[:3], rows[3:]):
+        assert auto["step_ms"] > 0 and auto["speedup"] == 1.0
+        for r in quantized:
+            assert r["kv_mib_read"] * 4 * H == pytest.approx(auto["kv_mib_read"] * (H + 4))
+            assert r["step_ms"] > 0
