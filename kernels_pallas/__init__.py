@@ -6,4 +6,6 @@ implementation for the platform.
 
   ragged_paged_attention/   attention of a flat batch of decodes and prefill chunks over a paged
                             KV cache (the engine's `attention_backend="pallas"`)
+  kv_quant.py               a quantized KV cache's codes and scales as the kernels read them
+                            (llmjax/model/kv_cache.py stores them)
 """

@@ -97,7 +97,7 @@ def random_pages(kv_pages, seed: int):
 
 def decode_step(batch: int, context: int, vocab: int, seed: int):
     """`batch` decodes at position context - 1; sequence b on pages 1 + b * n, ... (n each)."""
-    from llmjax.engine.batch import SamplingInput
+    from llmjax.engine.runner.launched import greedy_sampling
     from llmjax.model.step_input import StepInput
 
     n = -(-context // PAGE)
@@ -113,14 +113,7 @@ def decode_step(batch: int, context: int, vocab: int, seed: int):
         num_seqs=np.array([batch], np.int32),
         logits_indices=np.arange(batch, dtype=np.int32),
     )
-    sampling = SamplingInput(
-        np.zeros(batch, np.float32),
-        np.zeros(batch, np.int32),
-        np.ones(batch, np.float32),
-        np.zeros(batch, np.uint32),
-        np.zeros(batch, np.int32),
-        all_greedy=True,
-    )
+    sampling = greedy_sampling(batch)
     return step, sampling
 
 

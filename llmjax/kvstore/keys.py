@@ -88,8 +88,8 @@ class KeySalt:
     @classmethod
     def for_engine(cls, config) -> KeySalt:
         """The salt of an `EngineConfig`: its model's name and shape, KV dtype (and quantized
-        cache dtype), page size, and
-        the kv heads per layer as its tp layout holds them (llmjax/parallel/heads.py)."""
+        cache dtype), page size, and the kv heads per layer as its tp layout holds them
+        (llmjax/parallel/heads.py)."""
         from llmjax.parallel.heads import tp_head_layout
 
         m = config.model

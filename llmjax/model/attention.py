@@ -166,6 +166,17 @@ def reference_attention(
     )
 
 
+def _codes_and_scales(k_pages: Pages, v_pages: Pages) -> tuple[jax.Array, jax.Array, dict]:
+    """(k, v, kwargs) for a kernel: plain pages as they are; `QuantizedPages` as their codes,
+    with `k_scales`, `v_scales` and `kv_cache_dtype` in kwargs (read in place by the kernel)."""
+    if not isinstance(k_pages, QuantizedPages):
+        return k_pages, v_pages, {}
+    quantized = dict(
+        k_scales=k_pages.scales, v_scales=v_pages.scales, kv_cache_dtype=k_pages.kv_cache_dtype
+    )
+    return k_pages.values, v_pages.values, quantized
+
+
 def cpu_attention(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [num_pages, G, K, H]
@@ -181,14 +192,7 @@ def cpu_attention(
     from kernels_cpu import ragged_paged_attention
 
     del new_kv
-    quantized = {}
-    if isinstance(k_pages, QuantizedPages):  # the bytes and their scales, read in place
-        quantized = dict(
-            k_scales=k_pages.scales,
-            v_scales=v_pages.scales,
-            kv_cache_dtype=k_pages.kv_cache_dtype,
-        )
-        k_pages, v_pages = k_pages.values, v_pages.values
+    k_pages, v_pages, quantized = _codes_and_scales(k_pages, v_pages)
     return ragged_paged_attention(
         q,
         k_pages,
@@ -226,19 +230,13 @@ def pallas_attention(
     value) pairs go to the ragged kernel's function (EngineConfig.kernel_options)."""
     from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
-    quantized = {}
-    if isinstance(k_pages, QuantizedPages):  # codes and scales, dequantized after each copy
-        quantized = dict(
-            k_scales=k_pages.scales,
-            v_scales=v_pages.scales,
-            kv_cache_dtype=k_pages.kv_cache_dtype,
-        )
+    k_codes, v_codes, quantized = _codes_and_scales(k_pages, v_pages)  # dequantized per copy
 
     def ragged():
         return ragged_paged_attention(
             q,
-            getattr(k_pages, "values", k_pages),
-            getattr(v_pages, "values", v_pages),
+            k_codes,
+            v_codes,
             step.kv_lens,
             step.page_indices,
             step.cu_q_lens,

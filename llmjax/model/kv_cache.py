@@ -34,14 +34,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# the codes' element and storage dtypes and `dequantize` are the kernels' (one definition for the
+# reference, the Pallas kernels and this module)
+from kernels_pallas.kv_quant import KV_CACHE_DTYPES as KV_CODES
+from kernels_pallas.kv_quant import dequantize
 from llmjax.config import KV_SCALE_BYTES, ModelConfig, kv_row_bytes
 
-# kv_cache_dtype -> (element dtype, its largest finite value: the absmax a row is scaled to)
-QUANTIZED_KV = {
-    "int8": (jnp.int8, 127.0),
-    "fp8_e4m3": (jnp.float8_e4m3fn, 448.0),
-    "fp8_e5m2": (jnp.float8_e5m2, 57344.0),
-}
+
+def _largest(element) -> float:
+    info = jnp.iinfo(element) if jnp.issubdtype(element, jnp.integer) else jnp.finfo(element)
+    return float(info.max)
+
+
+# kv_cache_dtype -> (element dtype, its largest finite value: the absmax a row is scaled to;
+# int8 127, fp8_e4m3 448, fp8_e5m2 57344)
+QUANTIZED_KV = {name: (element, _largest(element)) for name, (element, _) in KV_CODES.items()}
 SCALE_DTYPE = jnp.float32
 assert jnp.dtype(SCALE_DTYPE).itemsize == KV_SCALE_BYTES
 
@@ -49,7 +56,7 @@ assert jnp.dtype(SCALE_DTYPE).itemsize == KV_SCALE_BYTES
 def storage_dtype(kv_cache_dtype: str):
     """What the pages' array holds: int8 itself; an fp8 element's bits as uint8 (XLA on the CPU
     copied float8 pages at every one-token update; as bytes they update in place)."""
-    return jnp.int8 if kv_cache_dtype == "int8" else jnp.uint8
+    return KV_CODES[kv_cache_dtype][1]
 
 
 @functools.partial(
@@ -96,14 +103,6 @@ def quantize(x: jax.Array, kv_cache_dtype: str) -> tuple[jax.Array, jax.Array]:
         return jnp.round(y).astype(dtype), scale.astype(SCALE_DTYPE)
     bits = jax.lax.bitcast_convert_type(y.astype(dtype), jnp.uint8)
     return bits, scale.astype(SCALE_DTYPE)
-
-
-def dequantize(values: jax.Array, scales: jax.Array, dtype, kv_cache_dtype: str) -> jax.Array:
-    """(values [..., H], scales [..., 1]) of `kv_cache_dtype` -> values * scales in `dtype`
-    (computed in float32)."""
-    if values.dtype == jnp.uint8:  # fp8 bits
-        values = jax.lax.bitcast_convert_type(values, QUANTIZED_KV[kv_cache_dtype][0])
-    return (values.astype(jnp.float32) * scales.astype(jnp.float32)).astype(dtype)
 
 
 def fake_quantize(x: jax.Array, kv_cache_dtype: str) -> jax.Array:

@@ -9,7 +9,7 @@ a float32 scale per row, llmjax/model/kv_cache.py) in the same memory kind. The 
 quantized on the device, so only codes and scales cross to the pool, and a fetch gathers codes
 and scales where the pool lives, moves them and dequantizes them on the device into the model's
 dtype: what crosses is 1 byte an element and 4 a row. The selection metadata (partial keys, page
-bounds) is computed from the keys as the pool stores them (`as_stored`)."""
+bounds) is computed from the keys as the pool stores them (`stored_rows`)."""
 
 from __future__ import annotations
 
