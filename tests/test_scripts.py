@@ -289,3 +289,28 @@ def test_bench_kv_cache_times_each_kv_dtype(tmp_path):
         for r in quantized:
             assert r["kv_mib_read"] * 4 * H == pytest.approx(auto["kv_mib_read"] * (H + 4))
             assert r["step_ms"] > 0
+
+
+def test_eval_kv_cache_reports_quality_granularity_and_what_fits(tmp_path):
+    """scripts/eval_kv_cache.py on the tiny model (random weights): the reference dtype agrees
+    with itself, int8 is priced at (H + 4) / (4 H) of float32's bytes, the granularity rows and
+    the what-fits table come out."""
+    import configs
+
+    out = tmp_path / "kv.json"
+    _run(
+        "eval_kv_cache.py", "--models=tiny", "--load_format=dummy", "--contexts=32",
+        "--kv_cache_dtypes=auto,int8", "--num_windows=1", "--num_prompts=1", "--gen_len=4",
+        "--memory_models=llama2-7b", f"--out={out}",
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    auto, int8 = result["rows"]
+    assert auto["tf_agree"] == 1.0 and auto["free_agree"] == 1.0
+    assert 0 < int8["tf_agree"] <= 1 and np.isfinite(int8["perplexity"])
+    H = configs.get_preset("tiny").head_dim
+    assert int8["kib_per_token"] * 4 * H == pytest.approx(auto["kib_per_token"] * (H + 4))
+    [grain] = result["granularity"]
+    assert grain["kv_cache_dtype"] == "int8"
+    assert 0 < grain["k_token_mean"] <= grain["k_token_max"] < 0.05
+    fits = {r["kv_cache_dtype"]: r for r in result["memory"]["rows"]}
+    assert fits["int8"]["pages"] > fits["auto"]["pages"]
