@@ -15,7 +15,8 @@ are written for AVX-512 (VNNI, bf16 dots, AMX); on a CPU without it (AVX2 only: 
 Intel before Skylake-SP) the dense kernel runs its AVX2 engine, and the qmatmul kernel its
 portable scalar loops, 3-25x slower than XLA's own dot (scripts/bench_dense_matmul.py,
 bench_qmatmul.py), so the model takes each only where it measured faster
-(llmjax/model/quant.py). The attention kernel's portable path still beats the jnp reference.
+(llmjax/model/quant.py). The attention kernel's portable path still beats the jnp reference;
+with VNNI it scores an int8 KV cache in int8 (`int8_scores`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ ENGINES = {
         ("portable", "avx512", "avx512_bf16", "amx", "avx2"),
     ),
     "qmatmul": ("LlmjaxQmatmulEngine", ("portable", "avx512", "avx512_vnni", "amx")),
+    "ragged_paged_attention": (
+        "LlmjaxRaggedPagedAttentionEngine",
+        ("portable", "avx512", "avx512_vnni"),
+    ),
 }
 TARGETS = {
     "LlmjaxRaggedPagedAttention": "llmjax_cpu_ragged_paged_attention",
@@ -134,8 +139,9 @@ def load() -> str:
 
 
 def engines() -> dict[str, str]:
-    """The engine each matmul kernel was compiled with here (ENGINES' names, e.g.
-    {'dense_matmul': 'avx512_bf16', 'qmatmul': 'amx'}); raises KernelsUnavailable."""
+    """The engine each kernel was compiled with here (ENGINES' names, e.g.
+    {'dense_matmul': 'avx512_bf16', 'qmatmul': 'amx', 'ragged_paged_attention': 'avx512_vnni'});
+    raises KernelsUnavailable."""
     load()
     return dict(_load_once()[1])
 

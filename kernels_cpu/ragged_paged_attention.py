@@ -1,7 +1,10 @@
 """Ragged paged attention on the CPU (csrc/ragged_paged_attention.cc): the arguments and result
 of kernels_pallas/ragged_paged_attention/reference.py, float32 or bfloat16; the pages in q's
 dtype, or a quantized cache's (llmjax/model/kv_cache.py: int8, or fp8 bits as uint8, with a
-float32 scale per row and kv head)."""
+float32 scale per row and kv head). With an int8 cache, `int8_scores` (the default) computes the
+scores as int8 dot products where the CPU has AVX-512 VNNI (`kernels_cpu.build.engines()`'s
+'avx512_vnni'): each query vector is quantized to int8 at its own scale first (see the C++
+header); elsewhere, or with int8_scores=False, they are float32 dots of the dequantized keys."""
 
 from __future__ import annotations
 
@@ -15,6 +18,18 @@ TARGET = "llmjax_cpu_ragged_paged_attention"
 DTYPES = (jnp.float32, jnp.bfloat16)
 # kv_cache_dtype -> (the kernel's kv_format, the pages' dtype)
 KV_FORMATS = {"int8": (1, jnp.int8), "fp8_e4m3": (2, jnp.uint8), "fp8_e5m2": (3, jnp.uint8)}
+# The kernel's options (EngineConfig.kernel_options with attention_backend='cpu').
+KERNEL_OPTIONS = ("int8_scores",)
+
+
+def check_kernel_options(options: dict) -> None:
+    """Raises ValueError for an option the CPU kernel does not take."""
+    unknown = sorted(set(options) - set(KERNEL_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"kernel_options {unknown} are not the CPU attention kernel's; "
+            f"it takes {KERNEL_OPTIONS}"
+        )
 
 
 def ragged_paged_attention(
@@ -32,6 +47,7 @@ def ragged_paged_attention(
     k_scales: jax.Array | None = None,  # [num_pages, G, K, 1] float32: a quantized cache
     v_scales: jax.Array | None = None,
     kv_cache_dtype: str = "auto",
+    int8_scores: bool = True,
 ) -> jax.Array:
     """-> [T, N, H] in q's dtype (see the reference for the contract; a quantized cache's rows
     are values * scales). Raises ValueError for shapes or dtypes it does not take,
@@ -84,4 +100,5 @@ def ragged_paged_attention(
         sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
         kv_format=np.int64(kv_format),
+        int8_scores=np.int64(bool(int8_scores) and kv_cache_dtype == "int8"),
     )

@@ -20,27 +20,34 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmjax.config import ModelConfig
+from llmjax.model.attention import AttentionFn, reference_attention
 from llmjax.model.kv_cache import allocate_kv_pages
 from llmjax.model.llama import forward
 from llmjax.model.params import layers_stacked
 from llmjax.model.step_input import contiguous_prefill
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _scores(params, kv, step, targets, config: ModelConfig):
-    logits, _ = forward(params, kv, step, config)
+@functools.partial(jax.jit, static_argnames=("config", "attention_fn"))
+def _scores(params, kv, step, targets, config: ModelConfig, attention_fn: AttentionFn):
+    logits, _ = forward(params, kv, step, config, attention_fn=attention_fn)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
     return nll, jnp.argmax(logits, axis=-1)
 
 
 def teacher_forced(
-    params, config: ModelConfig, sequences, page_size: int = 16, kv_cache_dtype: str = "auto"
+    params,
+    config: ModelConfig,
+    sequences,
+    page_size: int = 16,
+    kv_cache_dtype: str = "auto",
+    attention_fn: AttentionFn = reference_attention,
 ):
     """[B, n] token ids -> (nll [B, n-1] of each next token, argmax [B, n-1]) from one prefill
     of each row (a row at a time: the logits of every position of a 49k vocabulary are big),
     over a KV cache of `kv_cache_dtype` (CacheConfig's: every position attends over the stored,
-    possibly quantized, keys and values)."""
+    possibly quantized, keys and values), attending with `attention_fn` (the jnp reference, or
+    a kernel's: `make_attention_fn`)."""
     sequences = np.asarray(sequences, np.int32)
     n = sequences.shape[1]
     dtype = params["final_norm"].dtype
@@ -56,7 +63,7 @@ def teacher_forced(
             stacked=layers_stacked(params),
             kv_cache_dtype=kv_cache_dtype,
         )
-        nl, am = _scores(params, kv, step, jnp.asarray(row[1:]), config)
+        nl, am = _scores(params, kv, step, jnp.asarray(row[1:]), config, attention_fn)
         nll.append(np.asarray(nl))
         argmax.append(np.asarray(am))
     return np.stack(nll), np.stack(argmax)

@@ -5,9 +5,11 @@ model step alone (`ModelRunner.time_step`: the median of --repeats runs, each wa
 each --kv_cache_dtypes entry over the same weights, in one process, dtypes alternating per
 context, so the ratios are measured in the same run. The cache holds random values (the
 quantized ones valid: no NaN or inf bytes), written once on the device; no prefill runs, so an
-8k context costs nothing to set up. Per row: decode tokens/s, the KV bytes the step's attention
-reads (every layer's K and V rows of every sequence, scales included) and how many times faster
-than the first dtype (normally 'auto', the model dtype) at that context.
+8k context costs nothing to set up. An entry 'DTYPE:OPTIONS' adds the CPU attention kernel's
+options (`int8:int8_scores=false`: an int8 cache scored with float32 dots instead of VNNI int8
+dots, the default where the CPU has them). Per row: decode tokens/s, the KV bytes the step's
+attention reads (every layer's K and V rows of every sequence, scales included) and how many
+times faster than the first dtype (normally 'auto', the model dtype) at that context.
 
     python scripts/bench_kv_cache.py                    # SmolLM2 float32, batch 16, 1k-8k tokens
     python scripts/bench_kv_cache.py --dtype bfloat16 --contexts 2048 --attention_backend reference
@@ -27,7 +29,9 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_string("dtype", "float32", "The model dtype (weights, activations, 'auto' KV).")
 flags.DEFINE_list(
-    "kv_cache_dtypes", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"], "KV dtypes; the first is the base."
+    "kv_cache_dtypes",
+    ["auto", "int8", "int8:int8_scores=false", "fp8_e4m3", "fp8_e5m2"],
+    "KV dtypes (or 'DTYPE:KERNEL_OPTIONS', the CPU kernel's); the first is the base.",
 )
 flags.DEFINE_list("contexts", ["1024", "2048", "4096", "8192"], "Tokens of context per sequence.")
 flags.DEFINE_integer("batch", 16, "Decoding sequences per step.")
@@ -121,6 +125,7 @@ def main(argv):
     del argv
     from llmjax import LLM
     from llmjax.bench.metrics import format_table
+    from llmjax.bench.variants import kv_cache_variant
     from llmjax.model.kv_cache import kv_cache_bytes
 
     contexts = [int(c) for c in FLAGS.contexts]
@@ -137,22 +142,22 @@ def main(argv):
     rows = []
     for context in contexts:
         step, sampling = decode_step(FLAGS.batch, context, config.vocab_size, FLAGS.seed)
-        runners = {}
-        for kv_dtype in FLAGS.kv_cache_dtypes:  # every cache of this context held at once
+        runners, dtypes = {}, {}
+        for entry in FLAGS.kv_cache_dtypes:  # every cache of this context held at once
+            label, options = kv_cache_variant(entry)
+            options = dict(attention_backend=FLAGS.attention_backend) | options
             runner = base.with_options(
-                kv_cache_dtype=kv_dtype,
-                num_pages=FLAGS.batch * -(-context // PAGE) + 2,
-                attention_backend=FLAGS.attention_backend,
+                num_pages=FLAGS.batch * -(-context // PAGE) + 2, **options
             ).engine.runner
             runner.kv_pages = random_pages(runner.kv_pages, FLAGS.seed)
-            runners[kv_dtype] = runner
+            runners[label], dtypes[label] = runner, options["kv_cache_dtype"]
         times = {d: [] for d in runners}
         for _ in range(FLAGS.rounds):  # the dtypes alternate: drift on a busy machine is shared
             for kv_dtype, runner in runners.items():
                 times[kv_dtype].append(runner.time_step(step, sampling, FLAGS.repeats))
         for kv_dtype, runner in runners.items():
             seconds = float(np.median(times[kv_dtype]))
-            read = kv_cache_bytes(config, 1, FLAGS.batch * context, FLAGS.dtype, kv_dtype)
+            read = kv_cache_bytes(config, 1, FLAGS.batch * context, FLAGS.dtype, dtypes[kv_dtype])
             rows.append(
                 dict(
                     context=context,

@@ -1,7 +1,10 @@
 r"""What a quantized KV cache costs in quality (CacheConfig.kv_cache_dtype; llmjax/quality.py).
 
 For each --models entry, each context length of --contexts and each --kv_cache_dtypes entry (the
-first is the reference, normally 'auto': the model dtype):
+first is the reference, normally 'auto': the model dtype; 'DTYPE:OPTIONS' adds the CPU attention
+kernel's options, e.g. 'int8:int8_scores=false', llmjax/bench/variants.py `kv_cache_variant`),
+every position attending with --attention_backend's kernel (on this CPU 'auto' is the C++ kernel,
+whose int8 cache is scored with int8 dots where the CPU has VNNI):
   ppl        perplexity of the bundled public-domain text (llmjax/data/alice.txt): --num_windows
              windows of `context` tokens, each one prefill over a cache of that dtype, every next
              token scored (a position attends over the stored, quantized, keys and values)
@@ -57,7 +60,10 @@ flags.DEFINE_list("contexts", ["1024", "2048"], "Context lengths (tokens).")
 flags.DEFINE_list(
     "kv_cache_dtypes",
     ["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
-    "KV cache dtypes; the first is the reference.",
+    "KV cache dtypes (or 'DTYPE:KERNEL_OPTIONS'); the first is the reference.",
+)
+flags.DEFINE_string(
+    "attention_backend", "auto", "EngineConfig.attention_backend of every position's attention."
 )
 flags.DEFINE_integer("num_windows", 2, "Perplexity windows per context length.")
 flags.DEFINE_integer("num_prompts", 4, "Prompts for free-running agreement.")
@@ -76,12 +82,21 @@ flags.DEFINE_string("out", "out/eval_kv_cache.json", "Where to write the JSON re
 FLAGS = flags.FLAGS
 
 
-def free_running(llm, prompts, gen_len: int, kv_cache_dtype: str) -> np.ndarray:
-    """[B, gen_len] greedy tokens of `llm`'s engine with a cache of `kv_cache_dtype`."""
+def kv_dtypes() -> list[str]:
+    """The KV dtypes --kv_cache_dtypes names, each once (what the tables of bytes measure)."""
+    from llmjax.bench.variants import kv_cache_variant
+
+    return list(
+        dict.fromkeys(kv_cache_variant(e)[1]["kv_cache_dtype"] for e in FLAGS.kv_cache_dtypes)
+    )
+
+
+def free_running(llm, prompts, gen_len: int, options: dict) -> np.ndarray:
+    """[B, gen_len] greedy tokens of `llm`'s engine with the cache `options` name."""
     from llmjax import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    engine = llm.with_options(kv_cache_dtype=kv_cache_dtype)
+    engine = llm.with_options(**options)
     outs = engine.generate([list(map(int, p)) for p in prompts], greedy, use_tqdm=False)
     return np.asarray([o.token_ids for o in outs], np.int64)
 
@@ -95,7 +110,9 @@ def agreement(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
 
 def evaluate_model(model: str) -> list[dict]:
     from llmjax import LLM, quality
+    from llmjax.bench.variants import kv_cache_variant
     from llmjax.data.texts import text_token_ids
+    from llmjax.model.attention import make_attention_fn
     from llmjax.model.kv_cache import kv_cache_bytes
 
     contexts = [int(c) for c in FLAGS.contexts]
@@ -109,6 +126,7 @@ def evaluate_model(model: str) -> list[dict]:
         max_num_batched_tokens=512,
         num_pages=FLAGS.num_prompts * (longest // 16 + 1) + 2,
         prefix_cache="none",
+        attention_backend=FLAGS.attention_backend,
     )
     config = llm.model_config
     ids = np.asarray(text_token_ids(llm.tokenizer, config.vocab_size, "alice"), np.int32)
@@ -118,19 +136,25 @@ def evaluate_model(model: str) -> list[dict]:
         rest = ids[windows.size :]
         prompts = quality.text_windows(rest, context - FLAGS.gen_len, FLAGS.num_prompts)
         reference = None
-        for kv_dtype in FLAGS.kv_cache_dtypes:
+        for entry in FLAGS.kv_cache_dtypes:
             t0 = time.perf_counter()
-            nll, argmax = quality.teacher_forced(
-                llm.params, config, windows, kv_cache_dtype=kv_dtype
+            label, options = kv_cache_variant(entry)
+            kv_dtype = options["kv_cache_dtype"]
+            attention_fn = make_attention_fn(
+                options.get("attention_backend", FLAGS.attention_backend),
+                kernel_options=options.get("kernel_options", ""),
             )
-            generated = free_running(llm, prompts, FLAGS.gen_len, kv_dtype)
+            nll, argmax = quality.teacher_forced(
+                llm.params, config, windows, kv_cache_dtype=kv_dtype, attention_fn=attention_fn
+            )
+            generated = free_running(llm, prompts, FLAGS.gen_len, options)
             if reference is None:
                 reference = argmax, generated
             free, first = agreement(generated, reference[1])
             row = dict(
                 model=config.name or model,
                 context=context,
-                kv_cache_dtype=kv_dtype,
+                kv_cache_dtype=label,
                 kib_per_token=kv_cache_bytes(config, 1, 1, FLAGS.dtype, kv_dtype) / 1024,
                 perplexity=float(np.exp(nll.astype(np.float64).mean())),
                 tf_agree=float((argmax == reference[0]).mean()),
@@ -140,7 +164,7 @@ def evaluate_model(model: str) -> list[dict]:
             )
             rows.append(row)
             print(
-                f"{row['model']:>24} {context:5d} {kv_dtype:>9}  {row['kib_per_token']:6.2f} "
+                f"{row['model']:>24} {context:5d} {label:>9}  {row['kib_per_token']:6.2f} "
                 f"KiB/token  ppl {row['perplexity']:9.3f}  tf {row['tf_agree']:.4f}  free "
                 f"{free:.3f} (first diff {first:5.1f})  ({row['seconds']:.0f} s)",
                 flush=True,
@@ -181,7 +205,7 @@ def granularity(model: str) -> list[dict]:
         rows = [np.stack([np.asarray(layer[i], np.float32) for layer in kv]) for i in (0, 1)]
     rows = [r[:, tables[0]] for r in rows]
     out = []
-    for kv_dtype in FLAGS.kv_cache_dtypes:
+    for kv_dtype in kv_dtypes():
         if kv_dtype == "auto":
             continue
         row = dict(model=config.name or model, kv_cache_dtype=kv_dtype, tokens=n)
@@ -216,7 +240,7 @@ def what_fits() -> list[dict]:
     rows = []
     for name in FLAGS.memory_models:
         model = configs.get_preset(name)
-        for kv_dtype in FLAGS.kv_cache_dtypes:
+        for kv_dtype in kv_dtypes():
             page = kv_page_bytes_per_device(model, 16, FLAGS.memory_dtype, 1, 1, kv_dtype)
             config = EngineConfig(
                 model=model,

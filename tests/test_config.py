@@ -66,6 +66,8 @@ def test_pallas_kernel_choice_is_checked_against_the_model():
     assert EngineConfig(model=h64, dtype="bfloat16", pallas_kernel="mgpu").pallas_kernel == "mgpu"
     with pytest.raises(ValueError, match="name the kernel with pallas_kernel"):
         EngineConfig(model=configs.TINY, kernel_options="num_stages=2")
+    cpu = EngineConfig(model=configs.TINY, attention_backend="cpu", kernel_options="int8_scores=0")
+    assert cpu.kernel_options == "int8_scores=0"
     with pytest.raises(ValueError, match="not an integer or true/false"):
         EngineConfig(model=configs.TINY, pallas_kernel="tpu", kernel_options="block_q=big")
 

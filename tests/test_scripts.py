@@ -270,19 +270,22 @@ def test_bench_async_compares_sync_and_async_steps(tmp_path):
 
 def test_bench_kv_cache_times_each_kv_dtype(tmp_path):
     """scripts/bench_kv_cache.py on the tiny model: a row per context and KV dtype, the KV bytes
-    a step reads (head_dim + 4) / (4 head_dim) of float32's for a quantized cache."""
+    a step reads (head_dim + 4) / (4 head_dim) of float32's for a quantized cache; an entry
+    with the CPU kernel's options."""
     import configs
 
     out = tmp_path / "kv.json"
     _run(
         "bench_kv_cache.py", "--model=tiny", "--load_format=dummy", "--contexts=32,64",
-        "--kv_cache_dtypes=auto,int8,fp8_e5m2", "--repeats=1", "--rounds=2", "--batch=4",
+        "--kv_cache_dtypes=auto,int8,int8:int8_scores=false", "--repeats=1", "--rounds=2",
+        "--batch=4",
         f"--json_out={out}",
     )  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     assert [(r["context"], r["kv_cache_dtype"]) for r in rows] == [
-        (c, d) for c in (32, 64) for d in ("auto", "int8", "fp8_e5m2")
+        (c, d) for c in (32, 64) for d in ("auto", "int8", "int8:int8_scores=false")
     ]
+    assert {r["backend"] for r in rows[1::3] + rows[2::3]} == {"cpu"}  # the option's kernel
     H = configs.get_preset("tiny").head_dim
     for auto, *quantized in (rows[:3], rows[3:]):
         assert auto["step_ms"] > 0 and auto["speedup"] == 1.0
@@ -300,13 +303,16 @@ def test_eval_kv_cache_reports_quality_granularity_and_what_fits(tmp_path):
     out = tmp_path / "kv.json"
     _run(
         "eval_kv_cache.py", "--models=tiny", "--load_format=dummy", "--contexts=32",
-        "--kv_cache_dtypes=auto,int8", "--num_windows=1", "--num_prompts=1", "--gen_len=4",
-        "--memory_models=llama2-7b", f"--out={out}",
+        "--kv_cache_dtypes=auto,int8,int8:int8_scores=false", "--num_windows=1",
+        "--num_prompts=1", "--gen_len=4", "--memory_models=llama2-7b", f"--out={out}",
     )  # fmt: skip
     result = json.loads(out.read_text())
-    auto, int8 = result["rows"]
+    auto, int8, float_scores = result["rows"]
     assert auto["tf_agree"] == 1.0 and auto["free_agree"] == 1.0
-    assert 0 < int8["tf_agree"] <= 1 and np.isfinite(int8["perplexity"])
+    assert float_scores["kv_cache_dtype"] == "int8:int8_scores=false"
+    for r in (int8, float_scores):
+        assert 0 < r["tf_agree"] <= 1 and np.isfinite(r["perplexity"])
+        assert r["kib_per_token"] == int8["kib_per_token"]
     H = configs.get_preset("tiny").head_dim
     assert int8["kib_per_token"] * 4 * H == pytest.approx(auto["kib_per_token"] * (H + 4))
     [grain] = result["granularity"]

@@ -47,12 +47,6 @@
 
 #include "common.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define LLMJAX_VNNI 1
-#else
-#define LLMJAX_VNNI 0
-#endif
-
 #if LLMJAX_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define LLMJAX_AMX 1
 #include <sys/syscall.h>
@@ -210,12 +204,6 @@ void quantize_blocks(const E* x, int64_t nb, float factor, Acts& a, int64_t t) {
 // ---- Pass 2: the dot products ----
 
 #if LLMJAX_VNNI
-
-// acc += the sums of 4 products u8 a x s8 b per int32 lane, in place: inline assembly, as GCC
-// copies each accumulator of the intrinsic's loops through another register (and spills).
-inline void dpbusd(__m512i& acc, __m512i a, __m512i b) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-}
 
 // Lane i of the result: the sum of v[i]'s 16 lanes, for i < n (n <= 16); add adds two vectors.
 template <typename Add>

@@ -31,6 +31,15 @@
 // e4m3fn's bits shifted into float16's are its value / 256) and k_scales / v_scales a float32
 // per row and kv head; a key's scale multiplies its 16 scores, a value's its weight (after the
 // weights are summed for the softmax's denominator), so the loops read the bytes as they are.
+// int8_scores (an int8 cache, AVX-512 VNNI; the default): the scores as int8 dot products, as
+// llama.cpp's CPU attention does with a q8_0 cache. Each query vector q_m * sm_scale is quantized
+// to int8 at its own scale d_m = max |.| / 127, once per tile; the 16 keys' codes, + 128 to be
+// unsigned, are transposed in 32-bit words (4 elements: one transpose per 64 of H), and vpdpbusd
+// sums 4 products a lane, so a score takes H / 4 instructions per vector (against H FMAs and the
+// codes' conversion to float32). sum (k + 128) q8 less 128 sum q8 is k . q8, exact in int32
+// (H <= 1024: no overflow); the score is d_m x that x the key's scale. What it adds to the
+// dequantizing reference's error is q's rounding (tests/kernels/test_rpa_quantized.py bounds it;
+// scripts/eval_kv_cache.py measures its perplexity). The values stay float32.
 //
 // Arguments (shapes as in the reference):
 //   q [T, N, H] (float32 or bfloat16), k_pages / v_pages [num_pages, G, K, H] (q's dtype, or
@@ -39,6 +48,7 @@
 //   kv_lens [S], page_indices [S, P], cu_q_lens [S + 1], num_seqs [1]  (int32)
 //   attributes: sm_scale (f32), sliding_window (i64, 0 = none), soft_cap (f32, 0 = none),
 //   kv_format (i64: 0 the pages in q's dtype, 1 int8, 2 fp8_e4m3, 3 fp8_e5m2)
+//   int8_scores (i64: 1 an int8 cache's scores as int8 dots where the CPU has VNNI, else 0)
 // Result: [T, N, H] in q's dtype; rows from cu_q_lens[num_seqs] on are 0.
 
 #include <array>
@@ -111,6 +121,7 @@ struct Args {
   int64_t N, K, H, G, P;
   float scale, soft_cap;
   int64_t window;
+  bool int8_scores;  // an int8 cache's scores as int8 dots (VNNI; see the header)
 };
 
 // The keys a query at position pos sees: [lo, hi] (empty when hi < lo): causal, within the
@@ -363,6 +374,75 @@ template <typename E, int M, int J>
     for (int j = 0; j < J; ++j) _mm512_store_ps(o + m * H + h0 + 16 * j, acc[m][j]);
 }
 
+#if LLMJAX_VNNI
+// An int8 cache's scores as int8 dot products (int8_scores; see the header).
+
+// qb = x (H floats) in int8 at the scale d = max |x| / 127 (rounded to nearest even); returns d,
+// and in *sum the codes' sum.
+inline float quantize_query(const float* x, int64_t H, int8_t* qb, int32_t* sum) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t h = 0; h < H; h += 16)
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_load_ps(x + h)));
+  const float m = _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(m > 0 ? 127.0f / m : 0.0f);
+  __m512i s = _mm512_setzero_si512();
+  for (int64_t h = 0; h < H; h += 16) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x + h), inv));
+    s = _mm512_add_epi32(s, v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + h), _mm512_cvtepi32_epi8(v));
+  }
+  *sum = _mm512_reduce_add_epi32(s);
+  return m / 127.0f;
+}
+
+// kt[g] lane i = the 16 keys' codes 4g .. 4g + 3 of key i, each + 128 (unsigned, for
+// vpdpbusd): the 64-byte slices of the rows as 16 x 16 transposes of 32-bit words (H / 4 groups;
+// the last slice's missing bytes are never read).
+[[gnu::always_inline]] inline void transpose_codes(const int8_t* const* keys, int64_t H,
+                                                   __m512i* kt) {
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t j = 0; j < H; j += 64) {
+    const __mmask64 mask = H - j >= 64 ? ~0ull : (1ull << (H - j)) - 1;
+    __m512i r[16];
+    LLMJAX_UNROLL
+    for (int i = 0; i < 16; ++i)
+      r[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, keys[i] + j), bias);
+    transpose16(r);
+    LLMJAX_UNROLL
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(kt + j / 4 + i, r[i]);
+  }
+}
+
+// s[m * 16 + i] = d[m] (q8_m . key i) for the M int8 query vectors q4 [M, groups] (4 codes a
+// word) and the 16 transposed keys kt: vpdpbusd gives sum (key + 128) q8_m, less bias[m] (128
+// times the codes' sum of q8_m), exact in int32. groups (H / 4) is a multiple of 4.
+template <int M>
+[[gnu::always_inline]] inline void scores_int8(const int32_t* q4, const __m512i* kt,
+                                               int64_t groups, const float* d,
+                                               const int32_t* bias, float* s) {
+  constexpr int S = M <= 4 ? 2 : 1;  // few vectors: two sums each, for vpdpbusd's latency
+  __m512i acc[S][M];
+  LLMJAX_UNROLL
+  for (int j = 0; j < S; ++j)
+    LLMJAX_UNROLL
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; g += S) {
+    LLMJAX_UNROLL
+    for (int j = 0; j < S; ++j) {
+      const __m512i key = _mm512_load_si512(kt + g + j);
+      LLMJAX_UNROLL
+      for (int m = 0; m < M; ++m) dpbusd(acc[j][m], key, _mm512_set1_epi32(q4[m * groups + g + j]));
+    }
+  }
+  LLMJAX_UNROLL
+  for (int m = 0; m < M; ++m) {
+    __m512i x = S == 2 ? _mm512_add_epi32(acc[0][m], acc[S - 1][m]) : acc[0][m];
+    x = _mm512_sub_epi32(x, _mm512_set1_epi32(bias[m]));
+    _mm512_store_ps(s + m * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(x), _mm512_set1_ps(d[m])));
+  }
+}
+#endif  // LLMJAX_VNNI
+
 // One tile (see the header).
 template <typename E, typename KE, int M>
 void attend_tile(const Args<E, KE>& a, const Tile& tile, Scratch& scratch) {
@@ -387,13 +467,20 @@ void attend_tile(const Args<E, KE>& a, const Tile& tile, Scratch& scratch) {
   const int64_t C = hi - lo + 1;
 
   // scratch.f: q * sm_scale [nk, M, H] | accumulators [nk, M, H] | a key block [16, H] |
-  // the block's scores, then weights [M, 16] | per-lane sums of the weights [nk, M, 16]
-  scratch.f.resize(2 * nk * M * H + 16 * H + M * 16 + nk * M * 16 + 16);
+  // the block's scores, then weights [M, 16] | per-lane sums of the weights [nk, M, 16] |
+  // int8 scores: q's codes [nk, M, H] (bytes), their scales [nk, M] and 128 x their sums [nk, M]
+  constexpr bool kInt8Dots = LLMJAX_VNNI && std::is_same_v<KE, int8_t>;
+  const bool int8_dots = kInt8Dots && a.int8_scores;
+  scratch.f.resize(2 * nk * M * H + 16 * H + M * 16 + nk * M * 16 + 16 +
+                   (int8_dots ? nk * M * (H / 4 + 2) : 0));
   float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.f.data()) + 63) & ~63);
   float* o = qf + nk * M * H;
   float* kt = o + nk * M * H;
   float* w = kt + 16 * H;
   float* sums = w + M * 16;
+  int8_t* q8 = reinterpret_cast<int8_t*>(sums + nk * M * 16);
+  float* q8_scales = sums + nk * M * 16 + nk * M * H / 4;
+  int32_t* q8_bias = reinterpret_cast<int32_t*>(q8_scales + nk * M);
   std::fill(o, o + nk * M * H, 0.0f);
   std::fill(sums, sums + nk * M * 16, 0.0f);
   float maxima[kMaxKvHeads][M];
@@ -404,6 +491,13 @@ void attend_tile(const Args<E, KE>& a, const Tile& tile, Scratch& scratch) {
       const E* qm = a.q + offset(tile.k + kk, m);
       for (int64_t h = 0; h < H; h += 16)
         _mm512_store_ps(qf + (kk * M + m) * H + h, _mm512_mul_ps(load16(qm + h), scale));
+#if LLMJAX_VNNI
+      if (int8_dots) {
+        const int64_t v = kk * M + m;
+        q8_scales[v] = quantize_query(qf + v * H, H, q8 + v * H, q8_bias + v);
+        q8_bias[v] *= 128;
+      }
+#endif
     }
   scratch.rows.resize(C);
   int64_t* rows = scratch.rows.data();  // key lo + c's row: pages + rows[c] + k * H
@@ -444,21 +538,35 @@ void attend_tile(const Args<E, KE>& a, const Tile& tile, Scratch& scratch) {
         }
       }
       // 1. scores
-      if constexpr (by_rows) {
-        const float* keys32[16];
-        for (int i = 0; i < 16; ++i) {
-          if constexpr (std::is_same_v<KE, float>) {
-            keys32[i] = keys[i];
-          } else {  // bfloat16 or quantized rows as float32, once for the M vectors
-            for (int64_t h = 0; h < H; h += 16)
-              _mm512_store_ps(kt + i * H + h, load16(keys[i] + h));
-            keys32[i] = kt + i * H;
-          }
+      bool scored = false;
+#if LLMJAX_VNNI
+      if constexpr (kInt8Dots) {
+        if (int8_dots) {
+          __m512i* kt8 = reinterpret_cast<__m512i*>(kt);
+          transpose_codes(keys, H, kt8);
+          scores_int8<M>(reinterpret_cast<const int32_t*>(q8 + kk * M * H), kt8, H / 4,
+                         q8_scales + kk * M, q8_bias + kk * M, w);
+          scored = true;
         }
-        scores_by_rows<M>(qf + kk * M * H, keys32, H, w);
-      } else {
-        transpose_keys(keys, H, kt);
-        scores_transposed<M>(qf + kk * M * H, kt, H, w);
+      }
+#endif
+      if (!scored) {
+        if constexpr (by_rows) {
+          const float* keys32[16];
+          for (int i = 0; i < 16; ++i) {
+            if constexpr (std::is_same_v<KE, float>) {
+              keys32[i] = keys[i];
+            } else {  // bfloat16 or quantized rows as float32, once for the M vectors
+              for (int64_t h = 0; h < H; h += 16)
+                _mm512_store_ps(kt + i * H + h, load16(keys[i] + h));
+              keys32[i] = kt + i * H;
+            }
+          }
+          scores_by_rows<M>(qf + kk * M * H, keys32, H, w);
+        } else {
+          transpose_keys(keys, H, kt);
+          scores_transposed<M>(qf + kk * M * H, kt, H, w);
+        }
       }
       // 2. the weights, the running maxima and sums
       float* ok = o + kk * M * H;
@@ -525,7 +633,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
                ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t sliding_window,
-               float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
+               float soft_cap, bool int8_scores, ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), pd = page_indices.dimensions();
   const int64_t num_tokens = qd[0], N = qd[1], H = qd[2];
   const int64_t G = kd[1], K = kd[2], P = pd[1];
@@ -541,7 +649,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                          page_indices.typed_data(),
                      lens,
                      reinterpret_cast<E*>(out->untyped_data()),
-                     N, K, H, G, P, sm_scale, soft_cap, sliding_window};
+                     N, K, H, G, P, sm_scale, soft_cap, sliding_window, int8_scores};
 
   // Every sequence's query rows (those before row num_tokens); the rest are padding, zeroed here
   // (each work item writes all of its own rows).
@@ -615,22 +723,24 @@ ffi::Error RunKv(int64_t kv_format, ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                  ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
                  ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                  ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t sliding_window,
-                 float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
+                 float soft_cap, bool int8_scores, ffi::Result<ffi::AnyBuffer> out) {
   switch (kv_format) {
     case 0:
       return Run<E, E>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens, page_indices,
-                       cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap, out);
+                       cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
+                       int8_scores, out);
     case 1:
       return Run<E, int8_t>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens, page_indices,
-                            cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap, out);
+                            cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
+                       int8_scores, out);
     case 2:
       return Run<E, Fp8E4M3>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
                              page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window,
-                             soft_cap, out);
+                             soft_cap, int8_scores, out);
     default:
       return Run<E, Fp8E5M2>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
                              page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window,
-                             soft_cap, out);
+                             soft_cap, int8_scores, out);
   }
 }
 
@@ -639,7 +749,8 @@ ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pag
                     ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
                     ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                     ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t sliding_window,
-                    float soft_cap, int64_t kv_format, ffi::Result<ffi::AnyBuffer> out) {
+                    float soft_cap, int64_t kv_format, int64_t int8_scores,
+                    ffi::Result<ffi::AnyBuffer> out) {
   auto dtype = q.element_type();
   if (kv_format < 0 || kv_format > 3)
     return ffi::Error::InvalidArgument("kv_format must be 0 (q's dtype), 1, 2 or 3");
@@ -662,17 +773,23 @@ ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pag
   if (dtype == ffi::DataType::F32)
     return RunKv<float>(kv_format, pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
                         page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
-                        out);
+                        int8_scores != 0, out);
   if (dtype == ffi::DataType::BF16)
     return RunKv<uint16_t>(kv_format, pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
                            page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
-                           out);
+                           int8_scores != 0, out);
   return ffi::Error::InvalidArgument("ragged paged attention (CPU) takes float32 or bfloat16");
 }
 
 }  // namespace
 
 }  // namespace llmjax_cpu
+
+// The engine compiled for this CPU (kernels_cpu/build.py's `engines()`): 0 portable (one query
+// row at a time), 1 AVX-512 tiles, 2 those with an int8 cache's scores as VNNI int8 dots.
+extern "C" int LlmjaxRaggedPagedAttentionEngine() {
+  return LLMJAX_VNNI ? 2 : LLMJAX_AVX512 ? 1 : 0;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxRaggedPagedAttention, llmjax_cpu::Dispatch,
                               xla::ffi::Ffi::Bind()
@@ -690,4 +807,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxRaggedPagedAttention, llmjax_cpu::Dispatch,
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("kv_format")
+                                  .Attr<int64_t>("int8_scores")
                                   .Ret<xla::ffi::AnyBuffer>());

@@ -134,3 +134,20 @@ def engine_info(flags, llm) -> dict:
         # every EngineConfig field but the model's shape: what exactly ran
         "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "model"},
     }
+
+
+def kv_cache_variant(entry: str) -> tuple[str, dict]:
+    """A --kv_cache_dtypes entry of scripts/bench_kv_cache.py and eval_kv_cache.py ->
+    (its label, engine options): 'int8' -> {'kv_cache_dtype': 'int8'}; 'DTYPE:OPTIONS' names the
+    CPU attention kernel's options too (EngineConfig.kernel_options, attention_backend 'cpu'):
+    'int8:int8_scores=false' is an int8 cache scored with float32 dots."""
+    from llmjax.config import KV_CACHE_DTYPES, parse_kernel_options
+
+    kv_cache_dtype, _, kernel_options = entry.partition(":")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise app.UsageError(f"--kv_cache_dtypes: {entry!r}: choose from {KV_CACHE_DTYPES}")
+    if not kernel_options:
+        return entry, dict(kv_cache_dtype=kv_cache_dtype)
+    parse_kernel_options(kernel_options)  # raises on a malformed list
+    options = dict(kv_cache_dtype=kv_cache_dtype, attention_backend="cpu")
+    return entry, options | dict(kernel_options=kernel_options)

@@ -79,7 +79,10 @@ class EngineConfig:
     attention kernel function, 'key=value,...' (integers or true/false; e.g. 'num_stages=2' or
     'warp_specialized=true,num_consumers=2' for mgpu; see kernels_pallas/ragged_paged_attention/
     kernel_*.py), to compare kernel variants and block sizes inside the engine; checked against
-    the function's signature when the engine is built.
+    the function's signature when the engine is built. With attention_backend='cpu' they are the
+    C++ kernel's: 'int8_scores=false' scores an int8 KV cache with float32 dots of the
+    dequantized keys instead of VNNI int8 dots of q rounded to int8 (the default where the CPU
+    has VNNI; kernels_cpu/csrc/ragged_paged_attention.cc).
     `layer_loop` (LAYER_LOOPS): how the step runs the decoder layers: 'scan' (`lax.scan` over
     weights stacked [L, ...] and one KV cache of every layer's pages, [L * num_pages, ...]: one
     layer is compiled, so compile time does not grow with depth; a SmolLM2 decode bucket compiles
@@ -180,10 +183,11 @@ class EngineConfig:
             raise ValueError(f"unknown {self.flash_prefill=}; choose one of {FLASH_PREFILL_MODES}")
         if self.pallas_kernel not in PALLAS_KERNELS:
             raise ValueError(f"unknown {self.pallas_kernel=}; choose one of {PALLAS_KERNELS}")
-        if parse_kernel_options(self.kernel_options) and self.pallas_kernel == "auto":
+        named = self.pallas_kernel != "auto" or self.attention_backend == "cpu"
+        if parse_kernel_options(self.kernel_options) and not named:
             raise ValueError(
                 f"kernel_options={self.kernel_options!r} are one kernel's arguments: name the "
-                "kernel with pallas_kernel ('tpu', 'gpu' or 'mgpu')"
+                "kernel with pallas_kernel ('tpu', 'gpu' or 'mgpu') or attention_backend='cpu'"
             )
         if self.pallas_kernel == "mgpu":
             from kernels_pallas.ragged_paged_attention.kernel_mgpu import check_supported

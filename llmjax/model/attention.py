@@ -187,8 +187,11 @@ def cpu_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
+    kernel_options: tuple[tuple[str, int | bool], ...] = (),
 ) -> jax.Array:
-    """The 'cpu' backend: kernels_cpu.ragged_paged_attention on the step's metadata."""
+    """The 'cpu' backend: kernels_cpu.ragged_paged_attention on the step's metadata;
+    `kernel_options` (name, value) pairs are its keyword arguments (EngineConfig.kernel_options:
+    int8_scores)."""
     from kernels_cpu import ragged_paged_attention
 
     del new_kv
@@ -205,6 +208,7 @@ def cpu_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         **quantized,
+        **dict(kernel_options),
     )
 
 
@@ -379,13 +383,20 @@ def _attention_fn(
 
     backend = resolve_attention_backend(name, platform)
     options = parse_kernel_options(kernel_options)
-    if backend in ("reference", "cpu"):
+    if backend == "cpu":
+        from kernels_cpu.ragged_paged_attention import check_kernel_options
+
+        check_kernel_options(options)
+        if not options:
+            return cpu_attention
+        return functools.partial(cpu_attention, kernel_options=tuple(sorted(options.items())))
+    if backend == "reference":
         if options:
             raise ValueError(
-                f"kernel_options={kernel_options!r} apply to the pallas backend; the attention "
-                f"backend here is {backend!r} (attention_backend={name!r})"
+                f"kernel_options={kernel_options!r} apply to the pallas and cpu backends; the "
+                f"attention backend here is 'reference' (attention_backend={name!r})"
             )
-        return reference_attention if backend == "reference" else cpu_attention
+        return reference_attention
     # On the CPU the kernels are the TPU ones, interpreted: 'auto' leaves flash prefill off there.
     implementation = None if pallas_kernel == "auto" else pallas_kernel
     if options:

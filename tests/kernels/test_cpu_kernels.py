@@ -31,8 +31,9 @@ def test_the_kernels_build_and_load():
 
 
 def test_the_engines_compiled_follow_the_cpu_and_decide_the_models_matmul():
-    """The matmul kernels report the engine -march=native gave them (portable without AVX-512),
-    and the model takes them only with a vector engine (their scalar loops lose to XLA's dot)."""
+    """The kernels report the engine -march=native gave them (portable without AVX-512; the
+    attention's int8 scores with VNNI), and the model takes the matmuls only with a vector
+    engine (their scalar loops lose to XLA's dot)."""
     from kernels_cpu import build
     from llmjax.model import quant
 
@@ -46,6 +47,8 @@ def test_the_engines_compiled_follow_the_cpu_and_decide_the_models_matmul():
     avx2 = "avx512f" not in flags and {"avx2", "fma"} <= set(flags)
     assert (engines["dense_matmul"] == "avx2") == avx2, engines
     assert (engines["qmatmul"] == "portable") == ("avx512f" not in flags), engines
+    vnni = "avx512f" in flags and {"avx512_vnni", "avx512bw"} <= set(flags)
+    assert (engines["ragged_paged_attention"] == "avx512_vnni") == vnni, engines
     assert (quant._cpu_dense_kernel() is not None) == build.vectorized("dense_matmul")
     assert (quant._cpu_kernel() is not None) == build.vectorized("qmatmul")
     assert quant._cpu_kernel(vectorized=False) is not None
@@ -225,19 +228,25 @@ def test_without_the_kernels_auto_is_the_reference():
 # A quantized KV cache (issue 41): the pages' bytes (int8, fp8 bits) and a float32 scale per row
 # and kv head, against the reference on the dequantized rows. Keys of magnitudes 1e-3 .. 3 and
 # values of 1e-3 .. 1e3 (one scale per row: the scales matter), so the outputs reach ~1e3 and
-# float32's bound is relative to them (only the summation order differs).
+# float32's bound is relative to them (only the summation order differs). An int8 cache's
+# int8_scores (VNNI) quantize each query vector first: against the reference given the query
+# so quantized (`int8_queries`), the same bound holds.
 @pytest.mark.parametrize(
-    "kv_cache_dtype, dtype, shape",
-    [  # each KV dtype with both q dtypes, each shape (both paths) twice
-        ("int8", "float32", "smollm2_like"),
-        ("int8", "bfloat16", "h40_per_row"),
-        ("fp8_e4m3", "float32", "q8_h128"),
-        ("fp8_e4m3", "bfloat16", "smollm2_like"),
-        ("fp8_e5m2", "float32", "h40_per_row"),
-        ("fp8_e5m2", "bfloat16", "q8_h128"),
+    "kv_cache_dtype, dtype, shape, int8_scores",
+    [  # each KV dtype with both q dtypes, each shape (both paths) twice; int8's both scores
+        ("int8", "float32", "smollm2_like", False),
+        ("int8", "float32", "smollm2_like", True),  # tiles of M <= 4 and of 15 (the chunk)
+        ("int8", "bfloat16", "q8_h128", True),
+        ("int8", "float32", "h80", True),  # a partial 64-byte slice of the codes
+        ("int8", "bfloat16", "h40_per_row", True),  # the portable path: float32 scores
+        ("fp8_e4m3", "float32", "q8_h128", False),
+        ("fp8_e4m3", "bfloat16", "smollm2_like", False),
+        ("fp8_e5m2", "float32", "h40_per_row", False),
+        ("fp8_e5m2", "bfloat16", "q8_h128", False),
     ],
 )
-def test_quantized_cache(kv_cache_dtype, dtype, shape):
+def test_quantized_cache(kv_cache_dtype, dtype, shape, int8_scores):
+    from kernels_cpu import build
     from llmjax.model.kv_cache import dequantize, quantize
 
     K, Q, H = SHAPES[shape]
@@ -251,13 +260,18 @@ def test_quantized_cache(kv_cache_dtype, dtype, shape):
     attn = dict(sm_scale=H**-0.5, sliding_window=None, soft_cap=None)
     out = jax.jit(
         lambda q, kq, vq, ks, vs, *rest: kernels_cpu.ragged_paged_attention(
-            q, kq, vq, *rest, k_scales=ks, v_scales=vs, kv_cache_dtype=kv_cache_dtype, **attn
+            q, kq, vq, *rest, k_scales=ks, v_scales=vs, kv_cache_dtype=kv_cache_dtype,
+            int8_scores=int8_scores, **attn,
         )
-    )(case.q, kq, vq, ks, vs, *case.args[3:])
+    )(case.q, kq, vq, ks, vs, *case.args[3:])  # fmt: skip
     assert out.dtype == case.q.dtype
     deq = [dequantize(x, s, jnp.float32, kv_cache_dtype) for x, s in ((kq, ks), (vq, vs))]
-    q32 = jnp.asarray(case.q).astype(jnp.float32)
-    ref = np.asarray(ragged_paged_attention_reference(q32, *deq, *case.args[3:], **attn))
+    q32 = np.asarray(jnp.asarray(case.q).astype(jnp.float32))
+    ref_attn = dict(attn)
+    vnni = build.engines()["ragged_paged_attention"] == "avx512_vnni"
+    if int8_scores and vnni and H % 16 == 0:  # the tiles' path (H % 16 == 0) scores in int8
+        q32, ref_attn["sm_scale"] = int8_queries(q32, attn["sm_scale"]), 1.0
+    ref = np.asarray(ragged_paged_attention_reference(q32, *deq, *case.args[3:], **ref_attn))
     out = np.asarray(out.astype(jnp.float32))
     scale = np.abs(ref).max()
     assert scale > 100  # the large values arrived
@@ -269,3 +283,41 @@ def test_quantized_cache(kv_cache_dtype, dtype, shape):
         kernels_cpu.ragged_paged_attention(
             case.q, kq, vq, *case.args[3:], kv_cache_dtype=kv_cache_dtype, **attn
         )
+
+
+def int8_queries(q: np.ndarray, sm_scale: float) -> np.ndarray:
+    """q [T, N, H] float32 * sm_scale as the int8-scores path sees it: each vector's int8 codes
+    (round to nearest even of x * (127 / max |x|)) times its scale max |x| / 127, in float32."""
+    x = q * np.float32(sm_scale)
+    top = np.abs(x).max(-1, keepdims=True)
+    inv = np.float32(127) / np.where(top > 0, top, np.float32(1))
+    return (np.rint(x * inv) * (top / np.float32(127))).astype(np.float32)
+
+
+def test_int8_scores_compute_the_rounded_query():
+    """The int8-scores comparison above can fail: on one case the kernel's output is far from
+    the reference without q's rounding (so `int8_queries` is what it computes), and
+    int8_scores=False's is far from the rounded one."""
+    from kernels_cpu import build
+    from llmjax.model.kv_cache import dequantize, quantize
+
+    if build.engines()["ragged_paged_attention"] != "avx512_vnni":
+        pytest.skip("int8 scores need AVX-512 VNNI")
+    case = make_case([1] * 6, [40, 70, 100, 33, 17, 90], num_kv_heads=3, num_queries_per_kv=3,
+                     head_dim=64, max_num_seqs=6, seed=5)  # fmt: skip
+    q = np.asarray(case.q, np.float32) * 8.0  # a sharp softmax: q's rounding shows
+    (kq, ks), (vq, vs) = (quantize(jnp.asarray(x), "int8") for x in (case.k_pages, case.v_pages))
+    deq = [dequantize(x, s, jnp.float32, "int8") for x, s in ((kq, ks), (vq, vs))]
+    rest = case.args[3:]
+    run = lambda on: np.asarray(kernels_cpu.ragged_paged_attention(
+        jnp.asarray(q), kq, vq, *rest, sm_scale=0.125, k_scales=ks, v_scales=vs,
+        kv_cache_dtype="int8", int8_scores=on,
+    ))  # fmt: skip
+    plain = np.asarray(ragged_paged_attention_reference(q, *deq, *rest, sm_scale=0.125))
+    rounded = np.asarray(
+        ragged_paged_attention_reference(int8_queries(q, 0.125), *deq, *rest, sm_scale=1.0)
+    )
+    on, off = run(True), run(False)
+    err = lambda a, b: np.abs(a - b).max()
+    assert err(on, rounded) < 1e-5 < 1e-3 < err(on, plain), (err(on, rounded), err(on, plain))
+    assert err(off, plain) < 1e-5 < 1e-3 < err(off, rounded), (err(off, plain), err(off, rounded))

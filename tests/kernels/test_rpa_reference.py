@@ -152,8 +152,13 @@ def test_kernel_options_reach_the_named_kernel_or_say_what_it_takes():
         make_attention_fn("pallas", "cuda", pallas_kernel="gpu", kernel_options="block_kv=64")
     with pytest.raises(ValueError, match="name the kernel"):
         make_attention_fn("pallas", "cuda", kernel_options="num_stages=2")
-    with pytest.raises(ValueError, match="apply to the pallas backend"):
+    with pytest.raises(ValueError, match="apply to the pallas and cpu backends"):
         make_attention_fn("reference", "cpu", pallas_kernel="tpu", kernel_options="block_q=8")
+    # the CPU kernel's own option (int8_scores), and nothing else
+    cpu = make_attention_fn("cpu", "cpu", kernel_options="int8_scores=false")
+    assert cpu.keywords["kernel_options"] == (("int8_scores", False),)
+    with pytest.raises(ValueError, match=r"\['block_q'\] are not the CPU attention kernel's"):
+        make_attention_fn("cpu", "cpu", kernel_options="block_q=8")
     with pytest.raises(ValueError, match="reference takes no kernel options"):
         c = make_case([2, 1], [5, 3])
         ragged_paged_attention(*c.args, sm_scale=1.0, implementation="reference", block_q=8)
