@@ -7,6 +7,7 @@ See docs/structure.md for the request lifecycle and where each stage lives.
 from llmjax.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     RopeScaling,
@@ -15,12 +16,15 @@ from llmjax.config import (
 )
 from llmjax.engine.request import RequestOutput
 from llmjax.llm import LLM
+from llmjax.lora import LoRARequest
 from llmjax.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
     "CacheConfig",
     "EngineConfig",
+    "LoRAConfig",
+    "LoRARequest",
     "ModelConfig",
     "ParallelConfig",
     "RequestOutput",

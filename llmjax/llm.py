@@ -23,6 +23,7 @@ from llmjax.config import ModelConfig, ParallelConfig, SparseKVConfig
 from llmjax.engine.request import RequestOutput
 from llmjax.llm_options import WEIGHT_OPTIONS, build_engine, engine_config, option_values
 from llmjax.loading import load_weights, sim_model
+from llmjax.lora import LoRARequest
 from llmjax.progress import progress_bar
 from llmjax.sampling_params import SamplingParams
 from llmjax.tokenizer import TextStream, Tokenizer
@@ -88,6 +89,12 @@ class LLM:
     "num_speculative_tokens": 4, "prompt_lookup_max": 4}`) or a `llmjax.config.
     SpeculativeConfig` (docs/speculative.md). Default: none.
 
+    `enable_lora` (vLLM's names): serve LoRA adapters, each request naming its own
+    (`generate(..., lora_request=LoRARequest(name, id, path))`, PEFT directories), many in one
+    batch: `max_loras` adapter slots on the device of rank up to `max_lora_rank`, filled from a
+    host cache of `max_cpu_loras` (default max_loras); see `llmjax.config.LoRAConfig` and
+    docs/lora.md.
+
     `device='sim'` runs the engine on a simulated device (llmjax/sim/, docs/simulator.md): only
     the model's shape is read (a preset, an HF config.json or GGUF metadata; no weights, no
     JAX), `sim` (a `llmjax.sim.SimConfig`: hardware, cost model, memory utilization) prices
@@ -138,6 +145,10 @@ class LLM:
         devices=None,
         kv_store=None,
         speculative_config=None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ):
 
         if load_format not in ("auto", "dummy"):
@@ -295,20 +306,28 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt (a string or a list of token ids) to completion, batched continuously.
         Returns one `RequestOutput` per prompt, in order. `use_tqdm` shows a progress bar of
-        finished requests with the input and output token rates (as vLLM's)."""
+        finished requests with the input and output token rates (as vLLM's). `lora_request`:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model), with an
+        LLM built with `enable_lora=True`; adapters are read from their directories on first
+        use, and many run in one batch."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)=} must equal {len(prompts)=}")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"{len(lora_request)=} must equal {len(prompts)=}")
         ids = []
-        for prompt, params in zip(prompts, sampling_params, strict=True):
+        for prompt, params, lora in zip(prompts, sampling_params, lora_request, strict=True):
             token_ids, text = self._encode(prompt)
-            ids.append(self.engine.add_request(token_ids, params, prompt=text))
+            ids.append(self.engine.add_request(token_ids, params, prompt=text, lora_request=lora))
         results: dict[str, RequestOutput] = {}
         bar = progress_bar(len(ids), "Processed prompts", show=True) if use_tqdm else None
         num_in = num_out = 0
@@ -335,18 +354,23 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and generate the reply."""
+        """Render each conversation with the model's chat template and generate the reply
+        (`lora_request` as in `generate`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         prompts = [
             tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request=lora_request)
 
     def stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[str]:
         """Yield the generated text piece by piece as tokens arrive (other requests added to
         `self.engine` keep running alongside). With stop strings, the last len(longest) - 1
@@ -357,7 +381,9 @@ class LLM:
                 f"stream yields one sample's text; n={sampling_params.n} needs generate()"
             )
         token_ids, text = self._encode(prompt)
-        request_id = self.engine.add_request(token_ids, sampling_params, prompt=text)
+        request_id = self.engine.add_request(
+            token_ids, sampling_params, prompt=text, lora_request=lora_request
+        )
         pieces = TextStream(self.get_tokenizer(), sampling_params.stop if sampling_params else ())
         try:
             while True:

@@ -20,6 +20,7 @@ from llmjax.config import (
     CacheConfig,
     EngineConfig,
     KVStoreConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -128,6 +129,10 @@ ENGINE_OPTIONS = (
     "devices",
     "kv_store",
     "speculative_config",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
 )
 
 
@@ -221,6 +226,13 @@ def engine_config(options: dict, fixed: dict, model_config: ModelConfig):
         device=fixed["device"],
         sim=fixed["sim"],
         speculative=SpeculativeConfig.coerce(o["speculative_config"]),
+        lora=LoRAConfig(
+            max_loras=o["max_loras"],
+            max_lora_rank=o["max_lora_rank"],
+            max_cpu_loras=o["max_cpu_loras"],
+        )
+        if o["enable_lora"]
+        else None,
         **extra,
     )
     if o["overrides"]:  # any other field, by dotted path (the scripts' --override)

@@ -4,7 +4,9 @@
 `num_pages * page_size` slots: it writes every token id of the step at `step.slot_mapping`
 (padded tokens land in the reserved page 0), then reads each sequence's tokens 0..kv_len-1 back
 through its row of `step.page_indices` and returns, per sequence, `next_token(tokens)`: a hash of
-the whole sequence read back. A request's output therefore depends only on its own tokens *as
+the whole sequence read back. With LoRA adapters (`run`'s `lora_ids`) a token's slot holds
+`lora_encoded` token (its id and the adapter that wrote it), so a prefix computed under another
+adapter reads back wrong. A request's output therefore depends only on its own tokens *as
 read through its pages*, so it is independent of the batch iff the paging is right, and it can be
 recomputed from the prompt alone (`reference_generation`).
 
@@ -25,6 +27,12 @@ from llmjax.engine.batch import fill_pending
 from llmjax.model.step_input import RESERVED_PAGE, StepInput
 
 UNWRITTEN = -1  # slots never written, or poisoned after their page was freed
+LORA_SHIFT = 32  # a slot holds token + (adapter id << LORA_SHIFT)
+
+
+def lora_encoded(tokens, lora_id: int = 0) -> np.ndarray:
+    """Tokens as a slot of the fake cache holds them when written under adapter `lora_id`."""
+    return np.asarray(tokens, np.int64) + (np.int64(lora_id) << LORA_SHIFT)
 
 
 def next_token(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> int:
@@ -41,15 +49,17 @@ def reference_generation(
     stop_token_ids: Iterable[int] = (),
     eos_token_ids: Iterable[int] = (),
     ignore_eos: bool = False,
+    lora_id: int = 0,
 ) -> tuple[list[int], str]:
-    """What one request generates alone, recomputed from its prompt: (tokens, finish_reason).
+    """What one request generates alone (under adapter `lora_id`, 0: the base model),
+    recomputed from its prompt: (tokens, finish_reason).
 
     Stop conditions in the engine's order: a stop token or EOS ('stop'), then max_tokens, then
     max_model_len ('length')."""
     stop = set(stop_token_ids) | (set() if ignore_eos else set(eos_token_ids))
     seq, out = list(prompt), []
     while True:
-        token = next_token(seq, vocab_size)
+        token = next_token(lora_encoded(seq, lora_id), vocab_size)
         seq.append(token)
         out.append(token)
         if token in stop:
@@ -73,12 +83,13 @@ class FakePagedModel:
         for page in pages:
             self.kv[page * ps : (page + 1) * ps] = UNWRITTEN
 
-    def run(self, step: StepInput, spec=None) -> np.ndarray:
+    def run(self, step: StepInput, spec=None, lora_ids=None) -> np.ndarray:
         """One step: write the new tokens, read every sequence back, return [S] next token ids
         (padded sequence rows get 0). `spec` (a SpecInput, speculative decoding): sequence i's
         last `num_proposals[i]` tokens are proposals; each row j of it predicts from the tokens
         up to it, the proposals are accepted while they equal those predictions, and
-        `last_spec` = (tokens [S, K + 1], accepted [S]) as the real verification returns them."""
+        `last_spec` = (tokens [S, K + 1], accepted [S]) as the real verification returns them.
+        `lora_ids` [T]: each token's adapter (0: none); its slot records it (`lora_encoded`)."""
         ps = self.page_size
         S = len(step.kv_lens)
         num_seqs = int(step.num_seqs[0])
@@ -96,7 +107,10 @@ class FakePagedModel:
         assert (pad // ps == RESERVED_PAGE).all(), f"a padded token writes a real page: {pad}"
         assert len(set(real.tolist())) == num_tokens, f"two tokens write one slot: {real}"
 
-        self.kv[slots] = step.token_ids  # padding writes land in page 0
+        written = np.asarray(step.token_ids, np.int64)
+        if lora_ids is not None:
+            written = written + (np.asarray(lora_ids, np.int64) << LORA_SHIFT)
+        self.kv[slots] = written  # padding writes land in page 0
 
         next_ids = np.zeros(S, np.int32)
         K = 0 if spec is None else spec.proposals.shape[1]
@@ -127,7 +141,8 @@ class FakePagedModel:
             rows = step.logits_indices[first : first + k + 1]
             assert (rows == np.arange(hi - k - 1, hi)).all(), f"seq {i}: logits rows {rows}"
             proposed = spec.proposals[i, :k]
-            assert (proposed == tokens[kv_len - k :]).all(), f"seq {i}: proposals not its tokens"
+            ids = tokens[kv_len - k :] & ((1 << LORA_SHIFT) - 1)  # without the adapter
+            assert (proposed == ids).all(), f"seq {i}: proposals not its tokens"
             for j in range(k + 1):
                 spec_tokens[i, j] = next_token(tokens[: kv_len - k + j], self.vocab_size)
                 if j == k or spec_tokens[i, j] != proposed[j]:

@@ -95,6 +95,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "llmjax.sim.hardware",
             "llmjax.sim.roofline",
             "llmjax.sim.kvpool",
+            "llmjax.lora",
         ),
     ),
     # The user-facing LLM over one engine, and how its weights and options are loaded.

@@ -22,7 +22,10 @@ preempting and those of rejected ones given back (no running request holds pages
 tokens), and outputs stay those of the request alone. The loop must end within a
 step bound (else: livelock). At the end every request is finished, aborted or rejected (rejected
 iff invalid), all pages are free, and every output equals the output recomputed from the request's
-prompt alone, with the right finish reason (a paging or packing error changes the hash).
+prompt alone, with the right finish reason (a paging or packing error changes the hash). Some
+requests run under LoRA adapters (ids 1-3, `max_loras` 1 or 2): at most `max_loras` distinct
+ones run at once, and a prefix cached under one adapter never serves another (the fake cache
+records which adapter wrote a slot).
 
 No jax: the loop uses only host-side modules (checked in a subprocess, since conftest imports jax
 for its gpu marker).
@@ -57,12 +60,14 @@ from llmjax.engine.policies import make_scheduler
 from llmjax.engine.radix_cache import RadixCache, make_prefix_cache
 from llmjax.engine.request import Request, RequestStatus
 from llmjax.engine.speculative import Speculator
+from llmjax.lora import LoRARequest
 from llmjax.model.step_input import RESERVED_PAGE
 from llmjax.sampling_params import SamplingParams
 from tests.fake_model import (
     UNWRITTEN,
     FakePagedModel,
     FakeRunner,
+    lora_encoded,
     next_token,
     reference_generation,
 )
@@ -89,6 +94,7 @@ class RequestSpec:
     abort_at: int | None  # step at which it is aborted (before that step's schedule), if any
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    lora: int = 0  # its LoRA adapter's id (0: the base model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +125,8 @@ class Scenario:
     fit_to_buckets: bool = True
     # SchedulerConfig.fit_min_tokens (drawn small: the default, 128, is past these budgets)
     fit_min_tokens: int = 128
+    # LoRAConfig.max_loras: at most this many distinct adapters run at once (None: no LoRA)
+    max_loras: int | None = None
 
     def config(self) -> EngineConfig:
         return EngineConfig(
@@ -167,6 +175,7 @@ class Scenario:
             stop_token_ids=spec.stop_token_ids,
             eos_token_ids=TINY.eos_token_ids,
             ignore_eos=spec.ignore_eos,
+            lora_id=spec.lora,
         )
 
 
@@ -188,7 +197,7 @@ class OracleSpeculator(Speculator):
         keep = int(rng.integers(0, k + 1))
         out = []
         for j in range(k):
-            t = next_token(tokens + out, self.vocab_size)
+            t = next_token(lora_encoded(tokens + out, req.lora_int_id), self.vocab_size)
             if j >= keep:
                 t = (t + 1 + int(rng.integers(0, self.vocab_size - 1))) % self.vocab_size
             out.append(t)
@@ -216,6 +225,7 @@ def _output_alone(spec: RequestSpec, max_model_len: int, vocab_size: int) -> lis
         stop_token_ids=spec.stop_token_ids,
         eos_token_ids=TINY.eos_token_ids,
         ignore_eos=spec.ignore_eos,
+        lora_id=spec.lora,
     )
     return out
 
@@ -237,6 +247,8 @@ def scenarios(draw, policy: str, prefix_cache: str = "none", admission_order: st
     tokens = st.integers(0, vocab_size - 1)
 
     max_prompt_len = min(60, max_model_len - 1)
+    # LoRA adapters (ids 1-3) on some requests, at most max_loras of them running at once
+    max_loras = draw(st.sampled_from([None, None, 1, 2]), label="max_loras")
     shared = []
     if prefix_cache != "none":
         common = st.lists(tokens, min_size=1, max_size=max_prompt_len)
@@ -275,6 +287,7 @@ def scenarios(draw, policy: str, prefix_cache: str = "none", admission_order: st
                 abort_at=abort_at,
                 stop_token_ids=tuple(draw(st.lists(tokens, max_size=2))),
                 ignore_eos=draw(st.booleans()),
+                lora=draw(st.integers(0, 3)) if max_loras else 0,
             )
         )
 
@@ -309,6 +322,7 @@ def scenarios(draw, policy: str, prefix_cache: str = "none", admission_order: st
         token_buckets_per_octave=draw(st.sampled_from([1, 2, 4]), label="token buckets"),
         fit_to_buckets=draw(st.sampled_from([True, True, False]), label="fit to buckets"),
         fit_min_tokens=draw(st.sampled_from([1, 1, 1, 8]), label="fit min tokens"),
+        max_loras=max_loras,
     )
 
 
@@ -348,6 +362,7 @@ def run_scenario(sc: Scenario) -> Result:
     bm = BlockManager(sc.num_pages, ps, make_prefix_cache(sc.prefix_cache, ps))
     sched = make_scheduler(config, bm)
     sched.num_micro_batches = sc.pipeline_depth  # the engine's pp (the tiny model has 2 layers)
+    sched.max_loras = sc.max_loras
     K = sc.num_speculative_tokens
     if K:
         sched.speculator = OracleSpeculator(config.speculative, sc.vocab_size)
@@ -383,6 +398,9 @@ def run_scenario(sc: Scenario) -> Result:
                 ),
                 eos_token_ids=frozenset(config.model.eos_token_ids),
                 seed=0,
+                lora_request=LoRARequest(f"a{spec.lora}", spec.lora, f"/a{spec.lora}")
+                if spec.lora
+                else None,
             )
             req.metrics.arrival_time = step + i * 1e-3  # FCFS, deterministic
             requests[rid] = req
@@ -428,11 +446,17 @@ def run_scenario(sc: Scenario) -> Result:
             T, (S, P) = len(step_input.token_ids), step_input.page_indices.shape
             assert T in buckets.token_buckets and P in buckets.page_buckets, (T, P, buckets)
             assert len(batch.seqs) <= S <= sc.max_num_seqs and batch.num_tokens <= T
-            next_ids = model.run(step_input, sampling.spec)
+            lora_ids = np.zeros(len(step_input.token_ids), np.int64)  # as LoRASteps marks rows
+            cu = step_input.cu_q_lens
+            for i, seq in enumerate(batch.seqs):
+                lora_ids[cu[i] : cu[i + 1]] = seq.request.lora_int_id
+            next_ids = model.run(step_input, sampling.spec, lora_ids)
             for seq, read in zip(batch.seqs, model.reads, strict=True):
                 want = seq.request.all_token_ids[: seq.start + seq.num_new_tokens - len(seq.spec)]
                 want += list(seq.spec)
                 assert UNWRITTEN not in read, f"{seq.request.request_id} read an unwritten slot"
+                # (a prefix cached under another adapter reads back with its id: wrong)
+                want = lora_encoded(want, seq.request.lora_int_id).tolist()
                 assert read.tolist() == want, f"{seq.request.request_id}: KV read back is wrong"
             next_ids = next_ids[: len(batch.seqs)].tolist()
             if sampling.spec is not None:  # as LLMEngine._verified
@@ -485,9 +509,14 @@ def cache_pages(bm: BlockManager) -> set[int]:
 
 
 def fits(sched, req: Request, keep_free: int) -> bool:
-    """Whether the pages allow admitting `req` now (as `Scheduler._admit` checks)."""
+    """Whether the pages (and the LoRA adapters running) allow admitting `req` now (as
+    `Scheduler._admit` checks)."""
+    if sched.max_loras is not None and req.lora_int_id:
+        running = {r.lora_int_id for r in sched.running if r.lora_int_id}
+        if req.lora_int_id not in running and len(running) >= sched.max_loras:
+            return False
     bm = sched.block_manager
-    prefix = bm.peek_prefix(sched._match_token_ids(req))
+    prefix = bm.peek_prefix(sched._match_token_ids(req), req.cache_namespace)
     return bm.can_allocate(req.request_id, req.num_tokens, keep_free, prefix)
 
 
@@ -540,6 +569,9 @@ def check_batch(sc: Scenario, sched, bm: BlockManager, batch, before: Before) ->
     assert batch.num_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
     assert len(seqs) <= cfg.max_num_seqs, "max_num_seqs exceeded"
     assert len(running_ids) <= cfg.max_num_seqs, "max_num_seqs running"
+    if sc.max_loras is not None:  # vLLM's rule: the running adapters fit the device slots
+        adapters = {r.lora_int_id for r in sched.running if r.lora_int_id}
+        assert len(adapters) <= sc.max_loras, f"adapters {adapters} run, {sc.max_loras=}"
     for s in seqs:
         req = s.request
         assert req.request_id in running_ids and req.status is RequestStatus.RUNNING

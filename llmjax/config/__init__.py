@@ -16,6 +16,7 @@ import it, never the reverse. Every name is importable from `llmjax.config`.
     scheduler.py    SchedulerConfig (policies, admission order), ProgramConfig (Parrot)
     parallel.py     ParallelConfig (tp, pp, ep), tp_head_counts (the tp split of the heads)
     speculative.py  SpeculativeConfig
+    lora.py         LoRAConfig (multi-LoRA serving), LORA_TARGETS
     sparse.py       SparseKVConfig (offload, InfiniGen, Quest, H2O)
     engine.py       EngineConfig (the configs together, checked against each other),
                     parse_kernel_options, layer_loop_scans
@@ -57,6 +58,7 @@ from llmjax.config.families import (
     SIM_ONLY_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
 )
+from llmjax.config.lora import ATTENTION_TARGETS, LORA_TARGETS, LoRAConfig
 from llmjax.config.model import DTYPES, AttentionKind, ModelConfig
 from llmjax.config.overrides import FIXED_BY_WEIGHTS, apply_overrides, read_override
 from llmjax.config.parallel import HeadCounts, ParallelConfig, tp_head_counts
@@ -84,6 +86,7 @@ __all__ = [
     "ADMISSION_ORDERS",
     "ASYNC_BY_DEFAULT",
     "ATTENTION_BACKENDS",
+    "ATTENTION_TARGETS",
     "DEVICES",
     "DTYPES",
     "EVICTION_POLICIES",
@@ -100,6 +103,7 @@ __all__ = [
     "KV_WRITE_POLICIES",
     "LAYER_LOOPS",
     "LAYER_TYPES",
+    "LORA_TARGETS",
     "MOE_ARCHITECTURES",
     "PAGE_RESIDUALS",
     "PALLAS_KERNELS",
@@ -121,6 +125,7 @@ __all__ = [
     "EngineConfig",
     "HeadCounts",
     "KVStoreConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
     "ProgramConfig",

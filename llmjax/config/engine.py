@@ -11,6 +11,7 @@ import os
 from llmjax.config.cache import CacheConfig, KVStoreConfig
 from llmjax.config.checks import _check_positive
 from llmjax.config.families import SIM_ONLY_ARCHITECTURES
+from llmjax.config.lora import LoRAConfig
 from llmjax.config.model import DTYPES, ModelConfig
 from llmjax.config.parallel import ParallelConfig, tp_head_counts
 from llmjax.config.scheduler import SchedulerConfig
@@ -133,6 +134,7 @@ class EngineConfig:
     sparse_kv: SparseKVConfig = SparseKVConfig()  # noqa: RUF009
     kv_store: KVStoreConfig = KVStoreConfig()  # noqa: RUF009
     speculative: SpeculativeConfig = SpeculativeConfig()  # noqa: RUF009
+    lora: LoRAConfig | None = None
     dtype: str = "float32"
     quantization: str = "none"
     max_model_len: int | None = None
@@ -251,6 +253,20 @@ class EngineConfig:
                 f"ep={ep} must divide the model's {self.model.num_experts} experts (each device "
                 "group holds num_experts / ep whole experts)"
             )
+        if self.lora is not None:
+            why = [
+                f"{what} (got {got})"
+                for what, got, bad in (
+                    ("tp == 1", self.parallel.tp, self.parallel.tp > 1),
+                    ("pp == 1", self.parallel.pp, self.parallel.pp > 1),
+                    ("sparse_kv='none'", repr(self.sparse_kv.mode), self.sparse_kv.enabled),
+                    ("no KV tiers (kv_store)", "a tier", self.kv_store.enabled),
+                    ("device='jax'", repr(self.device), self.device != "jax"),
+                )
+                if bad
+            ]
+            if why:
+                raise ValueError(f"LoRA adapters (lora=LoRAConfig) need {', '.join(why)} for now")
         spec = self.speculative
         if spec.enabled:
             why = []

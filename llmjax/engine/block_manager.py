@@ -103,9 +103,13 @@ class BlockManager:
 
     # ---- admission -----------------------------------------------------------------------------
 
-    def peek_prefix(self, token_ids: Sequence[int]) -> PeekResult:
-        """What `match_prefix` would reuse for a request with no pages yet (changes nothing)."""
-        return self.prefix_cache.peek(token_ids) if self.caching and token_ids else NO_PREFIX
+    def peek_prefix(self, token_ids: Sequence[int], namespace: bytes | None = None) -> PeekResult:
+        """What `match_prefix` would reuse for a request with no pages yet (changes nothing).
+        `namespace` (here and below): the prefix cache's tree the tokens belong to (a LoRA
+        adapter's; None: the base model's; llmjax/engine/radix_cache.py)."""
+        if not self.caching or not token_ids:
+            return NO_PREFIX
+        return self.prefix_cache.peek(token_ids, namespace)
 
     def can_allocate(
         self,
@@ -122,7 +126,9 @@ class BlockManager:
         available = self.num_available_pages - prefix.num_unlocked_pages
         return max(missing, 0) + keep_free <= available
 
-    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+    def match_prefix(
+        self, request_id: str, token_ids: Sequence[int], namespace: bytes | None = None
+    ) -> int:
         """Make the head of `request_id`'s table the longest cached prefix of `token_ids` if that
         is longer than the head it shares now; returns the tokens its shared head covers.
 
@@ -133,7 +139,7 @@ class BlockManager:
         have = head.num_pages if head else 0
         if not self.caching or not token_ids:
             return have * self.page_size
-        m = self.prefix_cache.match(token_ids)
+        m = self.prefix_cache.match(token_ids, namespace)
         if len(m.pages) <= have:
             return have * self.page_size
         table = self.page_tables.setdefault(request_id, [])
@@ -207,7 +213,9 @@ class BlockManager:
             if page != RESERVED_PAGE:
                 self._free.append(page)
 
-    def cache_computed(self, request_id: str, computed_token_ids: Sequence[int]) -> None:
+    def cache_computed(
+        self, request_id: str, computed_token_ids: Sequence[int], namespace: bytes | None = None
+    ) -> None:
         """Offer the full pages of `computed_token_ids` (the request's tokens whose KV is in its
         pages) before its first hole to the prefix cache and share the cache's copy of each from
         now on."""
@@ -222,8 +230,8 @@ class BlockManager:
         if num_full <= (head.num_offered if head else 0):
             return
         tokens = computed_token_ids[: num_full * self.page_size]
-        not_adopted = set(self.prefix_cache.insert(tokens, table[:num_full]))
-        m = self.prefix_cache.match(tokens)
+        not_adopted = set(self.prefix_cache.insert(tokens, table[:num_full], namespace))
+        m = self.prefix_cache.match(tokens, namespace)
         replaced = []
         for i, page in enumerate(m.pages):
             if table[i] != page:
@@ -236,14 +244,19 @@ class BlockManager:
             self.prefix_cache.unlock(head.node)
         self._heads[request_id] = _SharedHead(m.node, len(m.pages), num_full)
 
-    def free(self, request_id: str, computed_token_ids: Sequence[int] = ()) -> None:
+    def free(
+        self,
+        request_id: str,
+        computed_token_ids: Sequence[int] = (),
+        namespace: bytes | None = None,
+    ) -> None:
         """Release `request_id`'s pages. `computed_token_ids` (its tokens whose KV is in the
         pages) are offered to the prefix cache first, so a finished, aborted or preempted
         request's prefix stays reusable until evicted."""
         if request_id not in self.page_tables:
             return
         if computed_token_ids:
-            self.cache_computed(request_id, computed_token_ids)
+            self.cache_computed(request_id, computed_token_ids, namespace)
         table = self.page_tables.pop(request_id)
         head = self._heads.pop(request_id, None)
         shared = 0
@@ -352,5 +365,5 @@ def _path_pages(cache: PrefixCache, node: RadixNode | None) -> list[int]:
         chunks.append(node.pages)
         node = node.parent
     if node is not None and isinstance(cache, RadixCache):
-        assert node is cache.root, "a shared head ends at a detached node"
+        assert node.is_root, "a shared head ends at a detached node"
     return [p for chunk in reversed(chunks) for p in chunk]

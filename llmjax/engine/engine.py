@@ -57,6 +57,7 @@ from llmjax.engine.step import (
 from llmjax.engine.structured import StructuredStep
 from llmjax.engine.validation import InvalidRequest, check_request
 from llmjax.kvstore.keys import KeySalt
+from llmjax.lora import LoRARequest
 from llmjax.progress import progress_bar
 from llmjax.sampling_params import SamplingParams
 from llmjax.tokenizer.detokenizer import StopStringMatcher
@@ -122,6 +123,16 @@ class LLMEngine(EngineRoles):
             from llmjax.engine.runner import ModelRunner  # the one jax-importing engine module
 
             self.runner = ModelRunner(config, params, num_pages, skew=skew, devices=devices)
+        self.lora = None  # LoRA adapters (llmjax/lora/): the registry, host cache, slots
+        if config.lora is not None:
+            if role != "colocated":
+                raise ValueError(f"LoRA adapters run on a colocated engine for now, not {role=}")
+            from llmjax.lora import LoRAManager
+
+            self.lora = LoRAManager(
+                config.lora, config.model, self.runner.lora_targets, self.runner.write_lora_slot
+            )
+            self.scheduler.max_loras = config.lora.max_loras
         self.buckets = Buckets.create(
             config.scheduler.max_num_batched_tokens,
             config.scheduler.max_num_seqs,
@@ -178,6 +189,10 @@ class LLMEngine(EngineRoles):
         if cfg.compile_ahead and not cfg.precompile and not pipelined:
             features.append(CompileAhead(self))
         features.append(self.samples)
+        if self.lora is not None:
+            from llmjax.lora.steps import LoRASteps
+
+            features.append(LoRASteps(self))
         if cfg.sparse_kv.enabled:
             features.append(SparseAccounting(self))
         return features
@@ -235,11 +250,14 @@ class LLMEngine(EngineRoles):
         prompt: str | None = None,
         arrival_time: float | None = None,
         hints: ProgramHints | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; returns its id. `arrival_time` (seconds on the engine's clock,
         default now) lets a trace replayer stamp the intended arrival. `hints`: what a
         program's executor knows of it (Parrot's criteria and app-level FIFO; see
-        `ProgramHints`)."""
+        `ProgramHints`). `lora_request`: the LoRA adapter it runs under (an engine built with
+        `EngineConfig.lora`; read from its directory the first time): a request naming an
+        adapter that cannot be served is rejected with the reason, like a bad prompt."""
         sampling_params = sampling_params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._live:  # page tables are keyed by id: two would share pages
@@ -258,6 +276,7 @@ class LLMEngine(EngineRoles):
             hints=hints,
             logprobs=[] if sampling_params.logprobs is not None else None,
             prompt_logprobs=[None] if sampling_params.prompt_logprobs is not None else None,
+            lora_request=lora_request,
         )
         if sampling_params.stop and self.tokenizer is not None:
             req.stop_matcher = StopStringMatcher(
@@ -265,6 +284,7 @@ class LLMEngine(EngineRoles):
             )
         try:
             self.validate_request(req.prompt_token_ids, sampling_params)
+            self._add_lora(lora_request)
         except InvalidRequest as e:
             req.error = str(e)
             req.finish("error", self.clock.now(), RequestStatus.REJECTED)
@@ -278,6 +298,23 @@ class LLMEngine(EngineRoles):
             if sampling_params.n > 1:
                 self.samples.add(req)
         return request_id
+
+    def _add_lora(self, lora_request: LoRARequest | None) -> None:
+        """Register a request's adapter (read on first use); InvalidRequest if it cannot run."""
+        if lora_request is None:
+            return
+        if self.lora is None:
+            raise InvalidRequest(
+                f"adapter {lora_request.lora_name!r}: this engine serves no LoRA adapters "
+                "(build it with enable_lora=True / EngineConfig.lora)",
+                "lora_request",
+            )
+        from llmjax.lora import LoRAError
+
+        try:
+            self.lora.add(lora_request)
+        except LoRAError as e:
+            raise InvalidRequest(str(e), "lora_request") from None
 
     @property
     def structured(self):

@@ -156,7 +156,7 @@ class KVTiers:
 
     def _hit(self, node) -> None:
         n, hot = node, None
-        while n is not self.cache.root:  # ancestors' counts are >= their descendants'
+        while not n.is_root:  # ancestors' counts are >= their descendants'
             n.hits += 1
             if hot is None and n.hits >= self.config.write_through_threshold:
                 hot = n

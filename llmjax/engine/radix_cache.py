@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -48,6 +49,12 @@ class RadixNode:
     # for tier i (0 for a page inside a block); kept by llmjax/engine/kv_tiers.py
     page_tiers: list[int] = dataclasses.field(default_factory=list)
     hits: int = 0  # matches that reused this node (write_through_selective's count)
+    # a root (of the base model's tree, or of a namespace's): the key its first pages chain from
+    root_key: bytes | None = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.root_key is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +89,10 @@ class PrefixCache(abc.ABC):
     - `evict(num_pages)`: free at least `num_pages` unlocked pages (fewer only if no more are
       evictable), least recently used first; returns them, now the caller's to free.
     - `reset()`: drop everything (an error while anything is locked); returns all pages.
+    - `namespace` (match, peek, insert): bytes keying a separate tree (None: the base model's),
+      so that a prefix computed under one LoRA adapter is never served to another or to the
+      base model (`llmjax.lora.LoRARequest.cache_namespace`); with a salt its page keys chain
+      from the namespace's own root key, so the KV tiers' keys differ too.
 
     Engine use (see `RadixCache` for why): on admission, `m = match(tokens)`; `lock(m.node)`;
     compute only the tokens after `m.num_tokens`. After a chunk (or at the end), with `n` full
@@ -94,13 +105,15 @@ class PrefixCache(abc.ABC):
     page_size: int
 
     @abc.abstractmethod
-    def match(self, token_ids: Sequence[int]) -> MatchResult: ...
+    def match(self, token_ids: Sequence[int], namespace: bytes | None = None) -> MatchResult: ...
 
     @abc.abstractmethod
-    def peek(self, token_ids: Sequence[int]) -> PeekResult: ...
+    def peek(self, token_ids: Sequence[int], namespace: bytes | None = None) -> PeekResult: ...
 
     @abc.abstractmethod
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> list[int]: ...
+    def insert(
+        self, token_ids: Sequence[int], pages: Sequence[int], namespace: bytes | None = None
+    ) -> list[int]: ...
 
     @abc.abstractmethod
     def lock(self, node: RadixNode | None) -> None: ...
@@ -142,13 +155,15 @@ class NoPrefixCache(PrefixCache):
         self.page_size = page_size
         self.num_evictions = 0
 
-    def match(self, token_ids: Sequence[int]) -> MatchResult:
+    def match(self, token_ids: Sequence[int], namespace: bytes | None = None) -> MatchResult:
         return MatchResult(0, [], None)
 
-    def peek(self, token_ids: Sequence[int]) -> PeekResult:
+    def peek(self, token_ids: Sequence[int], namespace: bytes | None = None) -> PeekResult:
         return PeekResult(0, 0, 0)
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> list[int]:
+    def insert(
+        self, token_ids: Sequence[int], pages: Sequence[int], namespace: bytes | None = None
+    ) -> list[int]:
         _check_insert_args(token_ids, pages, self.page_size)
         return list(pages)
 
@@ -192,7 +207,8 @@ class RadixCache(PrefixCache):
     `salt` (bytes, `llmjax.kvstore.KeySalt.digest`): every node also holds its pages' keys
     (`page_keys`, chained from the parent's last key: `llmjax.kvstore.chain_keys`), computed
     once, as the pages are inserted; `path_keys(node)` gives a matched prefix's keys. None: no
-    keys.
+    keys. Each `namespace` has its own root (`roots`; `root` is the base model's, None's); the
+    LRU and eviction span them all.
     """
 
     def __init__(self, page_size: int, salt: bytes | None = None):
@@ -202,6 +218,7 @@ class RadixCache(PrefixCache):
         self._ids = itertools.count()
         self._clock = 0
         self.root = self._new_root()
+        self.roots: dict[bytes | None, RadixNode] = {None: self.root}
         self._pages: set[int] = set()  # every page the tree owns
         self._num_locked_pages = 0
         self.num_evictions = 0
@@ -211,16 +228,24 @@ class RadixCache(PrefixCache):
         self.on_insert = None
         self.on_evict = None
 
-    def _new_root(self) -> RadixNode:
-        return RadixNode((), [], None, next(self._ids))
+    def _new_root(self, namespace: bytes | None = None) -> RadixNode:
+        key = ROOT_KEY if namespace is None else namespace_root_key(namespace)
+        return RadixNode((), [], None, next(self._ids), root_key=key)
+
+    def _root(self, namespace: bytes | None) -> RadixNode:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = self._new_root(namespace)
+        return root
 
     # ---- match / insert ------------------------------------------------------------------------
 
-    def _edges(self, key: tuple[int, ...]):
-        """Yield (child, offset, k) along the longest cached page-aligned prefix of `key`: the
-        edge at `offset` and how many of its pages match (fewer than all only on the last)."""
+    def _edges(self, key: tuple[int, ...], root: RadixNode):
+        """Yield (child, offset, k) along the longest cached page-aligned prefix of `key` under
+        `root`: the edge at `offset` and how many of its pages match (fewer than all only on the
+        last)."""
         ps = self.page_size
-        node, pos = self.root, 0
+        node, pos = root, 0
         while pos < len(key) and (child := node.children.get(key[pos : pos + ps])) is not None:
             n = len(child.pages)
             edge = child.token_ids
@@ -238,12 +263,13 @@ class RadixCache(PrefixCache):
                 return
             node, pos = child, pos + k * ps
 
-    def _walk(self, key: tuple[int, ...]):
-        """Yield (node, offset) along the longest cached page-aligned prefix of `key`, splitting
-        the last edge if the match ends inside it and touching every node of the path."""
+    def _walk(self, key: tuple[int, ...], root: RadixNode):
+        """Yield (node, offset) along the longest cached page-aligned prefix of `key` under
+        `root`, splitting the last edge if the match ends inside it and touching every node of
+        the path."""
         self._clock += 1
-        self.root.last_access = self._clock
-        for child, pos, k in self._edges(key):
+        root.last_access = self._clock
+        for child, pos, k in self._edges(key, root):
             if k < len(child.pages):
                 child = self._split(child, k)
             child.last_access = self._clock
@@ -277,25 +303,30 @@ class RadixCache(PrefixCache):
     def _key(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         return tuple(token_ids[: len(token_ids) // self.page_size * self.page_size])
 
-    def match(self, token_ids: Sequence[int]) -> MatchResult:
-        node, pages = self.root, []
-        for node, _ in self._walk(self._key(token_ids)):
+    def match(self, token_ids: Sequence[int], namespace: bytes | None = None) -> MatchResult:
+        node = root = self._root(namespace)
+        pages = []
+        for node, _ in self._walk(self._key(token_ids), root):
             pages.extend(node.pages)
         return MatchResult(len(pages) * self.page_size, pages, node)
 
-    def peek(self, token_ids: Sequence[int]) -> PeekResult:
+    def peek(self, token_ids: Sequence[int], namespace: bytes | None = None) -> PeekResult:
         num_pages = num_unlocked = 0
-        for child, _, k in self._edges(self._key(token_ids)):
+        root = self.roots.get(namespace)
+        for child, _, k in self._edges(self._key(token_ids), root) if root is not None else ():
             num_pages += k
             num_unlocked += 0 if child.lock_ref else k
         return PeekResult(num_pages * self.page_size, num_pages, num_unlocked)
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> list[int]:
+    def insert(
+        self, token_ids: Sequence[int], pages: Sequence[int], namespace: bytes | None = None
+    ) -> list[int]:
         _check_insert_args(token_ids, pages, self.page_size)
         ps, key = self.page_size, self._key(token_ids)
         not_adopted: list[int] = []
-        node, end = self.root, 0
-        for node, pos in self._walk(key):  # nothing is adopted before the walk ends: errors
+        node = root = self._root(namespace)
+        end = 0
+        for node, pos in self._walk(key, root):  # nothing is adopted before the walk ends: errors
             end = pos + len(node.token_ids)  # leave the tree unchanged (but for splits)
             for mine, cached in zip(pages[pos // ps : end // ps], node.pages, strict=True):
                 if mine != cached:
@@ -320,7 +351,7 @@ class RadixCache(PrefixCache):
         return not_adopted
 
     def _last_key(self, node: RadixNode) -> bytes:
-        return node.page_keys[-1] if node is not self.root else ROOT_KEY
+        return node.root_key if node.is_root else node.page_keys[-1]
 
     def path_pages(self, node: RadixNode | None) -> list[int]:
         """The pages from the root down to `node` (a `match` result's node)."""
@@ -357,7 +388,7 @@ class RadixCache(PrefixCache):
         if node is None:
             raise TypeError("RadixCache.lock/unlock need a node from match(), got None")
         path = []
-        while node is not self.root:
+        while not node.is_root:
             if node.parent is None:
                 raise ValueError("node is not in this cache (evicted, reset or foreign)")
             path.append(node)
@@ -384,7 +415,8 @@ class RadixCache(PrefixCache):
     def nodes(self) -> list[RadixNode]:
         """Every node but the root, parents before children (a list: safe to mutate the tree while
         iterating it). `llmjax.viz.radix.snapshot_tree` copies the tree with depths and offsets."""
-        nodes, stack = [], list(self.root.children.values())
+        nodes = []
+        stack = [c for root in self.roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             nodes.append(node)
@@ -409,7 +441,7 @@ class RadixCache(PrefixCache):
             for k in node.page_keys:
                 self._key_nodes.pop(k, None)
             freed.extend(node.pages)
-            if parent is not self.root and not parent.children and not parent.lock_ref:
+            if not parent.is_root and not parent.children and not parent.lock_ref:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         self._pages.difference_update(freed)
         self.num_evictions += len(freed)
@@ -422,6 +454,7 @@ class RadixCache(PrefixCache):
         for n in self.nodes():
             n.parent = None
         self.root = self._new_root()
+        self.roots = {None: self.root}
         self._pages.clear()
         self._key_nodes.clear()
         return pages
@@ -437,8 +470,12 @@ class RadixCache(PrefixCache):
         return self._num_locked_pages
 
     def check_invariants(self) -> None:
-        ps, root = self.page_size, self.root
-        assert root.token_ids == () and root.pages == [] and root.parent is None
+        ps = self.page_size
+        for namespace, root in self.roots.items():
+            assert root.token_ids == () and root.pages == [] and root.parent is None
+            assert root.root_key == (
+                ROOT_KEY if namespace is None else namespace_root_key(namespace)
+            )
         owned, locked = [], 0
         for node in self.nodes():
             assert node.token_ids and len(node.token_ids) % ps == 0, f"edge {node.token_ids}"
@@ -491,3 +528,8 @@ def make_prefix_cache(name: str, page_size: int, salt: bytes | None = None) -> P
     if name == "radix":
         return RadixCache(page_size, salt)
     return PREFIX_CACHES[name](page_size)
+
+
+def namespace_root_key(namespace: bytes) -> bytes:
+    """The key a namespace's first pages chain from (the base model's is ROOT_KEY)."""
+    return hashlib.blake2b(namespace, digest_size=len(ROOT_KEY), person=b"llmjax-kv-ns").digest()

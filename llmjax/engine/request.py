@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from llmjax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmjax.lora import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -160,6 +164,17 @@ class Request:
     # fed each generated token; the request stops when the grammar is complete.
     matcher: object | None = dataclasses.field(default=None, repr=False)
     num_pending_tokens: int = 0  # sampled on the device, not yet on the host (async scheduling)
+    lora_request: LoRARequest | None = None  # its LoRA adapter (llmjax/lora/); None: the base
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def cache_namespace(self) -> bytes | None:
+        """The prefix cache's tree its pages belong to: its adapter's (None: the base model's)."""
+        return None if self.lora_request is None else self.lora_request.cache_namespace
 
     @property
     def num_tokens(self) -> int:

@@ -61,7 +61,7 @@ class EngineRoles:
         """Free a parked or receiving request's pages; the request, or None if neither."""
         req = self.parked.pop(request_id, None)
         if req is not None:  # its prompt's KV stays in the prefix cache
-            self.block_manager.free(request_id, self.scheduler._computed_token_ids(req))
+            self.scheduler._free(req)
         elif request_id in self._receiving:  # the pages were never (fully) written
             req, _ = self._receiving.pop(request_id)
             self.block_manager.free(request_id)
@@ -85,7 +85,7 @@ class EngineRoles:
         stay in the prefix cache)."""
         req = self.parked.pop(request_id)
         self._live.discard(request_id)
-        self.block_manager.free(request_id, self.scheduler._computed_token_ids(req))
+        self.scheduler._free(req)
 
     def waiting_pages(self) -> int:
         """KV pages the waiting queue's requests will need (all their tokens)."""

@@ -171,6 +171,9 @@ class Scheduler:
         # with `SchedulerConfig.fit_to_buckets`, `_fit_to_bucket` trims a step's last prefill
         # chunk down to one of them where that defers fewer tokens than the padding it saves.
         self.token_buckets: tuple[int, ...] | None = None
+        # LoRAConfig.max_loras (set by the engine with adapters): at most this many distinct
+        # adapters run at a time (`_lora_full`)
+        self.max_loras: int | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -180,7 +183,7 @@ class Scheduler:
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
-                    self.block_manager.free(request_id, self._computed_token_ids(req))
+                    self._free(req)
                     req.finish("abort", self.clock.now(), RequestStatus.ABORTED)
                     return req
         return None
@@ -351,15 +354,18 @@ class Scheduler:
         for req in self._admission_order():
             if len(self.running) >= self.config.max_num_seqs:
                 break
+            if self._lora_full(req):  # it waits for an adapter to finish; nothing overtakes it
+                batch.blocked = req
+                break
             match_ids = self._match_token_ids(req)
-            prefix = bm.peek_prefix(match_ids)
+            prefix = bm.peek_prefix(match_ids, req.cache_namespace)
             keep_free = self.watermark_pages if self.running else 0  # alone, it must fit
             if (
                 self.prefix_loader is not None
                 and bm.can_allocate(req.request_id, req.num_tokens, keep_free, prefix)
                 and self.prefix_loader(req, match_ids, prefix)
             ):  # a lower KV tier's blocks now extend the cached prefix (engine/kv_tiers.py)
-                prefix = bm.peek_prefix(match_ids)
+                prefix = bm.peek_prefix(match_ids, req.cache_namespace)
             uncached = req.num_tokens - prefix.num_tokens
             budget = self._budget(batch, req)
             n = min(uncached, budget) if chunked else uncached
@@ -412,10 +418,10 @@ class Scheduler:
         heads: set[tuple[int, ...]] = set()
         keys = {}
         for i, req in enumerate(fresh):
-            cached = self.block_manager.peek_prefix(self._match_token_ids(req)).num_tokens
+            cached = self._peek(req).num_tokens
             deferred = False
             if cached <= k and len(req.prompt_token_ids) >= k:
-                head = tuple(req.prompt_token_ids[:k])
+                head = (req.cache_namespace, *req.prompt_token_ids[:k])
                 deferred = head in heads
                 heads.add(head)
             deferred = deferred or any(self._waits_for_prefill(req, cached, r) for r in prefilling)
@@ -436,7 +442,7 @@ class Scheduler:
             return False
         req = min(latency, key=lambda r: (not r.num_preemptions, r.priority_time))  # its first
         bm = self.block_manager
-        prefix = bm.peek_prefix(self._match_token_ids(req))
+        prefix = self._peek(req)
         keep_free = self.watermark_pages if self.running else 0
         return bm.can_allocate(req.request_id, req.num_tokens, keep_free, prefix)
 
@@ -456,13 +462,30 @@ class Scheduler:
     def _waits_for_prefill(self, req: Request, cached: int, running: Request) -> bool:
         """Whether `running`, still in prefill, has yet to compute `req`'s next
         `in_batch_prefix_len` tokens after its `cached` ones (the same tokens at the same
-        positions), so waiting lets `req` take them from the cache."""
+        positions, under the same adapter), so waiting lets `req` take them from the cache."""
         end = cached + self.config.in_batch_prefix_len
         return (
-            cached <= running.num_computed_tokens < end <= len(running.prompt_token_ids)
+            req.cache_namespace == running.cache_namespace
+            and cached <= running.num_computed_tokens < end <= len(running.prompt_token_ids)
             and end <= len(req.prompt_token_ids)
             and req.prompt_token_ids[cached:end] == running.prompt_token_ids[cached:end]
         )
+
+    def _lora_full(self, req: Request) -> bool:
+        """Whether running `req` would run one LoRA adapter more than `max_loras` (vLLM's
+        rule: the running requests' distinct adapters fit the device slots)."""
+        if self.max_loras is None or not req.lora_int_id:
+            return False
+        running = {r.lora_int_id for r in self.running if r.lora_int_id}
+        return req.lora_int_id not in running and len(running) >= self.max_loras
+
+    def _peek(self, req: Request):
+        """What `req`'s admission would take from the prefix cache now (its adapter's tree)."""
+        return self.block_manager.peek_prefix(self._match_token_ids(req), req.cache_namespace)
+
+    def _free(self, req: Request) -> None:
+        """Release `req`'s pages, offering its computed tokens to the prefix cache."""
+        self.block_manager.free(req.request_id, self._computed_token_ids(req), req.cache_namespace)
 
     def _match_token_ids(self, req: Request) -> list[int]:
         """The tokens a cache match may cover: all but the last (which must be computed to get
@@ -483,7 +506,9 @@ class Scheduler:
         """Reuse the longest cached prefix of `req`'s tokens, if longer than what it computed."""
         if not self.block_manager.caching:
             return
-        cached = self.block_manager.match_prefix(req.request_id, self._match_token_ids(req))
+        cached = self.block_manager.match_prefix(
+            req.request_id, self._match_token_ids(req), req.cache_namespace
+        )
         if cached > req.num_computed_tokens:
             saved = cached - req.num_computed_tokens
             batch.num_cached_tokens += saved
@@ -512,7 +537,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         self.running.remove(req)
-        self.block_manager.free(req.request_id, self._computed_token_ids(req))
+        self._free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -594,7 +619,7 @@ class Scheduler:
                 req.num_computed_tokens -= req.num_pending_tokens
                 req.num_pending_tokens = 0
                 self.running.remove(req)
-                self.block_manager.free(req.request_id, self._computed_token_ids(req))
+                self._free(req)
                 finished.append(req)
             elif self.block_manager.caching:
                 self._cache_computed(req)
@@ -604,4 +629,4 @@ class Scheduler:
         bm = self.block_manager
         num_full = req.num_computed_tokens // bm.page_size
         if num_full > bm.num_offered_pages(req.request_id):
-            bm.cache_computed(req.request_id, self._computed_token_ids(req))
+            bm.cache_computed(req.request_id, self._computed_token_ids(req), req.cache_namespace)

@@ -10,7 +10,8 @@ from llmjax.sampling_params import SamplingParams
 class InvalidRequest(ValueError):
     """A request the engine can never run; `param` names what is wrong with it: 'prompt'
     (empty, too long, ids outside the vocabulary), 'max_tokens' (prompt + max_tokens need more
-    KV pages than the cache has) or 'stop' (stop strings without a tokenizer)."""
+    KV pages than the cache has), 'stop' (stop strings without a tokenizer) or 'lora_request'
+    (an adapter the engine cannot serve)."""
 
     def __init__(self, message: str, param: str):
         super().__init__(message)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmjax.config import ModelConfig, RopeScaling
-from llmjax.model.quant import linear
+from llmjax.model.lora import project
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
@@ -102,16 +102,19 @@ ACTIVATIONS = {
 }
 
 
-def gated_mlp(x: jax.Array, w_gate, w_up, w_down, act: str = "silu") -> jax.Array:
+def gated_mlp(
+    x: jax.Array, w_gate, w_up, w_down, act: str = "silu", lora: dict | None = None
+) -> jax.Array:
     """x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] (plain, or packed: llmjax/model/quant.py)
     -> act(x @ w_gate) * (x @ w_up) @ w_down [T, D]; `act` one of ACTIVATIONS
-    (`ModelConfig.hidden_act`)."""
-    gate = linear(x, w_gate).astype(jnp.float32)
-    up = linear(x, w_up).astype(jnp.float32)
+    (`ModelConfig.hidden_act`); `lora`: a layer's LoRA view (llmjax/model/lora.py), whose
+    adapters add to the three projections."""
+    gate = project(x, w_gate, lora, "w_gate").astype(jnp.float32)
+    up = project(x, w_up, lora, "w_up").astype(jnp.float32)
     # In float32, rounded once to x's dtype (a no-op for float32): in bfloat16 XLA:CPU otherwise
     # rounds after every op of the activation (neg, exp, add, divide, multiply), slower and less
     # exact.
-    return linear((ACTIVATIONS[act](gate) * up).astype(x.dtype), w_down)
+    return project((ACTIVATIONS[act](gate) * up).astype(x.dtype), w_down, lora, "w_down")
 
 
 def swiglu_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:

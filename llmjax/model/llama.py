@@ -35,19 +35,22 @@ import jax
 import jax.numpy as jnp
 
 from llmjax.config import ModelConfig
+from llmjax.model import lora
 from llmjax.model.attention import AttentionFn, reference_attention
 from llmjax.model.kv_cache import KVPages, as_stored, write_kv
 from llmjax.model.layers import apply_rope, gated_mlp, layer_rope, norm, rope_cos_sin
 from llmjax.model.moe import moe_mlp
 from llmjax.model.params import Params, layers_stacked
-from llmjax.model.quant import is_packed, linear, qdot, take_rows
+from llmjax.model.quant import is_packed, qdot, take_rows
 from llmjax.model.step_input import StepInput
 
 
-def _project(x: jax.Array, w) -> jax.Array:
-    """x: [T, D] @ w: [D, heads, H] (plain or packed, llmjax/model/quant.py) -> [T, heads, H],
-    as one 2-D matmul (a 3-D einsum made XLA transpose the weight every step)."""
-    return linear(x, w)
+def _project(x: jax.Array, layer: Params, name: str) -> jax.Array:
+    """x: [T, D] @ the layer's weight `name`, [D, heads, H] (plain or packed,
+    llmjax/model/quant.py) -> [T, heads, H], as one 2-D matmul (a 3-D einsum made XLA transpose
+    the weight every step); plus the tokens' LoRA adapters' delta where the layer has
+    `layer["lora"]` (llmjax/model/lora.py)."""
+    return lora.project(x, layer[name], layer.get("lora"), name)
 
 
 def attention_qkv(
@@ -55,8 +58,8 @@ def attention_qkv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The normed input h [T, D] -> q [T, N, H], k, v [T, K, H]: the projections, their biases
     (Qwen2), the per-head query/key norms (Qwen3, Gemma 3), RoPE (cos/sin [T, H/2])."""
-    k = _project(h, layer["wk"])  # [T, K, H]
-    v = _project(h, layer["wv"])  # [T, K, H]
+    k = _project(h, layer, "wk")  # [T, K, H]
+    v = _project(h, layer, "wv")  # [T, K, H]
     if "bk" in layer:  # attention_bias (Qwen2)
         k, v = k + layer["bk"], v + layer["bv"]
     k = norm(k, layer.get("k_norm"), config)
@@ -68,7 +71,7 @@ def attention_q(
 ) -> jax.Array:
     """The query alone (h [T, D] -> [T, N, H]), as `attention_qkv` makes it: InfiniGen's
     speculation makes the next layer's from this layer's input."""
-    q = _project(h, layer["wq"])
+    q = _project(h, layer, "wq")
     if "bq" in layer:
         q = q + layer["bq"]
     return apply_rope(norm(q, layer.get("q_norm"), config), cos, sin)
@@ -126,7 +129,7 @@ def _attention_block(
     k_pages, v_pages = write_kv(*kv, k, v, step.slot_mapping)
     new_kv = as_stored(k, k_pages), as_stored(v, v_pages)  # what later steps will read
     o = attend(q, k_pages, v_pages, step, kind, config, attention_fn, new_kv=new_kv)  # [T, N, H]
-    out = linear(o, layer["wo"])  # [T, N, H] @ [N, H, D]
+    out = _project(o, layer, "wo")  # [T, N, H] @ [N, H, D]
     return norm(out, layer.get("attn_post_norm"), config), (k_pages, v_pages)
 
 
@@ -137,7 +140,10 @@ def mlp_block(layer: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
     if "router" in layer:
         h = moe_mlp(layer, h, config)
     else:
-        h = gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"], config.hidden_act)
+        h = gated_mlp(
+            h, layer["w_gate"], layer["w_up"], layer["w_down"], config.hidden_act,
+            layer.get("lora"),
+        )  # fmt: skip
     return x + norm(h, layer.get("mlp_post_norm"), config)
 
 
@@ -184,12 +190,15 @@ def scan_layers(
     attention_fn: AttentionFn,
     num_layers: int | None = None,
     layer_kinds=None,
+    lora_params: dict | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The decoder layers as one `lax.scan` over stacked weights -> (x [T, D], kv_pages). The
     whole cache is the scan's carry (updated in place). `num_layers`: only the first that many
     (a loop that reads each layer's weights in place: an early-exit draft). `layer_kinds`: the
     per-layer table, each layer's attention kind [L] (default `config.layer_kind_ids`; a
-    pipeline stage passes its own layers' rows), scanned with the weights."""
+    pipeline stage passes its own layers' rows), scanned with the weights. `lora_params`: the
+    LoRA adapter slots (`params["lora"]`, llmjax/model/lora.py), their [L, ...] arrays scanned
+    with the weights (not in the early exit of `num_layers`: a draft runs the base model)."""
     k_pages, v_pages = kv_pages
     total = jax.tree.leaves(layers)[0].shape[0]
     if layer_kinds is None:
@@ -221,8 +230,10 @@ def scan_layers(
 
     def body(carry, xs):
         x, k, v, i = carry
-        layer, kind = xs
+        layer, kind, lora_weights = xs
         layer = {**layer, **{name: w.at_layer(i) for name, w in packed.items()}}
+        if lora_params is not None:
+            layer["lora"] = lora.layer_view(lora_params, step.lora_slots, lora_weights)
         x, (k, v) = decoder_layer(
             layer,
             x,
@@ -237,7 +248,8 @@ def scan_layers(
         return (x, k, v, i + 1), None
 
     carry = (x, k_pages, v_pages, jnp.int32(0))
-    (x, k, v, _), _ = jax.lax.scan(body, carry, (sliced, kinds), length=total)
+    lora_weights = None if lora_params is None else lora.weights(lora_params)
+    (x, k, v, _), _ = jax.lax.scan(body, carry, (sliced, kinds, lora_weights), length=total)
     return x, (k, v)
 
 
@@ -278,18 +290,26 @@ def forward(
     llmjax/model/attention.py (`make_attention_fn` picks one by backend name). The pipeline-
     parallel step (llmjax/parallel/pipeline.py) runs the same pieces split over stages.
     `num_layers`: run only the first that many layers, then the final norm and the LM head (an
-    early exit, speculative decoding's draft; the other layers' KV pages are untouched)."""
+    early exit, speculative decoding's draft; the other layers' KV pages are untouched).
+    `params["lora"]` (llmjax/model/lora.py): LoRA adapter slots, each token's chosen by
+    `step.lora_slots` (the draft's early exit runs without them)."""
+    lora_params = params.get("lora") if num_layers is None else None
+    if lora_params is not None and step.lora_slots is None:
+        raise ValueError("params hold LoRA slots: the step needs lora_slots [T] (-1: none)")
     x = embed_tokens(params, step.token_ids, config)  # [T, D]
     cos, sin = rope_cos_sin(step.positions, config)  # [R, T, H/2]
     if layers_stacked(params):
         with jax.named_scope("layers"):
             x, new_kv_pages = scan_layers(
-                params["layers"], kv_pages, x, step, cos, sin, config, attention_fn, num_layers
-            )
+                params["layers"], kv_pages, x, step, cos, sin, config, attention_fn, num_layers,
+                lora_params=lora_params,
+            )  # fmt: skip
     else:
         new_kv_pages = list(kv_pages)
         kinds = config.layer_kind_ids
         for i, layer in enumerate(params["layers"][:num_layers]):
+            if lora_params is not None:
+                layer = {**layer, "lora": lora.layer_view(lora_params, step.lora_slots, i=i)}
             with jax.named_scope(f"layer_{i}"):
                 x, kv = decoder_layer(
                     layer, x, kv_pages[i], step, cos, sin, config, attention_fn, kinds[i]

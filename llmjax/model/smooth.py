@@ -59,9 +59,10 @@ def check_alpha(alpha: float) -> float:
 
 @contextlib.contextmanager
 def _recording_linear(record):
-    """Every `linear(x, w)` of the model (llama.py's projections, layers.py's MLP) also calls
-    record(x, w) while this is active (at trace time: record keeps traced values)."""
-    from llmjax.model import layers, llama, quant
+    """Every `linear(x, w)` of the model's projections (llama.py's and layers.py's MLP, all
+    through llmjax/model/lora.py's `project`) also calls record(x, w) while this is active (at
+    trace time: record keeps traced values)."""
+    from llmjax.model import lora, quant
 
     real = quant.linear
 
@@ -69,11 +70,11 @@ def _recording_linear(record):
         record(x, w)
         return real(x, w)
 
-    llama.linear, layers.linear = recording, recording
+    lora.linear = recording
     try:
         yield
     finally:
-        llama.linear, layers.linear = real, real
+        lora.linear = real
 
 
 def collect_input_absmax(params, config: ModelConfig, token_ids, page_size: int = 16):

@@ -39,6 +39,9 @@ class StepInput(NamedTuple):
     page_indices: Any  # [S, max_pages] int32, each sequence's page table
     num_seqs: Any  # [1] int32, sequences in use (the rest is padding)
     logits_indices: Any  # [num_logits] int32, flat token rows whose logits are returned
+    # [T] int32, each token's LoRA adapter slot (llmjax/model/lora.py; -1: the base model), or
+    # None: an engine without adapters
+    lora_slots: Any = None
 
 
 def contiguous_prefill(sequences, n: int, page_size: int) -> tuple[StepInput, np.ndarray]:

@@ -22,6 +22,7 @@ from llmjax.engine.runner.launched import Launched, greedy_sampling
 from llmjax.engine.runner.pages import PageTransfer
 from llmjax.engine.runner.pipeline_ticks import PipelineTicks
 from llmjax.engine.runner.sparse_step import SparseStep
+from llmjax.model import lora as lora_slots
 from llmjax.model.attention import make_attention_fn, resolve_attention_backend
 from llmjax.model.draft import draft_proposals
 from llmjax.model.kv_cache import allocate_kv_pages
@@ -107,6 +108,7 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
                 "packed (quantized) weights run on one device for now: tp * pp must be 1"
             )
         self.sparse = config.sparse_kv
+        self.lora_targets: tuple[str, ...] = ()  # LoRA slots' targets (`_init_lora`)
         self.last_sparse_stats = None
         # The CPU kernel walks each sequence's page table only as far as its kv_lens, so the
         # engine pads every table to the longest (Buckets.create(ragged_pages=True)): the page
@@ -159,6 +161,8 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
                 replicated(self.mesh),
                 jax.tree.map(lambda x: x.sharding, self.kv_pages),
             )
+        if config.lora is not None:
+            self._init_lora()
         self.num_compiles = 0
         self.num_steps = 0
         self._step = jax.jit(
@@ -274,6 +278,40 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
             )
             self._ran_shapes: set[tuple[int, int, int]] = set()
 
+    def _init_lora(self) -> None:
+        """LoRA adapter slots (llmjax/model/lora.py) in `params["lora"]`, all empty, and the
+        jitted write of one slot."""
+        cfg = self.config.lora
+        self.lora_targets = cfg.targets_for(self.model_config.is_moe)
+        with jax.default_device(self.device):
+            slots = lora_slots.allocate_slots(
+                self.model_config, self.lora_targets, cfg.max_loras, cfg.max_lora_rank, self.dtype
+            )
+        self.params = {**self.params, "lora": slots}
+        self.num_lora_writes = 0
+        self._write_lora = jax.jit(
+            functools.partial(lora_slots.write_slot, max_rank=cfg.max_lora_rank),
+            donate_argnums=0,
+        )
+
+    def write_lora_slot(self, slot: int, adapter) -> None:
+        """Device slot `slot` now holds `adapter` (`llmjax.lora.LoRAWeights`), its ranks padded
+        to max_lora_rank and absent targets zero on the host, so the write compiles once."""
+        R = self.config.lora.max_lora_rank
+        dims = lora_slots.projection_dims(self.model_config)
+        L = self.model_config.num_layers
+        arrays = {}
+        for name in lora_slots.weights(self.params["lora"]):
+            n_in, n_out = dims[name]
+            a = np.zeros((L, n_in, R), np.float32)
+            b = np.zeros((L, R, n_out), np.float32)
+            if name in adapter.weights:
+                ai, bi = adapter.weights[name]
+                a[:, :, : ai.shape[2]], b[:, : bi.shape[1]] = ai, bi
+            arrays[name] = (a, b)
+        self.params["lora"] = self._write_lora(self.params["lora"], np.int32(slot), arrays)
+        self.num_lora_writes += 1
+
     @staticmethod
     def annotate(name: str, **metadata):
         """A named range on the profiler's host timeline (jax.profiler.TraceAnnotation; next to
@@ -316,6 +354,8 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
     def _inputs(self, step: StepInput, sampling: SamplingInput) -> tuple:
         """Host arrays -> the step's inputs: as they are on one device; replicated global
         arrays on a mesh (every process holds the same host arrays)."""
+        if self.lora_targets and step.lora_slots is None:  # a step of the base model alone
+            step = step._replace(lora_slots=np.full(len(step.token_ids), -1, np.int32))
         arrays = (step, self._sampling_arrays(sampling))
         if self.mesh is None:
             return arrays

@@ -87,7 +87,7 @@ class PipelineTicks:
         steps = [None if s is None else s[1] for s in self._slots]
         T, S, P = pipeline.step_bucket(steps)
         padded = [pipeline.pad_step(x, T, S, P) for x in steps]
-        metas = StepInput(*(np.stack(field) for field in zip(*padded, strict=True)))
+        metas = StepInput(*map(_stack, zip(*padded, strict=True)))
         exiting = self._slots[pp - 1]
         arrays = self._sampling_arrays(exiting[2]) if exiting else None
         sampling_arrays = _pad_sampling(arrays, S)
@@ -109,7 +109,7 @@ class PipelineTicks:
         """pp > 1: the lowered pipeline tick of one (T, S, P) bucket (for HLO inspection)."""
         pp = self.mesh.shape["pp"]
         padded = [pipeline.pad_step(None, T, S, P)] * pp
-        metas = StepInput(*(np.stack(field) for field in zip(*padded, strict=True)))
+        metas = StepInput(*map(_stack, zip(*padded, strict=True)))
         metas = jax.tree.map(
             lambda x: place(x, NamedSharding(self.mesh, PartitionSpec("pp"))), metas
         )
@@ -144,3 +144,9 @@ def _pad_sampling(arrays: tuple | None, S: int) -> tuple:
     temperature, top_k, top_p, seeds, counters, all_greedy = arrays
     pad = lambda x, v=0: np.pad(np.asarray(x), (0, S - len(x)), constant_values=v)
     return (pad(temperature), pad(top_k), pad(top_p, 1), pad(seeds), pad(counters), all_greedy)
+
+
+def _stack(field: tuple):
+    """One StepInput field of the micro-batches, stacked [pp, ...] (None stays None: a field
+    the engine does not use, e.g. lora_slots)."""
+    return None if field[0] is None else np.stack(field)
