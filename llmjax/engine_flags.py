@@ -169,6 +169,17 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "(llmjax.config.SpeculativeConfig; or --config.speculative.<field>).",
         **f,
     )
+    flags.DEFINE_bool(
+        "enable_lora",
+        False,
+        "Serve LoRA adapters, many in one batch (LLM(enable_lora=True); LoRAConfig).",
+        **f,
+    )
+    flags.DEFINE_integer("max_loras", 1, "LoRA adapters on the device at once.", **f)
+    flags.DEFINE_integer("max_lora_rank", 16, "The largest LoRA rank a device slot holds.", **f)
+    flags.DEFINE_integer(
+        "max_cpu_loras", None, "LoRA adapters kept in host memory (default: max_loras).", **f
+    )
     _define_kernel_flags(f)
     _define_parallel_flags(f)
     _define_sim_flags(f)
@@ -560,6 +571,13 @@ def llm_kwargs(values: flags.FlagValues) -> dict:
         balance_micro_batches=values.balance_micro_batches,
         check_lockstep=values.check_lockstep,
     )
+    if values.enable_lora:
+        kwargs.update(
+            enable_lora=True,
+            max_loras=values.max_loras,
+            max_lora_rank=values.max_lora_rank,
+            max_cpu_loras=values.max_cpu_loras,
+        )
     if values.speculative_config:
         import json
 

@@ -61,6 +61,18 @@ flags.DEFINE_float(
     "A semantic-variable program session kept open (POST /v1/programs with keep_session) "
     "closes after this many seconds without a request (docs/programs.md).",
 )
+flags.DEFINE_multi_string(
+    "lora_modules",
+    [],
+    "LoRA adapters to serve, as vLLM's --lora-modules: name=path (a PEFT directory), one per "
+    "flag; the request's `model` names one (needs --enable_lora).",
+)
+flags.DEFINE_bool(
+    "enable_lora_runtime_updates",
+    False,
+    "Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING).",
+)
 flags.DEFINE_bool(
     "warmup", True, "Run one short request before serving, so the first client does not compile."
 )
@@ -106,7 +118,19 @@ def main(argv):
         max_num_queued=FLAGS.max_num_queued,
         metrics_prefix=FLAGS.metrics_prefix,
         program_idle_s=FLAGS.program_idle_s,
+        lora_modules=_lora_modules(FLAGS.lora_modules),
+        enable_lora_runtime_updates=FLAGS.enable_lora_runtime_updates,
     )
+
+
+def _lora_modules(items: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        name, eq, path = item.partition("=")
+        if not eq or not name or not path:
+            raise app.UsageError(f"--lora_modules wants name=path, got {item!r}")
+        out.append((name, path))
+    return out
 
 
 def _cluster(specs):

@@ -32,6 +32,8 @@ ROUTES = {  # path -> method
     "/metrics": "get",
     "/tokenize": "post",
     "/detokenize": "post",
+    "/v1/load_lora_adapter": "post",
+    "/v1/unload_lora_adapter": "post",
 }
 
 

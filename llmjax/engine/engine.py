@@ -299,6 +299,38 @@ class LLMEngine(EngineRoles):
                 self.samples.add(req)
         return request_id
 
+    # ---- LoRA adapters (vLLM's LLMEngine methods) ---------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter now (read and checked from its directory), so that requests
+        naming it start without reading it; True. Raises LoRAError (and ValueError without
+        `EngineConfig.lora`)."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (EngineConfig.lora)")
+        self.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its host copy and device slot); False if it is not registered.
+        Raises ValueError while a waiting or running request uses it."""
+        if self.lora is None:
+            return False
+        users = [
+            r.request_id
+            for r in (*self.scheduler.waiting, *self.scheduler.running)
+            if r.lora_int_id == lora_int_id
+        ]
+        if users:
+            raise ValueError(
+                f"adapter {lora_int_id} is in use by {len(users)} requests ({users[:3]}...): "
+                "abort them or wait for them to finish"
+            )
+        return self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> dict[int, LoRARequest]:
+        """The registered adapters by id."""
+        return {} if self.lora is None else dict(self.lora.adapters)
+
     def _add_lora(self, lora_request: LoRARequest | None) -> None:
         """Register a request's adapter (read on first use); InvalidRequest if it cannot run."""
         if lora_request is None:

@@ -48,6 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import llmjax
 from llmjax.engine.engine import InvalidRequest
 from llmjax.engine.request import RequestOutput
+from llmjax.lora import LoRARequest
 from llmjax.sampling_params import SamplingParams
 from llmjax.serve.async_engine import (
     AsyncEngine,
@@ -70,6 +71,7 @@ from llmjax.serve.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelList,
     OpenAIModel,
     ProgramClosed,
@@ -77,6 +79,7 @@ from llmjax.serve.protocol import (
     ProgramResponse,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from llmjax.tokenizer import TextStream
@@ -94,13 +97,16 @@ class ServerConfig:
     weights came from (`root` in /v1/models). api_key: if set, /v1/* need `Authorization: Bearer
     <key>`. max_num_queued: at most this many requests wait for the engine (None: unbounded).
     program_idle_s: a program session kept open (`keep_session`) is closed after this many
-    seconds without a request."""
+    seconds without a request. enable_lora_runtime_updates: /v1/load_lora_adapter and
+    /v1/unload_lora_adapter change the adapters served (else they answer 400; vLLM gates them
+    by VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
 
     served_model_name: str
     model_path: str = ""
     api_key: str | None = None
     max_num_queued: int | None = None
     program_idle_s: float = 600.0
+    enable_lora_runtime_updates: bool = False
 
     def __post_init__(self):
         if not self.program_idle_s > 0:
@@ -275,6 +281,22 @@ def build_app(
     async def detokenize(body: DetokenizeRequest):
         return handler.detokenize(body)
 
+    @app.post(
+        "/v1/load_lora_adapter",
+        responses={200: {"description": "Success: the adapter is served by its name", "content": TEXT}}
+        | _errors(400, 503),
+    )
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        return await handler.load_lora(body)
+
+    @app.post(
+        "/v1/unload_lora_adapter",
+        responses={200: {"description": "Success: the adapter is no longer served", "content": TEXT}}
+        | _errors(400, 404, 503),
+    )
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        return await handler.unload_lora(body)
+
     limits = {
         VOCAB_MAX: handler.llm_engine.config.model.vocab_size - 1,
         CONTEXT_MAX: handler.max_model_len - 1,
@@ -301,6 +323,7 @@ ERROR_DESCRIPTIONS = {
     503: "Too many requests wait (max_num_queued), or the engine stopped",
 }
 REF = "#/components/schemas/"
+TEXT = {"text/plain": {"schema": {"type": "string"}}}  # a plain-text body (vLLM's LoRA routes)
 
 
 def _errors(*statuses: int) -> dict[int, dict]:
@@ -414,6 +437,11 @@ class _Call:
     continuous_usage: bool
     arrival_time: float
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
+    lora: LoRARequest | None = None  # the adapter the `model` field named
+
+    def model_name(self, base: str) -> str:
+        """The `model` the response names: the adapter's, or the base model's."""
+        return base if self.lora is None else self.lora.lora_name
 
 
 class _Handlers:
@@ -424,11 +452,17 @@ class _Handlers:
         self.config = config
         self.max_model_len = self.llm_engine.config.max_model_len
         self.created = int(time.time())
+        # the LoRA adapters served, by name (registered before the engine thread started; then
+        # changed only through the engine thread, by load_lora / unload_lora)
+        lora_list = getattr(self.llm_engine, "list_loras", dict)
+        self.loras: dict[str, LoRARequest] = {a.lora_name: a for a in lora_list().values()}
 
     # ---- checks shared by both endpoints
 
-    def _check_common(self, body: OpenAIModel) -> None:
-        self._check_model(body.model)
+    def _check_common(self, body: OpenAIModel) -> LoRARequest | None:
+        """The request's adapter (None: the base model), after the checks both endpoints
+        share."""
+        lora = self._check_model(body.model)
         unsupported = body.unsupported()
         if unsupported:
             raise APIError(400, unsupported[1], unsupported[0])
@@ -438,6 +472,7 @@ class _Handlers:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream")
         if body.stop and self.tokenizer is None:
             raise APIError(400, "stop strings need the model's tokenizer", "stop")
+        return lora
 
     def _tokenizer(self, param: str):
         if self.tokenizer is None:
@@ -474,7 +509,9 @@ class _Handlers:
             raise APIError(400, str(e), param) from None
         return params
 
-    def _call(self, kind: str, body, prompts, texts, requested, prompt_param, arrival) -> _Call:
+    def _call(
+        self, kind: str, body, prompts, texts, requested, prompt_param, arrival, lora
+    ) -> _Call:
         params = [self._sampling(body, p, requested, prompt_param) for p in prompts]
         options = body.stream_options
         return _Call(
@@ -488,13 +525,14 @@ class _Handlers:
             continuous_usage=bool(options and options.continuous_usage_stats),
             arrival_time=arrival,
             echo=bool(getattr(body, "echo", False)),
+            lora=lora,
         )
 
     # ---- endpoints
 
     async def completions(self, body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
-        self._check_common(body)
+        lora = self._check_common(body)
         prompts, texts = [], []
         for p in body.prompts():
             if isinstance(p, str):
@@ -505,12 +543,14 @@ class _Handlers:
                 texts.append(None)
         if not prompts or any(not p for p in prompts):
             raise APIError(400, "prompt must not be empty", "prompt")
-        call = self._call("completion", body, prompts, texts, body.max_tokens, "prompt", arrival)
+        call = self._call(
+            "completion", body, prompts, texts, body.max_tokens, "prompt", arrival, lora
+        )
         return await self._serve(call, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
-        self._check_common(body)
+        lora = self._check_common(body)
         tok = self._tokenizer("messages")
         messages = [m.as_template_message() for m in body.messages]
         try:
@@ -520,7 +560,9 @@ class _Handlers:
         except Exception as e:  # a template that refuses these messages (roles, order)
             raise APIError(400, f"the chat template failed: {e}", "messages") from None
         requested = body.requested_max_tokens
-        call = self._call("chat", body, [tok.encode(text)], [text], requested, "messages", arrival)
+        call = self._call(
+            "chat", body, [tok.encode(text)], [text], requested, "messages", arrival, lora
+        )
         return await self._serve(call, request)
 
     def models(self) -> dict:
@@ -534,7 +576,50 @@ class _Handlers:
             "max_model_len": self.max_model_len,
             "vocab_size": self.llm_engine.config.model.vocab_size,  # llmjax's: for load tests
         }
-        return {"object": "list", "data": [card]}
+        adapters = [  # vLLM's cards of LoRA adapters: the base model is their parent
+            card | {"id": name, "root": lora.lora_path, "parent": self.config.served_model_name}
+            for name, lora in self.loras.items()
+        ]
+        return {"object": "list", "data": [card, *adapters]}
+
+    async def load_lora(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        self._check_runtime_updates()
+        name = body.lora_name
+        if name in self.loras or name == self.config.served_model_name:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        lora_id = max((a.lora_int_id for a in self.loras.values()), default=0) + 1
+        lora = LoRARequest(name, lora_id, body.lora_path)
+        try:
+            await self.engine.call(lambda: self.llm_engine.add_lora(lora))
+        except ValueError as e:  # LoRAError too: the adapter cannot be served
+            raise APIError(400, str(e), "lora_path") from None
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not serving: {e}") from None
+        self.loras[name] = lora
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(self, body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        self._check_runtime_updates()
+        name = body.lora_name
+        lora = self.loras.get(name)
+        if lora is None or body.lora_int_id not in (None, lora.lora_int_id):
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        try:
+            await self.engine.call(lambda: self.llm_engine.remove_lora(lora.lora_int_id))
+        except ValueError as e:  # requests still use it
+            raise APIError(400, str(e), "lora_name") from None
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not serving: {e}") from None
+        del self.loras[name]
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _check_runtime_updates(self) -> None:
+        if not self.config.enable_lora_runtime_updates:
+            raise APIError(
+                400,
+                "loading and unloading LoRA adapters at run time is off: start the server with "
+                "--enable_lora_runtime_updates",
+            )
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         self._check_model(body.model)
@@ -564,9 +649,14 @@ class _Handlers:
             )
         return {"prompt": self._tokenizer("tokens").decode(body.tokens)}
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 for an unknown model."""
+        if model is None or model == self.config.served_model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
+        return lora
 
     # ---- queueing and answering
 
@@ -578,6 +668,7 @@ class _Handlers:
                 arrival_time=call.arrival_time,
                 prompts=call.texts if call.kind == "completion" else None,
                 final_only=not call.stream,
+                lora_request=call.lora,
             )
         except EngineOverloadedError as e:
             raise APIError(503, str(e)) from None
@@ -622,7 +713,7 @@ class _Handlers:
             "id": call.response_id,
             "object": "chat.completion" if call.kind == "chat" else "text_completion",
             "created": int(time.time()),
-            "model": self.config.served_model_name,
+            "model": call.model_name(self.config.served_model_name),
             "choices": choices,
             "usage": _usage(ordered),
         }
@@ -661,7 +752,7 @@ class _Handlers:
             "id": call.response_id,
             "object": kind,
             "created": int(time.time()),
-            "model": self.config.served_model_name,
+            "model": call.model_name(self.config.served_model_name),
         }
         index = {rid: i for i, rid in enumerate(stream.request_ids)}
         pieces: dict[tuple[str, int], TextStream | None] = {}

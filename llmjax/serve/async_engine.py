@@ -150,11 +150,12 @@ class AsyncEngine:
         arrival_time: float | None = None,
         prompts: Sequence[str | None] | None = None,
         final_only: bool = False,
+        lora_request=None,
     ) -> OutputStream:
-        """Queue (prompt token ids, sampling params) pairs as requests `request_id-0`, `-1`, ...;
-        returns their stream. Raises EngineDeadError if the engine is not running and
-        EngineOverloadedError if they would take the waiting requests past max_num_queued
-        (nothing is queued then)."""
+        """Queue (prompt token ids, sampling params) pairs as requests `request_id-0`, `-1`, ...,
+        under the LoRA adapter `lora_request` (None: the base model); returns their stream.
+        Raises EngineDeadError if the engine is not running and EngineOverloadedError if they
+        would take the waiting requests past max_num_queued (nothing is queued then)."""
         if not self.is_running:
             raise EngineDeadError(self.error or "the engine is not running")
         if self.max_num_queued is not None and self.num_waiting + len(requests) > (
@@ -166,8 +167,9 @@ class AsyncEngine:
             )
         arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         prompts = prompts or [None] * len(requests)
+        extra = {} if lora_request is None else {"lora_request": lora_request}
         items = [
-            (f"{request_id}-{i}", ids, params, prompt, arrival_time)
+            (f"{request_id}-{i}", ids, params, prompt, arrival_time, extra)
             for i, ((ids, params), prompt) in enumerate(zip(requests, prompts, strict=True))
         ]
         stream = OutputStream([item[0] for item in items], final_only)
@@ -260,6 +262,11 @@ class AsyncEngine:
                         len(engine.scheduler.running),
                         self.num_waiting,
                     )
+                    if getattr(engine, "lora", None) is not None:
+                        names = lambda rs: [r.lora_request.lora_name for r in rs if r.lora_int_id]
+                        self.metrics.record_loras(
+                            names(engine.scheduler.running), names(engine.scheduler.waiting)
+                        )
                 if outputs:
                     self._to_loop(self._deliver, outputs)
         except BaseException as e:  # the engine's state is unknown: stop serving
@@ -284,10 +291,10 @@ class AsyncEngine:
                         self.metrics.record_abort(rid)
                 return False
             if kind == "add":
-                for rid, ids, params, prompt, arrival in payload:
+                for rid, ids, params, prompt, arrival, extra in payload:
                     try:
                         self.engine.add_request(
-                            ids, params, rid, prompt=prompt, arrival_time=arrival
+                            ids, params, rid, prompt=prompt, arrival_time=arrival, **extra
                         )
                     except Exception as e:  # this request only: the engine is untouched
                         logger.warning("could not add request %s: %s", rid, e)

@@ -30,6 +30,8 @@ timestamps. Nothing is timed again in the HTTP layer.
 | program_calls_total (llmjax only)           | counter   | calls submitted to /v1/programs        |
 | program_tasks_total{state} (llmjax only)    | counter   | tasks ended: done, failed, cancelled   |
 | engine_config_info (llmjax), cache_config_info | gauge = 1 | policy, cache, budget as labels |
+| lora_requests_info (with LoRA)             | gauge     | vLLM's: the time, and as labels the   |
+|                                             |           | adapters running / waiting, max_lora  |
 
 A program's tasks are engine requests: the request metrics count them too. Every metric has the
 label `model_name`. Counters are declared without `_total` (prometheus-client appends it, as
@@ -40,6 +42,7 @@ any thread.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from prometheus_client import (
@@ -171,6 +174,16 @@ class ServingMetrics:
         self.spec_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."
         )
+        self.lora_info = None
+        if config.lora is not None:  # vLLM's: the value is the time, the adapters are labels
+            self._max_lora = str(config.lora.max_loras)
+            self.lora_info = Gauge(
+                p + "lora_requests_info",
+                "Running stats on LoRA requests: adapters running and waiting (comma-separated "
+                "names), max_lora; the value is the time of the update.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                **reg,
+            )
         self.spec_tokens_per_step = histogram(
             "request_spec_tokens_per_decode_step",
             "Per request with speculative decoding: generated tokens per decode step.",
@@ -275,6 +288,17 @@ class ServingMetrics:
 
     # ------------------------------------------------------------------------------------------
     # Engine thread.
+
+    def record_loras(self, running: Sequence[str], waiting: Sequence[str]) -> None:
+        """The adapters of the running and of the waiting requests (names), after a step."""
+        if self.lora_info is None:
+            return
+        self.lora_info.clear()
+        self.lora_info.labels(
+            max_lora=self._max_lora,
+            waiting_lora_adapters=",".join(sorted(set(waiting))),
+            running_lora_adapters=",".join(sorted(set(running))),
+        ).set(time.time())
 
     def record_step(
         self,

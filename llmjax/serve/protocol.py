@@ -333,6 +333,20 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
 
 
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's /v1/load_lora_adapter body: a PEFT directory served as model `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: VocabTokenIds

@@ -37,6 +37,8 @@ def make_app(
     metrics_prefix: str = "llmjax:",
     program_idle_s: float = 600.0,
     program_config=None,
+    lora_modules=(),
+    enable_lora_runtime_updates: bool = False,
 ):
     """(FastAPI app, AsyncEngine, ServingMetrics) serving `llm`'s engine, or a
     `llmjax.cluster.Cluster`'s instances behind its router. The app's lifespan starts the engine
@@ -45,13 +47,28 @@ def make_app(
     With a tokenizer it also serves semantic-variable programs (/v1/programs): its engine
     thread drives a `ProgramExecutor` (under `program_config`, a ProgramConfig) around the
     engine (or the cluster, whose entry instances Parrot's scheduler places tasks on);
-    sessions kept open close after `program_idle_s` idle seconds."""
+    sessions kept open close after `program_idle_s` idle seconds.
+
+    `lora_modules`: (name, path) pairs (or a dict) of LoRA adapters served by name (the
+    request's `model`), read now (an LLM built with enable_lora=True; a bad one raises
+    LoRAError); `enable_lora_runtime_updates` opens /v1/load_lora_adapter and
+    /v1/unload_lora_adapter."""
     name = served_model_name or llm.model_name
     engine = llm.serving_view() if hasattr(llm, "serving_view") else llm.engine
+    modules = list(dict(lora_modules).items())
+    if modules or enable_lora_runtime_updates:
+        if getattr(engine, "lora", None) is None:
+            raise ValueError("LoRA adapters need an engine built with enable_lora=True")
+        from llmjax.lora import LoRARequest
+
+        for i, (lora_name, path) in enumerate(modules):
+            engine.add_lora(LoRARequest(lora_name, i + 1, path))
     metrics = ServingMetrics(
         name, engine.config, engine.block_manager.num_pages, metrics_prefix, stats=engine.stats
     )
-    config = ServerConfig(name, llm.model_name, api_key, max_num_queued, program_idle_s)
+    config = ServerConfig(
+        name, llm.model_name, api_key, max_num_queued, program_idle_s, enable_lora_runtime_updates
+    )
     sessions, unsupported = None, ""
     if llm.tokenizer is None:
         unsupported = "/v1/programs needs the model's tokenizer; this server's model has none"
