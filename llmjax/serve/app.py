@@ -283,7 +283,7 @@ def build_app(
 
     @app.post(
         "/v1/load_lora_adapter",
-        responses={200: {"description": "Success: the adapter is served by its name", "content": TEXT}}
+        responses={200: {"description": "Success: the adapter is served", "content": TEXT}}
         | _errors(400, 503),
     )
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
@@ -291,7 +291,7 @@ def build_app(
 
     @app.post(
         "/v1/unload_lora_adapter",
-        responses={200: {"description": "Success: the adapter is no longer served", "content": TEXT}}
+        responses={200: {"description": "Success: it is no longer served", "content": TEXT}}
         | _errors(400, 404, 503),
     )
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
