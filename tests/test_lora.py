@@ -356,3 +356,41 @@ def test_smollm2_adapter_matches_hf_and_peft(smollm2_path):
     want = golden["logits"][0, :n]
     scale = np.abs(want).max()
     np.testing.assert_allclose(got[:, golden["vocab_subset"]], want, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_the_simulator_prices_the_slots_and_their_loads():
+    """On the simulated device (no weights, no files) adapters run through the real scheduler
+    and manager; the roofline charges every slot's shrink and expand (more slots, more time)
+    and each slot load over the host link."""
+    import configs
+    from llmjax.config import lora_projection_dims
+    from llmjax.sim.cost import StepFeatures
+    from llmjax.sim.roofline import RooflineCostModel
+
+    model = configs.get_preset("llama2-7b")
+    targets = tuple(LORA_TARGETS)
+    f = StepFeatures(tokens=256, prefill_attention=0, decodes=256, decode_context=256 * 1024)
+    plain = RooflineCostModel(model, "a100-80gb")
+    slots = [RooflineCostModel(model, "a100-80gb", lora_columns=c, lora_targets=targets)
+             for c in (16, 64, 1024)]  # fmt: skip
+    lora = [m.layer_seconds(f)["lora"] for m in slots]
+    assert 0 < lora[0] <= lora[1] < lora[2] and "lora" not in plain.layer_seconds(f)
+    assert plain.step_seconds(f) < slots[0].step_seconds(f) < slots[2].step_seconds(f)
+    per_layer = sum(sum(lora_projection_dims(model)[LORA_TARGETS[t]]) for t in targets)
+    nbytes = 2 * model.num_layers * per_layer * 16  # bfloat16, rank 16
+    assert slots[0].lora_slot_seconds(16) == pytest.approx(nbytes / 25e9)
+
+    llm = LLM("llama2-7b", device="sim", enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_num_seqs=8, max_model_len=512)  # fmt: skip
+    base = llm.with_options(enable_lora=False)
+    adapters = [LoRARequest(f"a{i}", i + 1, f"/simulated/a{i}") for i in range(3)]
+    prompts = [list(range(10, 10 + 64 + i)) for i in range(6)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    times = []
+    for engine, loras in ((base, None), (llm, [adapters[i % 3] for i in range(6)])):
+        t0 = engine.engine.clock.now()
+        outs = engine.generate(prompts, params, lora_request=loras)
+        assert all(o.error is None and len(o.token_ids) == 16 for o in outs)
+        times.append(engine.engine.clock.now() - t0)
+    assert times[1] > times[0]
+    assert llm.engine.runner.num_lora_writes >= 3  # three adapters through two slots

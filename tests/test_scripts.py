@@ -320,3 +320,25 @@ def test_eval_kv_cache_reports_quality_granularity_and_what_fits(tmp_path):
     assert 0 < grain["k_token_mean"] <= grain["k_token_max"] < 0.05
     fits = {r["kv_cache_dtype"]: r for r in result["memory"]["rows"]}
     assert fits["int8"]["pages"] > fits["auto"]["pages"]
+
+
+def test_bench_lora_on_a_real_and_a_simulated_device(tmp_path):
+    """scripts/bench_lora.py: the base row, then one row per adapter count, every request
+    served (the script exits non-zero otherwise); on the real device the adapters are PEFT
+    directories it writes (the tiny HF llama), on the simulated one a 7B's shapes."""
+    real, simulated = tmp_path / "real.json", tmp_path / "sim.json"
+    _run(
+        "bench_lora.py", f"--model={os.path.join(TESTDATA, 'hf_tiny', 'llama')}",
+        "--num_adapters=1,3", "--num_requests=6", "--prompt_len=8", "--output_len=3",
+        "--rank=2", "--max_lora_rank=4", "--max_loras_cap=2", f"--json_out={real}",
+    )  # fmt: skip
+    _run(
+        "bench_lora.py", "--device=sim", "--model=llama2-7b", "--num_adapters=1,16",
+        "--num_requests=16", "--prompt_len=64", "--output_len=8", f"--json_out={simulated}",
+    )  # fmt: skip
+    rows = json.loads(real.read_text())["rows"]
+    assert [(r["adapters"], r["max_loras"]) for r in rows] == [(0, 0), (1, 1), (3, 2)]
+    assert rows[2]["slot_loads"] >= 1 and all(r["output_tokens_per_s"] > 0 for r in rows)
+    sim = json.loads(simulated.read_text())["rows"]
+    assert [r["adapters"] for r in sim] == [0, 1, 16]
+    assert sim[0]["vs_base"] == 1 > sim[1]["vs_base"] > sim[2]["vs_base"]  # more slots cost more

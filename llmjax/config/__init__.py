@@ -58,7 +58,7 @@ from llmjax.config.families import (
     SIM_ONLY_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
 )
-from llmjax.config.lora import ATTENTION_TARGETS, LORA_TARGETS, LoRAConfig
+from llmjax.config.lora import ATTENTION_TARGETS, LORA_TARGETS, LoRAConfig, lora_projection_dims
 from llmjax.config.model import DTYPES, AttentionKind, ModelConfig
 from llmjax.config.overrides import FIXED_BY_WEIGHTS, apply_overrides, read_override
 from llmjax.config.parallel import HeadCounts, ParallelConfig, tp_head_counts
@@ -136,6 +136,7 @@ __all__ = [
     "apply_overrides",
     "kv_row_bytes",
     "layer_loop_scans",
+    "lora_projection_dims",
     "parse_kernel_options",
     "read_override",
     "tp_head_counts",

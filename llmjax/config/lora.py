@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from llmjax.config.checks import _check_positive
+from llmjax.config.model import ModelConfig
 
 # PEFT's module names (HF Llama-family projections) -> the model's weight names
 # (llmjax/model/params.py).
@@ -63,3 +64,19 @@ class LoRAConfig:
         else:
             wanted = set(ATTENTION_TARGETS if mixture_of_experts else LORA_TARGETS)
         return tuple(t for t in LORA_TARGETS if t in wanted)
+
+
+def lora_projection_dims(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The model's weight name -> (in, out) of each LoRA-able projection, flattened as the
+    model's `linear` flattens them (wq [D, N, H]: D -> N H)."""
+    D, H, F = config.hidden_size, config.head_dim, config.intermediate_size
+    N, K = config.num_heads, config.num_kv_heads
+    return {
+        "wq": (D, N * H),
+        "wk": (D, K * H),
+        "wv": (D, K * H),
+        "wo": (N * H, D),
+        "w_gate": (D, F),
+        "w_up": (D, F),
+        "w_down": (F, D),
+    }

@@ -127,10 +127,14 @@ class LLMEngine(EngineRoles):
         if config.lora is not None:
             if role != "colocated":
                 raise ValueError(f"LoRA adapters run on a colocated engine for now, not {role=}")
-            from llmjax.lora import LoRAManager
+            from llmjax.lora import LoRAManager, load_peft_adapter
 
             self.lora = LoRAManager(
-                config.lora, config.model, self.runner.lora_targets, self.runner.write_lora_slot
+                config.lora,
+                config.model,
+                self.runner.lora_targets,
+                self.runner.write_lora_slot,
+                getattr(self.runner, "load_lora", load_peft_adapter),  # the simulator's: shapes
             )
             self.scheduler.max_loras = config.lora.max_loras
         self.buckets = Buckets.create(

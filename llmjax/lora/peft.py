@@ -26,7 +26,7 @@ import re
 
 import numpy as np
 
-from llmjax.config import LORA_TARGETS, ModelConfig
+from llmjax.config import LORA_TARGETS, ModelConfig, lora_projection_dims
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -107,8 +107,6 @@ def load_peft_adapter(
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    from llmjax.model.lora import projection_dims
-
     config = read_config(path)
     file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(file):
@@ -128,7 +126,7 @@ def load_peft_adapter(
         modules.setdefault(m["module"], {})[m["ab"]] = value
     if not modules:
         raise LoRAError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
-    dims = projection_dims(model)
+    dims = lora_projection_dims(model)
     L = model.num_layers
     found: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     rank = 0

@@ -29,23 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmjax.config import LORA_TARGETS, ModelConfig
+from llmjax.config import lora_projection_dims as projection_dims
 from llmjax.model.quant import linear
-
-
-def projection_dims(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """The model's weight name -> (in, out) of each LoRA-able projection, flattened as the
-    model's `linear` flattens them (wq [D, N, H]: D -> N H)."""
-    D, H, F = config.hidden_size, config.head_dim, config.intermediate_size
-    N, K = config.num_heads, config.num_kv_heads
-    return {
-        "wq": (D, N * H),
-        "wk": (D, K * H),
-        "wv": (D, K * H),
-        "wo": (N * H, D),
-        "w_gate": (D, F),
-        "w_up": (D, F),
-        "w_down": (F, D),
-    }
 
 
 def allocate_slots(config: ModelConfig, targets, max_loras: int, max_rank: int, dtype) -> dict:

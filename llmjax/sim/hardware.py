@@ -21,6 +21,8 @@ efficiencies are defaults to be replaced by one's own measurements (`dataclasses
 - `link_efficiency` 0.75: NCCL all-reduce bus bandwidth on 8 x A100 NVLink measures about 230 of
   300 GB/s per direction (nccl-tests); `link_latency_s` 10 us per collective or send plus Vidur's
   20 us NCCL launch overhead on the host.
+- `host_bandwidth` 25 GB/s: host memory to the device per direction (PCIe 4.0 x16's 32 GB/s,
+  about 80 % achieved by pinned copies), what loading a LoRA adapter into a slot costs.
 - `step_overhead_s` 2 ms: per engine step on the host (scheduling, input preparation, launches,
   sampling), an assumption of this model: Vidur models these CPU overheads separately and leaves
   them off by default. Set it from a profile of your own engine.
@@ -58,6 +60,7 @@ class Hardware:
     link_latency_s: float = 30e-6
     network_latency_s: float = 50e-6
     step_overhead_s: float = 2e-3
+    host_bandwidth: float = 25 * GB  # host memory -> device, per direction (PCIe)
     source: str = ""
 
     def __post_init__(self):

@@ -48,7 +48,13 @@ import math
 
 import numpy as np
 
-from llmjax.config import SUPPORTED_ARCHITECTURES, ModelConfig, kv_row_bytes
+from llmjax.config import (
+    LORA_TARGETS,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    kv_row_bytes,
+    lora_projection_dims,
+)
 from llmjax.sim.cost import StepFeatures
 from llmjax.sim.hardware import Hardware, get_hardware
 
@@ -201,6 +207,10 @@ class RooflineCostModel:
     ep: int = 1
     expert_skew: float = 0.0
     kv_cache_dtype: str = "auto"  # CacheConfig's: the bytes attention reads and writes per row
+    # LoRA adapter slots (LoRAConfig): max_loras x max_lora_rank columns on each of the
+    # `lora_targets` projections (PEFT's names), computed for every token (llmjax/model/lora.py)
+    lora_columns: int = 0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "hardware", get_hardware(self.hardware))
@@ -284,7 +294,32 @@ class RooflineCostModel:
         t["elementwise"] = elementwise_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
         reduces = 1 if m.architecture == "falcon" else 2
         t["tp_all_reduce"] = reduces * self._allreduce(b * T * h)
+        if self.lora_columns:
+            t["lora"] = self._lora_seconds(T)
         return t
+
+    def _lora_seconds(self, T: int) -> float:
+        """The LoRA slots' shrink and expand on every target projection of a layer, for T
+        tokens (every slot's columns: the masked form the engine runs, llmjax/model/lora.py);
+        on tp devices each takes its share as the projection's weight is split (the output of
+        q, k, v, gate and up, the input of o and down)."""
+        dims, SR, seconds = lora_projection_dims(self.model), self.lora_columns, 0.0
+        for target in self.lora_targets:
+            n_in, n_out = dims[LORA_TARGETS[target]]
+            if target in ("o_proj", "down_proj"):
+                n_in /= self.tp
+            else:
+                n_out /= self.tp
+            seconds += self._matmul(T, n_in, SR) + self._matmul(T, SR, n_out)
+        return seconds
+
+    def lora_slot_seconds(self, rank: int) -> float:
+        """Loading one adapter into a slot: its A and B of every target and layer, padded to
+        `rank`, from host memory (`Hardware.host_bandwidth`)."""
+        dims = lora_projection_dims(self.model)
+        per_layer = sum(sum(dims[LORA_TARGETS[t]]) for t in self.lora_targets) * rank
+        nbytes = DTYPE_BYTES[self.dtype] * self.model.num_layers * per_layer / self.tp
+        return nbytes / self.hardware.host_bandwidth
 
     def _moe_seconds(self, T: int) -> dict[str, float]:
         """A mixture-of-experts MLP over T tokens on one device (see the module doc)."""

@@ -26,6 +26,7 @@ import numpy as np
 from llmjax.config import EngineConfig
 from llmjax.engine.batch import fill_pending
 from llmjax.engine.clock import VirtualClock
+from llmjax.lora.peft import LoRAWeights
 from llmjax.sim.cost import LinearCostModel, StepFeatures
 from llmjax.sim.hardware import Hardware, get_hardware
 from llmjax.sim.roofline import (
@@ -97,10 +98,22 @@ def make_cost_model(config: EngineConfig):
             ep=p.ep,
             expert_skew=sim.expert_skew,
             kv_cache_dtype=config.cache.kv_cache_dtype,
+            **_lora_costs(config),
         )
     if sim.cost_model == "fitted":
         return LinearCostModel.from_profile(sim.profile)
     return sim.cost_model
+
+
+def _lora_costs(config: EngineConfig) -> dict:
+    """The roofline's LoRA fields for `config.lora` (none without adapters)."""
+    lora = config.lora
+    if lora is None:
+        return {}
+    return dict(
+        lora_columns=lora.max_loras * lora.max_lora_rank,
+        lora_targets=lora.targets_for(config.model.is_moe),
+    )
 
 
 def sim_num_pages(config: EngineConfig, hardware: Hardware | None = None) -> int:
@@ -160,6 +173,12 @@ class SimRunner:
         self.last_stage_seconds: list[float] | None = None  # the last tick's, per stage
         # the ids a step may emit: the vocabulary without the EOS ids (a hash picks one)
         self._ids = np.setdiff1d(np.arange(config.model.vocab_size), config.model.eos_token_ids)
+        # LoRA adapters (EngineConfig.lora): the slots' targets; loading one costs its bytes
+        # over the host link (`RooflineCostModel.lora_slot_seconds`) on the clock
+        self.lora_targets = (
+            () if config.lora is None else config.lora.targets_for(config.model.is_moe)
+        )
+        self.num_lora_writes = 0
 
     # -- one device ------------------------------------------------------------------------------
 
@@ -246,6 +265,20 @@ class SimRunner:
         self.last_seconds = launched.seconds
         self.clock.advance(launched.seconds)
         return launched.tag, launched.next_ids
+
+    # -- LoRA adapters (ModelRunner's write_lora_slot; no weights: shapes only) ---------------
+
+    def load_lora(self, path: str, model, max_lora_rank: int, targets) -> LoRAWeights:
+        """A simulated adapter: no file is read; it takes the slot's whole rank on every
+        target (the bytes ModelRunner moves, padded to max_lora_rank)."""
+        return LoRAWeights(path, max_lora_rank, tuple(targets), {})
+
+    def write_lora_slot(self, slot: int, adapter: LoRAWeights) -> None:
+        """The adapter's copy into a device slot, on the clock (the roofline's host link)."""
+        seconds = getattr(self.cost_model, "lora_slot_seconds", None)
+        if seconds is not None:
+            self.clock.advance(float(seconds(self.config.lora.max_lora_rank)))
+        self.num_lora_writes += 1
 
     # -- what ModelRunner also offers -----------------------------------------------------------
 
