@@ -256,6 +256,50 @@ def test_bad_adapters_are_refused_and_the_others_served(tmp_path):
         load_peft_adapter(os.path.join(LORA, "llama", "all_r8"), config, 8, ("q_proj",))
 
 
+def _random_adapter(config, root, seed: int, rank: int = 4) -> str:
+    """A PEFT directory with random A and B (rank `rank`) on every projection of `config`."""
+    from safetensors.numpy import save_file
+
+    from llmjax.config import lora_projection_dims
+
+    rng, dims, tensors = np.random.default_rng(seed), lora_projection_dims(config), {}
+    for layer in range(config.num_layers):
+        for target, name in LORA_TARGETS.items():
+            n_in, n_out = dims[name]
+            part = "self_attn" if name in ("wq", "wk", "wv", "wo") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{target}"
+            tensors[f"{key}.lora_A.weight"] = rng.normal(0, 0.3, (rank, n_in)).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.3, (n_out, rank)).astype(np.float32)
+    path = os.path.join(root, f"random{seed}")
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"r": rank, "lora_alpha": rank, "target_modules": list(LORA_TARGETS)}, f)
+    return path
+
+
+@pytest.mark.parametrize("name, tp, layout", [("llama_tied", 2, "replicate"),
+                                              ("llama", 3, "pad")])  # fmt: skip
+def test_tensor_parallel_slots_equal_one_device(name, tp, layout, tmp_path):
+    """With tp the slots are split as the weights they attach to, the heads of B (q, k, v) and
+    of A (o) laid out as the base weights' (kv heads repeated, or zero heads padded): greedy
+    tokens of a batch over two adapters and the base model equal one device's."""
+    from llmjax.parallel.heads import tp_head_layout
+
+    path = os.path.join(TESTDATA, "hf_tiny", name)
+    config, _ = _base(name)
+    assert tp_head_layout(config, tp, pad_heads=True).kind == layout
+    loras = [LoRARequest(f"r{i}", i + 1, _random_adapter(config, tmp_path, i)) for i in range(2)]
+    prompts = [list(range(3 + i, 20 + 2 * i)) for i in range(5)]
+    wanted = [loras[0], None, loras[1], loras[0], loras[1]]
+    opts = dict(enable_lora=True, max_loras=2, max_lora_rank=4, max_model_len=64, num_pages=32,
+                compilation_cache_dir="")  # fmt: skip
+    one = LLM(path, **opts).generate(prompts, GREEDY, lora_request=wanted)
+    many = LLM(path, tp=tp, pad_heads=True, **opts).generate(prompts, GREEDY, lora_request=wanted)
+    assert [o.token_ids for o in many] == [o.token_ids for o in one]
+    assert one[0].token_ids != one[1].token_ids  # the adapters change the output
+
+
 def test_configs_refuse_what_lora_does_not_run_with():
     from llmjax.config import EngineConfig
 
@@ -268,8 +312,8 @@ def test_configs_refuse_what_lora_does_not_run_with():
                                                                  "o_proj")  # fmt: skip
     from llmjax.config import ParallelConfig
 
-    with pytest.raises(ValueError, match="tp == 1"):
-        EngineConfig(model=config, lora=LoRAConfig(), parallel=ParallelConfig(tp=2))
+    with pytest.raises(ValueError, match="pp == 1"):
+        EngineConfig(model=config, lora=LoRAConfig(), parallel=ParallelConfig(pp=2))
 
 
 # ---- the host cache and the device slots, under random use -----------------------------------

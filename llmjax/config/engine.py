@@ -257,7 +257,6 @@ class EngineConfig:
             why = [
                 f"{what} (got {got})"
                 for what, got, bad in (
-                    ("tp == 1", self.parallel.tp, self.parallel.tp > 1 and self.device == "jax"),
                     ("pp == 1", self.parallel.pp, self.parallel.pp > 1),
                     ("sparse_kv='none'", repr(self.sparse_kv.mode), self.sparse_kv.enabled),
                     ("no KV tiers (kv_store)", "a tier", self.kv_store.enabled),

@@ -92,3 +92,27 @@ def _jnp():
     import jax.numpy as jnp
 
     return jnp
+
+
+# The LoRA slots (llmjax/model/lora.py) of projections with head axes: the flat head axis
+# of B (out: wq, wk, wv) or of A (in: wo), laid out as the base weight's.
+_LORA_HEAD_SIDE = {"wq": "b", "wk": "b", "wv": "b", "wo": "a"}
+
+
+def transform_lora(name: str, a, b, layout: HeadLayout, config: ModelConfig):
+    """One target's LoRA weights in the original layout, a [L, in, r] and b [L, r, out] (the
+    flat head axis N H or K H where the target has one) -> in `layout`, as `transform_weight`
+    moves the base weight's heads (repeated or zero-padded kv heads, zero query heads)."""
+    side = _LORA_HEAD_SIDE.get(name)
+    if layout.kind == "as_is" or side is None:
+        return a, b
+    xp = np if isinstance(a, np.ndarray) else _jnp()
+    H, Q = config.head_dim, config.num_heads // config.num_kv_heads
+    if side == "b":  # [L, r, heads * H] -> [L * r, heads, H] (the head axis where wq's is)
+        L, r, n = b.shape
+        heads = transform_weight(name, b.reshape(L * r, n // H, H), layout, Q)
+        return a, heads.reshape(L, r, -1)
+    L, n, r = a.shape  # wo's A: [L, N H, r] -> [N, H, L r] (wo's [N, H, D])
+    x = xp.transpose(a, (1, 0, 2)).reshape(n // H, H, L * r)
+    x = transform_weight(name, x, layout, Q).reshape(-1, L, r)
+    return xp.transpose(x, (1, 0, 2)), b

@@ -205,3 +205,31 @@ def place_params(
         per_layer = [layer.pop(name) for layer in layers]  # dropped once stacked
         out[name] = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*per_layer)
     return {**placed, "layers": out}
+
+
+# The LoRA slots' split (llmjax/model/lora.py): as the base weight each attaches to, column-
+# parallel targets along B's output, row-parallel ones along A's input; the rank replicated.
+_LORA_AXES = {
+    "wq": ("b", "q_heads"),
+    "wk": ("b", "kv_heads"),
+    "wv": ("b", "kv_heads"),
+    "w_gate": ("b", "mlp"),
+    "w_up": ("b", "mlp"),
+    "wo": ("a", "q_heads"),
+    "w_down": ("a", "mlp"),
+}
+
+
+def lora_shardings(lora: dict, mesh: Mesh) -> dict:
+    """NamedShardings for `params["lora"]` ({"columns": [S R], name: (a [L, in, S R],
+    b [L, S R, out])}) on `mesh`."""
+    out = {"columns": replicated(mesh)}
+    for name, (a, b) in ((n, w) for n, w in lora.items() if n != "columns"):
+        side, axis = _LORA_AXES[name]
+        a_axes = ("layers", axis if side == "a" else None, None)
+        b_axes = ("layers", None, axis if side == "b" else None)
+        out[name] = (
+            NamedSharding(mesh, partition_spec(a.shape, a_axes, mesh, name=f"lora {name} A")),
+            NamedSharding(mesh, partition_spec(b.shape, b_axes, mesh, name=f"lora {name} B")),
+        )
+    return out

@@ -39,9 +39,10 @@ from llmjax.model.sampler import (
 from llmjax.model.step_input import StepInput
 from llmjax.parallel import pipeline
 from llmjax.parallel.distributed import check_lockstep, to_host
-from llmjax.parallel.heads import tp_head_layout
+from llmjax.parallel.heads import tp_head_layout, transform_lora
 from llmjax.parallel.mesh import (
     kv_pages_sharding,
+    lora_shardings,
     make_mesh,
     place,
     place_params,
@@ -287,19 +288,26 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
             slots = lora_slots.allocate_slots(
                 self.model_config, self.lora_targets, cfg.max_loras, cfg.max_lora_rank, self.dtype
             )
+        shardings = None
+        if self.mesh is not None:  # split as the weights they attach to (tp)
+            shardings = lora_shardings(slots, self.mesh)
+            slots = jax.tree.map(jax.device_put, slots, shardings)
         self.params = {**self.params, "lora": slots}
         self.num_lora_writes = 0
         self._write_lora = jax.jit(
             functools.partial(lora_slots.write_slot, max_rank=cfg.max_lora_rank),
             donate_argnums=0,
+            out_shardings=shardings,
         )
 
     def write_lora_slot(self, slot: int, adapter) -> None:
         """Device slot `slot` now holds `adapter` (`llmjax.lora.LoRAWeights`), its ranks padded
         to max_lora_rank and absent targets zero on the host, so the write compiles once."""
         R = self.config.lora.max_lora_rank
-        dims = lora_slots.projection_dims(self.model_config)
+        dims = lora_slots.projection_dims(self.config.model)  # the original heads
         L = self.model_config.num_layers
+        layout = tp_head_layout(self.config.model, self.config.parallel.tp,
+                                self.config.parallel.pad_heads)  # fmt: skip
         arrays = {}
         for name in lora_slots.weights(self.params["lora"]):
             n_in, n_out = dims[name]
@@ -308,8 +316,12 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
             if name in adapter.weights:
                 ai, bi = adapter.weights[name]
                 a[:, :, : ai.shape[2]], b[:, : bi.shape[1]] = ai, bi
-            arrays[name] = (a, b)
-        self.params["lora"] = self._write_lora(self.params["lora"], np.int32(slot), arrays)
+            arrays[name] = transform_lora(name, a, b, layout, self.config.model)  # tp's heads
+        slot_arg = np.int32(slot)
+        if self.mesh is not None:
+            arrays = jax.tree.map(lambda x: place(x, replicated(self.mesh)), arrays)
+            slot_arg = place(slot_arg, replicated(self.mesh))
+        self.params["lora"] = self._write_lora(self.params["lora"], slot_arg, arrays)
         self.num_lora_writes += 1
 
     @staticmethod
