@@ -224,6 +224,31 @@ def test_the_prefix_cache_keeps_adapters_apart():
     cache.check_invariants()
 
 
+def test_the_kv_tiers_keep_adapters_apart():
+    """With a host KV tier a prefix computed under adapter A (its device pages dropped) loads
+    back for A, with A's outputs, and is neither served to adapter B nor to the base model
+    (their keys are salted by the adapter)."""
+    from llmjax.config import KVStoreConfig
+
+    kv = KVStoreConfig(host_blocks=64, block_size=16, write_policy="write_through",
+                       load_policy="always")  # fmt: skip
+    llm = _tiny_llm(max_loras=2, page_size=8).with_options(kv_store=kv)
+    a = LoRARequest("qv_r4", 1, os.path.join(LORA, "llama", "qv_r4"))
+    b = LoRARequest("all_r8", 2, os.path.join(LORA, "llama", "all_r8"))
+    prompt = np.random.default_rng(5).integers(3, 250, 40).tolist()
+    alone = {x: _tiny_llm(prefix_cache="none", max_loras=1).generate(
+        [prompt], GREEDY, lora_request=x)[0].token_ids for x in (a, b, None)}  # fmt: skip
+    tiers = []
+    for x in (a, a, b, None, b):
+        [out] = llm.generate([prompt], GREEDY, lora_request=x)
+        assert out.token_ids == alone[x]
+        tiers.append(out.num_cached_tokens_per_tier)
+        llm.engine.reset_prefix_cache()  # a hit from now on is a load from the host tier
+    assert tiers[0] == tiers[2] == tiers[3] == {"device": 0}, tiers
+    assert tiers[1] == tiers[4] == {"device": 0, "host": 32}, tiers
+    llm.engine.kv_tiers.check_invariants()
+
+
 def test_bad_adapters_are_refused_and_the_others_served(tmp_path):
     llm = _tiny_llm(max_loras=2, max_lora_rank=4)
     good = LoRARequest("qv_r4", 1, os.path.join(LORA, "llama", "qv_r4"))

@@ -259,7 +259,6 @@ class EngineConfig:
                 for what, got, bad in (
                     ("pp == 1", self.parallel.pp, self.parallel.pp > 1),
                     ("sparse_kv='none'", repr(self.sparse_kv.mode), self.sparse_kv.enabled),
-                    ("no KV tiers (kv_store)", "a tier", self.kv_store.enabled),
                 )
                 if bad
             ]

@@ -159,14 +159,16 @@ class BlockManager:
         self._heads[request_id] = _SharedHead(m.node, len(m.pages), offered)
         return m.num_tokens
 
-    def extend_cache(self, token_ids: Sequence[int], num_pages: int) -> list[int]:
+    def extend_cache(
+        self, token_ids: Sequence[int], num_pages: int, namespace: bytes | None = None
+    ) -> list[int]:
         """Give the prefix cache `num_pages` fresh pages for the full pages of `token_ids`
         that follow its cached prefix of them (a prefix loaded from a lower KV tier,
         llmjax/engine/kv_tiers.py: the caller writes their KV before any step reads them) and
         return those pages. The cached prefix is held while pages are evicted to make room.
         Raises RuntimeError if the pages cannot be had (check `num_available_pages` first)."""
         cache = self.prefix_cache
-        m = cache.match(token_ids)
+        m = cache.match(token_ids, namespace)
         end = (len(m.pages) + num_pages) * self.page_size
         if num_pages <= 0 or end > len(token_ids):
             raise ValueError(f"extend_cache: {num_pages=} past {len(token_ids)} tokens")
@@ -181,7 +183,7 @@ class BlockManager:
         if num_pages > len(self._free):
             raise RuntimeError(f"out of KV pages: a load needs {num_pages}, {len(self._free)} free")
         new = [self._free.popleft() for _ in range(num_pages)]
-        not_adopted = cache.insert(token_ids[:end], m.pages + new)
+        not_adopted = cache.insert(token_ids[:end], m.pages + new, namespace)
         assert not not_adopted, "the cache held pages past its own match"
         return new
 

@@ -258,12 +258,14 @@ class KVTiers:
         t = self.store.tiers[0]
         return int(np.prod(t.block_shape)) * np.dtype(t.dtype).itemsize
 
-    def _page_keys(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
+    def _page_keys(self, req, token_ids: Sequence[int]) -> list[bytes]:
+        """The page keys of `req`'s tokens (salted by its LoRA adapter's tree, if any)."""
         n = len(token_ids) // self.page_size
-        got = self._keys.get(request_id)
+        got = self._keys.get(req.request_id)
         if got is None or got[0] != n:
-            got = (n, chain_keys(token_ids, self.page_size, self.cache.salt))
-            self._keys[request_id] = got
+            salt = self.cache.salt_for(req.cache_namespace)
+            got = (n, chain_keys(token_ids, self.page_size, salt))
+            self._keys[req.request_id] = got
             if len(self._keys) > 256:  # the waiting requests retried most
                 self._keys.popitem(last=False)
         return got[1]
@@ -280,7 +282,7 @@ class KVTiers:
         first = device_pages // bp  # the block holding the first page the device lacks
         if len(token_ids) // self.page_size // bp <= first:
             return 0
-        keys = self._page_keys(req.request_id, token_ids)
+        keys = self._page_keys(req, token_ids)
         block_keys = keys[bp - 1 :: bp]
         tiers = self.store.available(block_keys)[first:]
         if not tiers:
@@ -309,7 +311,7 @@ class KVTiers:
         data = np.concatenate([d for _, d in blocks], axis=2)[:, :, device_pages - first * bp :]
         self._loading = []
         try:
-            pages = self.bm.extend_cache(token_ids, num_pages)
+            pages = self.bm.extend_cache(token_ids, num_pages, req.cache_namespace)
         finally:
             leaves, self._loading = self._loading, None
         self._ops.append(_Import(pages, data))
@@ -340,7 +342,7 @@ class KVTiers:
             tokens = req.token_ids_slice(0, req.num_tokens - 1)
             if len(tokens) // self.page_size < bp:
                 continue
-            block_keys = self._page_keys(req.request_id, tokens)[bp - 1 :: bp]
+            block_keys = self._page_keys(req, tokens)[bp - 1 :: bp]
             have = t1.exists(block_keys)
             on_disk = disk.exists(block_keys)
             for j in range(have, on_disk):

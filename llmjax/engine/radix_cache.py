@@ -49,12 +49,10 @@ class RadixNode:
     # for tier i (0 for a page inside a block); kept by llmjax/engine/kv_tiers.py
     page_tiers: list[int] = dataclasses.field(default_factory=list)
     hits: int = 0  # matches that reused this node (write_through_selective's count)
-    # a root (of the base model's tree, or of a namespace's): the key its first pages chain from
-    root_key: bytes | None = None
-
-    @property
-    def is_root(self) -> bool:
-        return self.root_key is not None
+    # a root (of the base model's tree, or of a namespace's): the salt of its pages' keys
+    # (`RadixCache.salt_for`; None without keys), set on roots only
+    is_root: bool = False
+    salt: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +89,8 @@ class PrefixCache(abc.ABC):
     - `reset()`: drop everything (an error while anything is locked); returns all pages.
     - `namespace` (match, peek, insert): bytes keying a separate tree (None: the base model's),
       so that a prefix computed under one LoRA adapter is never served to another or to the
-      base model (`llmjax.lora.LoRARequest.cache_namespace`); with a salt its page keys chain
-      from the namespace's own root key, so the KV tiers' keys differ too.
+      base model (`llmjax.lora.LoRARequest.cache_namespace`); with a salt its page keys are
+      salted by the namespace too (`salt_for`), so the KV tiers' keys differ as well.
 
     Engine use (see `RadixCache` for why): on admission, `m = match(tokens)`; `lock(m.node)`;
     compute only the tokens after `m.num_tokens`. After a chunk (or at the end), with `n` full
@@ -229,8 +227,14 @@ class RadixCache(PrefixCache):
         self.on_evict = None
 
     def _new_root(self, namespace: bytes | None = None) -> RadixNode:
-        key = ROOT_KEY if namespace is None else namespace_root_key(namespace)
-        return RadixNode((), [], None, next(self._ids), root_key=key)
+        return RadixNode((), [], None, next(self._ids), is_root=True, salt=self.salt_for(namespace))
+
+    def salt_for(self, namespace: bytes | None) -> bytes | None:
+        """The salt of the page keys of `namespace`'s tree: the cache's (the base model's), or
+        that mixed with the namespace (None without a salt)."""
+        if self.salt is None or namespace is None:
+            return self.salt
+        return hashlib.blake2b(namespace, key=self.salt, person=b"llmjax-kv-ns").digest()
 
     def _root(self, namespace: bytes | None) -> RadixNode:
         root = self.roots.get(namespace)
@@ -339,7 +343,7 @@ class RadixCache(PrefixCache):
         if new_pages:
             leaf = RadixNode(key[end:], new_pages, node, next(self._ids))
             if self.salt is not None:
-                leaf.page_keys = chain_keys(leaf.token_ids, ps, self.salt, self._last_key(node))
+                leaf.page_keys = chain_keys(leaf.token_ids, ps, root.salt, self._last_key(node))
                 for k in leaf.page_keys:
                     self._key_nodes[k] = leaf
             leaf.page_tiers = [0] * len(new_pages)
@@ -351,7 +355,7 @@ class RadixCache(PrefixCache):
         return not_adopted
 
     def _last_key(self, node: RadixNode) -> bytes:
-        return node.root_key if node.is_root else node.page_keys[-1]
+        return ROOT_KEY if node.is_root else node.page_keys[-1]
 
     def path_pages(self, node: RadixNode | None) -> list[int]:
         """The pages from the root down to `node` (a `match` result's node)."""
@@ -473,9 +477,7 @@ class RadixCache(PrefixCache):
         ps = self.page_size
         for namespace, root in self.roots.items():
             assert root.token_ids == () and root.pages == [] and root.parent is None
-            assert root.root_key == (
-                ROOT_KEY if namespace is None else namespace_root_key(namespace)
-            )
+            assert root.is_root and root.salt == self.salt_for(namespace)
         owned, locked = [], 0
         for node in self.nodes():
             assert node.token_ids and len(node.token_ids) % ps == 0, f"edge {node.token_ids}"
@@ -493,7 +495,10 @@ class RadixCache(PrefixCache):
         assert locked == self._num_locked_pages, f"{locked=} != {self._num_locked_pages=}"
         if self.salt is not None:
             for node in self.nodes():
-                want = chain_keys(node.token_ids, ps, self.salt, self._last_key(node.parent))
+                root = node.parent
+                while not root.is_root:
+                    root = root.parent
+                want = chain_keys(node.token_ids, ps, root.salt, self._last_key(node.parent))
                 assert node.page_keys == want, "a page key does not chain from its parent"
                 assert all(self._key_nodes.get(k) is node for k in node.page_keys), "key index"
             assert len(self._key_nodes) == len(self._pages), "the key index holds stale keys"
@@ -528,8 +533,3 @@ def make_prefix_cache(name: str, page_size: int, salt: bytes | None = None) -> P
     if name == "radix":
         return RadixCache(page_size, salt)
     return PREFIX_CACHES[name](page_size)
-
-
-def namespace_root_key(namespace: bytes) -> bytes:
-    """The key a namespace's first pages chain from (the base model's is ROOT_KEY)."""
-    return hashlib.blake2b(namespace, digest_size=len(ROOT_KEY), person=b"llmjax-kv-ns").digest()
