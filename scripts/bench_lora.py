@@ -6,14 +6,15 @@ Punica and S-LoRA plot).
         --max_lora_rank 16 --prompt_len 512 --output_len 128      # simulated: a 7B on an A100
 
 --num_requests requests (--prompt_len random tokens, --output_len greedy tokens each, all
-submitted at once, ignore_eos) are served by the base model, then, for each --num_adapters n,
-by an engine with n distinct adapters, request i under adapter i mod n; each adapter engine has
-min(n, --max_loras_cap) device slots (LLM(enable_lora=True, max_loras=...)). On a real device
-the adapters are random PEFT directories written to a temporary folder (rank --rank on every
-projection, A and B ~ N(0, 0.02^2)), read from disk on first use; on the simulated device
-(`--device sim`, llmjax/sim/) no weights exist and the roofline charges the slots' shrink and
-expand on every projection and each slot load over the host link. Per row: output tokens/s and
-its ratio to the base model's (measured in the same run), the engine steps, the slot loads;
+submitted at once, ignore_eos) are served by the base model, then, for each --num_adapters n, by
+an engine with n distinct adapters, request i under adapter i mod n, once per --kernels entry
+(LoRAConfig.kernel: every slot's columns masked, or tokens grouped by adapter); each adapter
+engine has min(n, --max_loras_cap) device slots (LLM(enable_lora=True, max_loras=...)). On a
+real device the adapters are random PEFT directories written to a temporary folder (rank --rank
+on every projection, A and B ~ N(0, 0.02^2)), read from disk on first use; on the simulated
+device (`--device sim`, llmjax/sim/) no weights exist and the roofline charges the slots' shrink
+and expand on every projection and each slot load over the host link. Per row: output tokens/s
+and its ratio to the base model's (measured in the same run), the engine steps, the slot loads;
 table to stdout, JSON to --json_out. A result on the simulated device says so.
 """
 
@@ -42,6 +43,9 @@ flags.DEFINE_integer("output_len", 64, "Greedy tokens per request.")
 flags.DEFINE_integer("rank", 8, "The adapters' rank.")
 flags.DEFINE_integer("max_lora_rank", 8, "The device slots' rank (>= --rank).")
 flags.DEFINE_integer("max_loras_cap", 64, "Device slots: min(adapters, this).")
+flags.DEFINE_list(
+    "kernels", ["masked", "grouped"], "LoRAConfig.kernel of the adapter engines (each a row)."
+)
 flags.DEFINE_integer("max_num_seqs", 64, "Requests running at once.")
 flags.DEFINE_integer("seed", 0, "Seed of the prompts and the adapters' weights.")
 flags.DEFINE_string("json_out", "out/bench_lora.json", "Where to write the results.")
@@ -125,7 +129,7 @@ def main(argv):
     prompts = [rng.integers(10, config.vocab_size - 10, FLAGS.prompt_len).tolist()
                for _ in range(FLAGS.num_requests)]  # fmt: skip
     counts = [int(n) for n in FLAGS.num_adapters]
-    rows = [dict(adapters=0, max_loras=0, **run(base, prompts, None))]
+    rows = [dict(adapters=0, max_loras=0, kernel="-", **run(base, prompts, None))]
     print(f"base: {rows[0]['output_tokens_per_s']:.1f} tok/s ({time.perf_counter() - t:.0f} s)")
     with tempfile.TemporaryDirectory(prefix="llmjax-lora-") as root:
         paths = [f"/simulated/adapter{a}" for a in range(max(counts))]
@@ -133,27 +137,26 @@ def main(argv):
             paths = write_adapters(config, max(counts), FLAGS.rank, root, FLAGS.seed)
         for n in counts:
             slots = min(n, FLAGS.max_loras_cap)
-            if sim:  # the same weights (none): the engine options alone
-                llm = base.with_options(enable_lora=True, max_loras=slots,
-                                        max_lora_rank=FLAGS.max_lora_rank)  # fmt: skip
-            else:
-                llm = base.with_options(enable_lora=True, max_loras=slots, max_cpu_loras=n,
-                                        max_lora_rank=FLAGS.max_lora_rank)  # fmt: skip
             adapters = [LoRARequest(f"adapter{a}", a + 1, paths[a]) for a in range(n)]
             loras = [adapters[i % n] for i in range(FLAGS.num_requests)]
-            row = dict(adapters=n, max_loras=slots, **run(llm, prompts, loras))
-            rows.append(row)
-            print(f"{n} adapters: {row['output_tokens_per_s']:.1f} tok/s", flush=True)
-            del llm
+            for kernel in FLAGS.kernels:
+                llm = base.with_options(
+                    enable_lora=True, max_loras=slots, max_cpu_loras=n,
+                    max_lora_rank=FLAGS.max_lora_rank, overrides={"lora.kernel": kernel},
+                )  # fmt: skip
+                row = dict(adapters=n, max_loras=slots, kernel=kernel, **run(llm, prompts, loras))
+                rows.append(row)
+                print(f"{n} adapters, {kernel}: {row['output_tokens_per_s']:.1f} tok/s", flush=True)
+                del llm
     for r in rows:
         r["vs_base"] = r["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
     where = f"simulated {FLAGS.hardware}" if sim else "this machine"
     print(f"\n{config.name or FLAGS.model} on {where}: {FLAGS.num_requests} requests of "
           f"{FLAGS.prompt_len} + {FLAGS.output_len} tokens, adapters of rank {FLAGS.rank} on "
           f"every projection (slots of rank {FLAGS.max_lora_rank})")  # fmt: skip
-    header = ["adapters", "max_loras", "output tok/s", "vs base", "steps", "slot loads"]
+    header = ["adapters", "max_loras", "kernel", "output tok/s", "vs base", "steps", "slot loads"]
     table = [
-        ["base" if r["adapters"] == 0 else r["adapters"], r["max_loras"] or "-",
+        ["base" if r["adapters"] == 0 else r["adapters"], r["max_loras"] or "-", r["kernel"],
          f"{r['output_tokens_per_s']:.1f}", f"{r['vs_base']:.3f}", r["steps"], r["slot_loads"]]
         for r in rows
     ]  # fmt: skip

@@ -45,9 +45,12 @@ def _golden(base: str, name: str):
     return path, np.load(os.path.join(path, "golden.npz"))
 
 
-def _slots_with(config, adapters: dict[int, object], max_loras=3, rank=8):
-    """`params["lora"]` with adapter weights (LoRAWeights) in the given slots."""
-    lora = lora_slots.allocate_slots(config, tuple(LORA_TARGETS), max_loras, rank, jnp.float32)
+def _slots_with(config, adapters: dict[int, object], max_loras=3, rank=8, grouped=False):
+    """`params["lora"]` with adapter weights (LoRAWeights) in the given slots (the masked or
+    the grouped layout)."""
+    lora = lora_slots.allocate_slots(
+        config, tuple(LORA_TARGETS), max_loras, rank, jnp.float32, grouped=grouped
+    )
     for slot, adapter in adapters.items():
         arrays = {k: (jnp.asarray(a), jnp.asarray(b)) for k, (a, b) in adapter.weights.items()}
         lora = lora_slots.write_slot(lora, slot, arrays, rank)
@@ -78,12 +81,14 @@ def _base(name: str):
 @pytest.mark.parametrize("base, name", TINY_ADAPTERS)
 def test_adapters_match_hf_and_peft(base, name):
     """Every position's logits with the adapter in a slot equal HF + PEFT's (which the golden
-    script checks against the merged weights), with the layers unrolled and scanned; the base
-    model's slot (-1) in the same step does not."""
+    script checks against the merged weights), with the layers unrolled and scanned, the slots
+    masked or grouped (alternating over the cases); the base model's slot (-1) in the same step
+    does not."""
     config, params = _base(base)
     path, golden = _golden(base, name)
     adapter = load_peft_adapter(path, config, 8)
-    lora = _slots_with(config, {2: adapter})
+    grouped = TINY_ADAPTERS.index((base, name)) % 2 == 1
+    lora = _slots_with(config, {2: adapter}, grouped=grouped)
     n = int(golden["lengths"][0])
     ids = golden["input_ids"][0, :n]
     for p in (params, stack_layers(params)):
@@ -94,20 +99,26 @@ def test_adapters_match_hf_and_peft(base, name):
         assert np.abs(got[1] - want).max() > 0.1 * scale  # the base row: no adapter
 
 
-def test_one_step_mixes_adapters_and_the_base_model():
-    """Four rows in one step, three adapters in slots and the base model: each row's logits
-    equal the row alone (the other slots' columns are masked out exactly)."""
+@pytest.mark.parametrize("grouped", [False, True], ids=["masked", "grouped"])
+def test_one_step_mixes_adapters_and_the_base_model(grouped):
+    """Five rows in one step, three adapters in slots and the base model: each row's logits
+    equal the row alone (masked: the other slots' columns zeroed exactly; grouped: the rows
+    sorted by slot and back); the two forms agree."""
     config, params = _base("llama")
     adapters = {s: load_peft_adapter(os.path.join(LORA, "llama", n), config, 8)
                 for s, n in enumerate(["qv_r4", "all_r8", "od_rslora"])}  # fmt: skip
-    p = {**params, "lora": _slots_with(config, adapters)}
-    rows = np.random.default_rng(0).integers(3, 250, (4, 12))
-    together = _logits(p, config, rows, [1, -1, 2, 0])
-    for b, slot in enumerate([1, -1, 2, 0]):
+    p = {**params, "lora": _slots_with(config, adapters, grouped=grouped)}
+    rows = np.random.default_rng(0).integers(3, 250, (5, 12))
+    slots = [1, -1, 2, 0, 1]
+    together = _logits(p, config, rows, slots)
+    for b, slot in enumerate(slots):
         alone = _logits(p, config, rows[b : b + 1], [slot])[0]
         np.testing.assert_allclose(together[b], alone, rtol=1e-5, atol=1e-5)
     base = _logits(params, config, rows[1:2], [-1])[0]  # params without slots at all
     np.testing.assert_allclose(together[1], base, rtol=1e-5, atol=1e-5)
+    other = {**params, "lora": _slots_with(config, adapters, grouped=not grouped)}
+    np.testing.assert_allclose(_logits(other, config, rows, slots), together, rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +169,9 @@ def test_peft_config_readings(patterned):
 
 
 @functools.cache
-def _tiny_llm(**options) -> LLM:
-    base = dict(enable_lora=True, max_lora_rank=8, max_num_seqs=8, num_pages=96,
-                max_model_len=64, compilation_cache_dir="")  # fmt: skip
+def _tiny_llm(kernel: str = "auto", **options) -> LLM:
+    base = dict(enable_lora=True, max_lora_rank=8, max_num_seqs=8, num_pages=96, max_model_len=64,
+                compilation_cache_dir="", overrides={"lora.kernel": kernel})  # fmt: skip
     return LLM(os.path.join(TESTDATA, "hf_tiny", "llama"), **(base | options))
 
 
@@ -178,8 +189,10 @@ def _requests(patterned: str):
     return prompts, loras
 
 
-@pytest.mark.parametrize("policy", ["sarathi", "prefill_first"])
-def test_a_batch_of_four_adapters_and_the_base_gives_each_its_output_alone(policy, patterned):
+@pytest.mark.parametrize("policy, kernel", [("sarathi", "masked"), ("prefill_first", "grouped")])
+def test_a_batch_of_four_adapters_and_the_base_gives_each_its_output_alone(
+    policy, kernel, patterned
+):
     """Ten requests over four adapters and the base model, sharing a prompt prefix, in a
     cache small enough to preempt, two device slots (adapters swap), prompts chunked beside
     decodes: each request's greedy tokens are the ones it gets alone. The adapters of the HF
@@ -189,8 +202,9 @@ def test_a_batch_of_four_adapters_and_the_base_gives_each_its_output_alone(polic
     alone = [alone_llm.generate([p], GREEDY, lora_request=lr)[0].token_ids
              for p, lr in zip(prompts, loras, strict=True)]  # fmt: skip
     budget = 16 if policy == "sarathi" else 64  # whole prompts: the budget holds the longest
-    llm = _tiny_llm(max_loras=2, num_pages=10, page_size=8, max_num_batched_tokens=budget,
-                    scheduler_policy=policy)  # fmt: skip
+    llm = _tiny_llm(kernel, max_loras=2, num_pages=10, page_size=8,
+                    max_num_batched_tokens=budget, scheduler_policy=policy)  # fmt: skip
+    assert lora_slots.is_grouped(llm.engine.runner.params["lora"]) == (kernel == "grouped")
     writes, compiles = llm.engine.runner.num_lora_writes, llm.engine.runner.num_compiles
     outs = llm.generate(prompts, GREEDY, lora_request=loras)
     assert [o.token_ids for o in outs] == alone
@@ -445,6 +459,12 @@ def test_the_simulator_prices_the_slots_and_their_loads():
     lora = [m.layer_seconds(f)["lora"] for m in slots]
     assert 0 < lora[0] <= lora[1] < lora[2] and "lora" not in plain.layer_seconds(f)
     assert plain.step_seconds(f) < slots[0].step_seconds(f) < slots[2].step_seconds(f)
+    # grouped (each token its own adapter's 16 columns): cheaper than 1024 masked columns where
+    # the step computes (a prefill), reading the same slots' weights
+    prefill = StepFeatures(tokens=4096, prefill_attention=4096, decodes=0, decode_context=0)
+    grouped = RooflineCostModel(model, "a100-80gb", lora_columns=1024, lora_targets=targets,
+                                lora_rank=16)  # fmt: skip
+    assert grouped.layer_seconds(prefill)["lora"] < slots[2].layer_seconds(prefill)["lora"] / 3
     per_layer = sum(sum(lora_projection_dims(model)[LORA_TARGETS[t]]) for t in targets)
     nbytes = 2 * model.num_layers * per_layer * 16  # bfloat16, rank 16
     assert slots[0].lora_slot_seconds(16) == pytest.approx(nbytes / 25e9)

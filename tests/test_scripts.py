@@ -330,15 +330,21 @@ def test_bench_lora_on_a_real_and_a_simulated_device(tmp_path):
     _run(
         "bench_lora.py", f"--model={os.path.join(TESTDATA, 'hf_tiny', 'llama')}",
         "--num_adapters=1,3", "--num_requests=6", "--prompt_len=8", "--output_len=3",
-        "--rank=2", "--max_lora_rank=4", "--max_loras_cap=2", f"--json_out={real}",
+        "--rank=2", "--max_lora_rank=4", "--max_loras_cap=2", "--kernels=masked",
+        f"--json_out={real}",
     )  # fmt: skip
     _run(
         "bench_lora.py", "--device=sim", "--model=llama2-7b", "--num_adapters=1,16",
-        "--num_requests=16", "--prompt_len=64", "--output_len=8", f"--json_out={simulated}",
+        "--num_requests=16", "--prompt_len=64", "--output_len=8", "--kernels=masked,grouped",
+        f"--json_out={simulated}",
     )  # fmt: skip
     rows = json.loads(real.read_text())["rows"]
     assert [(r["adapters"], r["max_loras"]) for r in rows] == [(0, 0), (1, 1), (3, 2)]
     assert rows[2]["slot_loads"] >= 1 and all(r["output_tokens_per_s"] > 0 for r in rows)
-    sim = json.loads(simulated.read_text())["rows"]
-    assert [r["adapters"] for r in sim] == [0, 1, 16]
-    assert sim[0]["vs_base"] == 1 > sim[1]["vs_base"] > sim[2]["vs_base"]  # more slots cost more
+    sim = {
+        (r["adapters"], r["kernel"]): r["vs_base"]
+        for r in json.loads(simulated.read_text())["rows"]
+    }
+    assert sorted(sim) == [(0, "-"), (1, "grouped"), (1, "masked"), (16, "grouped"), (16, "masked")]
+    assert sim[0, "-"] == 1 > sim[1, "masked"] > sim[16, "masked"]  # more slots cost more, masked
+    assert sim[16, "grouped"] < 1

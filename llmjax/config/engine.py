@@ -258,6 +258,11 @@ class EngineConfig:
                 f"{what} (got {got})"
                 for what, got, bad in (
                     ("pp == 1", self.parallel.pp, self.parallel.pp > 1),
+                    (
+                        "kernel='masked' or 'auto' with tp > 1",
+                        "kernel='grouped'",
+                        self.parallel.tp > 1 and self.lora.kernel == "grouped",
+                    ),
                     ("sparse_kv='none'", repr(self.sparse_kv.mode), self.sparse_kv.enabled),
                 )
                 if bad

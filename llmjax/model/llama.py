@@ -233,7 +233,7 @@ def scan_layers(
         layer, kind, lora_weights = xs
         layer = {**layer, **{name: w.at_layer(i) for name, w in packed.items()}}
         if lora_params is not None:
-            layer["lora"] = lora.layer_view(lora_params, step.lora_slots, lora_weights)
+            layer["lora"] = lora.layer_view(lora_view, lora_params, lora_weights)
         x, (k, v) = decoder_layer(
             layer,
             x,
@@ -249,6 +249,7 @@ def scan_layers(
 
     carry = (x, k_pages, v_pages, jnp.int32(0))
     lora_weights = None if lora_params is None else lora.weights(lora_params)
+    lora_view = lora.batch_view(lora_params, step.lora_slots)  # the sort: once, not per layer
     (x, k, v, _), _ = jax.lax.scan(body, carry, (sliced, kinds, lora_weights), length=total)
     return x, (k, v)
 
@@ -307,9 +308,10 @@ def forward(
     else:
         new_kv_pages = list(kv_pages)
         kinds = config.layer_kind_ids
+        lora_view = lora.batch_view(lora_params, step.lora_slots)
         for i, layer in enumerate(params["layers"][:num_layers]):
             if lora_params is not None:
-                layer = {**layer, "lora": lora.layer_view(lora_params, step.lora_slots, i=i)}
+                layer = {**layer, "lora": lora.layer_view(lora_view, lora_params, i=i)}
             with jax.named_scope(f"layer_{i}"):
                 x, kv = decoder_layer(
                     layer, x, kv_pages[i], step, cos, sin, config, attention_fn, kinds[i]

@@ -211,6 +211,7 @@ class RooflineCostModel:
     # `lora_targets` projections (PEFT's names), computed for every token (llmjax/model/lora.py)
     lora_columns: int = 0
     lora_targets: tuple[str, ...] = ()
+    lora_rank: int = 0  # grouped (LoRAConfig.kernel): each token computes this many columns
 
     def __post_init__(self):
         object.__setattr__(self, "hardware", get_hardware(self.hardware))
@@ -300,17 +301,28 @@ class RooflineCostModel:
 
     def _lora_seconds(self, T: int) -> float:
         """The LoRA slots' shrink and expand on every target projection of a layer, for T
-        tokens (every slot's columns: the masked form the engine runs, llmjax/model/lora.py);
+        tokens (llmjax/model/lora.py: masked, every slot's columns; grouped, `lora_rank` each);
         on tp devices each takes its share as the projection's weight is split (the output of
         q, k, v, gate and up, the input of o and down)."""
         dims, SR, seconds = lora_projection_dims(self.model), self.lora_columns, 0.0
+        hw, b = self.hardware, DTYPE_BYTES[self.dtype]
         for target in self.lora_targets:
             n_in, n_out = dims[LORA_TARGETS[target]]
             if target in ("o_proj", "down_proj"):
                 n_in /= self.tp
             else:
                 n_out /= self.tp
-            seconds += self._matmul(T, n_in, SR) + self._matmul(T, SR, n_out)
+            if not self.lora_rank:  # masked: every slot's columns
+                seconds += self._matmul(T, n_in, SR) + self._matmul(T, SR, n_out)
+                continue
+            # grouped: each token its own adapter's rank; every slot's weights read
+            R = self.lora_rank
+            seconds += self._op(
+                2 * T * (n_in + n_out) * R,
+                b * ((n_in + n_out) * SR + 2 * T * (n_in + n_out) + 2 * T * R),
+                hw.matmul_efficiency,
+                hw.memory_efficiency,
+            )
         return seconds
 
     def lora_slot_seconds(self, rank: int) -> float:

@@ -113,6 +113,7 @@ def _lora_costs(config: EngineConfig) -> dict:
     return dict(
         lora_columns=lora.max_loras * lora.max_lora_rank,
         lora_targets=lora.targets_for(config.model.is_moe),
+        lora_rank=lora.max_lora_rank if lora.grouped(config.parallel.tp) else 0,
     )
 
 

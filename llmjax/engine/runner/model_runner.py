@@ -286,7 +286,12 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
         self.lora_targets = cfg.targets_for(self.model_config.is_moe)
         with jax.default_device(self.device):
             slots = lora_slots.allocate_slots(
-                self.model_config, self.lora_targets, cfg.max_loras, cfg.max_lora_rank, self.dtype
+                self.model_config,
+                self.lora_targets,
+                cfg.max_loras,
+                cfg.max_lora_rank,
+                self.dtype,
+                grouped=cfg.grouped(self.config.parallel.tp),
             )
         shardings = None
         if self.mesh is not None:  # split as the weights they attach to (tp)
