@@ -21,12 +21,11 @@ LORA_TARGETS = {
 }
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # How a step computes its adapters' deltas (llmjax/model/lora.py): every slot's columns, masked,
-# or each token's own adapter, tokens grouped by slot; 'auto' picks by the slots' columns
+# or each token's own adapter, tokens grouped by slot. 'auto' is masked: end to end on a 2-core
+# CPU it was ahead at 1 to 64 adapters (SmolLM2, scripts/bench_lora.py: 0.908 / 0.407 of the
+# base model's throughput against grouped's 0.632 / 0.362), though one projection alone groups
+# faster above 128 slot columns (docs/lora.md); not yet measured on a GPU or TPU.
 LORA_KERNELS = ("auto", "masked", "grouped")
-# 'auto' groups above this many slot columns (max_loras x max_lora_rank): where the grouped
-# form overtook the masked one on a 2-core CPU (SmolLM2's 576-wide projections, 8-512 tokens:
-# equal at 128 columns, 2.4x at 512; docs/lora.md)
-GROUPED_ABOVE_COLUMNS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +42,7 @@ class LoRAConfig:
     slot's columns for every token, the other slots' zeroed: one matmul pair, cost growing with
     the slots), 'grouped' (Punica's SGMV: tokens sorted by slot, each group times its own
     adapter by the platform's grouped matmul, cost growing with the rank only) or 'auto'
-    (grouped above GROUPED_ABOVE_COLUMNS slot columns; masked under tensor parallelism)."""
+    (masked: what measured faster end to end; see LORA_KERNELS)."""
 
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -68,10 +67,9 @@ class LoRAConfig:
                 )
 
     def grouped(self, tp: int = 1) -> bool:
-        """Whether steps compute the deltas grouped by slot (`kernel`, 'auto' resolved)."""
-        if self.kernel != "auto":
-            return self.kernel == "grouped"
-        return tp == 1 and self.max_loras * self.max_lora_rank > GROUPED_ABOVE_COLUMNS
+        """Whether steps compute the deltas grouped by slot (`kernel`, 'auto' resolved: masked,
+        and always under tensor parallelism, `tp` > 1)."""
+        return self.kernel == "grouped" and tp == 1
 
     @property
     def num_cpu_loras(self) -> int:
