@@ -121,7 +121,12 @@ def test_async_engine_keeps_invariants_and_outputs_equal_alone(
 ):  # (the fixture only swaps the runner module: nothing to reset between examples)
     sc = data.draw(scenarios(policy, prefix_cache), label="scenario")
     sc = dataclasses.replace(
-        sc, pipeline_depth=1, balance_micro_batches=False, num_speculative_tokens=0
+        sc,
+        pipeline_depth=1,
+        balance_micro_batches=False,
+        num_speculative_tokens=0,
+        max_loras=None,  # (LoRA's scheduling: the scheduler property tests)
+        requests=tuple(dataclasses.replace(r, lora=0) for r in sc.requests),
     )
     outputs, engine, overlapped = run_engine(sc, async_scheduling=True)
     for i, spec in enumerate(sc.requests):
