@@ -59,6 +59,8 @@ LONG_FIRST = (
     "test_sparse_infinigen.py",
     "test_pipeline.py",
     "kernels/test_rpa_export_buckets.py",
+    "test_scheduler_properties.py",  # one long hypothesis test per case: started last, it ran alone
+    "test_async_scheduling.py",
 )
 
 
