@@ -100,7 +100,8 @@ class Cluster(FailureRecovery, Pulls):
             raise ValueError("a Cluster needs at least one instance")
         roles = [inst.role for inst in self.instances]
         # the routing and migration policies, shared with the simulated cluster
-        self.core = ClusterCore(roles, router, decode_router, waiting_page_fraction)
+        loras = [inst.config.lora for inst in self.instances]
+        self.core = ClusterCore(roles, router, decode_router, waiting_page_fraction, loras)
         if on_transfer_failure not in TRANSFER_FAILURE_POLICIES:
             raise ValueError(f"{on_transfer_failure=} must be one of {TRANSFER_FAILURE_POLICIES}")
         first = self.instances[0].config
@@ -142,12 +143,15 @@ class Cluster(FailureRecovery, Pulls):
         arrival_time: float | None = None,
         hints=None,
         instance: int | None = None,
+        lora_request=None,
     ) -> str:
         """Route a request to an entry instance now; returns its id. `instance`: the entry
         instance (an index into the entry instances, as `entry_instances` lists them) chosen by
         the caller (a program's scheduler, llmjax/program/) instead of the router or the
         Conductor, if it is alive (`ClusterCore.place`); `hints`: the engine's
-        `ProgramHints`, kept if the request is recomputed elsewhere."""
+        `ProgramHints`, kept if the request is recomputed elsewhere; `lora_request`: the LoRA
+        adapter it runs under (`LLMEngine.add_request`'s; every instance it reaches serves it:
+        its prefix fetches, its move to a decode instance and any recomputation keep it)."""
         entry = self.entry_instances
         if instance is not None and not 0 <= instance < len(entry):
             raise ValueError(f"{instance=} is not an entry instance (0..{len(entry) - 1})")
@@ -162,7 +166,13 @@ class Cluster(FailureRecovery, Pulls):
             params = dataclasses.replace(params, seed=seed)
         arrival = self.clock.now() if arrival_time is None else float(arrival_time)
         route = RouteRequest(
-            request_id, tuple(int(t) for t in prompt_token_ids), arrival, params, hints, instance
+            request_id,
+            tuple(int(t) for t in prompt_token_ids),
+            arrival,
+            params,
+            hints,
+            instance,
+            lora_request,
         )
         while True:
             alive = lambda i: self.alive[i]
@@ -175,11 +185,20 @@ class Cluster(FailureRecovery, Pulls):
             i = placement.prefill
             if placement.fetches:
                 self.fetch_prefix(
-                    placement.fetch_from, i, route.prompt_token_ids[: placement.fetch_tokens]
+                    placement.fetch_from,
+                    i,
+                    route.prompt_token_ids[: placement.fetch_tokens],
+                    route.cache_namespace,
                 )
             try:
                 self.instances[i].add_request(
-                    list(route.prompt_token_ids), params, request_id, prompt, arrival, hints
+                    list(route.prompt_token_ids),
+                    params,
+                    request_id,
+                    prompt,
+                    arrival,
+                    hints,
+                    lora_request,
                 )
                 self._loads[i] = self.instances[i].load()  # the next arrival sees it queued
             except ValueError:
@@ -195,9 +214,12 @@ class Cluster(FailureRecovery, Pulls):
         self._outstanding[i] += 1
         return request_id
 
-    def fetch_prefix(self, source: int, dest: int, token_ids: Sequence[int]) -> int:
-        """The Conductor's KV fetch: copy the cached prefix `token_ids` from prefill instance
-        `source`'s prefix cache into `dest`'s, with the KV transport (`LocalInstance.
+    def fetch_prefix(
+        self, source: int, dest: int, token_ids: Sequence[int], namespace: bytes | None = None
+    ) -> int:
+        """The Conductor's KV fetch: copy the cached prefix `token_ids` (under `namespace`: a
+        LoRA adapter's, None: the base model's) from prefill instance `source`'s prefix cache
+        into `dest`'s, with the KV transport (`LocalInstance.
         export_prefix` / `import_prefix`: gather, move, scatter into fresh pages, insert into
         the radix tree); returns the prefix tokens `dest` caches now. Ray actors make the same
         calls on their instances (across processes only the transfer_server transport can
@@ -213,12 +235,13 @@ class Cluster(FailureRecovery, Pulls):
             return 0
         t = time.perf_counter()
         try:
-            offer, _ = src.export_prefix(token_ids)
+            ns = {} if namespace is None else {"namespace": namespace}
+            offer, _ = src.export_prefix(token_ids, **ns)
             if offer is None:
                 st.num_fetches_recomputed += 1
                 return 0
-            before = dst.cached_prefix_tokens([*token_ids, 0])
-            got = dst.import_prefix(token_ids, offer, self.transfer_timeout_s)
+            before = dst.cached_prefix_tokens([*token_ids, 0], **ns)
+            got = dst.import_prefix(token_ids, offer, self.transfer_timeout_s, **ns)
         except Exception as e:
             logger.warning("prefix fetch %d -> %d failed (%r): recomputing it", source, dest, e)
             st.num_fetches_recomputed += 1
@@ -331,6 +354,41 @@ class Cluster(FailureRecovery, Pulls):
             [inst.reset_prefix_cache() for i, inst in enumerate(self.instances) if self.alive[i]]
         )
 
+    # ---- LoRA adapters (every instance serves the same ones: `ClusterCore`'s check) ---------
+
+    @property
+    def lora(self):
+        """The instances' `LoRAConfig` (they all have one, or none does)."""
+        return self.config.lora
+
+    def add_lora(self, lora_request) -> bool:
+        """Register (and read) the adapter on every live instance (`LLMEngine.add_lora`)."""
+        return all([inst.add_lora(lora_request) for inst in self._live_instances()])
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget the adapter on every live instance (`LLMEngine.remove_lora`); refused
+        (ValueError) while a request of the cluster runs under it."""
+        users = [
+            r
+            for r, rec in self._records.items()
+            if rec.route.lora_request is not None
+            and rec.route.lora_request.lora_int_id == lora_int_id
+        ]
+        if users:
+            raise ValueError(
+                f"adapter {lora_int_id} is in use by {len(users)} requests ({users[:3]}...): "
+                "abort them or wait for them to finish"
+            )
+        return any([inst.remove_lora(lora_int_id) for inst in self._live_instances()])
+
+    def list_loras(self) -> dict:
+        """The adapters served (id -> LoRARequest), as the first live instance lists them."""
+        live = self._live_instances()
+        return live[0].list_loras() if live else {}
+
+    def _live_instances(self) -> list:
+        return [inst for i, inst in enumerate(self.instances) if self.alive[i]]
+
     @property
     def num_compiles(self) -> int:
         return sum(inst.num_compiles for i, inst in enumerate(self.instances) if self.alive[i])
@@ -364,18 +422,32 @@ class Cluster(FailureRecovery, Pulls):
     # ---- convenience -----------------------------------------------------------------------
 
     def generate(
-        self, prompts: Sequence, sampling_params: SamplingParams | None = None
+        self,
+        prompts: Sequence,
+        sampling_params: SamplingParams | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Run prompts (strings, with a tokenizer, or token id lists) to completion; their
-        outputs in order."""
+        outputs in order. `lora_request`: a LoRA adapter for all of them, or one per prompt."""
+        loras = (
+            lora_request
+            if isinstance(lora_request, list | tuple)
+            else [lora_request] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora_requests for {len(prompts)} prompts")
         ids = []
-        for p in prompts:
+        for p, lora in zip(prompts, loras, strict=True):
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("string prompts need a tokenizer; pass token ids")
-                ids.append(self.add_request(self.tokenizer.encode(p), sampling_params, prompt=p))
+                ids.append(
+                    self.add_request(
+                        self.tokenizer.encode(p), sampling_params, prompt=p, lora_request=lora
+                    )
+                )
             else:
-                ids.append(self.add_request(p, sampling_params))
+                ids.append(self.add_request(p, sampling_params, lora_request=lora))
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.step():

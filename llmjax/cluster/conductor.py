@@ -96,7 +96,9 @@ class ConductorLoad(Protocol):
     @property
     def instance_id(self) -> int: ...  # its index in the cluster (stable across calls)
 
-    def cached_prefix_tokens(self, prompt_token_ids: Sequence[int]) -> int: ...
+    def cached_prefix_tokens(
+        self, prompt_token_ids: Sequence[int], namespace: bytes | None = None
+    ) -> int: ...
 
     def queued_prefills(self) -> Sequence[tuple[str, int, int]]:
         """(request id, tokens to prefill, tokens computed so far) of every request here whose
@@ -483,10 +485,12 @@ class Conductor:
         cost = self._cost()
         prompt = request.prompt_token_ids
         n = len(prompt)
-        local = [v.cached_prefix_tokens(prompt) for v in views]
+        ns = request.cache_namespace  # an adapter's prefixes are its own (LoRA)
+        local = [v.cached_prefix_tokens(prompt, ns) for v in views]
         best = max(local, default=0)
         b = local.index(best) if views else 0
-        stored = pool.match_tokens(prompt) if pool is not None else 0
+        # (the pool's keys are the base model's: an adapter's request does not fetch from it)
+        stored = pool.match_tokens(prompt) if pool is not None and ns is None else 0
         pool_seconds = getattr(cost, "pool_transfer_seconds", cost.transfer_seconds)
         choice = None
         for k, v in enumerate(views):

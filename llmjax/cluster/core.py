@@ -97,6 +97,19 @@ def check_roles(roles: Sequence[str]) -> None:
         raise ValueError(f"prefill instances need a decode instance and vice versa (roles {roles})")
 
 
+def check_loras(roles: Sequence[str], loras: Sequence) -> None:
+    """ValueError unless every instance serves LoRA adapters (its `EngineConfig.lora`) or none
+    does: a request under an adapter may be moved, fetch a prefix or be recomputed anywhere."""
+    served = [i for i, c in enumerate(loras) if c is not None]
+    if served and len(served) != len(loras):
+        missing = [f"{i} ({roles[i]})" for i in range(len(loras)) if i not in served]
+        raise ValueError(
+            f"instances {served} serve LoRA adapters but {', '.join(missing)} do not: every "
+            "instance needs EngineConfig.lora (a request under an adapter may move to, or be "
+            "recomputed on, any of them)"
+        )
+
+
 class ClusterCore:
     """The routing and migration policies of one cluster (the module doc)."""
 
@@ -106,8 +119,11 @@ class ClusterCore:
         router: Router | str = "round_robin",
         decode_router: Router | str = "least_outstanding",
         waiting_page_fraction: float = 0.05,
+        loras: Sequence | None = None,
     ):
         check_roles(roles)
+        if loras is not None:  # each instance's LoRAConfig or None
+            check_loras(roles, loras)
         if not 0 < waiting_page_fraction <= 1:
             raise ValueError(f"{waiting_page_fraction=} must be in (0, 1]")
         self.roles = tuple(roles)

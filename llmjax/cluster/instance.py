@@ -56,6 +56,9 @@ class LoadReport:
     queued_prefills: tuple[tuple[str, int, int], ...] = ()
     decode_requests: tuple[tuple[str, int, int], ...] = ()
     kv_capacity_tokens: int = 0
+    # the LoRA adapter (name) of each running / waiting request under one (vLLM's metric)
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +131,17 @@ class LocalInstance:
     # ---- requests --------------------------------------------------------------------------
 
     def add_request(
-        self, prompt_token_ids, sampling_params, request_id, prompt, arrival_time, hints=None
+        self,
+        prompt_token_ids,
+        sampling_params,
+        request_id,
+        prompt,
+        arrival_time,
+        hints=None,
+        lora_request=None,
     ):
         return self.engine.add_request(
-            prompt_token_ids, sampling_params, request_id, prompt, arrival_time, hints
+            prompt_token_ids, sampling_params, request_id, prompt, arrival_time, hints, lora_request
         )
 
     def validate_request(self, prompt_token_ids, sampling_params) -> None:
@@ -178,19 +188,23 @@ class LocalInstance:
                 if r.output_token_ids
             ),
             kv_capacity_tokens=bm.num_usable_pages * bm.page_size,
+            **dict(zip(("running_loras", "waiting_loras"), e.lora_names(), strict=True)),
         )
 
-    def cached_prefix_tokens(self, prompt_token_ids) -> int:
+    def cached_prefix_tokens(self, prompt_token_ids, namespace: bytes | None = None) -> int:
+        """Prompt tokens (all but the last) whose KV the prefix cache holds under `namespace`
+        (a LoRA adapter's, `RouteRequest.cache_namespace`; None: the base model's)."""
         ids = list(prompt_token_ids)[:-1]
-        return self.engine.block_manager.peek_prefix(ids).num_tokens
+        return self.engine.block_manager.peek_prefix(ids, namespace).num_tokens
 
     # ---- prefix fetch (the Conductor; the module doc) ---------------------------------------
 
-    def export_prefix(self, token_ids) -> tuple[Offer | None, int]:
-        """Offer the KV of the longest cached prefix of `token_ids` (whole pages) through the
-        transport: (offer, its tokens), or (None, 0) when nothing is cached. The pages are
-        gathered at once, so the cache may evict them afterwards."""
-        m = self.engine.block_manager.prefix_cache.match(list(token_ids))
+    def export_prefix(self, token_ids, namespace: bytes | None = None) -> tuple[Offer | None, int]:
+        """Offer the KV of the longest cached prefix of `token_ids` (whole pages) under
+        `namespace` (an adapter's; None: the base model's) through the transport: (offer, its
+        tokens), or (None, 0) when nothing is cached. The pages are gathered at once, so the
+        cache may evict them afterwards."""
+        m = self.engine.block_manager.prefix_cache.match(list(token_ids), namespace)
         if not m.num_tokens or self.transport is None:
             return None, 0
         self._num_prefix_offers += 1
@@ -199,16 +213,19 @@ class LocalInstance:
         )
         return offer, m.num_tokens
 
-    def import_prefix(self, token_ids, offer: Offer, timeout_s: float = 30.0) -> int:
+    def import_prefix(
+        self, token_ids, offer: Offer, timeout_s: float = 30.0, namespace: bytes | None = None
+    ) -> int:
         """Write the offered prefix KV of `token_ids` into fresh pages here and insert them
-        into the prefix cache (LRU pages evicted to make room); releases the offer. Returns the
-        prefix tokens cached here now (those already cached when there is no room)."""
+        into the prefix cache under `namespace` (LRU pages evicted to make room); releases the
+        offer. Returns the prefix tokens cached here now (those already cached when there is no
+        room)."""
         bm = self.engine.block_manager
         ids = list(token_ids)[: offer.num_pages * bm.page_size]
         holder = f"__prefix_fetch__{offer.transfer_id}"
         try:
             if not bm.caching or not bm.can_allocate(holder, len(ids)):
-                return bm.peek_prefix(ids).num_tokens
+                return bm.peek_prefix(ids, namespace).num_tokens
             deadline = self.time_fn() + timeout_s
             handle = self.transport.pull(offer, self.engine.runner, deadline)
             data = self.transport.poll(handle)
@@ -225,8 +242,8 @@ class LocalInstance:
             except Exception:
                 bm.free(holder)  # nothing cached from pages that were not written
                 raise
-            bm.free(holder, ids)  # offers the full pages to the prefix cache
-            return bm.peek_prefix(ids).num_tokens
+            bm.free(holder, ids, namespace)  # offers the full pages to the prefix cache
+            return bm.peek_prefix(ids, namespace).num_tokens
         finally:
             self.transport.release(offer)
 
@@ -318,6 +335,15 @@ class LocalInstance:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    def add_lora(self, lora_request) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> dict:
+        return self.engine.list_loras()
 
     @property
     def num_compiles(self) -> int:

@@ -91,6 +91,8 @@ MUTATING_CALLS = (
     "import_prefix",
     "reset_stats",
     "reset_prefix_cache",
+    "add_lora",
+    "remove_lora",
     "shutdown",
 )
 READ_CALLS = (
@@ -102,6 +104,7 @@ READ_CALLS = (
     "can_accept",
     "stats",
     "num_compiles",
+    "list_loras",
 )
 
 
@@ -340,7 +343,14 @@ class RayInstance:
     # ---- requests ------------------------------------------------------------------------------
 
     def add_request(
-        self, prompt_token_ids, sampling_params, request_id, prompt, arrival_time, hints=None
+        self,
+        prompt_token_ids,
+        sampling_params,
+        request_id,
+        prompt,
+        arrival_time,
+        hints=None,
+        lora_request=None,
     ):
         return self._call(
             "add_request",
@@ -350,6 +360,7 @@ class RayInstance:
             prompt,
             arrival_time,
             hints,
+            lora_request,
         )
 
     def validate_request(self, prompt_token_ids, sampling_params) -> None:
@@ -379,15 +390,15 @@ class RayInstance:
     def load(self):
         return self._call("load")
 
-    def cached_prefix_tokens(self, prompt_token_ids) -> int:
-        return self._call("cached_prefix_tokens", list(prompt_token_ids))
+    def cached_prefix_tokens(self, prompt_token_ids, namespace=None) -> int:
+        return self._call("cached_prefix_tokens", list(prompt_token_ids), namespace)
 
-    def export_prefix(self, token_ids):
+    def export_prefix(self, token_ids, namespace=None):
         """The Conductor's prefix fetch (`LocalInstance.export_prefix`) on the actor."""
-        return self._call("export_prefix", list(token_ids))
+        return self._call("export_prefix", list(token_ids), namespace)
 
-    def import_prefix(self, token_ids, offer, timeout_s: float = 30.0) -> int:
-        return self._call("import_prefix", list(token_ids), offer, timeout_s)
+    def import_prefix(self, token_ids, offer, timeout_s: float = 30.0, namespace=None) -> int:
+        return self._call("import_prefix", list(token_ids), offer, timeout_s, namespace)
 
     # ---- migration -----------------------------------------------------------------------------
 
@@ -423,6 +434,15 @@ class RayInstance:
 
     def reset_prefix_cache(self) -> bool:
         return self._call("reset_prefix_cache")
+
+    def add_lora(self, lora_request) -> bool:
+        return self._call("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._call("remove_lora", lora_int_id)
+
+    def list_loras(self) -> dict:
+        return self._call("list_loras")
 
     @property
     def num_compiles(self) -> int:

@@ -85,6 +85,7 @@ class FailureRecovery:
             metrics=metrics,
             prompt=rec.prompt,
             hints=rec.route.hints,
+            lora_request=rec.route.lora_request,
         )
         self.instances[j].recompute_request(m)
         self._loads[j] = self.instances[j].load()

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from llmjax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmjax.lora import LoRARequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +22,8 @@ class RouteRequest:
     """A request being routed: its cluster-wide id, prompt, arrival time (seconds on the
     simulated timeline) and sampling params; `hints` (a program's `ProgramHints`, passed to the
     engine) and `instance` (an entry instance chosen upstream, by a program's scheduler: the
-    router is not asked)."""
+    router is not asked); `lora_request`: the LoRA adapter it runs under (its prefix-cache
+    namespace: a prefix cached under another adapter, or none, is not its)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -27,6 +31,12 @@ class RouteRequest:
     sampling_params: SamplingParams
     hints: object = None
     instance: int | None = None
+    lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
+
+    @property
+    def cache_namespace(self) -> bytes | None:
+        """What keys its cached prefixes apart (`Request.cache_namespace`): its adapter's."""
+        return None if self.lora_request is None else self.lora_request.cache_namespace
 
 
 class InstanceLoad(Protocol):

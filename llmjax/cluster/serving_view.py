@@ -60,6 +60,30 @@ class ServingView:
     def reset_prefix_cache(self) -> bool:
         return self.cluster.reset_prefix_cache()
 
+    # LoRA adapters: served by every instance (`Cluster.add_lora`)
+
+    @property
+    def lora(self):
+        return self.cluster.lora
+
+    def add_lora(self, lora_request) -> bool:
+        return self.cluster.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.cluster.remove_lora(lora_int_id)
+
+    def list_loras(self) -> dict:
+        return self.cluster.list_loras()
+
+    def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Each running and each waiting request's adapter, over the live instances (their
+        last load reports)."""
+        loads = [ld for i, ld in enumerate(self.cluster._loads) if self.cluster.alive[i]]
+        return (
+            tuple(n for ld in loads for n in ld.running_loras),
+            tuple(n for ld in loads for n in ld.waiting_loras),
+        )
+
     @property
     def scheduler(self):
         loads = [ld for i, ld in enumerate(self.cluster._loads) if self.cluster.alive[i]]

@@ -35,9 +35,10 @@ class LoadView:
     def num_available_pages(self) -> int:
         return self._load.num_available_pages
 
-    def cached_prefix_tokens(self, prompt_token_ids) -> int:
+    def cached_prefix_tokens(self, prompt_token_ids, namespace: bytes | None = None) -> int:
         try:
-            return self._cluster.instances[self._i].cached_prefix_tokens(prompt_token_ids)
+            inst = self._cluster.instances[self._i]
+            return inst.cached_prefix_tokens(prompt_token_ids, namespace)
         except Exception:  # a dead instance holds nothing (its next step call retires it)
             return 0
 

@@ -125,8 +125,6 @@ class LLMEngine(EngineRoles):
             self.runner = ModelRunner(config, params, num_pages, skew=skew, devices=devices)
         self.lora = None  # LoRA adapters (llmjax/lora/): the registry, host cache, slots
         if config.lora is not None:
-            if role != "colocated":
-                raise ValueError(f"LoRA adapters run on a colocated engine for now, not {role=}")
             from llmjax.lora import LoRAManager, load_peft_adapter
 
             self.lora = LoRAManager(
@@ -319,9 +317,10 @@ class LLMEngine(EngineRoles):
         Raises ValueError while a waiting or running request uses it."""
         if self.lora is None:
             return False
+        moving = (*self.parked.values(), *(r for r, _ in self._receiving.values()))
         users = [
             r.request_id
-            for r in (*self.scheduler.waiting, *self.scheduler.running)
+            for r in (*self.scheduler.waiting, *self.scheduler.running, *moving)
             if r.lora_int_id == lora_int_id
         ]
         if users:
@@ -330,6 +329,12 @@ class LLMEngine(EngineRoles):
                 "abort them or wait for them to finish"
             )
         return self.lora.remove(lora_int_id)
+
+    def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The adapter (name) of each running and of each waiting request under one (vLLM's
+        `lora_requests_info` metric reads them)."""
+        names = lambda rs: tuple(r.lora_request.lora_name for r in rs if r.lora_int_id)
+        return names(self.scheduler.running), names(self.scheduler.waiting)
 
     def list_loras(self) -> dict[int, LoRARequest]:
         """The registered adapters by id."""

@@ -362,6 +362,7 @@ class MigratedRequest:
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: list | None = None
+    lora_request: LoRARequest | None = None  # its adapter: the destination serves it too
 
     @property
     def num_tokens(self) -> int:

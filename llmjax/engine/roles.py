@@ -8,7 +8,10 @@ pages still held (counted as used) until a decode instance takes it (`export_req
 `reserve_import` allocates the pages that the KV transfer writes, `commit_import` puts the
 request in the running batch as if it had computed its prompt here (`cancel_import` gives the
 pages back and recomputes it, or fails it with a reason). `can_accept` is DistServe's pull
-condition. A request that finishes at its first token (EOS, max_tokens=1) never parks.
+condition. A request that finishes at its first token (EOS, max_tokens=1) never parks. A
+request under a LoRA adapter moves with it (`MigratedRequest.lora_request`): the destination
+registers the adapter and takes the request only while its adapter slots allow
+(`max_loras` distinct adapters among its running and arriving requests).
 """
 
 from __future__ import annotations
@@ -101,8 +104,23 @@ class EngineRoles:
             return False
         if self.waiting_pages() >= waiting_page_fraction * bm.num_usable_pages:
             return False
+        if self._import_lora_full(m):
+            return False
         keep_free = sched.watermark_pages if sched.running else 0
         return bm.can_allocate(m.request_id, m.num_tokens, keep_free)
+
+    def _import_lora_full(self, m: MigratedRequest) -> bool:
+        """Whether `m` would run one LoRA adapter more than `max_loras` beside the running and
+        arriving requests (the scheduler's rule, `Scheduler._lora_full`, for a request that
+        joins the batch without admission). An engine without adapters never takes one."""
+        if m.lora_request is None:
+            return False
+        if self.lora is None:
+            return True
+        i = m.lora_request.lora_int_id
+        live = (*self.scheduler.running, *(r for r, _ in self._receiving.values()))
+        ids = {r.lora_int_id for r in live if r.lora_int_id}
+        return i not in ids and len(ids) >= self.config.lora.max_loras
 
     def reserve_import(self, m: MigratedRequest) -> list[int]:
         """Take pages for `m` (all its tokens so far); returns the first `m.num_kv_pages` of
@@ -110,6 +128,11 @@ class EngineRoles:
         `commit_import`."""
         if m.request_id in self._live:
             raise ValueError(f"request_id={m.request_id!r} is already live here")
+        if self._import_lora_full(m):
+            raise ValueError(
+                f"request {m.request_id!r}: adapter {m.lora_request.lora_name!r} would run one "
+                f"more than this engine's adapter slots (can_accept says when it fits)"
+            )
         req = self._request_from(m)
         self.block_manager.allocate(m.request_id, m.num_tokens)
         if self.kv_tiers is not None:
@@ -159,7 +182,10 @@ class EngineRoles:
         logger.warning("request %s failed: %s", req.request_id, error)
 
     def _request_from(self, m: MigratedRequest) -> Request:
+        """The request `m` names, here (its adapter registered here, read from its directory
+        the first time: a bad one raises `InvalidRequest`)."""
         params = m.sampling_params
+        self._add_lora(m.lora_request)
         req = Request(
             request_id=m.request_id,
             prompt_token_ids=list(m.prompt_token_ids),
@@ -176,6 +202,7 @@ class EngineRoles:
             logprobs=None if m.logprobs is None else list(m.logprobs),
             cumulative_logprob=m.cumulative_logprob,
             prompt_logprobs=None if m.prompt_logprobs is None else list(m.prompt_logprobs),
+            lora_request=m.lora_request,
         )
         if params.stop and self.tokenizer is not None:
             req.stop_matcher = StopStringMatcher(
@@ -207,4 +234,5 @@ def _migrated(req: Request, num_kv_tokens: int) -> MigratedRequest:
         logprobs=None if req.logprobs is None else list(req.logprobs),
         cumulative_logprob=req.cumulative_logprob,
         prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+        lora_request=req.lora_request,
     )

@@ -263,10 +263,7 @@ class AsyncEngine:
                         self.num_waiting,
                     )
                     if getattr(engine, "lora", None) is not None:
-                        names = lambda rs: [r.lora_request.lora_name for r in rs if r.lora_int_id]
-                        self.metrics.record_loras(
-                            names(engine.scheduler.running), names(engine.scheduler.waiting)
-                        )
+                        self.metrics.record_loras(*engine.lora_names())
                 if outputs:
                     self._to_loop(self._deliver, outputs)
         except BaseException as e:  # the engine's state is unknown: stop serving

@@ -152,7 +152,8 @@ class SimCluster(PrefixFetches, SimPulls):
             raise ValueError("each instance needs its own engine and its own VirtualClock")
         self.roles = tuple(getattr(e, "role", "colocated") for e in engines)
         # the routing and migration policies, shared with the real cluster
-        self.core = ClusterCore(self.roles, router, decode_router, waiting_page_fraction)
+        loras = [e.config.lora for e in engines]
+        self.core = ClusterCore(self.roles, router, decode_router, waiting_page_fraction, loras)
         if kv_pool is not None and kv_pool_bytes_per_node is not None:
             raise ValueError("give kv_pool or kv_pool_bytes_per_node, not both")
         if kv_pool_bytes_per_node is not None and not kv_pool_bytes_per_node >= 0:
@@ -234,12 +235,14 @@ class SimCluster(PrefixFetches, SimPulls):
         arrival_time: float | None = None,
         hints=None,
         instance: int | None = None,
+        lora_request=None,
     ) -> str:
         """Queue a request arriving at `arrival_time` (default `clock.now()`); it is routed when
         its arrival is the next event. Returns its cluster-wide id (given or 0, 1, ...).
         `instance`: the entry instance (an index into the entry instances, as the router's
         views number them) chosen by the caller (a program's scheduler, llmjax/program/)
-        instead of the router; `hints`: the engine's `ProgramHints`."""
+        instead of the router; `hints`: the engine's `ProgramHints`; `lora_request`: its LoRA
+        adapter (`LLMEngine.add_request`'s)."""
         if instance is not None and not 0 <= instance < len(self._entry):
             raise ValueError(f"{instance=} is not an entry instance (0..{len(self._entry) - 1})")
         if request_id is None:
@@ -254,6 +257,7 @@ class SimCluster(PrefixFetches, SimPulls):
             sampling_params or SamplingParams(),
             hints,
             instance,
+            lora_request,
         )
         heapq.heappush(self._pending, (arrival, next(self._seq), req, prompt))
         self._where[request_id] = None
@@ -514,6 +518,7 @@ class SimCluster(PrefixFetches, SimPulls):
             prompt=prompt,
             arrival_time=req.arrival_time,
             hints=req.hints,
+            lora_request=req.lora_request,
         )
         if req.request_id not in self._instances[i].live:
             self._instances[i].live.add(req.request_id)

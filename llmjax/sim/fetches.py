@@ -117,5 +117,6 @@ class PrefixFetches:
             tokens = tokens[: len(tokens) - bm.page_size]  # what fits (LRU pages evicted)
         if tokens:
             bm.allocate(holder, len(tokens))
-            bm.free(holder, tokens)  # offers its full pages to the prefix cache
+            # offers its full pages to the prefix cache (its adapter's tree, if it has one)
+            bm.free(holder, tokens, fetch.request.cache_namespace)
         self._admit(fetch.dest, fetch.request, fetch.prompt, fetch.end)

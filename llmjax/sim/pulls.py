@@ -53,7 +53,11 @@ class SimPulls:
         else:
             views = [InstanceView(self._instances[j], t, k) for k, j in enumerate(pull.candidates)]
             route = RouteRequest(
-                rid, tuple(m.prompt_token_ids), m.metrics.arrival_time, m.sampling_params
+                rid,
+                tuple(m.prompt_token_ids),
+                m.metrics.arrival_time,
+                m.sampling_params,
+                lora_request=m.lora_request,
             )
             j = pull.candidates[choose(self.decode_router, route, views, t)]
         m, _ = self.instances[i].export_request(rid)

@@ -92,12 +92,15 @@ class InstanceView:
         """Free pages plus prefix-cache pages no request holds (evicted on demand)."""
         return self._engine.block_manager.num_available_pages
 
-    def cached_prefix_tokens(self, prompt_token_ids: Sequence[int]) -> int:
-        """Prompt tokens whose KV this instance's prefix cache holds now (what admission would
-        reuse: whole pages of all but the last token); reads the radix tree without touching
-        its LRU order (`BlockManager.peek_prefix`)."""
+    def cached_prefix_tokens(
+        self, prompt_token_ids: Sequence[int], namespace: bytes | None = None
+    ) -> int:
+        """Prompt tokens whose KV this instance's prefix cache holds now under `namespace` (a
+        LoRA adapter's; None: the base model's): what admission would reuse, whole pages of all
+        but the last token; reads the radix tree without touching its LRU order
+        (`BlockManager.peek_prefix`)."""
         ids = list(prompt_token_ids)[:-1]
-        return self._engine.block_manager.peek_prefix(ids).num_tokens
+        return self._engine.block_manager.peek_prefix(ids, namespace).num_tokens
 
     # ---- what the Conductor reads (llmjax.cluster.conductor.ConductorLoad) --------------------
 
