@@ -83,3 +83,31 @@ def test_runtime_updates_are_off_unless_asked(llm):
                 compilation_cache_dir="")  # fmt: skip
     with pytest.raises(ValueError, match="enable_lora"):
         Server(plain, lora_modules={"qv": os.path.join(LORA, "qv_r4")})
+
+
+def test_a_disaggregated_cluster_serves_adapters(llm):
+    """The server in front of a prefill + decode cluster: an adapter by name (moved to the
+    decode instance with its request) and one loaded at run time on every instance give the
+    offline engine's tokens; the LoRA metric reads the cluster."""
+    from llmjax.cluster import InstanceSpec, launch
+
+    qv = LoRARequest("qv", 1, os.path.join(LORA, "qv_r4"))
+    od = LoRARequest("od", 2, os.path.join(LORA, "od_rslora"))
+    offline = {"qv": _offline(llm, qv), "od": _offline(llm, od)}
+    base = os.path.join(TESTDATA, "hf_tiny", "llama")
+    cluster = launch(base, InstanceSpec.parse("prefill,decode"), enable_lora=True,
+                     max_loras=1, max_lora_rank=8, max_model_len=64, num_pages=48,
+                     compilation_cache_dir="")  # fmt: skip
+    with Server(cluster, lora_modules={"qv": qv.lora_path}, enable_lora_runtime_updates=True) as s:
+        ids, streamed = completion_token_ids(s, BODY | {"model": "qv"})
+        assert ids == streamed == offline["qv"]
+        load = {"lora_name": "od", "lora_path": od.lora_path}
+        assert _post(s, "/v1/load_lora_adapter", load).status_code == 200
+        ids, _ = completion_token_ids(s, BODY | {"model": "od"})
+        assert ids == offline["od"]
+        assert s.call(lambda: [sorted(i.list_loras()) for i in cluster.instances]) == [[1, 2]] * 2
+        info = [k for k in _metrics(s) if k[0].endswith("lora_requests_info")]
+        assert info and dict(info[0][1])["max_lora"] == "1", info
+        assert _post(s, "/v1/unload_lora_adapter", {"lora_name": "od"}).status_code == 200
+    assert cluster.transfer_stats.num_transfers == 2 * 2 * len(PROMPTS)  # twice streamed too
+    assert all(sorted(i.list_loras()) == [1] for i in cluster.instances)

@@ -486,7 +486,8 @@ class Conductor:
         prompt = request.prompt_token_ids
         n = len(prompt)
         ns = request.cache_namespace  # an adapter's prefixes are its own (LoRA)
-        local = [v.cached_prefix_tokens(prompt, ns) for v in views]
+        args = (prompt,) if ns is None else (prompt, ns)  # (a view without adapters: 1 arg)
+        local = [v.cached_prefix_tokens(*args) for v in views]
         best = max(local, default=0)
         b = local.index(best) if views else 0
         # (the pool's keys are the base model's: an adapter's request does not fetch from it)
