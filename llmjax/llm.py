@@ -289,6 +289,88 @@ class LLM:
         Returns False if running requests still share some cached pages (those stay)."""
         return self.engine.reset_prefix_cache()
 
+    # ---- weights that change (issue 43: an RL loop's rollout engine; llmjax/engine/weights.py) --
+
+    def update_weights(self, params, *, source_format: str = "llmjax") -> int:
+        """Serve `params` from now on; returns the new weight version (`RequestOutput.
+        weight_version` says which version made a request's last token).
+
+        `params`: a pytree in llmjax's layout (as `LLM.params`: {'embed', 'layers' (a list of
+        per-layer dicts, or stacked), 'final_norm', ('lm_head')}), or named arrays (a mapping,
+        or an iterable of (name, array) pairs for weights that arrive layer by layer) with
+        llmjax's flat names ('layers.3.wq') or, with `source_format='hf'`, HF's checkpoint
+        names ('model.layers.3.self_attn.q_proj.weight'). Arrays of any dtype (cast to the
+        LLM's) and any sharding: jax arrays are converted and resharded into the engine's
+        layout on the devices (tp's heads and shards; pp's stages go through the host), then
+        quantized as the LLM's weights were (`quantization`, SmoothQuant recalibrated). Shapes
+        are checked against the model (the error names the weight); nothing recompiles.
+
+        Running requests recompute their KV under the new weights; the prefix cache and the KV
+        tiers' keys start over, so nothing computed before is served after."""
+        if self.config.device == "sim":
+            raise ValueError("update_weights on a simulated device: it has no weights")
+        from llmjax.checkpoint.named import params_from_source
+        from llmjax.loading import prepare_weights
+
+        params = params_from_source(self.model_config, params, source_format)
+        f, cfg = self._fixed, self.config
+        prepared = prepare_weights(
+            params,
+            self.model_config,
+            f["dtype"],
+            f["quantization"],
+            f.get("smoothquant"),
+            self.tokenizer,
+            cfg.parallel,
+            "scan" if cfg.scans_layers else "unroll",
+            cfg.sparse_kv,
+        )
+        version = self.engine.update_weights(prepared)
+        if cfg.parallel.num_devices == 1:
+            self._weights = self.engine.runner.params  # (one copy: the engine's)
+        else:
+            self._weights = params
+        return version
+
+    def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
+        """Pause serving (vLLM's modes): 'abort' every live request now, 'wait' for the running
+        ones to finish (stepping the engine until they have), or 'keep' them frozen where they
+        are (an update recomputes their KV). Returns the outputs that ended meanwhile: the
+        aborted requests' (finish_reason 'abort') or the finished ones'. Requests added while
+        paused wait; `generate` refuses to run until `resume_generation`."""
+        outs = self.engine.pause_generation(mode)
+        if mode == "wait":
+            e = self.engine
+            while e.scheduler.running or e._overlap.in_flight is not None:
+                outs += e.step()
+            outs += e.step()  # (anything the last step left)
+        return outs
+
+    def resume_generation(self) -> None:
+        self.engine.resume_generation()
+
+    def sleep(self, level: int = 1) -> dict:
+        """Free device memory while the trainer uses it: level 1 the KV pages, level 2 the
+        weights too (give new ones with `update_weights` after `wake_up`). Returns the bytes
+        freed (`LLMEngine.sleep`)."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> dict:
+        return self.engine.wake_up()
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def _check_serving(self) -> None:
+        e = self.engine
+        if e.is_paused:
+            raise RuntimeError(f"generation is paused ({e.paused!r}): resume_generation() first")
+        if e.sleep_level:
+            raise RuntimeError(f"the engine sleeps (level {e.sleep_level}): wake_up() first")
+        if getattr(e.runner, "weights_released", False):
+            raise RuntimeError("sleep(level=2) discarded the weights: update_weights(...) first")
+
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ValueError("this model was loaded without a tokenizer; pass token ids")
@@ -324,6 +406,7 @@ class LLM:
             lora_request = [lora_request] * len(prompts)
         if len(lora_request) != len(prompts):
             raise ValueError(f"{len(lora_request)=} must equal {len(prompts)=}")
+        self._check_serving()
         ids = []
         for prompt, params, lora in zip(prompts, sampling_params, lora_request, strict=True):
             token_ids, text = self._encode(prompt)
@@ -380,6 +463,7 @@ class LLM:
             raise ValueError(
                 f"stream yields one sample's text; n={sampling_params.n} needs generate()"
             )
+        self._check_serving()
         token_ids, text = self._encode(prompt)
         request_id = self.engine.add_request(
             token_ids, sampling_params, prompt=text, lora_request=lora_request

@@ -71,17 +71,31 @@ def load_weights(
             )
         logger.info("SmoothQuant skipped: not implemented for a mixture of experts")
         alpha = None
+    params = prepare_weights(
+        params, model_config, dtype, quantization, alpha, tok, parallel, layer_loop, sparse_kv
+    )
+    return model_config, params, tok, alpha
+
+
+def prepare_weights(
+    params, model_config, dtype, quantization, alpha, tok, parallel, layer_loop, sparse_kv
+):
+    """Loaded weights (the list layout) as the engine takes them: smoothed (SmoothQuant's
+    `alpha`, calibrated on the bundled text), then with one device packed for `quantization`,
+    stacked by layer when the engine scans over them, and on the device in `dtype`; with
+    tp * pp > 1 as they are (ModelRunner places them). The path of `load_weights` and of
+    `LLM.update_weights`, so updated weights run exactly as loaded ones would."""
     if alpha is not None:
         params = smoothed(params, model_config, tok, alpha)
-    if not sharded:  # else ModelRunner places (and converts) each weight on the mesh
-        params = pack_weights(params, quantization, dtype)
-        sparse = sparse_kv if isinstance(sparse_kv, str) else sparse_kv.mode
-        if layer_loop_scans(layer_loop, sparse != "none"):
-            from llmjax.model.params import stack_layers
+    if parallel.tp * parallel.pp > 1:  # ModelRunner places (and converts) each weight
+        return params
+    params = pack_weights(params, quantization, dtype)
+    sparse = sparse_kv if isinstance(sparse_kv, str) else sparse_kv.mode
+    if layer_loop_scans(layer_loop, sparse != "none"):
+        from llmjax.model.params import stack_layers
 
-            params = stack_layers(params)  # on the host, before the device holds them
-        params = to_device(params, dtype)
-    return model_config, params, tok, alpha
+        params = stack_layers(params)  # on the host, before the device holds them
+    return to_device(params, dtype)
 
 
 def sim_model(model: str, dtype: str, quantization: str, tokenizer, tp, pp, ep, sim):

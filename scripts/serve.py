@@ -74,6 +74,12 @@ flags.DEFINE_bool(
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING).",
 )
 flags.DEFINE_bool(
+    "enable_weight_updates",
+    False,
+    "Allow POST /pause, /resume, /sleep, /wake_up and /update_weights_from_disk (a trainer "
+    "driving the engine for RL rollouts; vLLM's dev-mode and SGLang's routes; docs/rl.md).",
+)
+flags.DEFINE_bool(
     "warmup", True, "Run one short request before serving, so the first client does not compile."
 )
 flags.DEFINE_enum(
@@ -120,6 +126,7 @@ def main(argv):
         program_idle_s=FLAGS.program_idle_s,
         lora_modules=_lora_modules(FLAGS.lora_modules),
         enable_lora_runtime_updates=FLAGS.enable_lora_runtime_updates,
+        enable_weight_updates=FLAGS.enable_weight_updates,
     )
 
 

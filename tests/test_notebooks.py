@@ -32,7 +32,7 @@ def _read(path):
 
 def test_there_are_notebooks():
     names = {p.stem for p in NOTEBOOKS}
-    for prefix in ("01_", "02_", "03_", "04_", "05_", "06_", "07_"):
+    for prefix in ("01_", "02_", "03_", "04_", "05_", "06_", "07_", "08_"):
         assert any(n.startswith(prefix) for n in names), (prefix, names)
 
 

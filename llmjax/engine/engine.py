@@ -56,6 +56,7 @@ from llmjax.engine.step import (
 )
 from llmjax.engine.structured import StructuredStep
 from llmjax.engine.validation import InvalidRequest, check_request
+from llmjax.engine.weights import EngineWeights, WeightVersions
 from llmjax.kvstore.keys import KeySalt
 from llmjax.lora import LoRARequest
 from llmjax.progress import progress_bar
@@ -65,7 +66,7 @@ from llmjax.tokenizer.detokenizer import StopStringMatcher
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineRoles):
+class LLMEngine(EngineRoles, EngineWeights):
     def __init__(
         self,
         config: EngineConfig,
@@ -151,6 +152,7 @@ class LLMEngine(EngineRoles):
         self.samples = Samples(self)  # SamplingParams.n > 1 (llmjax/engine/samples.py)
         self._structured = None  # llguidance over the tokenizer, built on first use
         self._init_roles()  # `parked` and `_receiving` (llmjax/engine/roles.py)
+        self._init_weights()  # weight updates, pause, sleep (llmjax/engine/weights.py)
         self.kv_tiers = None  # the KV tiers below the device pages (llmjax/engine/kv_tiers.py)
         self.speculator = None  # speculative decoding (llmjax/engine/speculative.py)
         if config.speculative.enabled:
@@ -191,6 +193,7 @@ class LLMEngine(EngineRoles):
         if cfg.compile_ahead and not cfg.precompile and not pipelined:
             features.append(CompileAhead(self))
         features.append(self.samples)
+        features.append(WeightVersions(self))
         if self.lora is not None:
             from llmjax.lora.steps import LoRASteps
 
@@ -397,7 +400,7 @@ class LLMEngine(EngineRoles):
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.has_unfinished()
-            or bool(self._rejected or self.samples.pending)
+            or bool(self._rejected or self.samples.pending or self._held_outputs)
             or self._overlap.in_flight is not None
         )
 
@@ -408,6 +411,10 @@ class LLMEngine(EngineRoles):
         (async scheduling, overlap.py: the step launched in the previous call's). Profiles show
         an `llmjax_step` range with one per stage inside (`llmjax.schedule`, ...)."""
         self._num_step_calls += 1
+        held, self._held_outputs = self._held_outputs, []  # landed by a pause or an update
+        if self.frozen:  # paused ('keep', 'abort') or asleep: nothing runs (weights.py)
+            rejected, self._rejected = self._rejected, []
+            return held + [self._output(r) for r in rejected]
         with self.runner.annotate_step(self._num_step_calls):
             landed = self._land(self._overlap.before_schedule())  # its tokens shape this step
             step = self._schedule()
@@ -415,7 +422,7 @@ class LLMEngine(EngineRoles):
                 self._prepare(step)
                 self._launch(step)
             landed += self._land(self._overlap.after_launch(step))  # this step, or the last
-            return self._emit(step, landed)
+            return held + self._emit(step, landed)
 
     def _land(self, steps: list[Step]) -> list[Step]:
         """Collect and update launched steps (pp > 1: the micro-batch a tick let out, if any)."""

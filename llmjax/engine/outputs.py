@@ -32,6 +32,7 @@ def request_output(req: Request, tokenizer=None) -> RequestOutput:
         logprobs=_decoded_logprobs(req.logprobs, tokenizer) if done else _copy(req.logprobs),
         cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
         prompt_logprobs=_decoded_logprobs(req.prompt_logprobs, tokenizer) if done else None,
+        weight_version=req.weight_version,
     )
 
 

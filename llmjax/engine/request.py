@@ -164,6 +164,7 @@ class Request:
     # fed each generated token; the request stops when the grammar is complete.
     matcher: object | None = dataclasses.field(default=None, repr=False)
     num_pending_tokens: int = 0  # sampled on the device, not yet on the host (async scheduling)
+    weight_version: int = 0  # the engine's weight version that made its last token
     lora_request: LoRARequest | None = None  # its LoRA adapter (llmjax/lora/); None: the base
 
     @property
@@ -318,6 +319,7 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
+    weight_version: int = 0  # the weight version that made its last token (LLM.update_weights)
 
     def __post_init__(self):
         if not self.outputs:  # one sample: the top-level fields are it

@@ -174,6 +174,8 @@ class Scheduler:
         # LoRAConfig.max_loras (set by the engine with adapters): at most this many distinct
         # adapters run at a time (`_lora_full`)
         self.max_loras: int | None = None
+        # paused generation (llmjax/engine/weights.py): the waiting requests admission skips
+        self.held = None  # (Request) -> bool, or None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -354,6 +356,8 @@ class Scheduler:
         for req in self._admission_order():
             if len(self.running) >= self.config.max_num_seqs:
                 break
+            if self.held is not None and self.held(req):  # paused: it waits for the resume
+                continue
             if self._lora_full(req):  # it waits for an adapter to finish; nothing overtakes it
                 batch.blocked = req
                 break

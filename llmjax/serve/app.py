@@ -82,6 +82,8 @@ from llmjax.serve.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
+from llmjax.serve.weight_routes import PATHS as WEIGHT_PATHS
+from llmjax.serve.weight_routes import add_weight_routes
 from llmjax.tokenizer import TextStream
 
 logger = logging.getLogger(__name__)
@@ -99,7 +101,9 @@ class ServerConfig:
     program_idle_s: a program session kept open (`keep_session`) is closed after this many
     seconds without a request. enable_lora_runtime_updates: /v1/load_lora_adapter and
     /v1/unload_lora_adapter change the adapters served (else they answer 400; vLLM gates them
-    by VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    by VLLM_ALLOW_RUNTIME_LORA_UPDATING). enable_weight_updates: /pause, /resume, /sleep,
+    /wake_up and /update_weights_from_disk drive the engine for a trainer (else they answer 400;
+    llmjax/serve/weight_routes.py); with an api_key they need it too."""
 
     served_model_name: str
     model_path: str = ""
@@ -107,10 +111,16 @@ class ServerConfig:
     max_num_queued: int | None = None
     program_idle_s: float = 600.0
     enable_lora_runtime_updates: bool = False
+    enable_weight_updates: bool = False
 
     def __post_init__(self):
         if not self.program_idle_s > 0:
             raise ValueError(f"program_idle_s={self.program_idle_s} must be > 0")
+
+
+def _keyed(path: str) -> bool:
+    """Whether a route needs the API key (when the server has one)."""
+    return path.startswith("/v1") or path in WEIGHT_PATHS
 
 
 class APIError(Exception):
@@ -148,11 +158,13 @@ def build_app(
     metrics=None,
     programs=None,
     programs_unsupported: str = "this server does not run programs",
+    llm=None,
 ) -> FastAPI:
     """The FastAPI app over a started-on-startup `AsyncEngine` (its lifespan starts and stops the
     engine thread). `metrics`: the `ServingMetrics` /metrics exposes. `programs`: the
     `ProgramRoutes` (llmjax/serve/programs.py) behind /v1/programs, or None (the routes answer
-    501 with `programs_unsupported`)."""
+    501 with `programs_unsupported`). `llm`: the LLM whose `update_weights` reads a checkpoint
+    for /update_weights_from_disk (llmjax/serve/weight_routes.py)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -191,7 +203,7 @@ def build_app(
 
         @app.middleware("http")
         async def _authenticate(request: Request, call_next):
-            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
+            if request.method != "OPTIONS" and _keyed(request.url.path):
                 given = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(given, expected):
                     message = "invalid or missing API key (Authorization: Bearer <key>)"
@@ -280,6 +292,8 @@ def build_app(
     )
     async def detokenize(body: DetokenizeRequest):
         return handler.detokenize(body)
+
+    add_weight_routes(app, async_engine, llm, config, APIError)
 
     @app.post(
         "/v1/load_lora_adapter",
@@ -379,7 +393,7 @@ def _openapi_schema(app: FastAPI, config: ServerConfig, limits: dict[str, int]) 
     for path, operations in schema["paths"].items():
         for operation in operations.values():
             operation["responses"].pop("422", None)
-            if config.api_key and path.startswith("/v1"):  # as the middleware decides
+            if config.api_key and _keyed(path):  # as the middleware decides
                 operation["security"] = [{"APIKey": []}]
                 operation["responses"]["401"] = {
                     "description": ERROR_DESCRIPTIONS[401],

@@ -217,6 +217,16 @@ class AsyncEngine:
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %s s", timeout)
 
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """On the engine thread: hand `outputs` made outside a step (a pause's aborts) to their
+        streams."""
+        if self.metrics is not None:
+            for out in outputs:
+                if out.finish_reason == "abort":
+                    self.metrics.record_abort(out.request_id)
+        if outputs:
+            self._to_loop(self._deliver, outputs)
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -245,9 +255,11 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        # (a paused or sleeping engine has requests but no step to run: wait for a command)
+        busy = lambda: engine.has_unfinished_requests() and getattr(engine, "can_step", True)
         try:
-            while self._apply_commands(block=not engine.has_unfinished_requests()):
-                if not engine.has_unfinished_requests():
+            while self._apply_commands(block=not busy()):
+                if not busy():
                     self._set_queues()
                     continue
                 t = time.perf_counter()

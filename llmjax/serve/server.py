@@ -39,6 +39,7 @@ def make_app(
     program_config=None,
     lora_modules=(),
     enable_lora_runtime_updates: bool = False,
+    enable_weight_updates: bool = False,
 ):
     """(FastAPI app, AsyncEngine, ServingMetrics) serving `llm`'s engine, or a
     `llmjax.cluster.Cluster`'s instances behind its router. The app's lifespan starts the engine
@@ -52,7 +53,8 @@ def make_app(
     `lora_modules`: (name, path) pairs (or a dict) of LoRA adapters served by name (the
     request's `model`), read now (an LLM built with enable_lora=True; a bad one raises
     LoRAError); `enable_lora_runtime_updates` opens /v1/load_lora_adapter and
-    /v1/unload_lora_adapter."""
+    /v1/unload_lora_adapter. `enable_weight_updates` opens /pause, /resume, /sleep, /wake_up and
+    /update_weights_from_disk (llmjax/serve/weight_routes.py: a trainer in another process)."""
     name = served_model_name or llm.model_name
     engine = llm.serving_view() if hasattr(llm, "serving_view") else llm.engine
     modules = list(dict(lora_modules).items())
@@ -67,7 +69,13 @@ def make_app(
         name, engine.config, engine.block_manager.num_pages, metrics_prefix, stats=engine.stats
     )
     config = ServerConfig(
-        name, llm.model_name, api_key, max_num_queued, program_idle_s, enable_lora_runtime_updates
+        name,
+        llm.model_name,
+        api_key,
+        max_num_queued,
+        program_idle_s,
+        enable_lora_runtime_updates,
+        enable_weight_updates,
     )
     sessions, unsupported = None, ""
     if llm.tokenizer is None:
@@ -82,7 +90,7 @@ def make_app(
         engine = sessions.engine_view
     async_engine = AsyncEngine(engine, metrics, max_num_queued)
     routes = ProgramRoutes(async_engine, sessions) if sessions is not None else None
-    app = build_app(async_engine, llm.tokenizer, config, metrics, routes, unsupported)
+    app = build_app(async_engine, llm.tokenizer, config, metrics, routes, unsupported, llm)
     return app, async_engine, metrics
 
 

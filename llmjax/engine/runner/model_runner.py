@@ -22,6 +22,7 @@ from llmjax.engine.runner.launched import Launched, greedy_sampling
 from llmjax.engine.runner.pages import PageTransfer
 from llmjax.engine.runner.pipeline_ticks import PipelineTicks
 from llmjax.engine.runner.sparse_step import SparseStep
+from llmjax.engine.runner.weights import RunnerWeights
 from llmjax.model import lora as lora_slots
 from llmjax.model.attention import make_attention_fn, resolve_attention_backend
 from llmjax.model.draft import draft_proposals
@@ -62,7 +63,7 @@ def enable_compilation_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
+class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
     """Weights, KV pages and the jitted step, on one device or on a (pp, ep, tp / ep) mesh
     (`config.parallel`, llmjax/parallel/). `params` come in the model's own layout (numpy or jax
     arrays, or thunks that load a weight); with a mesh each weight is converted to the
@@ -130,10 +131,15 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
             self.params = stack_layers(params) if scan else unstack_layers(params)
             if self.device is not None:
                 self.params = jax.device_put(self.params, self.device)
-            with jax.default_device(self.device):
-                self.kv_pages = allocate_kv_pages(
-                    config.model, num_pages, page_size, self.dtype, scan, self.kv_cache_dtype
-                )
+
+            def allocate_kv():
+                with jax.default_device(self.device):
+                    return allocate_kv_pages(
+                        config.model, num_pages, page_size, self.dtype, scan, self.kv_cache_dtype
+                    )
+
+            self._allocate_kv = allocate_kv  # (again at wake_up: weights.py)
+            self.kv_pages = allocate_kv()
             out_shardings = None
         else:
             layout = tp_head_layout(config.model, parallel.tp, parallel.pad_heads)
@@ -156,7 +162,8 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep):
                 scan,
                 self.kv_cache_dtype,
             )
-            self.kv_pages = jax.jit(allocate, out_shardings=kv_shardings)()
+            self._allocate_kv = jax.jit(allocate, out_shardings=kv_shardings)
+            self.kv_pages = self._allocate_kv()
             out_shardings = (
                 replicated(self.mesh),
                 replicated(self.mesh),

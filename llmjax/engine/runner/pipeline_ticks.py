@@ -5,6 +5,7 @@ micro-batch one stage on."""
 from __future__ import annotations
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,8 @@ class PipelineTicks:
             unstack_layers(params), config.model, layout, mesh, self.dtype, stacked=scan
         )
         num_slots = len(pipeline.stage_layers(config.model.num_layers, config.parallel.pp)[0])
-        self.kv_pages = pipeline.allocate_pp_kv_pages(
+        self._allocate_kv = functools.partial(
+            pipeline.allocate_pp_kv_pages,
             self.model_config,
             mesh,
             num_slots,
@@ -45,6 +47,7 @@ class PipelineTicks:
             stacked=scan,
             kv_cache_dtype=self.kv_cache_dtype,
         )
+        self.kv_pages = self._allocate_kv()
         pp = mesh.shape["pp"]
         carry = NamedSharding(mesh, PartitionSpec("pp"))
         self._h = jax.device_put(
