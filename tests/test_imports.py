@@ -102,7 +102,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("llm", ("llmjax.llm", "llmjax.llm_options", "llmjax.loading")),
     # Many engines: the cluster core and its two drivers (sim/'s cluster half), programs.
     ("cluster", ("llmjax.cluster", "llmjax.program", "llmjax.sim")),
-    # Front doors and tools over all of it: the server, benchmarks, flags, notebooks' helpers.
+    # Front doors and tools over all of it: the server, benchmarks, flags, notebooks' helpers,
+    # the RL trainer (rl/) over an LLM.
     (
         "doors",
         (
@@ -113,6 +114,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "llmjax.peer_worker",
             "llmjax.engine_flags",
             "llmjax.quality",
+            "llmjax.rl",
             "llmjax",
         ),
     ),

@@ -416,3 +416,32 @@ def test_pause_modes_on_the_llm():
             rest = dataclasses.replace(params, max_tokens=12 - k)
             new = llm.generate([prompt + old[:k]], rest)[0].token_ids
             assert out.token_ids[k:] == new and out.weight_version == llm.weight_version
+
+
+def test_blocks_in_the_kv_tiers_are_not_served_after_an_update(new_weights):
+    """A prefix written to the host tier before an update is not loaded after it (its keys
+    carry the old weights' salt); computed again under the new weights, it loads again."""
+    from llmjax import LLM
+    from llmjax.config import KVStoreConfig
+
+    _, params, path = new_weights
+    kv = KVStoreConfig(host_blocks=64, block_size=16, write_policy="write_through",
+                       load_policy="always")  # fmt: skip
+    llm = LLM("tiny", load_format="dummy", **OPTS).with_options(kv_store=kv)
+    prompt = _prompts()[3]  # 29 tokens: one full 16-token block
+    tiers = []
+    for update in (False, True, False):
+        if update:
+            llm.update_weights(params)
+        [out] = llm.generate([prompt], GREEDY)
+        tiers.append(out.num_cached_tokens_per_tier)
+        llm.engine.reset_prefix_cache()  # a hit from now on is a load from the host tier
+        [again] = llm.generate([prompt], GREEDY)
+        tiers.append(again.num_cached_tokens_per_tier)
+        assert again.token_ids == out.token_ids
+        llm.engine.reset_prefix_cache()
+    assert tiers[1] == {"device": 0, "host": 16}, tiers  # the tier serves the old weights' block
+    assert tiers[2] == {"device": 0}, tiers  # not after the update
+    assert tiers[3] == tiers[5] == {"device": 0, "host": 16}, tiers  # the new weights' block
+    want = LLM(path, **OPTS).generate([prompt], GREEDY)[0].token_ids
+    assert out.token_ids == want
