@@ -14,6 +14,7 @@ from schemathesis.engine import Status, StopReason, events, from_schema
 
 from llmjax import LLM
 from llmjax.serve import Server
+from llmjax.serve.weight_routes import PATHS as WEIGHT_PATHS
 
 # SmolLM2's chat template takes 29 tokens of it: a chat generates 3 at most.
 MAX_MODEL_LEN = 32
@@ -34,6 +35,14 @@ ROUTES = {  # path -> method
     "/detokenize": "post",
     "/v1/load_lora_adapter": "post",
     "/v1/unload_lora_adapter": "post",
+    "/pause": "post",
+    "/resume": "post",
+    "/is_paused": "get",
+    "/sleep": "post",
+    "/wake_up": "post",
+    "/is_sleeping": "get",
+    "/update_weights_from_disk": "post",
+    "/weight_version": "get",
 }
 
 
@@ -246,7 +255,7 @@ def test_routes_document_the_statuses_they_answer(llm):
         assert keyed["components"]["securitySchemes"]["APIKey"]["scheme"] == "bearer"
         for path, operations in keyed["paths"].items():
             for operation in operations.values():
-                guarded = path.startswith("/v1")
+                guarded = path.startswith("/v1") or path in WEIGHT_PATHS  # (weight_routes.py)
                 assert ("401" in operation["responses"]) == guarded, path
                 assert (operation.get("security") == [{"APIKey": []}]) == guarded, path
         _check(keyed, client.post(c, json={"prompt": "Hi", "max_tokens": 2}), c)

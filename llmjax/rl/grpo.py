@@ -34,8 +34,8 @@ def make_prompts(task: str, rng: np.random.Generator, k: int, tokenizer, vocab_s
             continue
         a, b = (int(x) for x in rng.integers(1, 50, 2))
         messages = [{"role": "user", "content": f"What is {a}+{b}? Reply with the number."}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        out.append((list(ids), a + b))
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        out.append((list(tokenizer.encode(text)), a + b))
     return out
 
 

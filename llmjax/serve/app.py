@@ -293,7 +293,7 @@ def build_app(
     async def detokenize(body: DetokenizeRequest):
         return handler.detokenize(body)
 
-    add_weight_routes(app, async_engine, llm, config, APIError)
+    add_weight_routes(app, async_engine, llm, config, APIError, _errors)
 
     @app.post(
         "/v1/load_lora_adapter",

@@ -3,12 +3,12 @@ and SGLang's names, open only with `--enable_weight_updates` (and behind the API
 
     POST /pause                     {"mode": "abort" | "wait" | "keep"}   (or ?mode=)
     POST /resume
-    GET  /is_paused                 {"is_paused": bool, "mode": ...}
+    GET  /is_paused                 {"is_paused": bool, "mode": ...}      (read-only: always open)
     POST /sleep                     {"level": 1 | 2}                      (or ?level=)
     POST /wake_up
-    GET  /is_sleeping               {"is_sleeping": bool}
+    GET  /is_sleeping               {"is_sleeping": bool, "level": ...}   (read-only: always open)
     POST /update_weights_from_disk  {"model_path": ..., "load_format": "auto"} (SGLang's)
-    GET  /weight_version            {"weight_version": n}
+    GET  /weight_version            {"weight_version": n}                 (read-only: always open)
 
 Each runs on the engine thread between two steps (`AsyncEngine.call`); 'abort' ends every
 stream with finish_reason 'abort', 'wait' answers once the running requests finished. The
@@ -53,6 +53,47 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     load_format: str = "auto"
 
 
+class SuccessResponse(BaseModel):
+    success: bool
+
+
+class PauseResponse(SuccessResponse):
+    mode: str
+    num_aborted: int  # requests 'abort' ended
+
+
+class IsPausedResponse(BaseModel):
+    is_paused: bool
+    mode: str | None
+
+
+class SleepResponse(SuccessResponse):
+    level: int
+    kv_bytes: int  # KV pages freed
+    weight_bytes: int  # weights freed (level 2)
+    bytes_in_use_before: int | None  # the devices' (None: not reported, XLA:CPU)
+    bytes_in_use_after: int | None
+
+
+class WakeUpResponse(SuccessResponse):
+    bytes_in_use_before: int | None
+    bytes_in_use_after: int | None
+
+
+class IsSleepingResponse(BaseModel):
+    is_sleeping: bool
+    level: int
+
+
+class UpdateWeightsResponse(SuccessResponse):
+    message: str
+    weight_version: int
+
+
+class WeightVersionResponse(BaseModel):
+    weight_version: int
+
+
 def load_checkpoint(model_path: str, load_format: str = "auto"):
     """The weights of a checkpoint (an HF or orbax directory, a .gguf file) as llmjax's pytree,
     in float32 on the host: what `LLM.update_weights` takes."""
@@ -64,9 +105,14 @@ def load_checkpoint(model_path: str, load_format: str = "auto"):
     return params
 
 
-def add_weight_routes(app: FastAPI, async_engine, llm, config, api_error) -> None:
+def add_weight_routes(app: FastAPI, async_engine, llm, config, api_error, errors) -> None:
     """The routes above on `app`, driving `async_engine` (and `llm.update_weights` for a
-    checkpoint on disk); `api_error(status, message, param)` makes the server's error."""
+    checkpoint on disk); `api_error(status, message, param)` makes the server's error,
+    `errors(*statuses)` documents them."""
+
+    def ok(model, what: str) -> dict:
+        return {200: {"model": model, "description": what}} | errors(400, 503)
+
     engine = async_engine.engine
 
     def check_open() -> None:
@@ -90,7 +136,7 @@ def add_weight_routes(app: FastAPI, async_engine, llm, config, api_error) -> Non
         except EngineDeadError as e:
             raise api_error(503, f"the engine is not serving: {e}", None) from None
 
-    @app.post("/pause")
+    @app.post("/pause", responses=ok(PauseResponse, "Paused"))
     async def pause(body: PauseRequest | None = None, mode: str | None = None):
         check_open()
         mode = mode or (body.mode if body is not None else "abort")
@@ -108,36 +154,36 @@ def add_weight_routes(app: FastAPI, async_engine, llm, config, api_error) -> Non
                 await asyncio.sleep(0.005)
         return {"success": True, "mode": mode, "num_aborted": aborted}
 
-    @app.post("/resume")
+    @app.post("/resume", responses=ok(SuccessResponse, "Resumed"))
     async def resume():
         check_open()
         await on_engine(engine.resume_generation)
         return {"success": True}
 
-    @app.get("/is_paused")
-    async def is_paused():
-        check_open()
+    @app.get("/is_paused", responses=ok(IsPausedResponse, "Whether paused"))
+    async def is_paused():  # (read-only: open without the flag)
         return {"is_paused": engine.is_paused, "mode": engine.paused}
 
-    @app.post("/sleep")
+    @app.post("/sleep", responses=ok(SleepResponse, "Asleep: the bytes freed"))
     async def sleep(body: SleepRequest | None = None, level: int | None = None):
         check_open()
         level = level if level is not None else (body.level if body is not None else 1)
         freed = await on_engine(lambda: engine.sleep(level), "level")
         return {"success": True, "level": level, **freed}
 
-    @app.post("/wake_up")
+    @app.post("/wake_up", responses=ok(WakeUpResponse, "Awake"))
     async def wake_up():
         check_open()
         taken = await on_engine(engine.wake_up)
         return {"success": True, **taken}
 
-    @app.get("/is_sleeping")
+    @app.get("/is_sleeping", responses=ok(IsSleepingResponse, "Whether asleep"))
     async def is_sleeping():
-        check_open()
         return {"is_sleeping": bool(engine.sleep_level), "level": engine.sleep_level}
 
-    @app.post("/update_weights_from_disk")
+    @app.post(
+        "/update_weights_from_disk", responses=ok(UpdateWeightsResponse, "The new weights serve")
+    )
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
         check_open()
         if not hasattr(llm, "update_weights"):
@@ -153,6 +199,9 @@ def add_weight_routes(app: FastAPI, async_engine, llm, config, api_error) -> Non
             "weight_version": version,
         }
 
-    @app.get("/weight_version")
+    @app.get(
+        "/weight_version",
+        responses={200: {"model": WeightVersionResponse, "description": "The weight version"}},
+    )
     async def weight_version():
         return {"weight_version": engine.weight_version}

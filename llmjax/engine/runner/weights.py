@@ -34,6 +34,13 @@ class RunnerWeights:
 
     weights_released = False
 
+    @property
+    def devices(self) -> list:
+        """The devices the engine runs on."""
+        if self.mesh is not None:
+            return list(self.mesh.devices.flat)
+        return [self.device or jax.devices()[0]]
+
     def _base_params(self) -> dict:
         return {k: v for k, v in self.params.items() if k != "lora"}
 
