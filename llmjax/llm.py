@@ -340,10 +340,8 @@ class LLM:
         paused wait; `generate` refuses to run until `resume_generation`."""
         outs = self.engine.pause_generation(mode)
         if mode == "wait":
-            e = self.engine
-            while e.scheduler.running or e._overlap.in_flight is not None:
-                outs += e.step()
-            outs += e.step()  # (anything the last step left)
+            while self.engine.can_step:  # until what ran at the pause has finished
+                outs += self.engine.step()
         return outs
 
     def resume_generation(self) -> None:

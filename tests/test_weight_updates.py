@@ -135,7 +135,8 @@ def test_updates_in_every_pause_mode_serve_each_token_from_its_version(
             if spec.abort_at == step:
                 engine.abort_request(str(i))
         if step == at:
-            live = {r.request_id for r in engine._live_requests()}
+            live_at = engine._live_requests()  # (their state after the update says where they are)
+            live = {r.request_id for r in live_at}
             if mode is not None:
                 outs = engine.pause_generation(mode)
                 record(outs)
@@ -143,9 +144,11 @@ def test_updates_in_every_pause_mode_serve_each_token_from_its_version(
                     aborted_by_pause = {o.request_id for o in outs if o.finish_reason == "abort"}
                     assert aborted_by_pause <= live and not engine._live_requests()
                 if mode == "wait":
-                    while engine.scheduler.running or engine._overlap.in_flight is not None:
+                    while engine.can_step:  # what ran at the pause finishes
                         record(engine.step())
                         _check_engine(engine, sc)
+                    started = engine._started & {r.request_id for r in engine._live_requests()}
+                    assert not started, f"'wait' left {started} unfinished"
                 else:  # frozen: a step makes nothing
                     before = {r.request_id: r.num_tokens for r in engine._live_requests()}
                     record(engine.step())
@@ -155,15 +158,14 @@ def test_updates_in_every_pause_mode_serve_each_token_from_its_version(
                 assert freed["kv_bytes"] > 0 and (freed["weight_bytes"] > 0) == (sleep == 2)
                 assert engine.block_manager.prefix_cache.num_cached_pages == 0
                 engine.wake_up()
-            live_reqs = engine._live_requests()
             version = engine.update_weights(1)
             assert version == engine.weight_version == 1
             assert engine.block_manager.prefix_cache.num_cached_pages == 0
             assert not engine.scheduler.running  # every request recomputes
             made_before = {r.request_id: list(r.output_token_ids)
-                           for r in live_reqs if not r.status.is_done}  # fmt: skip
+                           for r in live_at if not r.status.is_done}  # fmt: skip
             done_before = {rid for rid, o in outputs.items() if o.finished}
-            done_before |= {r.request_id for r in live_reqs if r.status.is_done}
+            done_before |= {r.request_id for r in live_at if r.status.is_done}
             if mode is not None:
                 engine.resume_generation()
             _check_engine(engine, sc)
@@ -445,3 +447,29 @@ def test_blocks_in_the_kv_tiers_are_not_served_after_an_update(new_weights):
     assert tiers[3] == tiers[5] == {"device": 0, "host": 16}, tiers  # the new weights' block
     want = LLM(path, **OPTS).generate([prompt], GREEDY)[0].token_ids
     assert out.token_ids == want
+
+
+def test_an_expert_parallel_moe_takes_hf_named_experts(tmp_path):
+    """A mixture of experts under tp=2, ep=2 takes new weights by HF names (one tensor per
+    expert, stacked on the devices' expert shards) and serves as a fresh engine on them."""
+    import jax
+
+    from llmjax import LLM
+    from llmjax.checkpoint import load_hf
+    from llmjax.checkpoint.hf import hf_tensors_from_params, save_hf
+    from llmjax.model.params import init_params
+    from tests.conftest import TESTDATA
+
+    base = f"{TESTDATA}/hf_tiny/mixtral"
+    config, _ = load_hf(base)
+    params = init_params(config, jax.random.key(3))
+    path = str(save_hf(tmp_path / "moe", config, params))
+    opts = dict(tp=2, ep=2, page_size=4, max_model_len=64, num_pages=48, compilation_cache_dir="")
+    llm = LLM(base, **opts)
+    prompts = _prompts()[:2]
+    llm.generate(prompts, GREEDY)
+    compiles = _compiles(llm)
+    llm.update_weights(hf_tensors_from_params(config, params, np.float32), source_format="hf")
+    got = _tokens(llm.generate(prompts, GREEDY))
+    assert _compiles(llm) == compiles
+    assert got == _tokens(LLM(path, **opts).generate(prompts, GREEDY))

@@ -92,6 +92,7 @@ class EngineWeights:
         self.sleep_level = 0  # 0: awake
         self._base_salt = getattr(self.block_manager.prefix_cache, "salt", None)
         self._held_outputs: list[RequestOutput] = []  # landed while pausing / updating
+        self._started: set[str] = set()  # 'wait': the requests running when it paused
 
     # ---- update ------------------------------------------------------------------------------
 
@@ -169,7 +170,7 @@ class EngineWeights:
             self.abort_all()
             out += [self._output(r) for r in live]
         self.paused = mode
-        started = {r.request_id for r in self.scheduler.running}
+        started = self._started = {r.request_id for r in self.scheduler.running}
         # 'wait': what runs now finishes (preempted, it is admitted again); nothing else starts
         self.scheduler.held = (
             (lambda r: r.request_id not in started) if mode == "wait" else (lambda r: True)
@@ -180,6 +181,7 @@ class EngineWeights:
         """Carry on from where `pause_generation` stopped (requests added meanwhile run now)."""
         self.paused = None
         self.scheduler.held = None
+        self._started = set()
 
     @property
     def is_paused(self) -> bool:
@@ -200,8 +202,10 @@ class EngineWeights:
             return True
         if self.frozen:
             return False
-        if self.paused == "wait":
-            return bool(self.scheduler.running) or self._overlap.in_flight is not None
+        if self.paused == "wait":  # until what ran at the pause has finished (even if preempted)
+            sched = self.scheduler
+            started = any(r.request_id in self._started for r in sched.waiting)
+            return bool(sched.running) or self._overlap.in_flight is not None or started
         return True
 
     def _live_requests(self) -> list[Request]:

@@ -150,7 +150,7 @@ def add_weight_routes(app: FastAPI, async_engine, llm, config, api_error, errors
 
         aborted = await on_engine(run, "mode")
         if mode == "wait":  # answer once what was running has finished
-            while await on_engine(lambda: bool(engine.scheduler.running)):
+            while await on_engine(lambda: engine.paused == "wait" and engine.can_step):
                 await asyncio.sleep(0.005)
         return {"success": True, "mode": mode, "num_aborted": aborted}
 
