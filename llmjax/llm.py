@@ -309,6 +309,11 @@ class LLM:
         tiers' keys start over, so nothing computed before is served after."""
         if self.config.device == "sim":
             raise ValueError("update_weights on a simulated device: it has no weights")
+        if self._fixed["quantization"] == "gguf":
+            raise ValueError(
+                "update_weights: quantization='gguf' serves a GGUF file's blocks as stored; load "
+                "with quantization='q8_0', 'q4_0' or 'q4_1' to quantize new float weights"
+            )
         from llmjax.checkpoint.named import params_from_source
         from llmjax.loading import prepare_weights
 
