@@ -320,12 +320,7 @@ class LLMEngine(EngineRoles, EngineWeights):
         Raises ValueError while a waiting or running request uses it."""
         if self.lora is None:
             return False
-        moving = (*self.parked.values(), *(r for r, _ in self._receiving.values()))
-        users = [
-            r.request_id
-            for r in (*self.scheduler.waiting, *self.scheduler.running, *moving)
-            if r.lora_int_id == lora_int_id
-        ]
+        users = [r.request_id for r in self._live_requests() if r.lora_int_id == lora_int_id]
         if users:
             raise ValueError(
                 f"adapter {lora_int_id} is in use by {len(users)} requests ({users[:3]}...): "

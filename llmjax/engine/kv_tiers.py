@@ -273,6 +273,10 @@ class KVTiers:
     def forget(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
 
+    def forget_all(self) -> None:
+        """Drop every request's page keys (the radix cache's salt changed)."""
+        self._keys.clear()
+
     def load(self, req, token_ids: Sequence[int], prefix) -> int:
         """Before admitting `req`: if the tiers hold more of `token_ids` (the tokens a match
         may cover) than the radix cache's `prefix` (`BlockManager.peek_prefix`), load those

@@ -539,14 +539,23 @@ class Scheduler:
         self.block_manager.allocate(req.request_id, num_tokens)
         return True
 
-    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+    def requeue(self, req: Request, offer_cache: bool = True) -> None:
+        """Running `req` back to the front of the waiting queue, its pages freed (its computed
+        tokens offered to the prefix cache unless not `offer_cache`: KV the engine must not
+        reuse, llmjax/engine/weights.py): it recomputes prompt + output so far."""
         self.running.remove(req)
-        self._free(req)
+        if offer_cache:
+            self._free(req)
+        else:
+            self.block_manager.free(req.request_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        self.requeue(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
         batch.remove(req)
         batch.preempted.append(req)
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import logging
 
-from llmjax.engine.request import Request, RequestOutput, RequestStatus
+from llmjax.engine.request import Request, RequestOutput
 from llmjax.engine.step import Step, StepFeature
 
 logger = logging.getLogger(__name__)
@@ -133,28 +133,23 @@ class EngineWeights:
     def _recompute_running(self) -> None:
         """Every running request to the front of the waiting queue, its KV dropped (not offered
         to the prefix cache): it recomputes prompt + output so far."""
-        sched = self.scheduler
-        for req in reversed(list(sched.running)):
-            sched.running.remove(req)
-            self.block_manager.free(req.request_id)  # no tokens offered to the cache
-            if self.kv_tiers is not None:
-                self.kv_tiers.forget(req.request_id)
-            req.status = RequestStatus.WAITING
-            req.num_computed_tokens = 0
-            req.num_pending_tokens = 0
-            sched.waiting.appendleft(req)
+        for req in reversed(list(self.scheduler.running)):  # (the in-flight step has landed)
+            self.scheduler.requeue(req, offer_cache=False)
 
     def _new_cache_epoch(self) -> None:
         """Empty the prefix cache and salt its page keys with the weight version."""
-        cache = self.block_manager.prefix_cache
-        if self.kv_tiers is not None:
-            self.kv_tiers.flush()  # blocks on their way down read their pages first
-            self.kv_tiers._keys.clear()  # keys computed with the old salt
         if self._base_salt is not None:
-            cache.salt = weight_salt(self._base_salt, self.weight_version)
-        if not self.block_manager.reset_prefix_cache():  # (nothing runs: nothing is locked)
-            raise RuntimeError("the prefix cache kept locked pages across a weight update")
-        self.stats.num_cached_pages = 0
+            salt = weight_salt(self._base_salt, self.weight_version)
+            self.block_manager.prefix_cache.salt = salt
+        self._empty_prefix_cache()
+
+    def _empty_prefix_cache(self) -> None:
+        """`reset_prefix_cache` with nothing running (so nothing stays), and the KV tiers'
+        per-request page keys dropped (computed with the cache's old salt)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.forget_all()
+        if not self.reset_prefix_cache():  # (the tiers' blocks on their way down flushed)
+            raise RuntimeError("the prefix cache kept locked pages with no request running")
 
     # ---- pause -------------------------------------------------------------------------------
 
@@ -232,11 +227,7 @@ class EngineWeights:
         before = device_bytes_in_use(devices)
         self._land_in_flight()
         self._recompute_running()
-        if self.kv_tiers is not None:
-            self.kv_tiers.flush()
-            self.kv_tiers._keys.clear()
-        self.block_manager.reset_prefix_cache()  # the pages' contents go
-        self.stats.num_cached_pages = 0
+        self._empty_prefix_cache()  # the pages' contents go
         kv = self.runner.release_kv()
         weights = self.runner.release_params() if level == 2 else 0
         self.sleep_level = level

@@ -101,7 +101,7 @@ class RunnerWeights:
             shardings.append(s.sharding)
         leaves = [jax.device_put(x, sh) for (_, x), sh in zip(got, shardings, strict=True)]
         new = jax.tree.unflatten(want_def, leaves)
-        lora = self.params.get("lora") if self.params is not None else None
+        lora = self.params.get("lora")
         self.params = new if lora is None else {**new, "lora": lora}
         self.weights_released = False
 
