@@ -59,6 +59,7 @@ from llmjax.config import (
     DTYPES,
     FIXED_BY_WEIGHTS,
     FLASH_PREFILL_MODES,
+    HYBRID_KV_CACHE,
     KV_CACHE_DTYPES,
     LAYER_LOOPS,
     PALLAS_KERNELS,
@@ -134,6 +135,15 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         list(KV_CACHE_DTYPES),
         "What the KV pages store (vLLM's names): auto = the model dtype; int8 / fp8_e4m3 / "
         "fp8_e5m2 with a float32 scale per token and kv head (CacheConfig.kv_cache_dtype).",
+        **f,
+    )
+    flags.DEFINE_enum(
+        "hybrid_kv_cache",
+        "auto",
+        list(HYBRID_KV_CACHE),
+        "One page table per group of layers, sliding-window layers holding only their window's "
+        "pages (Gemma 2/3; vLLM's hybrid KV cache manager): auto = where the model and the "
+        "engine's features allow (CacheConfig.hybrid_kv_cache).",
         **f,
     )
     flags.DEFINE_integer(
@@ -555,6 +565,7 @@ def llm_kwargs(values: flags.FlagValues) -> dict:
         page_size=values.page_size,
         num_pages=values.num_pages,
         kv_cache_dtype=values.kv_cache_dtype,
+        hybrid_kv_cache=values.hybrid_kv_cache,
         max_num_seqs=values.max_num_seqs,
         max_num_batched_tokens=values.max_num_batched_tokens,
         precompile=values.precompile,

@@ -56,7 +56,9 @@ class LLM:
     policies, max_model_len for the whole-prompt ones), `prefix_cache` ('radix' reuses the KV of
     shared prefixes, 'none' turns that off; see CacheConfig), `kv_cache_dtype` ('auto': the
     model dtype; 'int8', 'fp8_e4m3', 'fp8_e5m2': quantized pages with a scale per token and kv
-    head, vLLM's names; see CacheConfig), `admission_order` ('fcfs' or 'lpm',
+    head, vLLM's names; see CacheConfig), `hybrid_kv_cache` ('auto', 'on', 'off': one page table
+    per group of layers, the sliding-window layers' holding their window's pages only: Gemma 2
+    and 3; see CacheConfig), `admission_order` ('fcfs' or 'lpm',
     longest cached prefix first; see SchedulerConfig), `balance_micro_batches` (pp > 1: decodes
     spread evenly over the micro-batches; see SchedulerConfig), `seed` (for requests without their
     own seed), `attention_backend` ('auto', 'reference' or 'pallas'; see EngineConfig),
@@ -120,6 +122,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         prefix_cache: str = "radix",
         kv_cache_dtype: str = "auto",
+        hybrid_kv_cache: str = "auto",
         admission_order: str = "fcfs",
         balance_micro_batches: bool = False,
         attention_backend: str = "auto",

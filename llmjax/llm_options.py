@@ -29,7 +29,6 @@ from llmjax.config import (
     apply_overrides,
     read_override,
 )
-from llmjax.engine.block_manager import pages_needed
 from llmjax.engine.engine import LLMEngine
 from llmjax.loading import infinigen_skew
 
@@ -47,6 +46,7 @@ OPTION_PATHS = {
     "cache.num_pages": "num_pages",
     "cache.prefix_cache": "prefix_cache",
     "cache.kv_cache_dtype": "kv_cache_dtype",
+    "cache.hybrid_kv_cache": "hybrid_kv_cache",
     "scheduler.policy": "scheduler_policy",
     "scheduler.max_num_seqs": "max_num_seqs",
     "scheduler.max_num_batched_tokens": "max_num_batched_tokens",
@@ -76,12 +76,14 @@ def default_num_pages(config: EngineConfig, params_bytes: int, devices=None) -> 
     from llmjax.parallel.heads import tp_head_layout
 
     page_size = config.cache.page_size
-    wanted = config.scheduler.max_num_seqs * pages_needed(config.max_model_len, page_size) + 1
     parallel = config.parallel
     layout = tp_head_layout(config.model, parallel.tp, parallel.pad_heads)
+    groups = config.kv_groups  # a hybrid layout's page holds fewer layers, and fewer are needed
+    wanted = config.scheduler.max_num_seqs * groups.pages_for(config.max_model_len, page_size) + 1
     per_page = kv_cache_bytes(
-        layout.model_config(config.model), 1, page_size, config.dtype, config.cache.kv_cache_dtype
-    )
+        layout.model_config(config.model), 1, page_size, config.dtype, config.cache.kv_cache_dtype,
+        groups,
+    )  # fmt: skip
     per_page //= parallel.num_devices
     device = next(iter(devices)) if devices else jax.local_devices()[0]
     stats = device.memory_stats() or {}
@@ -110,6 +112,7 @@ ENGINE_OPTIONS = (
     "max_num_batched_tokens",
     "prefix_cache",
     "kv_cache_dtype",
+    "hybrid_kv_cache",
     "admission_order",
     "balance_micro_batches",
     "attention_backend",
@@ -200,6 +203,7 @@ def engine_config(options: dict, fixed: dict, model_config: ModelConfig):
             num_pages=o["num_pages"],
             prefix_cache=o["prefix_cache"],
             kv_cache_dtype=o["kv_cache_dtype"],
+            hybrid_kv_cache=o["hybrid_kv_cache"],
         ),
         scheduler=SchedulerConfig(
             policy=o["scheduler_policy"],

@@ -204,6 +204,8 @@ class LocalInstance:
         `namespace` (an adapter's; None: the base model's) through the transport: (offer, its
         tokens), or (None, 0) when nothing is cached. The pages are gathered at once, so the
         cache may evict them afterwards."""
+        if self.engine.block_manager.groups is not None:
+            return None, 0  # a hybrid KV layout's prefix is more than one table's pages
         m = self.engine.block_manager.prefix_cache.match(list(token_ids), namespace)
         if not m.num_tokens or self.transport is None:
             return None, 0
@@ -220,6 +222,8 @@ class LocalInstance:
         into the prefix cache under `namespace` (LRU pages evicted to make room); releases the
         offer. Returns the prefix tokens cached here now (those already cached when there is no
         room)."""
+        if self.engine.block_manager.groups is not None:
+            raise NotImplementedError("prefix fetches into a hybrid KV layout")
         bm = self.engine.block_manager
         ids = list(token_ids)[: offer.num_pages * bm.page_size]
         holder = f"__prefix_fetch__{offer.transfer_id}"

@@ -12,7 +12,8 @@ import it, never the reverse. Every name is importable from `llmjax.config`.
     model.py        ModelConfig (from an HF config.json), AttentionKind, DTYPES
     families.py     the architecture table: SUPPORTED_ARCHITECTURES, FAMILY_TRAITS, HF_DEFAULTS...
     rope.py         RopeScaling
-    cache.py        CacheConfig (paged KV cache, prefix cache), KVStoreConfig (the KV tiers)
+    cache.py        CacheConfig (paged KV cache, prefix cache), KVGroups (the hybrid layout),
+                    KVStoreConfig (the KV tiers)
     scheduler.py    SchedulerConfig (policies, admission order), ProgramConfig (Parrot)
     parallel.py     ParallelConfig (tp, pp, ep), tp_head_counts (the tp split of the heads)
     speculative.py  SpeculativeConfig
@@ -25,6 +26,7 @@ import it, never the reverse. Every name is importable from `llmjax.config`.
 """
 
 from llmjax.config.cache import (
+    HYBRID_KV_CACHE,
     KV_CACHE_DTYPES,
     KV_HOST_MEMORIES,
     KV_LOAD_POLICIES,
@@ -32,7 +34,9 @@ from llmjax.config.cache import (
     KV_WRITE_POLICIES,
     PREFIX_CACHES,
     CacheConfig,
+    KVGroups,
     KVStoreConfig,
+    kv_groups,
     kv_row_bytes,
 )
 from llmjax.config.engine import (
@@ -96,6 +100,7 @@ __all__ = [
     "HF_DEFAULTS",
     "HF_MODEL_TYPES",
     "HIDDEN_ACTS",
+    "HYBRID_KV_CACHE",
     "KV_CACHE_DTYPES",
     "KV_HOST_MEMORIES",
     "KV_LOAD_POLICIES",
@@ -124,6 +129,7 @@ __all__ = [
     "CacheConfig",
     "EngineConfig",
     "HeadCounts",
+    "KVGroups",
     "KVStoreConfig",
     "LoRAConfig",
     "ModelConfig",
@@ -134,6 +140,7 @@ __all__ = [
     "SparseKVConfig",
     "SpeculativeConfig",
     "apply_overrides",
+    "kv_groups",
     "kv_row_bytes",
     "layer_loop_scans",
     "lora_projection_dims",

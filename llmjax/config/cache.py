@@ -4,13 +4,18 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from llmjax.config.checks import _check_positive
+
+if TYPE_CHECKING:
+    from llmjax.config.model import ModelConfig
 
 PREFIX_CACHES = ("none", "radix")  # implemented in llmjax/engine/radix_cache.py
 # vLLM's names; 'auto' stores the model dtype (llmjax/model/kv_cache.py: the quantized layout)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 KV_SCALE_BYTES = 4  # a quantized cache's float32 scale per token and kv head
+HYBRID_KV_CACHE = ("auto", "on", "off")
 
 
 def kv_row_bytes(head_dim: int, dtype_itemsize: int, kv_cache_dtype: str = "auto") -> int:
@@ -42,6 +47,15 @@ class CacheConfig:
     beside the pages (absmax over the head dim; llmjax/model/kv_cache.py). K and V are quantized
     when the step writes them; every token, the step's own included, attends over the stored
     values.
+
+    `hybrid_kv_cache` (vLLM's hybrid KV cache manager; `KVGroups`): a model with sliding-window
+    layers beside full-attention ones (Gemma 2 and 3) keeps one page table per group of layers,
+    and a windowed group holds only its window's pages, so a long sequence costs full pages
+    only in its full-attention layers. 'auto' (the default) uses it where the model has both
+    kinds of layer and nothing asks for one table (sparse KV, the KV tiers, pp > 1, speculative
+    decoding, the P/D roles); 'on' insists (an error names what is in the way); 'off' keeps one
+    page table for every layer. `num_pages` then counts pages of the layout's `num_slots`
+    layers (fewer than the model's: more pages in the same memory).
     """
 
     page_size: int = 16
@@ -50,6 +64,7 @@ class CacheConfig:
     watermark: float = 0.01  # fraction of pages a new admission must leave free (vLLM)
     prefix_cache: str = "radix"
     kv_cache_dtype: str = "auto"
+    hybrid_kv_cache: str = "auto"
 
     def __post_init__(self):
         _check_positive(self, "page_size", "num_pages")
@@ -61,6 +76,8 @@ class CacheConfig:
             raise ValueError(f"{self.watermark=} must be in [0, 1)")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"{self.num_pages=} must be >= 2 (page 0 is the reserved sink)")
+        if self.hybrid_kv_cache not in HYBRID_KV_CACHE:
+            raise ValueError(f"unknown {self.hybrid_kv_cache=}; choose one of {HYBRID_KV_CACHE}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"{self.memory_fraction=} must be in (0, 1]")
 
@@ -131,3 +148,82 @@ class KVStoreConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.host_blocks or self.disk_dir or self.mooncake_master)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVGroups:
+    """Which pages each layer's K/V live in: the layers in groups, one page table per group.
+
+    One group (`single`, the default): every layer reads the request's one page table, and a
+    page holds the KV of every layer (`num_slots` = L layer slots). With sliding-window layers
+    beside full-attention ones (Gemma 2 and 3) the **hybrid** layout (vLLM's hybrid KV cache
+    manager) puts the full-attention layers in group 0 and the windowed layers in groups of the
+    same size after it; every group has its own page table, and all draw their pages from one
+    pool: a page holds `num_slots` layers' KV for whichever group owns it. A windowed group's
+    table drops the pages its window has passed (`llmjax/engine/block_manager.py`), so a long
+    sequence holds full pages only for its full-attention layers.
+
+    Layer i writes and reads slot `layer_slot[i]` of the pages in group `layer_group[i]`'s
+    table: in the stacked cache its page p is row `layer_slot[i] * num_pages + p`; unrolled, it is
+    page p of the list's entry `layer_slot[i]`. Groups hold `num_slots` layers each; the last
+    group of a window may hold fewer (its pages' other slots go unused).
+
+    Example, Gemma 3's pattern on 12 layers (layers 5 and 11 full attention, window 1024):
+    num_slots 2, windows (None, 1024, 1024, 1024, 1024, 1024), layer_group (1, 1, 2, 2, 3, 0,
+    3, 4, 4, 5, 5, 0), layer_slot (0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 1, 1): six page tables per
+    request, the five windowed ones holding only the last ~1024 tokens' pages."""
+
+    windows: tuple[int | None, ...]  # per group: its layers' sliding window (None: full)
+    layer_group: tuple[int, ...]  # [L]
+    layer_slot: tuple[int, ...]  # [L]
+    num_slots: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.num_groups > 1
+
+    @staticmethod
+    def single(num_layers: int) -> KVGroups:
+        """One page table for every layer (the layout without groups)."""
+        return KVGroups((None,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+
+    def window_pages(self, group: int, page_size: int) -> int | None:
+        """The most pages a token's window spans in `group` (None: every page)."""
+        w = self.windows[group]
+        return None if w is None else -(-(w - 1) // page_size) + 1
+
+    def pages_for(self, num_tokens: int, page_size: int) -> int:
+        """Pool pages a sequence of `num_tokens` holds at most, over every group (whose
+        windowed tables keep their window's pages plus the pages a step adds: bounded by the
+        tokens' pages)."""
+        n = -(-num_tokens // page_size)
+        windows = [self.window_pages(g, page_size) for g in range(self.num_groups)]
+        return sum(n if w is None else min(n, w) for w in windows)
+
+
+def kv_groups(config: ModelConfig, hybrid: bool) -> KVGroups:
+    """The KV layout of `config`'s layers: hybrid (full-attention layers in group 0, the
+    windowed layers in groups of as many layers, by window) where asked and the model has both
+    kinds, else one group. See `KVGroups`."""
+    windows = [config.layer_window(i) for i in range(config.num_layers)]
+    full = [i for i, w in enumerate(windows) if w is None]
+    if not hybrid or not full or len(full) == len(windows):
+        return KVGroups.single(config.num_layers)
+    size = len(full)
+    group_windows: list[int | None] = [None]
+    layer_group = [0] * config.num_layers
+    layer_slot = [0] * config.num_layers
+    for j, i in enumerate(full):
+        layer_slot[i] = j
+    for w in dict.fromkeys(w for w in windows if w is not None):  # by window, first seen first
+        layers = [i for i, lw in enumerate(windows) if lw == w]
+        for j, i in enumerate(layers):
+            if j % size == 0:
+                group_windows.append(w)
+            layer_group[i] = len(group_windows) - 1
+            layer_slot[i] = j % size
+    return KVGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)

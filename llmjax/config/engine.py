@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from llmjax.config.cache import CacheConfig, KVStoreConfig
+from llmjax.config.cache import CacheConfig, KVGroups, KVStoreConfig, kv_groups
 from llmjax.config.checks import _check_positive
 from llmjax.config.families import SIM_ONLY_ARCHITECTURES
 from llmjax.config.lora import LoRAConfig
@@ -285,6 +285,8 @@ class EngineConfig:
                     f"speculative num_draft_layers={spec.num_draft_layers} exceeds the model's "
                     f"{self.model.num_layers} layers"
                 )
+        if self.cache.hybrid_kv_cache == "on" and (why := self.hybrid_kv_blockers()):
+            raise ValueError("hybrid_kv_cache='on' needs " + ", ".join(why))
         kv = self.kv_store
         if kv.enabled:
             if kv.block_size % self.cache.page_size:
@@ -303,6 +305,29 @@ class EngineConfig:
                 why.append("a real device (the simulator does not model KV tiers)")
             if why:
                 raise ValueError("the KV tiers (kv_store) need " + ", ".join(why))
+
+    def hybrid_kv_blockers(self) -> list[str]:
+        """What keeps this engine on one page table for every layer (`CacheConfig.
+        hybrid_kv_cache`): none where the hybrid layout can run."""
+        why = []
+        if not self.model.sliding_layers or self.model.sliding_layers == self.model.num_layers:
+            why.append("a model with both sliding-window and full-attention layers")
+        for what, bad in (
+            (f"sparse_kv='none' (got {self.sparse_kv.mode!r})", self.sparse_kv.enabled),
+            ("no KV tiers (kv_store)", self.kv_store.enabled),
+            (f"pp == 1 (got {self.parallel.pp})", self.parallel.pp > 1),
+            ("no speculative decoding", self.speculative.enabled),
+            ("a real device (the simulator prices one table)", self.device != "jax"),
+        ):
+            if bad:
+                why.append(what)
+        return why
+
+    @property
+    def kv_groups(self) -> KVGroups:
+        """The KV layout the engine runs (`CacheConfig.hybrid_kv_cache` resolved)."""
+        hybrid = self.cache.hybrid_kv_cache != "off" and not self.hybrid_kv_blockers()
+        return kv_groups(self.model, hybrid)
 
     def async_scheduling_on(self, platform: str | None = None) -> bool:
         """`async_scheduling` resolved: None is on where the platform (default: JAX's default

@@ -309,11 +309,15 @@ def pack(
     buckets: Buckets,
     num_speculative_tokens: int = 0,
     pending_rows: dict[str, int] | None = None,
+    group_tables: dict[str, list[list[int]]] | None = None,
 ) -> tuple[StepInput, SamplingInput]:
     """The batch as padded arrays. `num_speculative_tokens` (K): the most proposals a sequence
     may verify (`SpeculativeConfig`); a batch with proposals gets a `SpecInput`.
     `pending_rows` (async scheduling): request id -> its row in the step in flight, whose
-    sampled id fills the request's pending token (`SamplingInput.token_rows`)."""
+    sampled id fills the request's pending token (`SamplingInput.token_rows`).
+    `group_tables` (the hybrid KV layout, `BlockManager.group_tables`): each request's windowed
+    groups' page tables, packed after group 0's into `group_page_indices` / `group_slot_mapping`
+    (None: one page table for every layer)."""
     seqs = batch.seqs
     num_tokens = batch.num_tokens
     max_pages = max(pages_needed(s.start + s.num_new_tokens, page_size) for s in seqs)
@@ -326,6 +330,10 @@ def pack(
     kv_lens = np.zeros(S, np.int32)
     page_indices = np.full((S, P), RESERVED_PAGE, np.int32)
     logits_indices = np.zeros(S, np.int32)
+    num_groups = 1 + len(next(iter(group_tables.values()), ())) if group_tables else 1
+    if group_tables is not None:
+        group_slots = np.full((num_groups, T), RESERVED_PAGE * page_size, np.int32)
+        group_pages = np.full((num_groups, S, P), RESERVED_PAGE, np.int32)
     temperature = np.zeros(S, np.float32)
     top_k = np.zeros(S, np.int32)
     top_p = np.ones(S, np.float32)
@@ -344,11 +352,17 @@ def pack(
         token_ids[offset + n - k : offset + n] = seq.spec
         positions[offset : offset + n] = pos
         slot_mapping[offset : offset + n] = table[pos // page_size] * page_size + pos % page_size
+        used = pages_needed(start + n, page_size)
+        page_indices[i, :used] = table[:used]
+        if group_tables is not None:
+            for g, t in enumerate([table, *group_tables[req.request_id]]):
+                t = np.asarray(t, np.int32)
+                group_slots[g, offset : offset + n] = t[pos // page_size] * page_size
+                group_slots[g, offset : offset + n] += pos % page_size
+                group_pages[g, i, :used] = t[:used]
         offset += n
         cu_q_lens[i + 1] = offset
         kv_lens[i] = start + n
-        used = pages_needed(start + n, page_size)
-        page_indices[i, :used] = table[:used]
         logits_indices[i] = offset - 1
         params = req.sampling_params
         temperature[i] = params.temperature
@@ -374,6 +388,8 @@ def pack(
         num_seqs=np.array([len(seqs)], np.int32),
         logits_indices=logits_indices,
     )
+    if group_tables is not None:
+        step = step._replace(group_page_indices=group_pages, group_slot_mapping=group_slots)
     processing = _processing(seqs, S, buckets.page_buckets[-1] * page_size)
     prompt = _prompt_logprobs(seqs, cu_q_lens, logits_indices, T)
     sampling = SamplingInput(

@@ -29,6 +29,19 @@ request and leaves RESERVED_PAGE in its table slot: a *hole*, whose positions th
 A hole keeps its slot (table length still counts the request's tokens, so `allocate` never refills
 it), is never freed again, and breaks the prefix: only the full pages before a request's first
 hole are offered to the prefix cache, since a cached page must hold every token's KV.
+
+Groups (the hybrid KV layout, `llmjax/model/kv_cache.py` `KVGroups`: Gemma 2 and 3). A request
+then has one page table per group, all drawing on the one free list. Group 0 (the full-attention
+layers) is `page_tables` and follows every rule above; its pages are the prefix cache's identity.
+The windowed groups' tables (`group_tables`) have the same length, and `release_window` turns the
+entries a request's window has passed into holes, freeing their pages: a long sequence holds its
+windowed layers' pages for its last window only. A windowed page is reference-counted (`_refs`):
+each table entry holding it and the prefix cache's *bundle* of the group-0 page at its position
+(`_bundles`: what a cached page's windowed layers were, per group, RESERVED_PAGE where released),
+so a cached prefix keeps its windowed pages after its requests moved on. A windowed page only a
+bundle holds is *droppable*: counted as available and dropped (its bundle entry becomes a hole)
+before any cached prefix is evicted, oldest first. A match is cut to its longest prefix whose
+windowed pages cover the window before its end (`_usable`), so a hit never reads a dropped page.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Sequence
 
+from llmjax.config import KVGroups
 from llmjax.engine.radix_cache import (
     NoPrefixCache,
     PeekResult,
@@ -63,7 +77,18 @@ class _SharedHead:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: PrefixCache | None = None):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        prefix_cache: PrefixCache | None = None,
+        groups: KVGroups | None = None,
+        step_tokens: int | None = None,
+    ):
+        """`groups`: the hybrid KV layout (see the module doc; None or one group: one table).
+        `step_tokens`: the most tokens one allocation adds to a request (the scheduler's token
+        budget when it chunks prefills; None: unbounded), which bounds what a windowed group
+        needs at once in an admission check."""
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is reserved)")
         self.num_pages = num_pages
@@ -76,6 +101,25 @@ class BlockManager:
         self.page_tables: dict[str, list[int]] = {}
         self._heads: dict[str, _SharedHead] = {}
         self.on_hit = None  # f(node): a request reused the cached prefix ending at node
+        self.groups = groups if groups is not None and groups.hybrid else None
+        if self.groups is not None and self.groups.windows[0] is not None:
+            raise ValueError("group 0 of a hybrid KV layout must be full attention")
+        # the windowed groups' windows in pages (groups 1..), and their tables per request
+        self._window_pages = (
+            [self.groups.window_pages(g, page_size) for g in range(1, self.groups.num_groups)]
+            if self.groups is not None
+            else []
+        )
+        self.step_pages = None if step_tokens is None else pages_needed(step_tokens, page_size) + 1
+        self.group_tables: dict[str, list[list[int]]] = {}
+        self._refs: dict[int, int] = {}  # windowed page -> table entries + bundles holding it
+        self._bundles: dict[int, list[int]] = {}  # cached group-0 page -> its windowed pages
+        self._bundled: dict[int, int] = {}  # windowed page -> the cached page whose bundle has it
+        self._droppable: dict[int, None] = {}  # windowed pages only a bundle holds, oldest first
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self._window_pages)
 
     @property
     def num_free_pages(self) -> int:
@@ -88,8 +132,8 @@ class BlockManager:
     @property
     def num_available_pages(self) -> int:
         """Pages a request could get now: free ones plus unlocked cache pages (evicted on
-        demand)."""
-        return len(self._free) + self.prefix_cache.num_evictable_pages
+        demand) and droppable windowed pages."""
+        return len(self._free) + len(self._droppable) + self.prefix_cache.num_evictable_pages
 
     @property
     def num_used_pages(self) -> int:
@@ -97,9 +141,27 @@ class BlockManager:
         return self.num_usable_pages - self.num_available_pages
 
     def num_missing_pages(self, request_id: str, num_tokens: int) -> int:
-        """Pages to add so that `request_id` can hold `num_tokens` tokens."""
+        """Pages to add so that `request_id` can hold `num_tokens` tokens (in every group)."""
         have = len(self.page_tables.get(request_id, ()))
-        return max(0, pages_needed(num_tokens, self.page_size) - have)
+        return max(0, pages_needed(num_tokens, self.page_size) - have) * self.num_groups
+
+    def pages_to_hold(self, prompt_tokens: int, total_tokens: int) -> int:
+        """The most pages a request of `prompt_tokens` holds on its way to `total_tokens` alone
+        in the cache (every group; a windowed group's at most its window and one allocation's
+        `step_tokens`; without those, all `total_tokens`' pages: a preempted request recomputes
+        its prompt and output as one prompt, whose pages the scheduler takes at admission)."""
+        n = pages_needed(total_tokens, self.page_size)
+        step = n if self.step_pages is None else self.step_pages
+        return n + sum(min(n, w + step) for w in self._window_pages)
+
+    def _missing_at_most(self, request_id: str, num_tokens: int, cached: int = 0) -> int:
+        """An admission check's pages: group 0's for every missing position (less `cached` a
+        match would reuse), a windowed group's for its window plus one allocation's worth
+        (`step_tokens`) at most, as `release_window` frees the rest as the request goes."""
+        have = len(self.page_tables.get(request_id, ()))
+        missing = max(0, pages_needed(num_tokens, self.page_size) - have - cached)
+        step = self.step_pages if self.step_pages is not None else missing
+        return missing + sum(min(missing, w + step) for w in self._window_pages)
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -109,7 +171,16 @@ class BlockManager:
         adapter's; None: the base model's; llmjax/engine/radix_cache.py)."""
         if not self.caching or not token_ids:
             return NO_PREFIX
-        return self.prefix_cache.peek(token_ids, namespace)
+        peek = self.prefix_cache.peek(token_ids, namespace)
+        if self.groups is None or not peek.num_pages:
+            return peek
+        pages = self.prefix_cache.match_pages(token_ids, namespace)  # (no split, no touch)
+        usable = self._usable(pages)
+        if usable < peek.num_pages:
+            peek = self.prefix_cache.peek(token_ids[: usable * self.page_size], namespace)
+        # the windowed pages the match would hold: taken out of `_droppable`
+        held = sum(p in self._droppable for p in self._window_entries(pages[:usable]))
+        return PeekResult(peek.num_tokens, peek.num_pages, peek.num_unlocked_pages + held)
 
     def can_allocate(
         self,
@@ -122,9 +193,9 @@ class BlockManager:
         available (the admission watermark). `prefix`: for a request not yet admitted, the
         `peek_prefix` it would match (its pages need no allocation, but locking them takes them
         out of eviction)."""
-        missing = self.num_missing_pages(request_id, num_tokens) - prefix.num_pages
+        missing = self._missing_at_most(request_id, num_tokens, prefix.num_pages)
         available = self.num_available_pages - prefix.num_unlocked_pages
-        return max(missing, 0) + keep_free <= available
+        return missing + keep_free <= available
 
     def match_prefix(
         self, request_id: str, token_ids: Sequence[int], namespace: bytes | None = None
@@ -140,6 +211,10 @@ class BlockManager:
         if not self.caching or not token_ids:
             return have * self.page_size
         m = self.prefix_cache.match(token_ids, namespace)
+        if self.groups is not None and len(m.pages) > have:
+            usable = self._usable(m.pages)
+            if usable < len(m.pages):
+                m = self.prefix_cache.match(token_ids[: usable * self.page_size], namespace)
         if len(m.pages) <= have:
             return have * self.page_size
         table = self.page_tables.setdefault(request_id, [])
@@ -150,6 +225,8 @@ class BlockManager:
                 table[i] = m.pages[i]
             else:
                 table.append(m.pages[i])
+        if self.groups is not None:
+            self._share_windows(request_id, m.pages, have)
         self.prefix_cache.lock(m.node)
         if head is not None:
             self.prefix_cache.unlock(head.node)
@@ -167,6 +244,8 @@ class BlockManager:
         llmjax/engine/kv_tiers.py: the caller writes their KV before any step reads them) and
         return those pages. The cached prefix is held while pages are evicted to make room.
         Raises RuntimeError if the pages cannot be had (check `num_available_pages` first)."""
+        if self.groups is not None:
+            raise NotImplementedError("the KV tiers with a hybrid KV layout")
         cache = self.prefix_cache
         m = cache.match(token_ids, namespace)
         end = (len(m.pages) + num_pages) * self.page_size
@@ -193,15 +272,123 @@ class BlockManager:
         """Grow `request_id`'s table to hold `num_tokens` tokens, evicting unlocked cache pages
         (LRU) if the free list is short; returns the whole table."""
         missing = self.num_missing_pages(request_id, num_tokens)
-        if missing > len(self._free):
-            self._free.extend(self.prefix_cache.evict(missing - len(self._free)))
+        self._make_room(missing)
         if missing > len(self._free):
             raise RuntimeError(
                 f"out of KV pages: {request_id=} needs {missing}, {len(self._free)} free"
             )
         table = self.page_tables.setdefault(request_id, [])
-        table.extend(self._free.popleft() for _ in range(missing))
+        n = missing // self.num_groups
+        table.extend(self._free.popleft() for _ in range(n))
+        if self.groups is not None:
+            tables = self.group_tables.setdefault(request_id, [[] for _ in self._window_pages])
+            for t in tables:
+                for _ in range(n):
+                    t.append(self._free.popleft())
+                    self._refs[t[-1]] = 1
         return table
+
+    def _make_room(self, num_pages: int) -> None:
+        """Free pages until `num_pages` are free (or nothing more can go): droppable windowed
+        pages first, oldest first, then the prefix cache's LRU pages."""
+        while len(self._free) < num_pages and self._droppable:
+            self._drop(next(iter(self._droppable)))
+        if len(self._free) < num_pages:
+            self._free.extend(self._evicted(self.prefix_cache.evict(num_pages - len(self._free))))
+
+    def _evicted(self, pages: list[int]) -> list[int]:
+        """Group-0 pages the prefix cache evicted; their bundles' windowed pages are released
+        (a page only the bundle held goes to the free list)."""
+        for page in pages:
+            for w in self._bundles.pop(page, ()):
+                if w != RESERVED_PAGE:
+                    del self._bundled[w]
+                    self._unref(w)
+        return pages
+
+    def _unref(self, page: int) -> None:
+        n = self._refs[page] - 1
+        if n:
+            self._refs[page] = n
+            if n == 1 and page in self._bundled:
+                self._droppable[page] = None
+        else:
+            del self._refs[page]
+            self._droppable.pop(page, None)
+            self._free.append(page)
+
+    def _ref(self, page: int) -> None:
+        self._refs[page] += 1
+        self._droppable.pop(page, None)
+
+    def _drop(self, page: int) -> None:
+        """Take droppable windowed `page` out of its bundle and free it."""
+        anchor = self._bundled.pop(page)
+        bundle = self._bundles[anchor]
+        bundle[bundle.index(page)] = RESERVED_PAGE
+        self._unref(page)
+
+    def _window_start(self, group: int, num_tokens: int) -> int:
+        """The first page windowed group `group` (1..) may still read when the next token is at
+        position `num_tokens`: keys at positions > num_tokens - window stay visible."""
+        window = self.groups.windows[group]
+        return max(0, (num_tokens - window + 1) // self.page_size)
+
+    def _usable(self, pages: Sequence[int]) -> int:
+        """The longest prefix of the cached group-0 `pages` whose bundles hold every windowed
+        page the window before its end reads."""
+        bundles = [self._bundles.get(p) for p in pages]
+        n = len(pages)
+        while n:
+            missing = [
+                i
+                for g in range(1, self.num_groups)
+                for i in range(self._window_start(g, n * self.page_size), n)
+                if bundles[i] is None or bundles[i][g - 1] == RESERVED_PAGE
+            ]
+            if not missing:
+                return n
+            n = max(missing)  # a prefix ending at or after a missing page cannot be used
+        return 0
+
+    def _window_entries(self, pages: Sequence[int]) -> list[int]:
+        """The windowed pages a match of `pages` holds (those in each group's window)."""
+        out = []
+        n = len(pages)
+        for g in range(1, self.num_groups):
+            for i in range(self._window_start(g, n * self.page_size), n):
+                out.append(self._bundles[pages[i]][g - 1])
+        return out
+
+    def _share_windows(self, request_id: str, pages: Sequence[int], have: int) -> None:
+        """After a match of the group-0 `pages` (the request shared `have` of them before):
+        the windowed tables take the bundles' pages in the match's window, holes before it."""
+        tables = self.group_tables.setdefault(request_id, [[] for _ in self._window_pages])
+        n = len(pages)
+        for g, t in enumerate(tables, 1):
+            start = self._window_start(g, n * self.page_size)
+            for i in range(have, n):
+                page = self._bundles[pages[i]][g - 1] if i >= start else RESERVED_PAGE
+                if page != RESERVED_PAGE:
+                    self._ref(page)
+                if i < len(t):
+                    if t[i] != RESERVED_PAGE:
+                        self._unref(t[i])
+                    t[i] = page
+                else:
+                    t.append(page)
+
+    def release_window(self, request_id: str, num_tokens: int) -> int:
+        """Turn the windowed tables' entries before their windows (the next token at position
+        `num_tokens`) into holes, releasing their pages; returns how many were released."""
+        released = 0
+        for g, t in enumerate(self.group_tables.get(request_id, ()), 1):
+            for i in range(min(self._window_start(g, num_tokens), len(t))):
+                if t[i] != RESERVED_PAGE:
+                    self._unref(t[i])
+                    t[i] = RESERVED_PAGE
+                    released += 1
+        return released
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Give back `request_id`'s private pages beyond the first pages_needed(num_tokens) (a
@@ -214,6 +401,11 @@ class BlockManager:
             page = table.pop()
             if page != RESERVED_PAGE:
                 self._free.append(page)
+        for t in self.group_tables.get(request_id, ()):
+            while len(t) > keep:
+                page = t.pop()
+                if page != RESERVED_PAGE:
+                    self._unref(page)
 
     def cache_computed(
         self, request_id: str, computed_token_ids: Sequence[int], namespace: bytes | None = None
@@ -241,6 +433,8 @@ class BlockManager:
                 table[i] = page
         assert set(replaced) == not_adopted, "the cache kept a page it did not adopt"
         self._free.extend(replaced)
+        if self.groups is not None:
+            self._bundle(request_id, m.pages, head.num_offered if head else 0)
         self.prefix_cache.lock(m.node)
         if head is not None:
             self.prefix_cache.unlock(head.node)
@@ -266,6 +460,26 @@ class BlockManager:
             self.prefix_cache.unlock(head.node)
             shared = head.num_pages
         self._free.extend(p for p in table[shared:] if p != RESERVED_PAGE)  # not the holes
+        for t in self.group_tables.pop(request_id, ()):
+            for page in t:
+                if page != RESERVED_PAGE:
+                    self._unref(page)
+
+    def _bundle(self, request_id: str, pages: Sequence[int], start: int) -> None:
+        """The cached group-0 `pages` (the head of `request_id`'s table) from index `start` on
+        (the ones offered before have their bundles) record the request's windowed pages at
+        their positions: a new bundle takes them, an existing one fills its holes from them."""
+        tables = self.group_tables[request_id]
+        for i in range(start, len(pages)):
+            anchor = pages[i]
+            bundle = self._bundles.setdefault(anchor, [RESERVED_PAGE] * len(tables))
+            for g, t in enumerate(tables):
+                page = t[i]
+                free_slot = bundle[g] == RESERVED_PAGE
+                if free_slot and page != RESERVED_PAGE and page not in self._bundled:
+                    bundle[g] = page
+                    self._bundled[page] = anchor
+                    self._ref(page)
 
     def evict_page(self, request_id: str, index: int) -> int:
         """Free the private page at `index` of `request_id`'s table and leave a hole
@@ -275,6 +489,8 @@ class BlockManager:
         table = self.page_tables.get(request_id)
         if table is None:
             raise ValueError(f"evict_page: unknown {request_id=}")
+        if self.groups is not None:
+            raise NotImplementedError("sparse KV's page eviction with a hybrid KV layout")
         if not 0 <= index < len(table):
             raise ValueError(f"evict_page: {index=} out of range for {len(table)} pages")
         shared = self.num_shared_pages(request_id)
@@ -290,10 +506,13 @@ class BlockManager:
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache. Pages that running requests share stay (they are locked);
         returns whether the cache is now empty."""
-        if self.prefix_cache.num_locked_pages:
-            self._free.extend(self.prefix_cache.evict(self.prefix_cache.num_evictable_pages))
+        cache = self.prefix_cache
+        if cache.num_locked_pages:
+            self._free.extend(self._evicted(cache.evict(cache.num_evictable_pages)))
+            for page in list(self._droppable):  # (locked prefixes keep what their requests hold)
+                self._drop(page)
             return False
-        self._free.extend(self.prefix_cache.reset())
+        self._free.extend(self._evicted(cache.reset()))
         return True
 
     def num_shared_pages(self, request_id: str) -> int:
@@ -304,6 +523,17 @@ class BlockManager:
     def num_resident_pages(self, request_id: str) -> int:
         """Entries of `request_id`'s table that hold a page (not holes)."""
         return sum(p != RESERVED_PAGE for p in self.page_tables.get(request_id, ()))
+
+    def num_held_pages(self, request_id: str) -> int:
+        """Pages `request_id`'s tables hold in every group (shared ones included)."""
+        tables = [self.page_tables.get(request_id, ()), *self.group_tables.get(request_id, ())]
+        return sum(p != RESERVED_PAGE for t in tables for p in t)
+
+    def tables_of(self, request_id: str) -> list[list[int]]:
+        """`request_id`'s page table in every group (group 0 first; none without pages)."""
+        if request_id not in self.page_tables:
+            return []
+        return [self.page_tables[request_id], *self.group_tables.get(request_id, ())]
 
     def num_offered_pages(self, request_id: str) -> int:
         """Full pages of `request_id` offered to the cache so far (`cache_computed` with no more
@@ -326,7 +556,8 @@ class BlockManager:
             if p != RESERVED_PAGE  # a hole
         ]
         cached = _cache_pages(cache)
-        all_pages = private + list(self._free) + cached
+        windowed = list(self._refs)
+        all_pages = private + list(self._free) + cached + windowed
         assert RESERVED_PAGE not in all_pages, "reserved page handed out"
         assert len(all_pages) == len(set(all_pages)), "a page is owned twice or freed twice"
         assert len(all_pages) == self.num_pages - 1, "a page leaked"
@@ -347,6 +578,31 @@ class BlockManager:
                     )
         else:
             assert not refs
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        """Each windowed page's count is the table entries and bundles holding it; bundles are
+        cached pages'; droppable pages are those only a bundle holds."""
+        held: dict[int, int] = {}
+        assert set(self.group_tables) <= set(self.page_tables), "group tables without a table"
+        for rid, tables in self.group_tables.items():
+            assert len(tables) == self.num_groups - 1
+            for t in tables:
+                assert len(t) == len(self.page_tables[rid]), f"{rid}'s tables differ in length"
+                for p in t:
+                    if p != RESERVED_PAGE:
+                        held[p] = held.get(p, 0) + 1
+        cached = set(_cache_pages(self.prefix_cache))
+        for anchor, bundle in self._bundles.items():
+            assert anchor in cached, f"a bundle of page {anchor}, which is not cached"
+            for p in bundle:
+                if p != RESERVED_PAGE:
+                    assert self._bundled[p] == anchor
+                    held[p] = held.get(p, 0) + 1
+        assert held == self._refs, "a windowed page's count is off"
+        assert set(self._bundled) <= set(self._refs)
+        only_bundled = {p for p in self._bundled if self._refs[p] == 1}
+        assert set(self._droppable) == only_bundled, "droppable pages are off"
 
 
 def _first_hole(table: Sequence[int]) -> int:

@@ -20,6 +20,7 @@ ids outside the vocabulary) is rejected: its output says why, and the other requ
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -99,6 +100,12 @@ class LLMEngine(EngineRoles, EngineWeights):
                 f"sparse_kv='none' on a real device (got pp={config.parallel.pp}, "
                 f"sparse_kv={config.sparse_kv.mode!r}); the simulator models any layout"
             )
+        if role != "colocated" and config.cache.hybrid_kv_cache != "off":
+            # a transfer moves one page table's pages: the hybrid layout stays colocated for now
+            if config.cache.hybrid_kv_cache == "on" and config.kv_groups.hybrid:
+                raise ValueError(f"role={role!r} moves one page table: hybrid_kv_cache='off'")
+            cache = dataclasses.replace(config.cache, hybrid_kv_cache="off")
+            config = config.replace(cache=cache)
         if config.device == "sim" and clock is WALL_CLOCK:
             clock = VirtualClock()
         if num_pages is None:
@@ -112,8 +119,14 @@ class LLMEngine(EngineRoles, EngineWeights):
         self.tokenizer = tokenizer
         page_size = config.cache.page_size
         salt = KeySalt.for_engine(config).digest  # the radix tree keys its pages (kvstore/)
+        sched = config.scheduler
         self.block_manager = BlockManager(
-            num_pages, page_size, make_prefix_cache(config.cache.prefix_cache, page_size, salt)
+            num_pages,
+            page_size,
+            make_prefix_cache(config.cache.prefix_cache, page_size, salt),
+            config.kv_groups,
+            # splitfuse takes pages per chunk (the others a whole prompt's at admission)
+            sched.max_num_batched_tokens if sched.policy == "splitfuse" else None,
         )
         self.scheduler = make_scheduler(config, self.block_manager, clock)
         if config.device == "sim":
@@ -453,6 +466,7 @@ class LLMEngine(EngineRoles, EngineWeights):
                     self.buckets,
                     self.config.speculative.num_speculative_tokens,
                     self._overlap.pending_rows(),
+                    self.block_manager.group_tables if self.block_manager.groups else None,
                 )
             for f in self._features:
                 f.prepare(step)

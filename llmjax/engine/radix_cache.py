@@ -314,6 +314,14 @@ class RadixCache(PrefixCache):
             pages.extend(node.pages)
         return MatchResult(len(pages) * self.page_size, pages, node)
 
+    def match_pages(self, token_ids: Sequence[int], namespace: bytes | None = None) -> list[int]:
+        """The pages `match` would return, changing nothing (no LRU touch, no split)."""
+        pages: list[int] = []
+        root = self.roots.get(namespace)
+        for child, _, k in self._edges(self._key(token_ids), root) if root is not None else ():
+            pages.extend(child.pages[:k])
+        return pages
+
     def peek(self, token_ids: Sequence[int], namespace: bytes | None = None) -> PeekResult:
         num_pages = num_unlocked = 0
         root = self.roots.get(namespace)

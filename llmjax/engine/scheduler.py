@@ -634,8 +634,13 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req)
                 finished.append(req)
-            elif self.block_manager.caching:
-                self._cache_computed(req)
+            else:
+                if self.block_manager.caching:
+                    self._cache_computed(req)
+                if self.block_manager.groups is not None:  # windowed layers' passed pages
+                    self.block_manager.release_window(
+                        req.request_id, req.num_computed_tokens - req.num_pending_tokens
+                    )
         return finished
 
     def _cache_computed(self, req: Request) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from llmjax.config import EngineConfig
-from llmjax.engine.block_manager import pages_needed
 from llmjax.sampling_params import SamplingParams
 
 
@@ -61,7 +60,7 @@ def check_request(engine, prompt_token_ids: list[int], sampling_params: Sampling
         )
     # Alone in the cache, the request must be able to reach its last token.
     total = min(n + sampling_params.max_tokens, max_len)
-    need = pages_needed(total, engine.block_manager.page_size)
+    need = engine.block_manager.pages_to_hold(n, total)
     if need > engine.block_manager.num_usable_pages:
         raise InvalidRequest(
             f"prompt ({n} tokens) + max_tokens needs {need} KV pages for {total} tokens but "

@@ -38,7 +38,7 @@ import numpy as np
 # reference, the Pallas kernels and this module)
 from kernels_pallas.kv_quant import KV_CACHE_DTYPES as KV_CODES
 from kernels_pallas.kv_quant import dequantize
-from llmjax.config import KV_SCALE_BYTES, ModelConfig, kv_row_bytes
+from llmjax.config import KV_SCALE_BYTES, KVGroups, ModelConfig, kv_row_bytes
 
 
 def _largest(element) -> float:
@@ -149,26 +149,35 @@ def allocate_kv_pages(
     dtype,
     stacked: bool = False,
     kv_cache_dtype: str = "auto",
+    groups: KVGroups | None = None,
 ) -> KVPages:
-    """Zero pages for every layer: a list of (k, v), or with `stacked` one (k, v) of
-    [L * num_pages, page_size, K, H] (see the module doc); `QuantizedPages` for a quantized
-    `kv_cache_dtype`."""
+    """Zero pages for every layer slot (`groups.num_slots`, L without groups): a list of (k, v),
+    or with `stacked` one (k, v) of [slots * num_pages, page_size, K, H] (see the module doc);
+    `QuantizedPages` for a quantized `kv_cache_dtype`."""
+    slots = config.num_layers if groups is None else groups.num_slots
     shape = kv_page_shape(config, num_pages, page_size)
     if stacked:
-        shape = (config.num_layers * num_pages, *shape[1:])
+        shape = (slots * num_pages, *shape[1:])
         return zero_pages(shape, dtype, kv_cache_dtype), zero_pages(shape, dtype, kv_cache_dtype)
     return [
         (zero_pages(shape, dtype, kv_cache_dtype), zero_pages(shape, dtype, kv_cache_dtype))
-        for _ in range(config.num_layers)
+        for _ in range(slots)
     ]
 
 
 def kv_cache_bytes(
-    config: ModelConfig, num_pages: int, page_size: int, dtype, kv_cache_dtype: str = "auto"
+    config: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype,
+    kv_cache_dtype: str = "auto",
+    groups: KVGroups | None = None,
 ) -> int:
-    """Bytes of `num_pages` pages of every layer's K and V (a quantized cache's scales included)."""
+    """Bytes of `num_pages` pages of every layer slot's K and V (L slots, or `groups.num_slots`;
+    a quantized cache's scales included)."""
+    slots = config.num_layers if groups is None else groups.num_slots
     row = kv_row_bytes(config.head_dim, jnp.dtype(dtype).itemsize, kv_cache_dtype)
-    return 2 * config.num_layers * num_pages * page_size * config.num_kv_heads * row
+    return 2 * slots * num_pages * page_size * config.num_kv_heads * row
 
 
 def pack_pages(pages: Pages) -> jax.Array:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from llmjax.config import ModelConfig
 from llmjax.model import lora
 from llmjax.model.attention import AttentionFn, reference_attention
-from llmjax.model.kv_cache import KVPages, as_stored, write_kv
+from llmjax.model.kv_cache import KVGroups, KVPages, as_stored, write_kv
 from llmjax.model.layers import apply_rope, gated_mlp, layer_rope, norm, rope_cos_sin
 from llmjax.model.moe import moe_mlp
 from llmjax.model.params import Params, layers_stacked
@@ -169,10 +169,24 @@ def decoder_layer(
     return x, kv
 
 
-def layer_step(step: StepInput, layer: jax.Array, num_pages: int, page_size: int) -> StepInput:
-    """`step` with its page tables and slots moved to layer `layer`'s pages of a stacked cache,
-    [num_layers * num_pages, ...] (page 0, the padding sink, becomes the layer's own page 0)."""
-    first_page = layer * num_pages
+def group_step(step: StepInput, group) -> StepInput:
+    """`step` with group `group`'s page tables and slots (the hybrid KV layout's; `step` itself
+    without groups). `group`: an int or a traced index."""
+    if step.group_page_indices is None:
+        return step
+    return step._replace(
+        slot_mapping=step.group_slot_mapping[group], page_indices=step.group_page_indices[group]
+    )
+
+
+def layer_step(
+    step: StepInput, slot: jax.Array, num_pages: int, page_size: int, group=None
+) -> StepInput:
+    """`step` with its page tables and slots moved to layer slot `slot`'s pages of a stacked
+    cache, [slots * num_pages, ...] (page 0, the padding sink, becomes the slot's own page 0);
+    `group`: the layer's page-table group in the hybrid KV layout (`KVGroups`)."""
+    step = group_step(step, group)
+    first_page = slot * num_pages
     return step._replace(
         slot_mapping=step.slot_mapping + first_page * page_size,
         page_indices=step.page_indices + first_page,
@@ -191,6 +205,7 @@ def scan_layers(
     num_layers: int | None = None,
     layer_kinds=None,
     lora_params: dict | None = None,
+    kv_groups: KVGroups | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The decoder layers as one `lax.scan` over stacked weights -> (x [T, D], kv_pages). The
     whole cache is the scan's carry (updated in place). `num_layers`: only the first that many
@@ -198,7 +213,9 @@ def scan_layers(
     per-layer table, each layer's attention kind [L] (default `config.layer_kind_ids`; a
     pipeline stage passes its own layers' rows), scanned with the weights. `lora_params`: the
     LoRA adapter slots (`params["lora"]`, llmjax/model/lora.py), their [L, ...] arrays scanned
-    with the weights (not in the early exit of `num_layers`: a draft runs the base model)."""
+    with the weights (not in the early exit of `num_layers`: a draft runs the base model).
+    `kv_groups`: the hybrid KV layout (llmjax/model/kv_cache.py), each layer's page-table group
+    and slot scanned with the weights; None: layer i in slot i of the one table."""
     k_pages, v_pages = kv_pages
     total = jax.tree.leaves(layers)[0].shape[0]
     if layer_kinds is None:
@@ -206,7 +223,13 @@ def scan_layers(
             raise ValueError(f"{total} stacked layers of {config.num_layers}: pass layer_kinds")
         layer_kinds = config.layer_kind_ids
     kinds = jnp.asarray(layer_kinds, jnp.int32)  # [L]
-    num_pages, page_size = k_pages.shape[0] // total, k_pages.shape[1]
+    if kv_groups is None:
+        kv_groups = KVGroups.single(total)
+    elif total != config.num_layers:
+        raise ValueError("the hybrid KV layout runs every layer in one scan (no pipeline stages)")
+    groups = jnp.asarray(kv_groups.layer_group, jnp.int32)  # [L]
+    slots = jnp.asarray(kv_groups.layer_slot, jnp.int32)  # [L]
+    num_pages, page_size = k_pages.shape[0] // kv_groups.num_slots, k_pages.shape[1]
     # Packed weights stay whole (loop-invariant) and each step views its layer in them: their
     # C++ kernels read it in place, where scanning over them would copy every layer's slice.
     packed = {name: w for name, w in layers.items() if is_packed(w)}
@@ -219,7 +242,7 @@ def scan_layers(
                 n: jax.lax.dynamic_index_in_dim(w, i, keepdims=False) for n, w in sliced.items()
             }
             layer |= {name: w.at_layer(i) for name, w in packed.items()}
-            at = layer_step(step, i, num_pages, page_size)
+            at = layer_step(step, slots[i], num_pages, page_size, groups[i])
             x, (k, v) = decoder_layer(
                 layer, x, (k, v), at, cos, sin, config, attention_fn, kinds[i]
             )
@@ -230,7 +253,7 @@ def scan_layers(
 
     def body(carry, xs):
         x, k, v, i = carry
-        layer, kind, lora_weights = xs
+        layer, kind, lora_weights, slot, group = xs
         layer = {**layer, **{name: w.at_layer(i) for name, w in packed.items()}}
         if lora_params is not None:
             layer["lora"] = lora.layer_view(lora_view, lora_params, lora_weights)
@@ -238,7 +261,7 @@ def scan_layers(
             layer,
             x,
             (k, v),
-            layer_step(step, i, num_pages, page_size),
+            layer_step(step, slot, num_pages, page_size, group),
             cos,
             sin,
             config,
@@ -250,7 +273,8 @@ def scan_layers(
     carry = (x, k_pages, v_pages, jnp.int32(0))
     lora_weights = None if lora_params is None else lora.weights(lora_params)
     lora_view = lora.batch_view(lora_params, step.lora_slots)  # the sort: once, not per layer
-    (x, k, v, _), _ = jax.lax.scan(body, carry, (sliced, kinds, lora_weights), length=total)
+    xs = (sliced, kinds, lora_weights, slots, groups)
+    (x, k, v, _), _ = jax.lax.scan(body, carry, xs, length=total)
     return x, (k, v)
 
 
@@ -285,6 +309,7 @@ def forward(
     config: ModelConfig,
     attention_fn: AttentionFn = reference_attention,
     num_layers: int | None = None,
+    kv_groups: KVGroups | None = None,
 ) -> tuple[jax.Array, KVPages]:
     """One model step -> (logits [L, V] float32, updated kv_pages), with the layers unrolled or
     scanned as `params` and `kv_pages` are laid out (see the module doc). `attention_fn`: see
@@ -293,7 +318,11 @@ def forward(
     `num_layers`: run only the first that many layers, then the final norm and the LM head (an
     early exit, speculative decoding's draft; the other layers' KV pages are untouched).
     `params["lora"]` (llmjax/model/lora.py): LoRA adapter slots, each token's chosen by
-    `step.lora_slots` (the draft's early exit runs without them)."""
+    `step.lora_slots` (the draft's early exit runs without them). `kv_groups`: the hybrid KV
+    layout (llmjax/model/kv_cache.py `KVGroups`; the step then carries every group's page
+    tables), None for one page table of every layer."""
+    if (kv_groups is not None and kv_groups.hybrid) != (step.group_page_indices is not None):
+        raise ValueError("a hybrid KV layout needs the step's group_page_indices, and only it")
     lora_params = params.get("lora") if num_layers is None else None
     if lora_params is not None and step.lora_slots is None:
         raise ValueError("params hold LoRA slots: the step needs lora_slots [T] (-1: none)")
@@ -303,20 +332,23 @@ def forward(
         with jax.named_scope("layers"):
             x, new_kv_pages = scan_layers(
                 params["layers"], kv_pages, x, step, cos, sin, config, attention_fn, num_layers,
-                lora_params=lora_params,
+                lora_params=lora_params, kv_groups=kv_groups,
             )  # fmt: skip
     else:
         new_kv_pages = list(kv_pages)
         kinds = config.layer_kind_ids
+        groups = kv_groups or KVGroups.single(config.num_layers)
         lora_view = lora.batch_view(lora_params, step.lora_slots)
         for i, layer in enumerate(params["layers"][:num_layers]):
             if lora_params is not None:
                 layer = {**layer, "lora": lora.layer_view(lora_view, lora_params, i=i)}
+            slot = groups.layer_slot[i]
             with jax.named_scope(f"layer_{i}"):
                 x, kv = decoder_layer(
-                    layer, x, kv_pages[i], step, cos, sin, config, attention_fn, kinds[i]
-                )
-                new_kv_pages[i] = kv
+                    layer, x, new_kv_pages[slot], group_step(step, groups.layer_group[i]),
+                    cos, sin, config, attention_fn, kinds[i],
+                )  # fmt: skip
+                new_kv_pages[slot] = kv
     with jax.named_scope("lm_head"):
         logits = lm_head(params, x[step.logits_indices], config)  # [L, V]
     return logits, new_kv_pages

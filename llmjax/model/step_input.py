@@ -42,6 +42,11 @@ class StepInput(NamedTuple):
     # [T] int32, each token's LoRA adapter slot (llmjax/model/lora.py; -1: the base model), or
     # None: an engine without adapters
     lora_slots: Any = None
+    # The hybrid KV layout (llmjax/model/kv_cache.py `KVGroups`): every group's page tables
+    # [num_groups, S, max_pages] and slots [num_groups, T] (group 0's are page_indices and
+    # slot_mapping); None with one page table for every layer
+    group_page_indices: Any = None
+    group_slot_mapping: Any = None
 
 
 def contiguous_prefill(sequences, n: int, page_size: int) -> tuple[StepInput, np.ndarray]:
@@ -65,3 +70,16 @@ def contiguous_prefill(sequences, n: int, page_size: int) -> tuple[StepInput, np
         logits_indices=(np.arange(1, B + 1) * n - 1).astype(np.int32),
     )
     return step, tables
+
+
+def with_groups(step: StepInput, num_groups: int) -> StepInput:
+    """`step` with every group of a hybrid KV layout reading its own page tables as group 0's
+    (for steps built without groups: all-padding ones, whose tables are the reserved page)."""
+    return step._replace(
+        group_page_indices=np.broadcast_to(
+            np.asarray(step.page_indices), (num_groups, *np.shape(step.page_indices))
+        ),
+        group_slot_mapping=np.broadcast_to(
+            np.asarray(step.slot_mapping), (num_groups, *np.shape(step.slot_mapping))
+        ),
+    )

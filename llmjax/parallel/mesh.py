@@ -145,12 +145,14 @@ def kv_pages_sharding(
     page_size: int,
     stacked: bool = False,
     kv_cache_dtype: str = "auto",
+    num_slots: int | None = None,
 ):
     """The sharding of one layer's KV pages, or (`stacked`) of the stacked cache's
-    ([L * num_pages, ...]: the same axes); for a quantized `kv_cache_dtype` a `QuantizedPages`
-    of the values' sharding and the scales' ([P, G, K, 1]: split as the values)."""
+    ([slots * num_pages, ...]: the same axes; `num_slots` layer slots, default L); for a quantized
+    `kv_cache_dtype` a `QuantizedPages` of the values' sharding and the scales' ([P, G, K, 1]:
+    split as the values)."""
     if stacked:
-        num_pages *= config.num_layers
+        num_pages *= config.num_layers if num_slots is None else num_slots
     shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
     spec = partition_spec(shape, KV_PAGES_AXES, mesh, name="kv_pages")
     if kv_cache_dtype == "auto":

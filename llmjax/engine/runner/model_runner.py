@@ -37,7 +37,7 @@ from llmjax.model.sampler import (
     sample_random,
     verify_proposals,
 )
-from llmjax.model.step_input import StepInput
+from llmjax.model.step_input import StepInput, with_groups
 from llmjax.parallel import pipeline
 from llmjax.parallel.distributed import check_lockstep, to_host
 from llmjax.parallel.heads import tp_head_layout, transform_lora
@@ -110,6 +110,7 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
                 "packed (quantized) weights run on one device for now: tp * pp must be 1"
             )
         self.sparse = config.sparse_kv
+        self.kv_groups = None  # the hybrid KV layout's groups (set below where it runs)
         self.lora_targets: tuple[str, ...] = ()  # LoRA slots' targets (`_init_lora`)
         self.last_sparse_stats = None
         # The CPU kernel walks each sequence's page table only as far as its kv_lens, so the
@@ -126,6 +127,9 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
             self._init_pipeline(params, num_pages, attention_fn)
             return
         scan = config.scans_layers  # the layer loop: weights and KV cache stacked, or per layer
+        # the KV layout: one page table for every layer, or the hybrid layout's groups
+        groups = config.kv_groups
+        self.kv_groups = groups if groups.hybrid else None
         if self.mesh is None:
             self.model_config = config.model
             self.params = stack_layers(params) if scan else unstack_layers(params)
@@ -135,8 +139,9 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
             def allocate_kv():
                 with jax.default_device(self.device):
                     return allocate_kv_pages(
-                        config.model, num_pages, page_size, self.dtype, scan, self.kv_cache_dtype
-                    )
+                        config.model, num_pages, page_size, self.dtype, scan, self.kv_cache_dtype,
+                        groups,
+                    )  # fmt: skip
 
             self._allocate_kv = allocate_kv  # (again at wake_up: weights.py)
             self.kv_pages = allocate_kv()
@@ -148,11 +153,12 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
                 params, config.model, layout, self.mesh, self.dtype, stacked=scan
             )
             kv_sharding = kv_pages_sharding(
-                self.model_config, self.mesh, num_pages, page_size, scan, self.kv_cache_dtype
-            )
-            kv_shardings = (kv_sharding, kv_sharding)  # per layer unless stacked
+                self.model_config, self.mesh, num_pages, page_size, scan, self.kv_cache_dtype,
+                groups.num_slots,
+            )  # fmt: skip
+            kv_shardings = (kv_sharding, kv_sharding)  # per layer slot unless stacked
             if not scan:
-                kv_shardings = [kv_shardings] * self.model_config.num_layers
+                kv_shardings = [kv_shardings] * groups.num_slots
             allocate = functools.partial(
                 allocate_kv_pages,
                 self.model_config,
@@ -161,6 +167,7 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
                 self.dtype,
                 scan,
                 self.kv_cache_dtype,
+                groups,
             )
             self._allocate_kv = jax.jit(allocate, out_shardings=kv_shardings)
             self.kv_pages = self._allocate_kv()
@@ -175,7 +182,10 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
         self.num_steps = 0
         self._step = jax.jit(
             functools.partial(
-                self._step_impl, model_config=self.model_config, attention_fn=attention_fn
+                self._step_impl,
+                model_config=self.model_config,
+                attention_fn=attention_fn,
+                kv_groups=self.kv_groups,
             ),
             donate_argnames=("kv_pages",),
             out_shardings=out_shardings,
@@ -347,14 +357,16 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
         """One engine step, as a step marker for the profile viewers' step views."""
         return jax.profiler.StepTraceAnnotation("llmjax_step", step_num=step_num)
 
-    def _step_impl(self, params, kv_pages, step, *, model_config, attention_fn):
+    def _step_impl(self, params, kv_pages, step, *, model_config, attention_fn, kv_groups=None):
         """One step's forward -> (greedy next ids [S], logits [S, V], kv_pages)."""
         if getattr(self._tracing, "ahead", False):  # runs only while tracing
             self.num_compiled_ahead += 1
         else:
             self.num_compiles += 1
         with self._mesh_context():
-            logits, kv_pages = forward(params, kv_pages, step, model_config, attention_fn)
+            logits, kv_pages = forward(
+                params, kv_pages, step, model_config, attention_fn, kv_groups=kv_groups
+            )
         return greedy_ids(logits), logits, kv_pages
 
     def _mesh_context(self):
@@ -380,6 +392,8 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
         arrays on a mesh (every process holds the same host arrays)."""
         if self.lora_targets and step.lora_slots is None:  # a step of the base model alone
             step = step._replace(lora_slots=np.full(len(step.token_ids), -1, np.int32))
+        if self.kv_groups is not None and step.group_page_indices is None:
+            step = with_groups(step, self.kv_groups.num_groups)  # (an all-padding step)
         arrays = (step, self._sampling_arrays(sampling))
         if self.mesh is None:
             return arrays

@@ -1,0 +1,343 @@
+"""The hybrid KV layout (`CacheConfig.hybrid_kv_cache`, `KVGroups`; Gemma 2 and 3): one page table
+per group of layers, sliding-window groups holding their window's pages only.
+
+- The layout: which group and slot each layer gets, for Gemma 2's and Gemma 3's patterns.
+- The block manager, as a hypothesis state machine: requests arrive with prompts that share
+  prefixes, compute in chunks, finish, are preempted, meet memory pressure and cache resets. Each
+  page carries the tokens whose KV it would hold (written when a request computes them); after
+  every step the invariants hold (`check_invariants`: every page owned once, every windowed
+  page's count right), every running request's window is resident in every windowed group, and
+  every page a request reads (its own or shared from the cache) holds that request's tokens.
+- The engine: greedy outputs with the hybrid layout equal those with one page table, on tiny
+  Gemma 2 and 3, under chunked prefill across the window, prefix hits after the window passed
+  the shared prefix, preemption and a quantized cache; a long sequence's windowed groups hold
+  their window's pages only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from configs.gemma3 import GEMMA3_27B
+from configs.tiny import TINY_GEMMA2, TINY_GEMMA3
+from llmjax.config import KVGroups, kv_groups
+from llmjax.engine.block_manager import BlockManager, pages_needed
+from llmjax.engine.radix_cache import RadixCache
+from llmjax.model.step_input import RESERVED_PAGE
+from tests.conftest import TESTDATA
+
+
+def test_layouts():
+    g2 = kv_groups(TINY_GEMMA2, True)  # local, global alternating
+    assert g2 == KVGroups((None, 8), (1, 0, 1, 0), (0, 0, 1, 1), 2)
+    g3 = kv_groups(TINY_GEMMA3, True)
+    assert g3.num_slots == 1 and g3.windows[0] is None and g3.num_groups == 5
+    big = kv_groups(GEMMA3_27B, True)  # 10 global layers, 52 local: six local groups
+    assert big.num_slots == 10 and big.windows == (None,) + (1024,) * 6
+    for layers in (big.layer_group, big.layer_slot):
+        assert len(layers) == GEMMA3_27B.num_layers
+    pairs = set(zip(big.layer_group, big.layer_slot, strict=True))
+    assert len(pairs) == GEMMA3_27B.num_layers  # no two layers share a group's slot
+    assert all(GEMMA3_27B.layer_window(i) == big.windows[g] for i, g in enumerate(big.layer_group))
+    assert kv_groups(GEMMA3_27B, False) == KVGroups.single(62)
+    # a 32k sequence: 2048 pages of 10 layers and 6 x 65 windowed ones, against 2048 of 62
+    assert big.pages_for(32768, 16) == 2048 + 6 * 65
+    assert KVGroups.single(62).pages_for(32768, 16) == 2048
+
+
+# ---- the block manager -------------------------------------------------------------------------
+
+
+class HybridBlockManagerMachine(RuleBasedStateMachine):
+    @initialize(
+        page_size=st.sampled_from([2, 4]),
+        windows=st.sampled_from([(5,), (8, 8), (3, 9)]),
+        num_pages=st.integers(24, 60),
+    )
+    def setup(self, page_size, windows, num_pages):
+        self.ps = page_size
+        groups = KVGroups((None, *windows), (), (), 1)
+        self.bm = BlockManager(num_pages, page_size, RadixCache(page_size), groups)
+        self.requests: dict[str, list[int]] = {}  # running: its tokens
+        self.computed: dict[str, int] = {}
+        self.content: dict[int, tuple[int, ...]] = {}  # page -> the token prefix its KV is of
+        self.ids = itertools.count()
+
+    def key(self, tokens, i):
+        return tuple(tokens[: (i + 1) * self.ps])
+
+    @rule(data=st.data())
+    def arrive(self, data):
+        base = data.draw(st.sampled_from([[1, 2, 3, 4, 5, 6, 7, 8] * 3, [9] * 20, [1, 2, 3] * 7]))
+        cut = data.draw(st.integers(1, len(base)))
+        tail = data.draw(st.lists(st.integers(1, 4), max_size=12))
+        tokens = base[:cut] + tail
+        if len(tokens) < 2:
+            return
+        rid = f"r{next(self.ids)}"
+        bm = self.bm
+        prefix = bm.peek_prefix(tokens[:-1])
+        if not bm.can_allocate(rid, len(tokens), 0, prefix):
+            return
+        cached = bm.match_prefix(rid, tokens[:-1])
+        assert cached == prefix.num_tokens
+        self.requests[rid] = tokens
+        self.computed[rid] = cached
+        self.check_reads(rid)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def compute(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        tokens, bm = self.requests[rid], self.bm
+        c = self.computed[rid]
+        n = data.draw(st.integers(1, 9))
+        if c + n > len(tokens):
+            tokens.extend(data.draw(st.lists(st.integers(1, 4), min_size=c + n - len(tokens))))
+        if not bm.can_allocate(rid, c + n):
+            self.preempt(rid)
+            return
+        bm.allocate(rid, c + n)
+        self.check_reads(rid, upto=c)
+        for i in range(c // self.ps, pages_needed(c + n, self.ps)):  # the step writes its tokens
+            for t in bm.tables_of(rid):
+                assert t[i] != RESERVED_PAGE, "a position being written has no page"
+                self.content[t[i]] = self.key(tokens, i)
+        self.computed[rid] = c + n
+        bm.cache_computed(rid, tokens[: c + n])
+        bm.release_window(rid, c + n)
+
+    def preempt(self, rid):
+        self.bm.free(rid, self.requests[rid][: self.computed[rid]])
+        del self.requests[rid], self.computed[rid]
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), offer=st.booleans())
+    def finish(self, data, offer):
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        tokens = self.requests.pop(rid)[: self.computed.pop(rid)] if offer else ()
+        self.bm.free(rid, tokens)
+        if not offer:
+            self.requests.pop(rid), self.computed.pop(rid)
+
+    @rule(n=st.integers(1, 40))
+    def pressure(self, n):
+        """Someone takes pages (drops and evictions) and gives them back."""
+        bm = self.bm
+        n = min(n, bm.num_available_pages // bm.num_groups)
+        if n:
+            bm.allocate("hog", n * self.ps)
+            bm.free("hog")
+
+    @precondition(lambda self: not self.requests)
+    @rule()
+    def reset(self):
+        assert self.bm.reset_prefix_cache()
+
+    def check_reads(self, rid, upto=None):
+        """Every page `rid` reads (in every group, within its window) holds its tokens."""
+        bm, tokens = self.bm, self.requests[rid]
+        c = self.computed[rid] if upto is None else upto
+        for g, t in enumerate(bm.tables_of(rid)):
+            window = bm.groups.windows[g]
+            first = 0 if window is None else max(0, (c - window + 1) // self.ps)
+            for i in range(first, c // self.ps):  # full pages computed
+                assert t[i] != RESERVED_PAGE, f"group {g} lost page {i} inside the window"
+                assert self.content.get(t[i]) == self.key(tokens, i), "a page of other tokens"
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "bm"):
+            return
+        self.bm.check_invariants()
+        for rid in self.requests:
+            self.check_reads(rid)
+            tables = self.bm.tables_of(rid)
+            for g, t in enumerate(tables[1:], 1):  # windowed groups hold their window at most
+                held = sum(p != RESERVED_PAGE for p in t)
+                window = self.bm.groups.windows[g]
+                assert held <= pages_needed(window, self.ps) + 1 + 9 // self.ps + 1
+
+
+HybridBlockManagerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+)
+TestHybridBlockManager = HybridBlockManagerMachine.TestCase
+
+
+def test_window_pages_are_released_and_cached_ones_dropped_before_eviction():
+    ps = 4
+    bm = BlockManager(40, ps, RadixCache(ps), KVGroups((None, 8), (), (), 1))
+    tokens = list(range(1, 41))
+    bm.allocate("a", 40)
+    bm.cache_computed("a", tokens)
+    assert bm.num_held_pages("a") == 20
+    # the next token at 40 sees keys 33..: pages 8 and 9 stay, 0..7 go
+    assert bm.release_window("a", 40) == 8
+    assert bm.group_tables["a"][0][:8] == [RESERVED_PAGE] * 8
+    bm.check_invariants()
+    bm.free("a", tokens)
+    # the windowed pages stay cached (droppable), so a hit at the end reads them
+    assert len(bm._droppable) == 10 and bm.num_available_pages == 39
+    assert bm.peek_prefix([*tokens, 0]).num_tokens == 40
+    bm.allocate("hog", 14 * ps)  # 28 pages: the 19 free ones, then 9 drops (oldest first)
+    assert bm.prefix_cache.num_cached_pages == 10  # no prefix evicted while drops were left
+    assert len(bm._droppable) == 1
+    bm.free("hog")
+    bm.check_invariants()
+    # the window before the end lost page 8, and every shorter prefix its pages: no hit
+    assert bm.peek_prefix([*tokens, 0]).num_tokens == 0
+    assert bm.match_prefix("b", [*tokens, 0]) == 0
+    bm.check_invariants()
+
+
+def test_a_match_is_cut_to_where_its_window_is_resident():
+    ps = 4
+    bm = BlockManager(60, ps, RadixCache(ps), KVGroups((None, 8), (), (), 1))
+    tokens = list(range(1, 41))
+    bm.allocate("a", 40)
+    bm.cache_computed("a", tokens)
+    bm.release_window("a", 24)  # pages 0..3 go (the window at 24 starts at page 4)
+    bm.release_window("a", 40)
+    bm.free("a", tokens)
+    # drop the windowed pages of positions 7 and 8 only: the hit ends before page 7's window
+    anchors = bm.prefix_cache.match_pages(tokens)
+    for i in (7, 8):
+        bm._drop(bm._bundles[anchors[i]][0])
+    bm.check_invariants()
+    got = bm.peek_prefix([*tokens, 0]).num_tokens
+    assert got == 7 * ps  # a prefix of 7 pages reads windowed pages 5, 6: both there
+    assert bm.match_prefix("b", [*tokens, 0]) == got
+    assert bm.group_tables["b"][0] == [RESERVED_PAGE] * 5 + [
+        bm._bundles[anchors[i]][0] for i in (5, 6)
+    ]
+    bm.check_invariants()
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+OPTS = dict(
+    page_size=4,
+    max_num_batched_tokens=16,  # chunks of 16 cross the 8-token window
+    max_num_seqs=4,
+    max_model_len=128,
+    prefix_cache="radix",
+    compilation_cache_dir="",
+)
+
+
+def _path(name):
+    return os.path.join(TESTDATA, "hf_tiny", name)
+
+
+def _run(name, prompts, max_tokens=24, **kw):
+    from llmjax import LLM, SamplingParams
+
+    llm = LLM(_path(name), **{**OPTS, **kw})
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    return llm, [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def _vocab(name):
+    with open(os.path.join(_path(name), "config.json")) as f:
+        config = json.load(f)
+    return config.get("text_config", config)["vocab_size"]
+
+
+def _prompts(vocab, seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(1, vocab, 40).tolist()  # longer than the window: passed at the hit
+    return [
+        shared + rng.integers(1, vocab, 5).tolist(),
+        rng.integers(1, vocab, 30).tolist(),
+        shared + rng.integers(1, vocab, 12).tolist(),
+        rng.integers(1, vocab, 3).tolist(),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, opts",
+    [
+        ("gemma3", dict(scheduler_policy="sarathi")),
+        ("gemma2", dict(scheduler_policy="splitfuse")),
+        ("gemma2", dict(scheduler_policy="sarathi", kv_cache_dtype="int8", layer_loop="unroll")),
+    ],
+    ids=["gemma3-sarathi", "gemma2-splitfuse", "gemma2-int8-unroll"],
+)
+def test_outputs_equal_one_page_table(name, opts):
+    prompts = _prompts(_vocab(name), 0)
+    _, want, _ = _run(name, prompts, hybrid_kv_cache="off", **opts)
+    llm, got, cached = _run(name, prompts, hybrid_kv_cache="on", **opts)
+    bm = llm.engine.block_manager
+    assert bm.num_groups > 1
+    assert got == want
+    bm.check_invariants()
+    assert cached[2] >= 40 - 4  # the shared prefix hit though its window had passed
+    assert llm.engine.num_compiles <= len(llm.engine.buckets.shapes())
+
+
+@pytest.mark.parametrize("policy, num_pages", [("splitfuse", 44), ("sarathi", 62)])
+def test_preemption_equals_one_page_table(policy, num_pages):
+    """Four requests growing past a small pool: preempted and recomputed, outputs unchanged
+    (sarathi admits a whole prompt's pages in every group, so it needs more pages)."""
+    prompts = [p[:10] for p in _prompts(_vocab("gemma3"), 0)]
+    opts = dict(scheduler_policy=policy, prefix_cache="none", max_tokens=48)
+    _, want, _ = _run("gemma3", prompts, hybrid_kv_cache="off", **opts)
+    llm, got, _ = _run("gemma3", prompts, hybrid_kv_cache="on", num_pages=num_pages, **opts)
+    assert got == want
+    assert llm.engine.stats.num_preemptions > 0
+    llm.engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "splitfuse"])
+def test_a_long_sequence_holds_its_window_only(policy):
+    """Decoding, a windowed group holds its window's pages (8 tokens: 3 pages of 4); while its
+    prompt is computed, splitfuse holds a chunk's more, sarathi the whole prompt's (it takes a
+    prompt's pages at admission) until the chunks pass."""
+    from llmjax import LLM, SamplingParams
+
+    llm = LLM(_path("gemma3"), **OPTS, hybrid_kv_cache="on", scheduler_policy=policy)
+    engine, bm = llm.engine, llm.engine.block_manager
+    engine.add_request(
+        list(range(1, 60)), SamplingParams(max_tokens=40, ignore_eos=True), request_id="x"
+    )
+    prefill, decode = 0, []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if "x" in bm.page_tables:
+            held = max(sum(p != RESERVED_PAGE for p in t) for t in bm.tables_of("x")[1:])
+            if engine.scheduler.running and engine.scheduler.running[0].num_output_tokens:
+                decode.append(held)
+            else:
+                prefill = max(prefill, held)
+            bm.check_invariants()
+    assert len(decode) > 30 and max(decode) <= 3 and decode[-1] == 3
+    assert prefill <= (15 if policy == "sarathi" else 3 + 4 + 1)
+
+
+def test_a_request_that_can_never_fit_is_refused(caplog):
+    """Validation counts every group's pages (a recomputation takes a whole prompt's pages in
+    every group at once under sarathi)."""
+    from llmjax import LLM, SamplingParams
+
+    llm = LLM(_path("gemma3"), **OPTS, hybrid_kv_cache="on", num_pages=40)
+    outs = llm.generate([list(range(1, 53))], SamplingParams(max_tokens=4))
+    assert not outs[0].token_ids
+    # 14 pages in group 0 and in each of 3 windowed groups (the one-table layout needs 14)
+    assert "needs 56 KV pages" in caplog.text
