@@ -18,7 +18,9 @@ The layer loop follows the weights' layout (llmjax/model/params.py): a list of l
 compiled once whatever the depth) over a stacked KV cache (llmjax/model/kv_cache.py: every
 layer's pages in one `[L * num_pages, ...]` array). The scan body hands the attention the whole
 cache and the step's page tables and slots moved to its layer's pages (+ i * num_pages), so every
-attention backend and kernel runs unchanged.
+attention backend and kernel runs unchanged. In the hybrid KV layout (`KVGroups`, `kv_groups=`)
+a page holds `num_slots` layers and each group of layers has its own page tables: layer i reads
+slot `layer_slot[i]` (+ slot * num_pages) with group `layer_group[i]`'s tables, both scanned.
 
 What the families differ in is data (`ModelConfig`'s architecture table, DESIGN principle 17):
 a norm, a bias or a query/key norm applies where its weight is in the layer's tree (absent for
