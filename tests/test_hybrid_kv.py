@@ -178,13 +178,20 @@ HybridBlockManagerMachine.TestCase.settings = settings(
 TestHybridBlockManager = HybridBlockManagerMachine.TestCase
 
 
-def test_window_pages_are_released_and_cached_ones_dropped_before_eviction():
-    ps = 4
-    bm = BlockManager(40, ps, RadixCache(ps), KVGroups((None, 8), (), (), 1))
+def _computed(num_pages, ps=4):
+    """A block manager of `num_pages` pages of `ps` (one windowed group, window 8) where request
+    'a' computed 40 tokens and offered them to the cache."""
+    bm = BlockManager(num_pages, ps, RadixCache(ps), KVGroups((None, 8), (), (), 1))
     tokens = list(range(1, 41))
     bm.allocate("a", 40)
     bm.cache_computed("a", tokens)
-    assert bm.num_held_pages("a") == 20
+    return bm, tokens
+
+
+def test_window_pages_are_released_and_cached_ones_dropped_before_eviction():
+    ps = 4
+    bm, tokens = _computed(40, ps)
+    assert [sum(p != RESERVED_PAGE for p in t) for t in bm.tables_of("a")] == [10, 10]
     # the next token at 40 sees keys 33..: pages 8 and 9 stay, 0..7 go
     assert bm.release_window("a", 40) == 8
     assert bm.group_tables["a"][0][:8] == [RESERVED_PAGE] * 8
@@ -206,12 +213,10 @@ def test_window_pages_are_released_and_cached_ones_dropped_before_eviction():
 
 def test_a_match_is_cut_to_where_its_window_is_resident():
     ps = 4
-    bm = BlockManager(60, ps, RadixCache(ps), KVGroups((None, 8), (), (), 1))
-    tokens = list(range(1, 41))
-    bm.allocate("a", 40)
-    bm.cache_computed("a", tokens)
-    bm.release_window("a", 24)  # pages 0..3 go (the window at 24 starts at page 4)
-    bm.release_window("a", 40)
+    bm, tokens = _computed(60, ps)
+    assert bm.release_window("a", 24) == 4  # pages 0..3 go (the window at 24 starts at page 4)
+    assert bm.release_window("a", 40) == 4  # then 4..7: the scan stops at the first hole
+    assert bm.release_window("a", 40) == 0
     bm.free("a", tokens)
     # drop the windowed pages of positions 7 and 8 only: the hit ends before page 7's window
     anchors = bm.prefix_cache.match_pages(tokens)

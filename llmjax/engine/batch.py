@@ -354,8 +354,8 @@ def pack(
         slot_mapping[offset : offset + n] = table[pos // page_size] * page_size + pos % page_size
         used = pages_needed(start + n, page_size)
         page_indices[i, :used] = table[:used]
-        if group_tables is not None:
-            for g, t in enumerate([table, *group_tables[req.request_id]]):
+        if group_tables is not None:  # (group 0's are page_indices and slot_mapping)
+            for g, t in enumerate(group_tables[req.request_id], 1):
                 t = np.asarray(t, np.int32)
                 group_slots[g, offset : offset + n] = t[pos // page_size] * page_size
                 group_slots[g, offset : offset + n] += pos % page_size
@@ -389,6 +389,7 @@ def pack(
         logits_indices=logits_indices,
     )
     if group_tables is not None:
+        group_pages[0], group_slots[0] = page_indices, slot_mapping
         step = step._replace(group_page_indices=group_pages, group_slot_mapping=group_slots)
     processing = _processing(seqs, S, buckets.page_buckets[-1] * page_size)
     prompt = _prompt_logprobs(seqs, cu_q_lens, logits_indices, T)

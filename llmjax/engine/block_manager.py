@@ -30,18 +30,19 @@ A hole keeps its slot (table length still counts the request's tokens, so `alloc
 it), is never freed again, and breaks the prefix: only the full pages before a request's first
 hole are offered to the prefix cache, since a cached page must hold every token's KV.
 
-Groups (the hybrid KV layout, `llmjax/model/kv_cache.py` `KVGroups`: Gemma 2 and 3). A request
-then has one page table per group, all drawing on the one free list. Group 0 (the full-attention
-layers) is `page_tables` and follows every rule above; its pages are the prefix cache's identity.
-The windowed groups' tables (`group_tables`) have the same length, and `release_window` turns the
+Groups (the hybrid KV layout, `KVGroups` in llmjax/config/cache.py: Gemma 2 and 3). A request then
+has one page table per group, all drawing on the one free list. Group 0 (the full-attention layers)
+is `page_tables` and follows every rule above; its pages are the prefix cache's identity. The
+windowed groups' tables (`group_tables`) have the same length, and `release_window` turns the
 entries a request's window has passed into holes, freeing their pages: a long sequence holds its
-windowed layers' pages for its last window only. A windowed page is reference-counted (`_refs`):
-each table entry holding it and the prefix cache's *bundle* of the group-0 page at its position
-(`_bundles`: what a cached page's windowed layers were, per group, RESERVED_PAGE where released),
-so a cached prefix keeps its windowed pages after its requests moved on. A windowed page only a
-bundle holds is *droppable*: counted as available and dropped (its bundle entry becomes a hole)
-before any cached prefix is evicted, oldest first. A match is cut to its longest prefix whose
-windowed pages cover the window before its end (`_usable`), so a hit never reads a dropped page.
+windowed layers' pages for its last window only (a windowed table is holes, then pages). A windowed
+page is reference-counted (`_refs`): each table entry holding it and the prefix cache's *bundle* of
+the group-0 page at its position (`_bundles`: what a cached page's windowed layers were, per group,
+RESERVED_PAGE where released), so a cached prefix keeps its windowed pages after its requests moved
+on. A windowed page only a bundle holds is *droppable*: counted as available and dropped (its bundle
+entry becomes a hole) before any cached prefix is evicted, oldest first. A match is cut to its
+longest prefix whose windowed pages cover the window before its end (`_usable`), so a hit never
+reads a dropped page.
 """
 
 from __future__ import annotations
@@ -140,28 +141,27 @@ class BlockManager:
         """Pages that running requests hold (private or locked in the cache)."""
         return self.num_usable_pages - self.num_available_pages
 
+    def _missing_positions(self, request_id: str, num_tokens: int) -> int:
+        """Page positions to add so that `request_id`'s tables hold `num_tokens` tokens."""
+        have = len(self.page_tables.get(request_id, ()))
+        return max(0, pages_needed(num_tokens, self.page_size) - have)
+
     def num_missing_pages(self, request_id: str, num_tokens: int) -> int:
         """Pages to add so that `request_id` can hold `num_tokens` tokens (in every group)."""
-        have = len(self.page_tables.get(request_id, ()))
-        return max(0, pages_needed(num_tokens, self.page_size) - have) * self.num_groups
+        return self._missing_positions(request_id, num_tokens) * self.num_groups
+
+    def _at_most(self, positions: int, step: int | None) -> int:
+        """Pages `positions` new page positions take at once in every group: all of them in
+        group 0, a windowed group's window plus `step` (None: `positions`) at most."""
+        step = positions if step is None else step
+        return positions + sum(min(positions, w + step) for w in self._window_pages)
 
     def pages_to_hold(self, prompt_tokens: int, total_tokens: int) -> int:
         """The most pages a request of `prompt_tokens` holds on its way to `total_tokens` alone
         in the cache (every group; a windowed group's at most its window and one allocation's
         `step_tokens`; without those, all `total_tokens`' pages: a preempted request recomputes
         its prompt and output as one prompt, whose pages the scheduler takes at admission)."""
-        n = pages_needed(total_tokens, self.page_size)
-        step = n if self.step_pages is None else self.step_pages
-        return n + sum(min(n, w + step) for w in self._window_pages)
-
-    def _missing_at_most(self, request_id: str, num_tokens: int, cached: int = 0) -> int:
-        """An admission check's pages: group 0's for every missing position (less `cached` a
-        match would reuse), a windowed group's for its window plus one allocation's worth
-        (`step_tokens`) at most, as `release_window` frees the rest as the request goes."""
-        have = len(self.page_tables.get(request_id, ()))
-        missing = max(0, pages_needed(num_tokens, self.page_size) - have - cached)
-        step = self.step_pages if self.step_pages is not None else missing
-        return missing + sum(min(missing, w + step) for w in self._window_pages)
+        return self._at_most(pages_needed(total_tokens, self.page_size), self.step_pages)
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -193,7 +193,9 @@ class BlockManager:
         available (the admission watermark). `prefix`: for a request not yet admitted, the
         `peek_prefix` it would match (its pages need no allocation, but locking them takes them
         out of eviction)."""
-        missing = self._missing_at_most(request_id, num_tokens, prefix.num_pages)
+        # a windowed group's window plus one allocation at most: `release_window` frees the rest
+        positions = max(0, self._missing_positions(request_id, num_tokens) - prefix.num_pages)
+        missing = self._at_most(positions, self.step_pages)
         available = self.num_available_pages - prefix.num_unlocked_pages
         return missing + keep_free <= available
 
@@ -271,14 +273,14 @@ class BlockManager:
     def allocate(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow `request_id`'s table to hold `num_tokens` tokens, evicting unlocked cache pages
         (LRU) if the free list is short; returns the whole table."""
-        missing = self.num_missing_pages(request_id, num_tokens)
+        n = self._missing_positions(request_id, num_tokens)
+        missing = n * self.num_groups
         self._make_room(missing)
         if missing > len(self._free):
             raise RuntimeError(
                 f"out of KV pages: {request_id=} needs {missing}, {len(self._free)} free"
             )
         table = self.page_tables.setdefault(request_id, [])
-        n = missing // self.num_groups
         table.extend(self._free.popleft() for _ in range(n))
         if self.groups is not None:
             tables = self.group_tables.setdefault(request_id, [[] for _ in self._window_pages])
@@ -367,6 +369,10 @@ class BlockManager:
         n = len(pages)
         for g, t in enumerate(tables, 1):
             start = self._window_start(g, n * self.page_size)
+            for i in range(min(have, start)):  # the head shared before, now behind the window
+                if t[i] != RESERVED_PAGE:
+                    self._unref(t[i])
+                    t[i] = RESERVED_PAGE
             for i in range(have, n):
                 page = self._bundles[pages[i]][g - 1] if i >= start else RESERVED_PAGE
                 if page != RESERVED_PAGE:
@@ -380,14 +386,17 @@ class BlockManager:
 
     def release_window(self, request_id: str, num_tokens: int) -> int:
         """Turn the windowed tables' entries before their windows (the next token at position
-        `num_tokens`) into holes, releasing their pages; returns how many were released."""
+        `num_tokens`) into holes, releasing their pages; returns how many were released. A
+        windowed table is holes, then pages: the scan goes back from the window's start to the
+        first hole (every step, for every running request: only what the window just passed)."""
         released = 0
         for g, t in enumerate(self.group_tables.get(request_id, ()), 1):
-            for i in range(min(self._window_start(g, num_tokens), len(t))):
-                if t[i] != RESERVED_PAGE:
-                    self._unref(t[i])
-                    t[i] = RESERVED_PAGE
-                    released += 1
+            i = min(self._window_start(g, num_tokens), len(t)) - 1
+            while i >= 0 and t[i] != RESERVED_PAGE:
+                self._unref(t[i])
+                t[i] = RESERVED_PAGE
+                released += 1
+                i -= 1
         return released
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
@@ -524,11 +533,6 @@ class BlockManager:
         """Entries of `request_id`'s table that hold a page (not holes)."""
         return sum(p != RESERVED_PAGE for p in self.page_tables.get(request_id, ()))
 
-    def num_held_pages(self, request_id: str) -> int:
-        """Pages `request_id`'s tables hold in every group (shared ones included)."""
-        tables = [self.page_tables.get(request_id, ()), *self.group_tables.get(request_id, ())]
-        return sum(p != RESERVED_PAGE for t in tables for p in t)
-
     def tables_of(self, request_id: str) -> list[list[int]]:
         """`request_id`'s page table in every group (group 0 first; none without pages)."""
         if request_id not in self.page_tables:
@@ -589,6 +593,8 @@ class BlockManager:
             assert len(tables) == self.num_groups - 1
             for t in tables:
                 assert len(t) == len(self.page_tables[rid]), f"{rid}'s tables differ in length"
+                pages = t[_last_hole(t) + 1 :]
+                assert RESERVED_PAGE not in pages, f"{rid}: a windowed table with a hole in pages"
                 for p in t:
                     if p != RESERVED_PAGE:
                         held[p] = held.get(p, 0) + 1
@@ -603,6 +609,11 @@ class BlockManager:
         assert set(self._bundled) <= set(self._refs)
         only_bundled = {p for p in self._bundled if self._refs[p] == 1}
         assert set(self._droppable) == only_bundled, "droppable pages are off"
+
+
+def _last_hole(table: Sequence[int]) -> int:
+    """The index of the last hole in `table` (-1 if none)."""
+    return next((i for i in range(len(table) - 1, -1, -1) if table[i] == RESERVED_PAGE), -1)
 
 
 def _first_hole(table: Sequence[int]) -> int:

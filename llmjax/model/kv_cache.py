@@ -4,7 +4,9 @@ For every layer, K and V live in pages: `[num_pages, page_size, K, H]`, as a lis
 layer for the unrolled layer loop, or stacked for the scanned one (`stacked=True`: one (k, v) of
 `[L * num_pages, page_size, K, H]`, layer i's page p at row `i * num_pages + p`; flat, not
 `[L, num_pages, ...]`, because viewing that as flat inside the step made XLA (CPU) copy the whole
-cache when an axis has size 1, e.g. one kv head per device). A token's KV goes to one
+cache when an axis has size 1, e.g. one kv head per device). In the hybrid KV layout
+(`KVGroups`, llmjax/config/cache.py) a page holds `num_slots` layers rather than L: the list has
+`num_slots` entries, the stacked cache `[num_slots * num_pages, ...]`. A token's KV goes to one
 slot, `slot = page * page_size + offset`; the host-side block manager decides which pages a
 request owns (its row of `page_indices`) and hands the step a `slot_mapping` per new token.
 Page 0 is reserved: padded tokens write there, and no request reads it.
