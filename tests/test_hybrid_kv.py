@@ -346,3 +346,36 @@ def test_a_request_that_can_never_fit_is_refused(caplog):
     assert not outs[0].token_ids
     # 14 pages in group 0 and in each of 3 windowed groups (the one-table layout needs 14)
     assert "needs 56 KV pages" in caplog.text
+
+
+def test_what_needs_one_page_table_is_named():
+    from configs.tiny import TINY
+    from llmjax.config import CacheConfig, EngineConfig, SparseKVConfig, SpeculativeConfig
+
+    on = CacheConfig(hybrid_kv_cache="on")
+    with pytest.raises(ValueError, match="hybrid_kv_cache='yes'"):
+        CacheConfig(hybrid_kv_cache="yes")
+    with pytest.raises(ValueError, match="both sliding-window and full-attention"):
+        EngineConfig(model=TINY, cache=on)  # Llama-shaped: nothing to group
+    with pytest.raises(ValueError, match="sparse_kv='none'"):
+        EngineConfig(model=TINY_GEMMA3, cache=on, sparse_kv=SparseKVConfig(mode="quest"))
+    with pytest.raises(ValueError, match="no speculative decoding"):
+        EngineConfig(model=TINY_GEMMA3, cache=on, speculative=SpeculativeConfig(method="ngram"))
+    # 'auto' falls back to one table where something needs it, and groups where nothing does
+    auto = EngineConfig(model=TINY_GEMMA3, sparse_kv=SparseKVConfig(mode="quest"))
+    assert not auto.kv_groups.hybrid
+    assert EngineConfig(model=TINY_GEMMA3).kv_groups.hybrid
+    assert not EngineConfig(
+        model=TINY_GEMMA3, cache=CacheConfig(hybrid_kv_cache="off")
+    ).kv_groups.hybrid
+
+
+def test_disaggregated_roles_keep_one_page_table():
+    """A P/D transfer moves one table's pages: 'auto' is off on a prefill or decode instance,
+    'on' is refused there."""
+    from llmjax import LLM
+
+    llm = LLM(_path("gemma3"), **OPTS, role="prefill")
+    assert llm.engine.block_manager.groups is None and llm.engine.runner.kv_groups is None
+    with pytest.raises(ValueError, match="role='decode' moves one page table"):
+        LLM(_path("gemma3"), **OPTS, role="decode", hybrid_kv_cache="on")
