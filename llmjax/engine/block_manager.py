@@ -33,9 +33,11 @@ hole are offered to the prefix cache, since a cached page must hold every token'
 Groups (the hybrid KV layout, `KVGroups` in llmjax/config/cache.py: Gemma 2 and 3). A request then
 has one page table per group, all drawing on the one free list. Group 0 (the full-attention layers)
 is `page_tables` and follows every rule above; its pages are the prefix cache's identity. The
-windowed groups' tables (`group_tables`) have the same length, and `release_window` turns the
-entries a request's window has passed into holes, freeing their pages: a long sequence holds its
-windowed layers' pages for its last window only (a windowed table is holes, then pages). A windowed
+windowed groups' tables (`group_tables`) are no longer than group 0's (as long once a request
+decodes; a policy that takes a whole prompt's pages at admission, sarathi, grows them per chunk:
+`allocate`'s `window_tokens`), and `release_window` turns the entries a request's window has passed
+into holes, freeing their pages: a long sequence holds its windowed layers' pages for its last
+window only (a windowed table is holes, then pages). A windowed
 page is reference-counted (`_refs`): each table entry holding it and the prefix cache's *bundle* of
 the group-0 page at its position (`_bundles`: what a cached page's windowed layers were, per group,
 RESERVED_PAGE where released), so a cached prefix keeps its windowed pages after its requests moved
@@ -146,9 +148,26 @@ class BlockManager:
         have = len(self.page_tables.get(request_id, ()))
         return max(0, pages_needed(num_tokens, self.page_size) - have)
 
-    def num_missing_pages(self, request_id: str, num_tokens: int) -> int:
-        """Pages to add so that `request_id` can hold `num_tokens` tokens (in every group)."""
-        return self._missing_positions(request_id, num_tokens) * self.num_groups
+    def num_missing_pages(
+        self, request_id: str, num_tokens: int, window_tokens: int | None = None
+    ) -> int:
+        """Pages to add so that `request_id` can hold `num_tokens` tokens in group 0 and
+        `window_tokens` (None: `num_tokens`) in each windowed group."""
+        return self._missing_positions(request_id, num_tokens) + sum(
+            self._missing_window(request_id, num_tokens, window_tokens)
+        )
+
+    def _missing_window(
+        self, request_id: str, num_tokens: int, window_tokens: int | None
+    ) -> list[int]:
+        """Page positions each windowed group's table lacks for `window_tokens` tokens (at most
+        `num_tokens`: a windowed table is never longer than group 0's)."""
+        if self.groups is None:
+            return []
+        end = num_tokens if window_tokens is None else min(window_tokens, num_tokens)
+        end = pages_needed(end, self.page_size)
+        tables = self.group_tables.get(request_id) or [[] for _ in self._window_pages]
+        return [max(0, end - len(t)) for t in tables]
 
     def _at_most(self, positions: int, step: int | None) -> int:
         """Pages `positions` new page positions take at once in every group: all of them in
@@ -188,14 +207,21 @@ class BlockManager:
         num_tokens: int,
         keep_free: int = 0,
         prefix: PeekResult = NO_PREFIX,
+        window_tokens: int | None = None,
     ) -> bool:
         """Whether `request_id` can grow to `num_tokens` tokens and leave `keep_free` pages
         available (the admission watermark). `prefix`: for a request not yet admitted, the
         `peek_prefix` it would match (its pages need no allocation, but locking them takes them
-        out of eviction)."""
-        # a windowed group's window plus one allocation at most: `release_window` frees the rest
-        positions = max(0, self._missing_positions(request_id, num_tokens) - prefix.num_pages)
-        missing = self._at_most(positions, self.step_pages)
+        out of eviction).
+
+        With windowed groups, a request not yet admitted counts what it will hold at most (a
+        windowed group's window plus one allocation: `release_window` frees the rest, `_at_most`),
+        an admitted one exactly what `allocate(request_id, num_tokens, window_tokens)` takes."""
+        if request_id in self.page_tables:
+            missing = self.num_missing_pages(request_id, num_tokens, window_tokens)
+        else:
+            positions = max(0, pages_needed(num_tokens, self.page_size) - prefix.num_pages)
+            missing = self._at_most(positions, self.step_pages)
         available = self.num_available_pages - prefix.num_unlocked_pages
         return missing + keep_free <= available
 
@@ -270,11 +296,16 @@ class BlockManager:
 
     # ---- allocate / free -----------------------------------------------------------------------
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow `request_id`'s table to hold `num_tokens` tokens, evicting unlocked cache pages
-        (LRU) if the free list is short; returns the whole table."""
+    def allocate(
+        self, request_id: str, num_tokens: int, window_tokens: int | None = None
+    ) -> list[int]:
+        """Grow `request_id`'s table to hold `num_tokens` tokens, and its windowed groups' tables
+        `window_tokens` (None: `num_tokens`; a policy that takes a whole prompt's pages at
+        admission grows the windowed tables per chunk: they hold a window, not a prompt),
+        evicting unlocked cache pages (LRU) if the free list is short; returns group 0's table."""
         n = self._missing_positions(request_id, num_tokens)
-        missing = n * self.num_groups
+        window = self._missing_window(request_id, num_tokens, window_tokens)
+        missing = n + sum(window)
         self._make_room(missing)
         if missing > len(self._free):
             raise RuntimeError(
@@ -284,8 +315,8 @@ class BlockManager:
         table.extend(self._free.popleft() for _ in range(n))
         if self.groups is not None:
             tables = self.group_tables.setdefault(request_id, [[] for _ in self._window_pages])
-            for t in tables:
-                for _ in range(n):
+            for t, k in zip(tables, window, strict=True):
+                for _ in range(k):
                     t.append(self._free.popleft())
                     self._refs[t[-1]] = 1
         return table
@@ -592,7 +623,7 @@ class BlockManager:
         for rid, tables in self.group_tables.items():
             assert len(tables) == self.num_groups - 1
             for t in tables:
-                assert len(t) == len(self.page_tables[rid]), f"{rid}'s tables differ in length"
+                assert len(t) <= len(self.page_tables[rid]), f"{rid}: a windowed table too long"
                 pages = t[_last_hole(t) + 1 :]
                 assert RESERVED_PAGE not in pages, f"{rid}: a windowed table with a hole in pages"
                 for p in t:

@@ -125,8 +125,10 @@ class LLMEngine(EngineRoles, EngineWeights):
             page_size,
             make_prefix_cache(config.cache.prefix_cache, page_size, salt),
             config.kv_groups,
-            # splitfuse takes pages per chunk (the others a whole prompt's at admission)
-            sched.max_num_batched_tokens if sched.policy == "splitfuse" else None,
+            # the most tokens a step adds to a request: a chunk under the chunking policies
+            # (splitfuse takes pages per chunk; sarathi a whole prompt's at admission, but its
+            # windowed groups' per chunk); a whole prompt under the others
+            sched.max_num_batched_tokens if sched.policy in ("splitfuse", "sarathi") else None,
         )
         self.scheduler = make_scheduler(config, self.block_manager, clock)
         if config.device == "sim":

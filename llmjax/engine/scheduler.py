@@ -310,7 +310,14 @@ class Scheduler:
                 continue
             self._match_prefix(req, batch)
             n = min(req.num_uncomputed_tokens, self._budget(batch, req))
-            if not allocate_per_chunk or self._grow(req, req.num_computed_tokens + n, batch):
+            end = req.num_computed_tokens + n
+            if allocate_per_chunk:
+                grown = self._grow(req, end, batch)
+            elif self.block_manager.groups is not None:  # windowed groups take pages per chunk
+                grown = self._grow(req, req.num_tokens, batch, window_tokens=end)
+            else:
+                grown = True  # (its whole prompt's pages were taken at admission)
+            if grown:
                 batch.add(req, n)
 
     def _fit_to_bucket(self, batch: ScheduledBatch) -> None:
@@ -382,10 +389,8 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             self._match_prefix(req, batch)
-            bm.allocate(
-                req.request_id,
-                req.num_computed_tokens + n if allocate_per_chunk else req.num_tokens,
-            )
+            end = req.num_computed_tokens + n  # (windowed groups: this chunk's pages only)
+            bm.allocate(req.request_id, end if allocate_per_chunk else req.num_tokens, end)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = self.clock.now()
@@ -520,11 +525,19 @@ class Scheduler:
                 req.num_cached_tokens += saved
             req.num_computed_tokens = cached
 
-    def _grow(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Give `req` pages for `num_tokens` tokens, preempting the newest running requests if
-        needed (never one in flight). Returns False if `req` itself had to be preempted, or if
-        only requests in flight could free pages (`req` then waits for them)."""
-        while not self.block_manager.can_allocate(req.request_id, num_tokens):
+    def _grow(
+        self,
+        req: Request,
+        num_tokens: int,
+        batch: ScheduledBatch,
+        window_tokens: int | None = None,
+    ) -> bool:
+        """Give `req` pages for `num_tokens` tokens (its windowed groups' for `window_tokens`:
+        `BlockManager.allocate`), preempting the newest running requests if needed (never one in
+        flight). Returns False if `req` itself had to be preempted, or if only requests in
+        flight could free pages (`req` then waits for them)."""
+        bm = self.block_manager
+        while not bm.can_allocate(req.request_id, num_tokens, window_tokens=window_tokens):
             victims = [
                 r
                 for r in self.running
@@ -536,7 +549,7 @@ class Scheduler:
             self._preempt(victim, batch)
             if victim is req:
                 return False
-        self.block_manager.allocate(req.request_id, num_tokens)
+        bm.allocate(req.request_id, num_tokens, window_tokens)
         return True
 
     def requeue(self, req: Request, offer_cache: bool = True) -> None:
