@@ -7,6 +7,8 @@ paper's three deployments (ALGORITHMS.md §3.4), and the pipeline bubbles of chu
     python scripts/reproduce_sarathi.py --models mistral-7b --async_scheduling off,on
     python scripts/reproduce_sarathi.py --models mistral-7b,llama2-7b --datasets sharegpt \
         --kv_cache_dtypes auto,fp8_e4m3                   # an fp8 KV cache against fp16
+    python scripts/reproduce_sarathi.py --models gemma3-27b --datasets arxiv --slos relaxed \
+        --hybrid_kv_cache off,on                          # Gemma 3's local layers' windows only
 
 Each (model, dataset, SLO) runs `scripts/simulate.py --capacity_search` in a subprocess with both
 policies: Sarathi-Serve at the paper's token budget (512 under the strict SLO, 2048 under the
@@ -32,7 +34,7 @@ import tempfile
 
 from absl import app, flags
 
-from llmjax.config import KV_CACHE_DTYPES
+from llmjax.config import HYBRID_KV_CACHE, KV_CACHE_DTYPES
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -47,6 +49,10 @@ DEPLOYMENTS = {
     # Not in Sarathi-Serve's evaluation: a mixture of experts (12.9B active of 46.7B) at TP2 on
     # SXM A100s, with the SLOs of its other TP2 deployment (Yi-34B); no paper figure.
     "mixtral-8x7b": ("mixtral-8x7b", "a100-80gb", 2, 1, 8192, (0.2, 1.0), None),
+    # Not in Sarathi-Serve's evaluation either: Gemma 3 27B (52 of 62 layers with a 1024-token
+    # window) on one H100, where its weights leave ~18 GiB for KV: the hybrid KV layout's
+    # comparison (--hybrid_kv_cache off,on); the SLOs of the paper's other ~30B deployment
+    "gemma3-27b": ("gemma3-27b", "h100-sxm", 1, 1, 8192, (0.2, 1.0), None),
 }
 BUDGETS = {"strict": 512, "relaxed": 2048}  # Sarathi-Serve's chunk_size per SLO (§3.3)
 PAPER_BUBBLE_REDUCTION = 6.29  # SARATHI: GPT-3 with PP on 64 A100s
@@ -71,6 +77,14 @@ flags.DEFINE_list(
     "Run each capacity search with these KV cache dtypes (CacheConfig.kv_cache_dtype: auto = "
     "the model dtype; fp8_e4m3 etc. store a byte per element and a scale per row, so more "
     "requests stay resident and attention reads fewer bytes).",
+)
+flags.DEFINE_list(
+    "hybrid_kv_cache",
+    ["auto"],
+    "Run each capacity search with these KV layouts (CacheConfig.hybrid_kv_cache: 'off' one "
+    "page table for every layer; 'on' a table per group of layers, sliding-window layers "
+    "holding their window's pages only: more requests resident for Gemma 2/3; 'auto' on where "
+    "the model has both kinds of layer).",
 )
 flags.DEFINE_integer("jobs", 2, "Simulations run at once (one core each).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
@@ -105,7 +119,12 @@ def deployment_args(name: str) -> list[str]:
 
 
 def capacity_job(
-    name: str, dataset: str, slo: str, overlap: str = "off", kv_cache_dtype: str = "auto"
+    name: str,
+    dataset: str,
+    slo: str,
+    overlap: str = "off",
+    kv_cache_dtype: str = "auto",
+    hybrid: str = "auto",
 ) -> dict:
     strict, relaxed = DEPLOYMENTS[name][5]
     tbt_slo = strict if slo == "strict" else relaxed
@@ -114,6 +133,7 @@ def capacity_job(
             *deployment_args(name),
             "--async_scheduling" if overlap == "on" else "--noasync_scheduling",
             f"--kv_cache_dtype={kv_cache_dtype}",
+            f"--hybrid_kv_cache={hybrid}",
             "--policies=sarathi,prefill_first",
             f"--workload={dataset}",
             f"--num_requests={FLAGS.num_requests}",
@@ -132,6 +152,7 @@ def capacity_job(
         "slo": slo,
         "async_scheduling": overlap,
         "kv_cache_dtype": kv_cache_dtype,
+        "hybrid_kv_cache": hybrid,
         "tbt_slo": tbt_slo,
         "capacity_qps": caps,
         "ratio": caps["sarathi"] / caps["prefill_first"] if caps["prefill_first"] else None,
@@ -169,6 +190,7 @@ def report(rows: list[dict], bubble: dict | None) -> str:
             f"{r['slo']} ({r['tbt_slo']:g} s)",
             r["async_scheduling"],
             r.get("kv_cache_dtype", "auto"),
+            r.get("hybrid_kv_cache", "auto"),
             f"{r['capacity_qps']['sarathi']:.3f}",
             f"{r['capacity_qps']['prefill_first']:.3f}",
             f"{r['ratio']:.2f}x" if r["ratio"] else "-",
@@ -182,13 +204,14 @@ def report(rows: list[dict], bubble: dict | None) -> str:
         "P99 TBT SLO",
         "async",
         "KV cache",
+        "hybrid KV",
         "sarathi qps",
         "vllm qps",
         "ours",
         "paper",
     ]
     lines = [
-        "Sarathi-Serve vs prefill-first capacity (simulated, roofline on A100-80GB; "
+        "Sarathi-Serve vs prefill-first capacity (simulated, roofline; "
         f"{FLAGS.num_requests} requests per trial)",
         format_table(header, table),
     ]
@@ -211,6 +234,7 @@ def main(argv):
     bad += [s for s in FLAGS.slos if s not in BUDGETS]
     bad += [m for m in FLAGS.async_scheduling if m not in ("off", "on")]
     bad += [k for k in FLAGS.kv_cache_dtypes if k not in KV_CACHE_DTYPES]
+    bad += [h for h in FLAGS.hybrid_kv_cache if h not in HYBRID_KV_CACHE]
     if bad:
         raise app.UsageError(f"unknown {bad}")
     jobs = [
@@ -220,6 +244,7 @@ def main(argv):
         for s in FLAGS.slos
         for a in FLAGS.async_scheduling
         for k in FLAGS.kv_cache_dtypes
+        for h in FLAGS.hybrid_kv_cache
     ]
     with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:
         bubble_future = pool.submit(bubble_job) if "falcon-180b" in FLAGS.models else None

@@ -10,8 +10,10 @@ per group of layers, sliding-window groups holding their window's pages only.
   every page a request reads (its own or shared from the cache) holds that request's tokens.
 - The engine: greedy outputs with the hybrid layout equal those with one page table, on tiny
   Gemma 2 and 3, under chunked prefill across the window, prefix hits after the window passed
-  the shared prefix, preemption and a quantized cache; a long sequence's windowed groups hold
-  their window's pages only.
+  the shared prefix, preemption, a quantized cache and speculative decoding (n-gram and the
+  early-exit draft); a long sequence's windowed groups hold their window's pages (and a chunk's
+  while its prompt runs) only; validation refuses what can never fit, by that count.
+- The simulator: Gemma 3 27B's pages hold its layout's layers, so more requests run at once.
 """
 
 from __future__ import annotations
@@ -302,6 +304,29 @@ def test_outputs_equal_one_page_table(name, opts):
     assert llm.engine.num_compiles <= len(llm.engine.buckets.shapes())
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_equals_one_page_table(method):
+    """Speculative decoding over the hybrid layout: proposals take pages in every group, the
+    rejected ones' pages are given back (`truncate`), and the early-exit draft reads and writes
+    its layers' windowed pages through their groups' tables; greedy output unchanged. The
+    prompts repeat themselves, so n-gram proposals are made and some accepted; the draft runs
+    all 4 layers (three local ones), so it is the target and every proposal is accepted only if
+    it read every group's pages right."""
+    prompts = [(p[:7] * 6)[:40] for p in _prompts(_vocab("gemma3"), 1)]
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft":
+        spec["num_draft_layers"] = 4
+    opts = dict(prefix_cache="none", speculative_config=spec, max_tokens=32)
+    _, want, _ = _run("gemma3", prompts, hybrid_kv_cache="off", **opts)
+    llm, got, _ = _run("gemma3", prompts, hybrid_kv_cache="on", **opts)
+    assert got == want
+    stats = llm.engine.stats
+    assert stats.num_spec_accepted_tokens > 0
+    if method == "draft":
+        assert stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
+    llm.engine.block_manager.check_invariants()
+
+
 @pytest.mark.parametrize("policy, num_pages", [("splitfuse", 44), ("sarathi", 44)])
 def test_preemption_equals_one_page_table(policy, num_pages):
     """Four requests growing past a small pool: preempted and recomputed, outputs unchanged."""
@@ -359,7 +384,13 @@ def test_a_request_that_can_never_fit_is_refused(caplog):
 
 def test_what_needs_one_page_table_is_named():
     from configs.tiny import TINY
-    from llmjax.config import CacheConfig, EngineConfig, SparseKVConfig, SpeculativeConfig
+    from llmjax.config import (
+        CacheConfig,
+        EngineConfig,
+        ParallelConfig,
+        SparseKVConfig,
+        SpeculativeConfig,
+    )
 
     on = CacheConfig(hybrid_kv_cache="on")
     with pytest.raises(ValueError, match="hybrid_kv_cache='yes'"):
@@ -368,8 +399,11 @@ def test_what_needs_one_page_table_is_named():
         EngineConfig(model=TINY, cache=on)  # Llama-shaped: nothing to group
     with pytest.raises(ValueError, match="sparse_kv='none'"):
         EngineConfig(model=TINY_GEMMA3, cache=on, sparse_kv=SparseKVConfig(mode="quest"))
-    with pytest.raises(ValueError, match="no speculative decoding"):
-        EngineConfig(model=TINY_GEMMA3, cache=on, speculative=SpeculativeConfig(method="ngram"))
+    with pytest.raises(ValueError, match="pp == 1"):
+        EngineConfig(model=TINY_GEMMA3, cache=on, parallel=ParallelConfig(pp=2))
+    assert EngineConfig(
+        model=TINY_GEMMA3, cache=on, speculative=SpeculativeConfig(method="ngram")
+    ).kv_groups.hybrid
     # 'auto' falls back to one table where something needs it, and groups where nothing does
     auto = EngineConfig(model=TINY_GEMMA3, sparse_kv=SparseKVConfig(mode="quest"))
     assert not auto.kv_groups.hybrid
@@ -388,3 +422,46 @@ def test_disaggregated_roles_keep_one_page_table():
     assert llm.engine.block_manager.groups is None and llm.engine.runner.kv_groups is None
     with pytest.raises(ValueError, match="role='decode' moves one page table"):
         LLM(_path("gemma3"), **OPTS, role="decode", hybrid_kv_cache="on")
+
+
+def test_the_simulator_runs_the_layout():
+    """Gemma 3 27B on a simulated H100 (bfloat16, tp=1): the pages hold 10 layers, not 62, so
+    6.2x the pages fit in the same memory, and 16 prompts of 6k tokens run more at once, without
+    preemption, in less simulated time, to the same tokens."""
+    import numpy as np
+
+    from llmjax.config import CacheConfig, EngineConfig, SchedulerConfig
+    from llmjax.engine.engine import LLMEngine
+    from llmjax.engine.request import SamplingParams
+    from llmjax.sim import SimConfig, sim_num_pages
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 200, 6000).tolist() for _ in range(16)]
+    runs = {}
+    for mode in ("off", "on"):
+        config = EngineConfig(
+            model=GEMMA3_27B,
+            dtype="bfloat16",
+            max_model_len=8192,
+            cache=CacheConfig(hybrid_kv_cache=mode, prefix_cache="none"),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048),
+            device="sim",
+            sim=SimConfig(hardware="h100-sxm"),
+        )
+        engine = LLMEngine(config, None, None)
+        params = SamplingParams(max_tokens=128, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, request_id=str(i))
+        peak, outs = 0, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.outputs[0].token_ids
+            peak = max(peak, len(engine.scheduler.running))
+        engine.block_manager.check_invariants()
+        runs[mode] = (sim_num_pages(config), peak, engine.clock.now(), outs, engine.stats)
+    (pages0, peak0, t0, outs0, _), (pages1, peak1, t1, outs1, s1) = runs["off"], runs["on"]
+    assert pages1 == pytest.approx(pages0 * 62 / 10, rel=0.01)
+    assert outs1 == outs0 and len(outs1) == 16
+    assert peak1 >= 2 * peak0 and s1.num_preemptions == 0
+    assert t1 < t0

@@ -52,8 +52,8 @@ class CacheConfig:
     layers beside full-attention ones (Gemma 2 and 3) keeps one page table per group of layers,
     and a windowed group holds only its window's pages, so a long sequence costs full pages
     only in its full-attention layers. 'auto' (the default) uses it where the model has both
-    kinds of layer and nothing asks for one table (sparse KV, the KV tiers, pp > 1, speculative
-    decoding, the P/D roles); 'on' insists (an error names what is in the way); 'off' keeps one
+    kinds of layer and nothing asks for one table (sparse KV, the KV tiers, pp > 1, the P/D
+    roles); 'on' insists (an error names what is in the way); 'off' keeps one
     page table for every layer. `num_pages` then counts pages of the layout's `num_slots`
     layers (fewer than the model's: more pages in the same memory).
     """

@@ -316,8 +316,6 @@ class EngineConfig:
             (f"sparse_kv='none' (got {self.sparse_kv.mode!r})", self.sparse_kv.enabled),
             ("no KV tiers (kv_store)", self.kv_store.enabled),
             (f"pp == 1 (got {self.parallel.pp})", self.parallel.pp > 1),
-            ("no speculative decoding", self.speculative.enabled),
-            ("a real device (the simulator prices one table)", self.device != "jax"),
         ):
             if bad:
                 why.append(what)

@@ -353,20 +353,22 @@ class SpeculationStep(StepFeature):
         placeholders."""
         engine = self.engine
         seqs = [s for s in batch.seqs if s.spec]
-        ps = engine.block_manager.page_size
-        tables = engine.block_manager.page_tables
+        bm = engine.block_manager
+        ps = bm.page_size
         max_pages = max(pages_needed(s.start + s.num_new_tokens, ps) for s in seqs)
         _, S, P = engine.buckets.shape_for(len(seqs), len(seqs), max_pages)
         tokens, positions, num = (np.zeros(S, np.int32) for _ in range(3))
-        pages = np.zeros((S, P), np.int32)
+        pages = np.zeros((bm.num_groups, S, P), np.int32)  # every group's tables (hybrid KV)
         for i, seq in enumerate(seqs):
-            table = tables[seq.request.request_id]
             used = pages_needed(seq.start + seq.num_new_tokens, ps)
             tokens[i] = seq.request.token_ids_slice(seq.start, seq.start + 1)[0]
             positions[i] = seq.start
-            pages[i, :used] = table[:used]
+            for g, table in enumerate(bm.tables_of(seq.request.request_id)):
+                pages[g, i, :used] = table[:used]
             num[i] = len(seq.spec)
-        proposals = engine.runner.draft(tokens, positions, pages, num)
+        proposals = engine.runner.draft(
+            tokens, positions, pages if bm.groups is not None else pages[0], num
+        )
         for i, seq in enumerate(seqs):
             seq.spec = tuple(int(t) for t in proposals[i, : num[i]])
 

@@ -7,6 +7,8 @@ what the draft needs (the same weights on the same tokens), so it only adds the 
 it drafts, at the positions the verification then overwrites with every layer's (identical in
 the first d layers for an accepted token). Sequence i drafts `num_proposals[i]` tokens in as
 many passes, one token per pass, each a decode of one row per sequence through d layers.
+In the hybrid KV layout (`kv_groups`) the page tables are every group's, [groups, S, P], as
+`StepInput.group_page_indices`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from llmjax.config import ModelConfig
+from llmjax.config import KVGroups, ModelConfig
 from llmjax.model.attention import AttentionFn
 from llmjax.model.llama import forward
 from llmjax.model.sampler import greedy_ids
@@ -34,31 +36,46 @@ def draft_proposals(
     num_layers: int,
     max_proposals: int,
     page_size: int,
+    kv_groups: KVGroups | None = None,
 ):
     """-> (proposals [S, max_proposals] int32, kv_pages). Pass j feeds each live sequence's
     token j (its last token, then its drafts) at position + j through the first `num_layers`
     layers and takes the argmax; a sequence with fewer proposals idles (its writes go to the
-    reserved page and it reads only its own context)."""
+    reserved page and it reads only its own context). With `kv_groups` (hybrid),
+    `page_indices` is [groups, S, P]."""
     S = tokens.shape[0]
     G = page_size
     rows = jnp.arange(S)
+    hybrid = kv_groups is not None and kv_groups.hybrid
+    tables = page_indices if hybrid else page_indices[None]  # [groups, S, P]
 
     def one_pass(j, carry):
         kv, token, out = carry
         live = j < num_proposals
         pos = positions + jnp.where(live, j, 0)
-        page = page_indices[rows, pos // G]
+        page = tables[:, rows, pos // G]  # [groups, S]
+        slots = jnp.where(live, page * G + pos % G, RESERVED_PAGE * G)
         step = StepInput(
             token_ids=token,
             positions=pos,
-            slot_mapping=jnp.where(live, page * G + pos % G, RESERVED_PAGE * G),
+            slot_mapping=slots[0],
             cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32),
             kv_lens=pos + 1,
-            page_indices=page_indices,
+            page_indices=tables[0],
             num_seqs=jnp.array([S], jnp.int32),
             logits_indices=rows.astype(jnp.int32),
         )
-        logits, kv = forward(params, kv, step, config, attention_fn, num_layers=num_layers)
+        if hybrid:
+            step = step._replace(group_page_indices=tables, group_slot_mapping=slots)
+        logits, kv = forward(
+            params,
+            kv,
+            step,
+            config,
+            attention_fn,
+            num_layers=num_layers,
+            kv_groups=kv_groups if hybrid else None,
+        )
         drafted = greedy_ids(logits)
         out = out.at[:, j].set(jnp.where(live, drafted, -1))
         return kv, jnp.where(live, drafted, token), out

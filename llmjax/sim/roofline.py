@@ -185,11 +185,19 @@ def window_kv_needed(model: ModelConfig, context_len: int, page_size: int = 16) 
 
 
 def kv_page_bytes_per_device(
-    model: ModelConfig, page_size: int, dtype: str, tp: int, pp: int, kv_cache_dtype: str = "auto"
+    model: ModelConfig,
+    page_size: int,
+    dtype: str,
+    tp: int,
+    pp: int,
+    kv_cache_dtype: str = "auto",
+    num_slots: int | None = None,
 ):
     """One page's K and V bytes on each device (its stage's layers, its tp share of KV heads;
-    a quantized cache's one-byte values and float32 scale per row, `kv_row_bytes`)."""
-    layers = math.ceil(model.num_layers / pp)
+    a quantized cache's one-byte values and float32 scale per row, `kv_row_bytes`).
+    `num_slots`: the layers a page holds in the hybrid KV layout (`KVGroups.num_slots`;
+    None: every layer of the stage)."""
+    layers = math.ceil(model.num_layers / pp) if num_slots is None else num_slots
     row = kv_row_bytes(model.head_dim, DTYPE_BYTES[dtype], kv_cache_dtype)
     return 2 * layers * page_size * kv_heads_per_device(model, tp) * row
 

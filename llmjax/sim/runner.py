@@ -119,14 +119,22 @@ def _lora_costs(config: EngineConfig) -> dict:
 
 def sim_num_pages(config: EngineConfig, hardware: Hardware | None = None) -> int:
     """KV pages that fit beside the weights in `memory_utilization` of each device's memory
-    (every device holds its stage's layers and its tp share of heads of every page)."""
+    (every device holds its stage's layers and its tp share of heads of every page; in the
+    hybrid KV layout a page holds `KVGroups.num_slots` layers, `EngineConfig.kv_groups`)."""
     sim, p = config.sim, config.parallel
     hw = get_hardware(hardware or sim.hardware)
     free = hw.memory_bytes * sim.memory_utilization - weight_bytes_per_device(
         config.model, config.dtype, p.tp, p.pp
     )
+    groups = config.kv_groups
     page = kv_page_bytes_per_device(
-        config.model, config.cache.page_size, config.dtype, p.tp, p.pp, config.cache.kv_cache_dtype
+        config.model,
+        config.cache.page_size,
+        config.dtype,
+        p.tp,
+        p.pp,
+        config.cache.kv_cache_dtype,
+        groups.num_slots if groups.hybrid else None,
     )
     pages = int(free // page)
     if pages < 2:

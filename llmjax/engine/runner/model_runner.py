@@ -278,6 +278,7 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
                         num_layers=spec.num_draft_layers,
                         max_proposals=spec.num_speculative_tokens,
                         page_size=page_size,
+                        kv_groups=self.kv_groups,
                     )
 
             self._draft = jax.jit(
@@ -525,7 +526,8 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
     def draft(self, tokens, positions, page_indices, num_proposals) -> np.ndarray:
         """Speculative decoding's early-exit draft (`SpeculativeConfig.method == 'draft'`):
         each row's last token, its position, its page table (with pages for the drafted
-        tokens) and how many tokens to draft -> proposals [S, K] (-1 past each row's count).
+        tokens; [groups, S, P] every group's in the hybrid KV layout) and how many tokens to
+        draft -> proposals [S, K] (-1 past each row's count).
         Writes the first `num_draft_layers` layers' KV of the drafted positions."""
         args = (tokens, positions, page_indices, num_proposals)
         if self.mesh is not None:
