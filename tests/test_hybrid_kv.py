@@ -94,6 +94,22 @@ class HybridBlockManagerMachine(RuleBasedStateMachine):
         self.computed[rid] = cached
         self.check_reads(rid)
 
+    @rule(tokens=st.lists(st.integers(1, 4), min_size=2, max_size=30))
+    def arrive_with_kv(self, tokens):
+        """A request whose KV of all but its last token a transfer writes (P/D, a prefix fetch):
+        group 0 every page, each windowed group its window (holes before it)."""
+        rid, bm, c = f"r{next(self.ids)}", self.bm, len(tokens) - 1
+        if not bm.can_allocate(rid, len(tokens)):
+            return
+        pages = bm.allocate_import(rid, len(tokens), c)
+        assert pages == bm.kv_pages(rid, c) and len(pages) == bm.groups.kv_pages(c, self.ps)
+        for g, t in enumerate(bm.tables_of(rid)):  # the transfer writes them
+            for i in range(bm.groups.window_start(g, c, self.ps), pages_needed(c, self.ps)):
+                self.content[t[i]] = self.key(tokens, i)
+        self.requests[rid] = tokens
+        self.computed[rid] = c
+        self.check_reads(rid)
+
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), whole=st.booleans())
     def compute(self, data, whole):
@@ -166,6 +182,8 @@ class HybridBlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_invariants()
         for rid in self.requests:
             self.check_reads(rid)
+            c = self.computed[rid]  # what an export would move: no hole inside a window
+            assert len(self.bm.kv_pages(rid, c)) == self.bm.groups.kv_pages(c, self.ps)
             tables = self.bm.tables_of(rid)
             for g, t in enumerate(tables[1:], 1):  # windowed groups hold their window at most
                 held = sum(p != RESERVED_PAGE for p in t)
@@ -413,15 +431,62 @@ def test_what_needs_one_page_table_is_named():
     ).kv_groups.hybrid
 
 
-def test_disaggregated_roles_keep_one_page_table():
-    """A P/D transfer moves one table's pages: 'auto' is off on a prefill or decode instance,
-    'on' is refused there."""
-    from llmjax import LLM
+def test_disaggregated_serving_moves_every_group():
+    """A prefill and a decode instance with the hybrid layout: the transfer moves group 0's
+    pages and each windowed group's window (`BlockManager.kv_pages`; the decode side's windowed
+    tables start with holes), and greedy outputs equal one colocated engine's with one table.
+    Prompts of 3 to 52 tokens against an 8-token window: the window ends inside and past a
+    page, and one prompt is shorter than it."""
+    from llmjax import SamplingParams
+    from llmjax.cluster import InstanceSpec, launch
 
-    llm = LLM(_path("gemma3"), **OPTS, role="prefill")
-    assert llm.engine.block_manager.groups is None and llm.engine.runner.kv_groups is None
-    with pytest.raises(ValueError, match="role='decode' moves one page table"):
-        LLM(_path("gemma3"), **OPTS, role="decode", hybrid_kv_cache="on")
+    prompts = _prompts(_vocab("gemma3"), 2)
+    _, want, _ = _run("gemma3", prompts, hybrid_kv_cache="off")
+    cluster = launch(
+        _path("gemma3"), InstanceSpec.parse("prefill,decode"), **OPTS, hybrid_kv_cache="on"
+    )
+    outs = cluster.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    st = cluster.transfer_stats
+    assert st.num_transfers == len(prompts) and st.num_failures == st.num_recomputed == 0
+    for inst in cluster.instances:
+        bm = inst.engine.block_manager
+        assert bm.num_groups == 4
+        bm.check_invariants()
+        assert bm.num_used_pages == 0
+    groups = cluster.instances[0].engine.config.kv_groups
+    assert groups.kv_pages(52, 4) == 13 + 3 * 2  # 13 pages in group 0, 2 in each window
+
+
+def test_a_fetched_prefix_brings_its_windows():
+    """The Conductor's prefix fetch between two hybrid instances: the offer is the cached
+    prefix's group-0 pages and its bundles' window at its end; the destination caches them, a
+    request there reuses the prefix (its window past the shared tokens) and its greedy output
+    equals one table's."""
+    from llmjax import SamplingParams
+    from llmjax.cluster import InstanceSpec, launch
+
+    a, b = _prompts(_vocab("gemma3"), 0)[0], _prompts(_vocab("gemma3"), 0)[2]  # 40 shared
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    _, want, _ = _run("gemma3", [b], max_tokens=12, hybrid_kv_cache="off")
+    cluster = launch(
+        _path("gemma3"), InstanceSpec.parse("2xcolocated"), **OPTS, hybrid_kv_cache="on"
+    )
+    src, dst = (inst.engine for inst in cluster.instances)
+    src.add_request(a, params, request_id="a")
+    while src.has_unfinished_requests():
+        src.step()
+    got = cluster.fetch_prefix(0, 1, b)
+    assert got == 40  # the shared prefix's 10 full pages (b's own tokens are not cached at 0)
+    assert cluster.conductor_stats.fetched_tokens == 40
+    dst.add_request(b, params, request_id="b")
+    outs = {}
+    while dst.has_unfinished_requests():
+        outs |= {o.request_id: o for o in dst.step() if o.finished}
+    assert outs["b"].outputs[0].token_ids == want[0]
+    assert outs["b"].num_cached_tokens == 40
+    for engine in (src, dst):
+        engine.block_manager.check_invariants()
 
 
 def test_the_simulator_runs_the_layout():

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from configs import PRESETS
+from configs.tiny import TINY_GEMMA3
 from llmjax.bench.metrics import summarize
 from llmjax.bench.replay import replay
 from llmjax.bench.workloads import RequestSpec
@@ -23,14 +24,15 @@ from llmjax.sim.cluster import SimCluster, pack_nodes
 from llmjax.sim.roofline import kv_page_bytes_per_device
 
 TINY = PRESETS["tiny"]
+
 # 10 ms a step + 1 ms a new token + 2 ms a decoding sequence (FEATURES' order)
 COST = LinearCostModel((0.01, 0.001, 0.0, 0.002, 0.0))
 PAGE_SIZE = 4
 
 
-def _engine(role="colocated", num_pages=48, max_num_seqs=4, tp=1):
+def _engine(role="colocated", num_pages=48, max_num_seqs=4, tp=1, model=TINY):
     config = EngineConfig(
-        model=TINY,
+        model=model,
         device="sim",
         sim=SimConfig(cost_model=COST),  # hardware a100-80gb: its links for the transfers
         cache=CacheConfig(page_size=PAGE_SIZE),
@@ -38,12 +40,14 @@ def _engine(role="colocated", num_pages=48, max_num_seqs=4, tp=1):
         parallel=ParallelConfig(tp=tp),
         max_model_len=64,
     )
+    # the same memory whatever the layout (the hybrid one's pages hold num_slots layers)
+    num_pages = num_pages * model.num_layers // config.kv_groups.num_slots
     return LLMEngine(config, params=None, num_pages=num_pages, role=role)
 
 
-def _disagg(num_prefill=1, num_decode=2, prefill_pages=48, decode_pages=48, **kw):
-    engines = [_engine("prefill", prefill_pages) for _ in range(num_prefill)]
-    engines += [_engine("decode", decode_pages) for _ in range(num_decode)]
+def _disagg(num_prefill=1, num_decode=2, prefill_pages=48, decode_pages=48, model=TINY, **kw):
+    engines = [_engine("prefill", prefill_pages, model=model) for _ in range(num_prefill)]
+    engines += [_engine("decode", decode_pages, model=model) for _ in range(num_decode)]
     return SimCluster(engines, "round_robin", **kw)
 
 
@@ -99,10 +103,13 @@ def _record_transfers(cluster):
     return log
 
 
-def test_every_request_finishes_with_the_colocated_tokens_and_no_page_is_left():
+@pytest.mark.parametrize("model", [TINY, TINY_GEMMA3], ids=["tiny", "gemma3-hybrid-kv"])
+def test_every_request_finishes_with_the_colocated_tokens_and_no_page_is_left(model):
+    """(Tiny Gemma 3: the hybrid KV layout on both sides, its windows moved.)"""
     specs = _workload()
-    colocated = replay(SimCluster([_engine(), _engine()], "round_robin"), specs)
-    cluster = _disagg()
+    colocated = replay(SimCluster([_engine(model=model), _engine(model=model)]), specs)
+    cluster = _disagg(model=model)
+    assert cluster.instances[0].block_manager.num_groups == (5 if model is TINY_GEMMA3 else 1)
     steps = _record_steps(cluster)
     outs = replay(cluster, specs)
     assert [len(o.token_ids) for o in outs] == [s.output_len for s in specs]
@@ -160,7 +167,7 @@ def test_nvlink_within_a_node_the_network_across_and_the_layouts():
     p2 = _engine("prefill", tp=2)
     engines = [p2, _engine("decode"), _engine("decode")]
     cluster = SimCluster(engines, node_of=[0, 0, 1])
-    m = type("M", (), {"num_kv_pages": lambda self, ps: 5})()
+    m = type("M", (), {"num_kv_tokens": 5 * PAGE_SIZE})()
     local, nbytes = cluster.transfer_seconds(0, 1, m)
     remote, _ = cluster.transfer_seconds(0, 2, m)
     full = 5 * kv_page_bytes_per_device(TINY, PAGE_SIZE, "float32", 1, 1)  # the decode side's
@@ -171,6 +178,15 @@ def test_nvlink_within_a_node_the_network_across_and_the_layouts():
         [_engine("prefill"), _engine("decode")], transfer_bandwidth=1e12, transfer_latency_s=0
     )
     assert fast.transfer_seconds(0, 1, m)[0] == pytest.approx(full / 1e12)
+    # the hybrid KV layout (tiny Gemma 3: 5 layers, 4 with a window of W tokens): group 0's 5
+    # pages of 1 layer and each windowed group's window, not 5 pages of 5 layers
+    gemma = [_engine("prefill", model=TINY_GEMMA3), _engine("decode", model=TINY_GEMMA3)]
+    assert gemma[0].block_manager.num_groups == 5
+    _, nbytes = SimCluster(gemma).transfer_seconds(0, 1, m)
+    layer_page = kv_page_bytes_per_device(TINY_GEMMA3, PAGE_SIZE, "float32", 1, 1) // 5
+    n, w = 5 * PAGE_SIZE, TINY_GEMMA3.sliding_window
+    window = 5 - max(0, (n - w + 1) // PAGE_SIZE)  # pages from the window's start
+    assert 0 < window < 5 and nbytes == (5 + 4 * window) * layer_page
 
     def sized(tp):
         return type("E", (), {"config": _engine(tp=tp).config})()
@@ -324,16 +340,17 @@ _request = st.tuples(
     decode_pages=st.integers(8, 16),
     bandwidth=st.sampled_from([None, 1e4, 1e5]),
     requests=st.lists(_request, min_size=2, max_size=25),
+    model=st.sampled_from([TINY, TINY_GEMMA3]),  # (Gemma 3: the hybrid KV layout)
 )
 def test_disaggregated_invariants(
-    num_prefill, num_decode, prefill_pages, decode_pages, bandwidth, requests
+    num_prefill, num_decode, prefill_pages, decode_pages, bandwidth, requests, model
 ):
     """Random arrivals, lengths, aborts, small caches (preemption on the decode side, requests
     parked for lack of room, some too long for a decode cache), slow or fast transfers: after
     every step each clock and the cluster's time are non-decreasing and every open request is
     in exactly one place; every step on an instance sees only arrivals and commits up to its
     start; at the end each request finished or was aborted, once, and no page is held."""
-    cluster = _disagg(num_prefill, num_decode, prefill_pages, decode_pages,
+    cluster = _disagg(num_prefill, num_decode, prefill_pages, decode_pages, model=model,
                       transfer_bandwidth=bandwidth)  # fmt: skip
     steps = _record_steps(cluster)
     transfers = _record_transfers(cluster)

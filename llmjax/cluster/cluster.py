@@ -236,12 +236,13 @@ class Cluster(FailureRecovery, Pulls):
         t = time.perf_counter()
         try:
             ns = {} if namespace is None else {"namespace": namespace}
-            offer, _ = src.export_prefix(token_ids, **ns)
+            offer, num_tokens = src.export_prefix(token_ids, **ns)
             if offer is None:
                 st.num_fetches_recomputed += 1
                 return 0
             before = dst.cached_prefix_tokens([*token_ids, 0], **ns)
-            got = dst.import_prefix(token_ids, offer, self.transfer_timeout_s, **ns)
+            ids = list(token_ids)[:num_tokens]  # (the offer's tokens)
+            got = dst.import_prefix(ids, offer, self.transfer_timeout_s, **ns)
         except Exception as e:
             logger.warning("prefix fetch %d -> %d failed (%r): recomputing it", source, dest, e)
             st.num_fetches_recomputed += 1

@@ -204,28 +204,38 @@ class LocalInstance:
         `namespace` (an adapter's; None: the base model's) through the transport: (offer, its
         tokens), or (None, 0) when nothing is cached. The pages are gathered at once, so the
         cache may evict them afterwards."""
-        if self.engine.block_manager.groups is not None:
-            return None, 0  # a hybrid KV layout's prefix is more than one table's pages
-        m = self.engine.block_manager.prefix_cache.match(list(token_ids), namespace)
-        if not m.num_tokens or self.transport is None:
+        bm = self.engine.block_manager
+        if not bm.caching or self.transport is None:
+            return None, 0
+        bm.prefix_cache.match(list(token_ids), namespace)  # (its recency)
+        # in the hybrid KV layout: group 0's pages, then each windowed group's window
+        num_tokens, pages = bm.prefix_kv_pages(list(token_ids), namespace)
+        if not num_tokens:
             return None, 0
         self._num_prefix_offers += 1
         offer = self.transport.offer(
-            self.engine.runner, f"__prefix__{self._num_prefix_offers}", list(m.pages)
+            self.engine.runner, f"__prefix__{self._num_prefix_offers}", pages
         )
-        return offer, m.num_tokens
+        return offer, num_tokens
 
     def import_prefix(
         self, token_ids, offer: Offer, timeout_s: float = 30.0, namespace: bytes | None = None
     ) -> int:
-        """Write the offered prefix KV of `token_ids` into fresh pages here and insert them
-        into the prefix cache under `namespace` (LRU pages evicted to make room); releases the
-        offer. Returns the prefix tokens cached here now (those already cached when there is no
-        room)."""
-        if self.engine.block_manager.groups is not None:
-            raise NotImplementedError("prefix fetches into a hybrid KV layout")
+        """Write the offered prefix KV of `token_ids` (`export_prefix`'s tokens; longer ones
+        are cut to the offer's) into fresh pages here and insert them into the prefix cache
+        under `namespace` (LRU pages evicted to make room); releases the offer. Returns the
+        prefix tokens cached here now (those already cached when there is no room)."""
         bm = self.engine.block_manager
-        ids = list(token_ids)[: offer.num_pages * bm.page_size]
+        groups = self.engine.config.kv_groups if bm.groups is not None else None
+        ids = list(token_ids)[: len(token_ids) // bm.page_size * bm.page_size]
+        if groups is None:
+            ids = ids[: offer.num_pages * bm.page_size]
+        elif groups.kv_pages(len(ids), bm.page_size) != offer.num_pages:
+            self.transport.release(offer)
+            raise ValueError(
+                f"a prefix offer of {offer.num_pages} pages is not the KV of {len(ids)} tokens "
+                "in this instance's hybrid KV layout (pass export_prefix's tokens)"
+            )
         holder = f"__prefix_fetch__{offer.transfer_id}"
         try:
             if not bm.caching or not bm.can_allocate(holder, len(ids)):
@@ -238,7 +248,7 @@ class LocalInstance:
                     raise TransferError(f"prefix fetch passed its deadline ({timeout_s:g} s)")
                 time.sleep(0.001)
                 data = self.transport.poll(handle)
-            pages = bm.allocate(holder, len(ids))[: offer.num_pages]
+            pages = bm.allocate_import(holder, len(ids), len(ids))
             if self.engine.kv_tiers is not None:  # write-backs of evicted pages go first
                 self.engine.kv_tiers.dispatch()
             try:

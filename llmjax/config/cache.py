@@ -52,8 +52,8 @@ class CacheConfig:
     layers beside full-attention ones (Gemma 2 and 3) keeps one page table per group of layers,
     and a windowed group holds only its window's pages, so a long sequence costs full pages
     only in its full-attention layers. 'auto' (the default) uses it where the model has both
-    kinds of layer and nothing asks for one table (sparse KV, the KV tiers, pp > 1, the P/D
-    roles); 'on' insists (an error names what is in the way); 'off' keeps one
+    kinds of layer and nothing asks for one table (sparse KV, the KV tiers, pp > 1); 'on'
+    insists (an error names what is in the way); 'off' keeps one
     page table for every layer. `num_pages` then counts pages of the layout's `num_slots`
     layers (fewer than the model's: more pages in the same memory).
     """
@@ -195,6 +195,20 @@ class KVGroups:
         """The most pages a token's window spans in `group` (None: every page)."""
         w = self.windows[group]
         return None if w is None else -(-(w - 1) // page_size) + 1
+
+    def window_start(self, group: int, num_tokens: int, page_size: int) -> int:
+        """The first page of `group`'s table a step still reads when its next token is at
+        position `num_tokens` (0 for a full-attention group): keys at positions
+        > num_tokens - window stay visible."""
+        w = self.windows[group]
+        return 0 if w is None else max(0, (num_tokens - w + 1) // page_size)
+
+    def kv_pages(self, num_tokens: int, page_size: int) -> int:
+        """Pages holding the KV that the steps after a sequence's first `num_tokens` tokens
+        read, over every group (what a KV transfer of those tokens moves: each group's pages
+        from its window's start)."""
+        n = -(-num_tokens // page_size)
+        return sum(n - self.window_start(g, num_tokens, page_size) for g in range(self.num_groups))
 
     def pages_for(self, num_tokens: int, page_size: int) -> int:
         """Pool pages a sequence of `num_tokens` holds at most, over every group (whose

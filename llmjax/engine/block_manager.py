@@ -321,6 +321,60 @@ class BlockManager:
                     self._refs[t[-1]] = 1
         return table
 
+    def allocate_import(self, request_id: str, num_tokens: int, num_kv_tokens: int) -> list[int]:
+        """Tables for a request arriving with the KV of its first `num_kv_tokens` tokens (a KV
+        transfer writes them: P/D, a prefix fetch), room for `num_tokens`: group 0 every page,
+        a windowed group holes before its window's start, pages from there; returns the pages
+        the transfer writes, in `kv_pages`' order. Raises RuntimeError if they cannot be had."""
+        if request_id in self.page_tables:
+            raise ValueError(f"allocate_import: {request_id=} already has pages")
+        if self.groups is None:
+            table = self.allocate(request_id, num_tokens)
+            return table[: pages_needed(num_kv_tokens, self.page_size)]
+        n = pages_needed(num_tokens, self.page_size)
+        starts = [self._window_start(g, num_kv_tokens) for g in range(1, self.num_groups)]
+        missing = n + sum(n - s for s in starts)
+        self._make_room(missing)
+        if missing > len(self._free):
+            raise RuntimeError(
+                f"out of KV pages: {request_id=} needs {missing}, {len(self._free)} free"
+            )
+        self.page_tables[request_id] = [self._free.popleft() for _ in range(n)]
+        tables = self.group_tables[request_id] = []
+        for start in starts:
+            t = [RESERVED_PAGE] * start
+            for _ in range(n - start):
+                t.append(self._free.popleft())
+                self._refs[t[-1]] = 1
+            tables.append(t)
+        return self.kv_pages(request_id, num_kv_tokens)
+
+    def kv_pages(self, request_id: str, num_tokens: int) -> list[int]:
+        """The pages holding the KV of `request_id`'s first `num_tokens` tokens that its next
+        steps read, in order: group 0's, then each windowed group's from its window's start
+        (what a KV transfer of them moves; `KVGroups.kv_pages` counts them)."""
+        k = pages_needed(num_tokens, self.page_size)
+        tables = self.tables_of(request_id)
+        out = list(tables[0][:k]) if tables else []
+        for g, t in enumerate(tables[1:], 1):
+            out += t[self._window_start(g, num_tokens) : k]
+        assert RESERVED_PAGE not in out, f"{request_id}: a hole inside its window"
+        return out
+
+    def prefix_kv_pages(self, token_ids: Sequence[int], namespace: bytes | None = None):
+        """The longest cached prefix of `token_ids` whose windows are resident: (its tokens,
+        its pages in `kv_pages`' order: group 0's, then each windowed group's from the window
+        before its end, out of the bundles). Changes nothing."""
+        pages = self.prefix_cache.match_pages(token_ids, namespace) if self.caching else []
+        if self.groups is not None:
+            pages = pages[: self._usable(pages)]
+        num_tokens = len(pages) * self.page_size
+        out = list(pages)
+        for g in range(1, self.num_groups):
+            for i in range(self._window_start(g, num_tokens), len(pages)):
+                out.append(self._bundles[pages[i]][g - 1])
+        return num_tokens, out
+
     def _make_room(self, num_pages: int) -> None:
         """Free pages until `num_pages` are free (or nothing more can go): droppable windowed
         pages first, oldest first, then the prefix cache's LRU pages."""
@@ -363,9 +417,8 @@ class BlockManager:
 
     def _window_start(self, group: int, num_tokens: int) -> int:
         """The first page windowed group `group` (1..) may still read when the next token is at
-        position `num_tokens`: keys at positions > num_tokens - window stay visible."""
-        window = self.groups.windows[group]
-        return max(0, (num_tokens - window + 1) // self.page_size)
+        position `num_tokens` (`KVGroups.window_start`)."""
+        return self.groups.window_start(group, num_tokens, self.page_size)
 
     def _usable(self, pages: Sequence[int]) -> int:
         """The longest prefix of the cached group-0 `pages` whose bundles hold every windowed

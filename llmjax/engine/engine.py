@@ -20,7 +20,6 @@ ids outside the vocabulary) is rejected: its output says why, and the other requ
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -100,12 +99,6 @@ class LLMEngine(EngineRoles, EngineWeights):
                 f"sparse_kv='none' on a real device (got pp={config.parallel.pp}, "
                 f"sparse_kv={config.sparse_kv.mode!r}); the simulator models any layout"
             )
-        if role != "colocated" and config.cache.hybrid_kv_cache != "off":
-            # a transfer moves one page table's pages: the hybrid layout stays colocated for now
-            if config.cache.hybrid_kv_cache == "on" and config.kv_groups.hybrid:
-                raise ValueError(f"role={role!r} moves one page table: hybrid_kv_cache='off'")
-            cache = dataclasses.replace(config.cache, hybrid_kv_cache="off")
-            config = config.replace(cache=cache)
         if config.device == "sim" and clock is WALL_CLOCK:
             clock = VirtualClock()
         if num_pages is None:

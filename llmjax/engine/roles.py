@@ -72,16 +72,14 @@ class EngineRoles:
 
     def export_request(self, request_id: str) -> tuple[MigratedRequest, list[int]]:
         """A parked request (role 'prefill') as it leaves: its state and the pages that hold
-        its computed tokens' KV, in order. It stays parked (pages held) until
-        `release_request`."""
+        its computed tokens' KV, in order (`BlockManager.kv_pages`). It stays parked (pages
+        held) until `release_request`."""
         req = self.parked.get(request_id)
         if req is None:
             raise KeyError(f"request {request_id!r} is not parked here (role={self.role!r})")
         n = req.num_computed_tokens
-        pages = self.block_manager.page_tables[request_id][
-            : pages_needed(n, self.block_manager.page_size)
-        ]
-        return _migrated(req, n), list(pages)
+        # every group's pages in the hybrid KV layout (a windowed group's window only)
+        return _migrated(req, n), self.block_manager.kv_pages(request_id, n)
 
     def release_request(self, request_id: str) -> None:
         """The parked request's KV has moved on: free its pages here (its prompt's full pages
@@ -123,9 +121,10 @@ class EngineRoles:
         return i not in ids and len(ids) >= self.config.lora.max_loras
 
     def reserve_import(self, m: MigratedRequest) -> list[int]:
-        """Take pages for `m` (all its tokens so far); returns the first `m.num_kv_pages` of
-        them, in order, for the KV transfer to write. The request is not scheduled until
-        `commit_import`."""
+        """Take pages for `m` (all its tokens so far); returns those the KV transfer writes, in
+        `export_request`'s order (its KV tokens' pages: in the hybrid KV layout group 0's, then
+        each windowed group's window, `BlockManager.allocate_import`). The request is not
+        scheduled until `commit_import`."""
         if m.request_id in self._live:
             raise ValueError(f"request_id={m.request_id!r} is already live here")
         if self._import_lora_full(m):
@@ -134,16 +133,12 @@ class EngineRoles:
                 f"more than this engine's adapter slots (can_accept says when it fits)"
             )
         req = self._request_from(m)
-        self.block_manager.allocate(m.request_id, m.num_tokens)
+        pages = self.block_manager.allocate_import(m.request_id, m.num_tokens, m.num_kv_tokens)
         if self.kv_tiers is not None:
             self.kv_tiers.dispatch()  # write-backs of the evicted pages, before the import
         self._receiving[m.request_id] = (req, m.num_kv_tokens)
         self._live.add(m.request_id)
-        return list(
-            self.block_manager.page_tables[m.request_id][
-                : m.num_kv_pages(self.block_manager.page_size)
-            ]
-        )
+        return pages
 
     def commit_import(self, request_id: str) -> None:
         """The KV transfer into the reserved pages is done: the request joins the running batch

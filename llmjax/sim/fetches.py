@@ -113,10 +113,11 @@ class PrefixFetches:
         bm = engine.block_manager
         tokens = list(fetch.request.prompt_token_ids[: fetch.num_tokens])
         holder = f"__prefix_fetch__{rid}"  # a page table only for the insert
+        tokens = tokens[: len(tokens) // bm.page_size * bm.page_size]
         while tokens and not bm.can_allocate(holder, len(tokens)):
             tokens = tokens[: len(tokens) - bm.page_size]  # what fits (LRU pages evicted)
         if tokens:
-            bm.allocate(holder, len(tokens))
+            bm.allocate_import(holder, len(tokens), len(tokens))  # (hybrid: the windows only)
             # offers its full pages to the prefix cache (its adapter's tree, if it has one)
             bm.free(holder, tokens, fetch.request.cache_namespace)
         self._admit(fetch.dest, fetch.request, fetch.prompt, fetch.end)

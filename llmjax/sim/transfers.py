@@ -6,7 +6,7 @@ between instances or from the KV pool (Mooncake's fetches).
     seconds, nbytes = model.transfer_seconds(i, j, migrated_request)
 
 A transfer takes  latency + max(KV bytes per sending device, per receiving device) / bandwidth
-(each side's pages in its own layout, `kv_page_bytes_per_device`): the node's links
+(each side's pages in its own layout, `kv_bytes_per_device`): the node's links
 (`Hardware.link_bandwidth`, `link_latency_s`) when both instances are in one node, else the
 network (`network_bandwidth`, `network_latency_s`); `transfer_bandwidth` / `transfer_latency_s`
 override both. From the pool: latency + the receiving instance's bytes per device / the pool's
@@ -40,6 +40,25 @@ def pack_nodes(engines: Sequence) -> list[int]:
     return nodes
 
 
+def kv_bytes_per_device(config, num_tokens: int) -> int:
+    """Each device's bytes of the KV pages that hold `num_tokens` tokens for the steps after
+    them, in `config`'s layout: its page size, KV dtype, tp and pp, and in the hybrid KV layout
+    (`EngineConfig.kv_groups`) pages of `num_slots` layers, group 0's and each windowed
+    group's window (`KVGroups.kv_pages`: what the real transfer moves)."""
+    c, groups = config, config.kv_groups
+    ps = c.cache.page_size
+    page = kv_page_bytes_per_device(
+        c.model,
+        ps,
+        c.dtype,
+        c.parallel.tp,
+        c.parallel.pp,
+        c.cache.kv_cache_dtype,
+        groups.num_slots if groups.hybrid else None,
+    )
+    return groups.kv_pages(num_tokens, ps) * page
+
+
 class TransferModel:
     """The modeled KV transfer times of a simulated cluster (the module doc)."""
 
@@ -70,22 +89,19 @@ class TransferModel:
     def transfer_seconds(self, source: int, dest: int, m: MigratedRequest) -> tuple[float, int]:
         """The modeled time of moving `m`'s KV from instance `source` to `dest` (the module
         doc) and the bytes the receiving devices get."""
-        return self._kv_seconds(source, dest, m.num_kv_pages)
+        return self._kv_seconds(source, dest, m.num_kv_tokens)
 
     def kv_transfer_seconds(self, source: int, dest: int, num_tokens: int) -> tuple[float, int]:
         """The modeled time of moving the KV pages of `num_tokens` tokens from instance
         `source` to `dest` (the module doc) and the bytes the receiving devices get."""
-        return self._kv_seconds(source, dest, lambda page_size: -(-num_tokens // page_size))
+        return self._kv_seconds(source, dest, num_tokens)
 
     def kv_pool_seconds(self, dest: int, num_tokens: int) -> tuple[float, int]:
         """The modeled time of moving the KV pages of `num_tokens` tokens from the KV pool to
         instance `dest` (the module doc) and the bytes its devices get."""
         c = self.engines[dest].config
         tp, pp = c.parallel.tp, c.parallel.pp
-        pages = -(-num_tokens // c.cache.page_size)
-        per_device = pages * kv_page_bytes_per_device(
-            c.model, c.cache.page_size, c.dtype, tp, pp, c.cache.kv_cache_dtype
-        )
+        per_device = kv_bytes_per_device(c, num_tokens)
         hw = c.sim.hardware
         bandwidth = self.kv_pool_bandwidth or self.transfer_bandwidth or hw.network_bandwidth
         latency = self.kv_pool_latency_s
@@ -95,17 +111,13 @@ class TransferModel:
             latency = hw.network_latency_s
         return latency + per_device / bandwidth, int(per_device * tp * pp)
 
-    def _kv_seconds(self, source: int, dest: int, num_pages) -> tuple[float, int]:
-        """`transfer_seconds` of `num_pages(page_size)` pages on each side."""
+    def _kv_seconds(self, source: int, dest: int, num_tokens: int) -> tuple[float, int]:
+        """`transfer_seconds` of `num_tokens` tokens' KV pages on each side."""
         per_device, total = [], 0
         for k in (source, dest):
             c = self.engines[k].config
-            tp, pp = c.parallel.tp, c.parallel.pp
-            page = kv_page_bytes_per_device(
-                c.model, c.cache.page_size, c.dtype, tp, pp, c.cache.kv_cache_dtype
-            )
-            per_device.append(num_pages(c.cache.page_size) * page)
-            total = per_device[-1] * tp * pp  # the receiving side's (dest is last)
+            per_device.append(kv_bytes_per_device(c, num_tokens))
+            total = per_device[-1] * c.parallel.tp * c.parallel.pp  # the receiving side's
         hw = self.engines[dest].config.sim.hardware
         local = self.nodes[source] == self.nodes[dest] and all(
             self.engines[k].config.parallel.tp * self.engines[k].config.parallel.pp
