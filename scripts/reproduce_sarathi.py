@@ -238,7 +238,7 @@ def main(argv):
     if bad:
         raise app.UsageError(f"unknown {bad}")
     jobs = [
-        (m, d, s, a, k)
+        (m, d, s, a, k, h)
         for m in FLAGS.models
         for d in FLAGS.datasets
         for s in FLAGS.slos

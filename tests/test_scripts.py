@@ -201,6 +201,18 @@ def test_reproduce_sarathi_prints_ours_beside_the_paper(tmp_path):
     assert "fp8_e4m3" in stdout
 
 
+def test_reproduce_sarathi_compares_the_hybrid_kv_layout(tmp_path):
+    out = tmp_path / "rep.json"
+    _run(
+        "reproduce_sarathi.py", "--models=gemma3-27b", "--datasets=arxiv", "--slos=relaxed",
+        "--num_requests=16", "--capacity_max_iters=2", "--jobs=2", f"--json_out={out}",
+        "--hybrid_kv_cache=off,on",
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["capacity"]
+    assert [r["hybrid_kv_cache"] for r in rows] == ["off", "on"]
+    assert all(r["capacity_qps"]["sarathi"] > 0 for r in rows)
+
+
 def test_profile_serving_counts_real_and_padded_tokens_per_bucket(tmp_path):
     """scripts/profile_serving.py on the tiny model, two token-bucket settings in one process:
     every step accounted for (real tokens = prompts + decodes), padding only with the coarser
