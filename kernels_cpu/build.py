@@ -116,17 +116,32 @@ def build() -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it
         if os.path.exists(path):
             return path
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so")
-        os.close(fd)
-        cmd = [cxx, *FLAGS, "-I", _include_dir(), "-I", CSRC]
-        cmd += [os.path.join(CSRC, s) for s in SOURCES] + ["-o", tmp]
-        logger.info("building the CPU kernels: %s", " ".join(cmd))
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            os.unlink(tmp)
-            raise KernelsUnavailable(f"compiling the CPU kernels failed:\n{done.stderr[-4000:]}")
-        os.replace(tmp, path)
+        with tempfile.TemporaryDirectory(dir=out_dir) as work:
+            tmp = os.path.join(work, LIBRARY)
+            _compile_and_link(cxx, work, tmp)
+            os.replace(tmp, path)
     return path
+
+
+def _compile_and_link(cxx: str, work: str, out: str) -> None:
+    """Each source compiled to an object at once (one compiler process each: the sources
+    build in parallel on the cores that are free), then linked into `out`."""
+    compile_flags = [f for f in FLAGS if f != "-shared"]
+    procs, objects = [], []
+    for source in SOURCES:
+        obj = os.path.join(work, source + ".o")
+        cmd = [cxx, *compile_flags, "-c", "-I", _include_dir(), "-I", CSRC]
+        cmd += [os.path.join(CSRC, source), "-o", obj]
+        logger.info("building the CPU kernels: %s", " ".join(cmd))
+        procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+        objects.append(obj)
+    errors = [p.communicate()[1] for p in procs]  # (each waits for its process)
+    if any(p.returncode for p in procs):
+        stderr = "\n".join(e for p, e in zip(procs, errors, strict=True) if p.returncode)
+        raise KernelsUnavailable(f"compiling the CPU kernels failed:\n{stderr[-4000:]}")
+    done = subprocess.run([cxx, *FLAGS, *objects, "-o", out], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise KernelsUnavailable(f"linking the CPU kernels failed:\n{done.stderr[-4000:]}")
 
 
 def load() -> str:

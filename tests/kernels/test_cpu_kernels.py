@@ -30,6 +30,22 @@ def test_the_kernels_build_and_load():
     assert kernels_cpu.available()
 
 
+def test_a_failing_compiler_is_named_and_leaves_nothing(tmp_path, monkeypatch):
+    """The sources compile in parallel, one process each: a compiler that fails raises
+    KernelsUnavailable with its errors, and no library (nor a half-written one) is left."""
+    from kernels_cpu import build
+
+    cxx = tmp_path / "cxx"
+    cxx.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\necho "cxx: no $*" >&2\nexit 1\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(build.KernelsUnavailable, match="compiling the CPU kernels failed"):
+        build.build()
+    left = [f for _, _, files in os.walk(tmp_path / "cache") for f in files if f != ".lock"]
+    assert left == []
+
+
 def test_the_engines_compiled_follow_the_cpu_and_decide_the_models_matmul():
     """The kernels report the engine -march=native gave them (portable without AVX-512; the
     attention's int8 scores with VNNI), and the model takes the matmuls only with a vector
