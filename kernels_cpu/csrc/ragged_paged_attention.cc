@@ -717,39 +717,71 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
   return ffi::Error::Success();
 }
 
-template <typename E>
-ffi::Error RunKv(int64_t kv_format, ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
-                 ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales,
-                 ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
-                 ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
-                 ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t sliding_window,
-                 float soft_cap, bool int8_scores, ffi::Result<ffi::AnyBuffer> out) {
-  switch (kv_format) {
-    case 0:
-      return Run<E, E>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens, page_indices,
-                       cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
-                       int8_scores, out);
-    case 1:
-      return Run<E, int8_t>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens, page_indices,
-                            cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
-                       int8_scores, out);
-    case 2:
-      return Run<E, Fp8E4M3>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
-                             page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window,
-                             soft_cap, int8_scores, out);
-    default:
-      return Run<E, Fp8E5M2>(pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
-                             page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window,
-                             soft_cap, int8_scores, out);
-  }
-}
+}  // namespace
+
+// Run<E, KE> for each (q dtype, KV dtype) as a function of its own, so that kernels_cpu/build.py
+// compiles them in separate translation units at once: LLMJAX_RPA_PART = k (1..8) defines the
+// k-th, 0 the FFI handler that dispatches to them, and without it (one translation unit)
+// everything. Most of the build's time is these instantiations (16 tile sizes each).
+#ifndef LLMJAX_RPA_PART
+#define LLMJAX_RPA_PART -1
+#endif
+#define LLMJAX_RPA_PARAMS                                                                       \
+  ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,        \
+      ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,                           \
+      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,                        \
+      ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,           \
+      int64_t sliding_window, float soft_cap, bool int8_scores, ffi::Result<ffi::AnyBuffer> out
+#define LLMJAX_RPA_CALL                                                                         \
+  pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens, page_indices, cu_q_lens, num_seqs,    \
+      sm_scale, sliding_window, soft_cap, int8_scores, out
+#define LLMJAX_RPA_PART_IS(k) (LLMJAX_RPA_PART < 0 || LLMJAX_RPA_PART == (k))
+
+using RunFn = ffi::Error (*)(LLMJAX_RPA_PARAMS);
+// by kv_format (0 q's dtype, 1 int8, 2 fp8_e4m3, 3 fp8_e5m2), float32 q then bfloat16 q
+ffi::Error RunF32(LLMJAX_RPA_PARAMS);
+ffi::Error RunF32Int8(LLMJAX_RPA_PARAMS);
+ffi::Error RunF32E4M3(LLMJAX_RPA_PARAMS);
+ffi::Error RunF32E5M2(LLMJAX_RPA_PARAMS);
+ffi::Error RunBF16(LLMJAX_RPA_PARAMS);
+ffi::Error RunBF16Int8(LLMJAX_RPA_PARAMS);
+ffi::Error RunBF16E4M3(LLMJAX_RPA_PARAMS);
+ffi::Error RunBF16E5M2(LLMJAX_RPA_PARAMS);
+
+#if LLMJAX_RPA_PART_IS(1)
+ffi::Error RunF32(LLMJAX_RPA_PARAMS) { return Run<float, float>(LLMJAX_RPA_CALL); }
+#endif
+#if LLMJAX_RPA_PART_IS(2)
+ffi::Error RunF32Int8(LLMJAX_RPA_PARAMS) { return Run<float, int8_t>(LLMJAX_RPA_CALL); }
+#endif
+#if LLMJAX_RPA_PART_IS(3)
+ffi::Error RunF32E4M3(LLMJAX_RPA_PARAMS) { return Run<float, Fp8E4M3>(LLMJAX_RPA_CALL); }
+#endif
+#if LLMJAX_RPA_PART_IS(4)
+ffi::Error RunF32E5M2(LLMJAX_RPA_PARAMS) { return Run<float, Fp8E5M2>(LLMJAX_RPA_CALL); }
+#endif
+#if LLMJAX_RPA_PART_IS(5)
+ffi::Error RunBF16(LLMJAX_RPA_PARAMS) { return Run<uint16_t, uint16_t>(LLMJAX_RPA_CALL); }
+#endif
+#if LLMJAX_RPA_PART_IS(6)
+ffi::Error RunBF16Int8(LLMJAX_RPA_PARAMS) { return Run<uint16_t, int8_t>(LLMJAX_RPA_CALL); }
+#endif
+#if LLMJAX_RPA_PART_IS(7)
+ffi::Error RunBF16E4M3(LLMJAX_RPA_PARAMS) { return Run<uint16_t, Fp8E4M3>(LLMJAX_RPA_CALL); }
+#endif
+#if LLMJAX_RPA_PART_IS(8)
+ffi::Error RunBF16E5M2(LLMJAX_RPA_PARAMS) { return Run<uint16_t, Fp8E5M2>(LLMJAX_RPA_CALL); }
+#endif
+
+#if LLMJAX_RPA_PART_IS(0)
+namespace {
 
 ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                     ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales,
                     ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
                     ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                     ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t sliding_window,
-                    float soft_cap, int64_t kv_format, int64_t int8_scores,
+                    float soft_cap, int64_t kv_format, int64_t int8_scores_attr,
                     ffi::Result<ffi::AnyBuffer> out) {
   auto dtype = q.element_type();
   if (kv_format < 0 || kv_format > 3)
@@ -770,21 +802,20 @@ ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pag
     if (k_scales.element_count() != rows || v_scales.element_count() != rows)
       return ffi::Error::InvalidArgument("want k/v scales [num_pages, G, K, 1] float32");
   }
-  if (dtype == ffi::DataType::F32)
-    return RunKv<float>(kv_format, pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
-                        page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
-                        int8_scores != 0, out);
-  if (dtype == ffi::DataType::BF16)
-    return RunKv<uint16_t>(kv_format, pool, q, k_pages, v_pages, k_scales, v_scales, kv_lens,
-                           page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap,
-                           int8_scores != 0, out);
+  static constexpr RunFn kRuns[2][4] = {{RunF32, RunF32Int8, RunF32E4M3, RunF32E5M2},
+                                        {RunBF16, RunBF16Int8, RunBF16E4M3, RunBF16E5M2}};
+  const bool int8_scores = int8_scores_attr != 0;
+  if (dtype == ffi::DataType::F32) return kRuns[0][kv_format](LLMJAX_RPA_CALL);
+  if (dtype == ffi::DataType::BF16) return kRuns[1][kv_format](LLMJAX_RPA_CALL);
   return ffi::Error::InvalidArgument("ragged paged attention (CPU) takes float32 or bfloat16");
 }
 
 }  // namespace
+#endif  // LLMJAX_RPA_PART_IS(0)
 
 }  // namespace llmjax_cpu
 
+#if LLMJAX_RPA_PART_IS(0)
 // The engine compiled for this CPU (kernels_cpu/build.py's `engines()`): 0 portable (one query
 // row at a time), 1 AVX-512 tiles, 2 those with an int8 cache's scores as VNNI int8 dots.
 extern "C" int LlmjaxRaggedPagedAttentionEngine() {
@@ -809,3 +840,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxRaggedPagedAttention, llmjax_cpu::Dispatch,
                                   .Attr<int64_t>("kv_format")
                                   .Attr<int64_t>("int8_scores")
                                   .Ret<xla::ffi::AnyBuffer>());
+#endif  // LLMJAX_RPA_PART_IS(0)
