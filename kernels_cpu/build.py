@@ -8,9 +8,9 @@ flags, jaxlib's version and the CPU's feature flags: later processes load it in 
 concurrent ones (test workers) build it once (a lock file; the library is renamed into place
 complete). The compiler runs once per translation unit, all at once (`UNITS`: the attention
 kernel in nine parts), then links: 41 s on this 2-core VM against 57.5 s for one compiler
-process over the three sources. `LLMJAX_CPU_KERNELS=0` turns the kernels off; `CXX` picks the compiler. When no
-compiler works, `load()` raises `KernelsUnavailable` with the reason, and callers fall back to
-the plain-jnp paths.
+process over the three sources. `LLMJAX_CPU_KERNELS=0` turns the kernels off; `CXX` picks the
+compiler. When no compiler works, `load()` raises `KernelsUnavailable` with the reason, and
+callers fall back to the plain-jnp paths.
 
 `engines()` names the code paths the library was compiled with for this CPU. The matmul kernels
 are written for AVX-512 (VNNI, bf16 dots, AMX); on a CPU without it (AVX2 only: AMD Zen 2/3,
