@@ -206,6 +206,19 @@ def test_sim_cost_model_follows_the_simulator():
     hw = config.sim.hardware
     assert m.transfer_seconds(0) == 0.0
     assert m.transfer_seconds(64) > hw.network_latency_s
+    # the hybrid KV layout (tiny Gemma 3): its expected transfer is what the simulator moves
+    from configs.tiny import TINY_GEMMA3
+    from llmjax.sim.transfers import kv_bytes_per_device
+
+    gemma = config.replace(model=TINY_GEMMA3)
+    assert gemma.kv_groups.hybrid
+    g = SimCostModel(gemma)
+    for n in (16, 64, 100):
+        want = hw.network_latency_s + kv_bytes_per_device(gemma, n) / hw.network_bandwidth
+        assert g.transfer_seconds(n) == pytest.approx(want)
+    assert g.transfer_seconds(100) < SimCostModel(
+        gemma.replace(cache=dataclasses.replace(gemma.cache, hybrid_kv_cache="off"))
+    ).transfer_seconds(100)
 
 
 def test_bad_arguments():

@@ -180,6 +180,8 @@ class SimCostModel:
             )
             / page
         )
+        # the hybrid KV layout moves group 0's pages and each windowed group's window
+        self._hybrid = c if c.kv_groups.hybrid else None
         hw = c.sim.hardware
         self._bandwidth = transfer_bandwidth or hw.network_bandwidth
         self._latency = hw.network_latency_s if transfer_latency_s is None else transfer_latency_s
@@ -230,15 +232,22 @@ class SimCostModel:
         )
         return float(self._decode.step_seconds(f))
 
+    def _kv_bytes(self, num_tokens: int) -> float:
+        if self._hybrid is not None:
+            from llmjax.sim.transfers import kv_bytes_per_device
+
+            return kv_bytes_per_device(self._hybrid, num_tokens)
+        return num_tokens * self._kv_bytes_per_token
+
     def transfer_seconds(self, num_tokens: int) -> float:
         if num_tokens <= 0:
             return 0.0
-        return self._latency + num_tokens * self._kv_bytes_per_token / self._bandwidth
+        return self._latency + self._kv_bytes(num_tokens) / self._bandwidth
 
     def pool_transfer_seconds(self, num_tokens: int) -> float:
         if num_tokens <= 0:
             return 0.0
-        return self._pool_latency + num_tokens * self._kv_bytes_per_token / self._pool_bandwidth
+        return self._pool_latency + self._kv_bytes(num_tokens) / self._pool_bandwidth
 
 
 @dataclasses.dataclass(frozen=True)
