@@ -85,6 +85,9 @@ def default_num_pages(config: EngineConfig, params_bytes: int, devices=None) -> 
         groups,
     )  # fmt: skip
     per_page //= parallel.num_devices
+    if groups.hybrid and parallel.pp > 1:  # a stage's pages hold its groups' KV slots
+        slots = groups.slots_per_device(config.model.num_layers, parallel.pp)
+        per_page = per_page * parallel.pp * slots // groups.num_slots
     device = next(iter(devices)) if devices else jax.local_devices()[0]
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:

@@ -67,9 +67,10 @@ def test_batched_greedy_equals_hf_and_hits_the_prefix_cache(baseline, name):
         ("gemma3", dict(prefix_cache="none", num_pages=24, hybrid_kv_cache="off")),
         ("gemma3", dict(tp=2)),
         ("gemma3", dict(pp=2)),
+        ("gemma3", dict(pp=3)),  # stages of 2, 1 and 1 layers: padding layers
         ("gemma2", dict(tp=2, pp=2)),
     ],
-    ids=["unroll", "preempt", "tp2", "pp2", "tp2pp2"],
+    ids=["unroll", "preempt", "tp2", "pp2", "pp3", "tp2pp2"],
 )
 def test_outputs_do_not_depend_on_layout_cache_or_preemption(baseline, name, opts):
     _, want, _ = baseline[name]
@@ -77,6 +78,10 @@ def test_outputs_do_not_depend_on_layout_cache_or_preemption(baseline, name, opt
     assert got == want
     if "num_pages" in opts:
         assert llm.engine.stats.num_preemptions > 0
+    # the hybrid KV layout (per stage under pp, where the layers are scanned) unless 'off'
+    config = llm.engine.config
+    hybrid = "hybrid_kv_cache" not in opts and (config.parallel.pp == 1 or config.scans_layers)
+    assert (llm.engine.block_manager.num_groups > 1) == hybrid
 
 
 def test_precompiled_buckets_are_all_the_compiles():

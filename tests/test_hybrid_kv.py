@@ -52,6 +52,48 @@ def test_layouts():
     # a 32k sequence: 2048 pages of 10 layers and 6 x 65 windowed ones, against 2048 of 62
     assert big.pages_for(32768, 16) == 2048 + 6 * 65
     assert KVGroups.single(62).pages_for(32768, 16) == 2048
+    assert big.slots_per_device(62, 1) == 10 and KVGroups.single(62).slots_per_device(62, 4) == 16
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 5])
+def test_pipeline_stage_layouts(pp):
+    """pp > 1: the groups are cut per stage (Gemma 3 27B's stages of 16/16/15/15 layers hold at
+    most 3 global layers each, so pages hold 3 slots on every device, not 10), each group has at
+    most `num_slots` layers on a stage, in distinct slots, and a stage's padding layers (a
+    shorter stage) read and write the null group."""
+    from llmjax.config.cache import stage_layers
+
+    g = kv_groups(GEMMA3_27B, True, pp)
+    stages = stage_layers(62, pp)
+    groups, slots, num_kv_slots = g.stage_slots(stages)
+    assert num_kv_slots == g.num_slots == g.slots_per_device(62, pp)
+    assert g.num_slots == max(sum(GEMMA3_27B.layer_window(i) is None for i in s) for s in stages)
+    for s, g_row, k_row in zip(stages, groups, slots, strict=True):
+        real = list(zip(g_row[: len(s)], k_row[: len(s)], strict=True))
+        assert real == [(g.layer_group[i], g.layer_slot[i]) for i in s]
+        assert len(set(real)) == len(s) and max(k_row) < num_kv_slots  # distinct, in range
+        padding = zip(g_row[len(s) :], k_row[len(s) :], strict=True)
+        assert all(x == (g.num_groups, 0) for x in padding)
+    assert all(GEMMA3_27B.layer_window(i) == g.windows[k] for i, k in enumerate(g.layer_group))
+    if pp == 4:
+        assert (g.num_slots, g.num_groups) == (3, 6)
+        # the simulator sizes the cache by it: pages of 3 layers on each device, not 16
+        from llmjax.config import CacheConfig, EngineConfig, ParallelConfig
+        from llmjax.sim import SimConfig, sim_num_pages
+
+        def pages(mode):
+            return sim_num_pages(
+                EngineConfig(
+                    model=GEMMA3_27B,
+                    dtype="bfloat16",
+                    cache=CacheConfig(hybrid_kv_cache=mode),
+                    parallel=ParallelConfig(pp=4),
+                    device="sim",
+                    sim=SimConfig(hardware="h100-sxm"),
+                )
+            )
+
+        assert pages("on") == pytest.approx(pages("off") * 16 / 3, rel=0.01)
 
 
 # ---- the block manager -------------------------------------------------------------------------
@@ -417,8 +459,13 @@ def test_what_needs_one_page_table_is_named():
         EngineConfig(model=TINY, cache=on)  # Llama-shaped: nothing to group
     with pytest.raises(ValueError, match="sparse_kv='none'"):
         EngineConfig(model=TINY_GEMMA3, cache=on, sparse_kv=SparseKVConfig(mode="quest"))
-    with pytest.raises(ValueError, match="pp == 1"):
-        EngineConfig(model=TINY_GEMMA3, cache=on, parallel=ParallelConfig(pp=2))
+    with pytest.raises(ValueError, match="layer_loop='scan'"):
+        EngineConfig(
+            model=TINY_GEMMA3, cache=on, parallel=ParallelConfig(pp=2), layer_loop="unroll"
+        )
+    assert EngineConfig(
+        model=TINY_GEMMA3, cache=on, parallel=ParallelConfig(pp=2), layer_loop="scan"
+    ).kv_groups.hybrid
     assert EngineConfig(
         model=TINY_GEMMA3, cache=on, speculative=SpeculativeConfig(method="ngram")
     ).kv_groups.hybrid

@@ -52,10 +52,10 @@ class CacheConfig:
     layers beside full-attention ones (Gemma 2 and 3) keeps one page table per group of layers,
     and a windowed group holds only its window's pages, so a long sequence costs full pages
     only in its full-attention layers. 'auto' (the default) uses it where the model has both
-    kinds of layer and nothing asks for one table (sparse KV, the KV tiers, pp > 1); 'on'
-    insists (an error names what is in the way); 'off' keeps one
+    kinds of layer and nothing asks for one table (sparse KV, the KV tiers, pp > 1 with the
+    unrolled layer loop); 'on' insists (an error names what is in the way); 'off' keeps one
     page table for every layer. `num_pages` then counts pages of the layout's `num_slots`
-    layers (fewer than the model's: more pages in the same memory).
+    layers (fewer than the model's: more pages in the same memory; under pp, per stage).
     """
 
     page_size: int = 16
@@ -210,6 +210,44 @@ class KVGroups:
         n = -(-num_tokens // page_size)
         return sum(n - self.window_start(g, num_tokens, page_size) for g in range(self.num_groups))
 
+    def stage_slots(self, stages: list[list[int]]) -> tuple[tuple, tuple, int]:
+        """pp > 1 (`stage_layers`): each stage's layer slots' group and KV slot, [pp][n] each
+        (n = the longest stage's layers), and the KV slots every stage's pages hold. A group's
+        layers on a stage take the stage's KV slots 0, 1, ... in order; a stage shorter than n
+        pads with identity layers, which read and write group `num_groups`, a table of the
+        reserved page only (the pipeline adds it)."""
+        n = max(len(s) for s in stages)
+        real = max(
+            [layers.count(g) for layers in ([self.layer_group[i] for i in s] for s in stages)
+             for g in range(self.num_groups)]
+        )  # fmt: skip
+        groups, slots = [], []
+        for s in stages:
+            seen = [0] * self.num_groups
+            g_row, k_row = [], []
+            for j in range(n):
+                if j < len(s):
+                    g = self.layer_group[s[j]]
+                    g_row.append(g)
+                    k_row.append(seen[g])
+                    seen[g] += 1
+                else:
+                    g_row.append(self.num_groups)
+                    k_row.append(0)
+            groups.append(tuple(g_row))
+            slots.append(tuple(k_row))
+        return tuple(groups), tuple(slots), real
+
+    def slots_per_device(self, num_layers: int, pp: int) -> int:
+        """The layer slots of KV one page holds on each device: `num_slots`, or with pp > 1 a
+        stage's (`stage_slots`; one table: the longest stage's layers)."""
+        if pp == 1:
+            return self.num_slots
+        stages = stage_layers(num_layers, pp)
+        if not self.hybrid:
+            return max(len(s) for s in stages)
+        return self.stage_slots(stages)[2]
+
     def pages_for(self, num_tokens: int, page_size: int) -> int:
         """Pool pages a sequence of `num_tokens` holds at most, over every group (whose
         windowed tables keep their window's pages plus the pages a step adds: bounded by the
@@ -219,25 +257,47 @@ class KVGroups:
         return sum(n if w is None else min(n, w) for w in windows)
 
 
-def kv_groups(config: ModelConfig, hybrid: bool) -> KVGroups:
+def stage_layers(num_layers: int, pp: int) -> list[list[int]]:
+    """The layers of each pipeline stage: contiguous, sizes differing by at most one (larger
+    first, as np.array_split)."""
+    size, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        n = size + (s < extra)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def kv_groups(config: ModelConfig, hybrid: bool, pp: int = 1) -> KVGroups:
     """The KV layout of `config`'s layers: hybrid (full-attention layers in group 0, the
     windowed layers in groups of as many layers, by window) where asked and the model has both
-    kinds, else one group. See `KVGroups`."""
+    kinds, else one group. See `KVGroups`.
+
+    With pp > 1 pipeline stages (`stage_layers`) the groups are cut per stage, so that a page
+    holds few slots on every device: `num_slots` is the most full-attention layers one stage
+    has, and windowed group j takes the j-th run of that many of each stage's layers of its
+    window (a layer's slot is its index in its stage's run: `stage_slots`)."""
     windows = [config.layer_window(i) for i in range(config.num_layers)]
     full = [i for i, w in enumerate(windows) if w is None]
     if not hybrid or not full or len(full) == len(windows):
         return KVGroups.single(config.num_layers)
-    size = len(full)
+    stages = stage_layers(config.num_layers, pp)
+    size = max(sum(windows[i] is None for i in s) for s in stages)
     group_windows: list[int | None] = [None]
     layer_group = [0] * config.num_layers
     layer_slot = [0] * config.num_layers
-    for j, i in enumerate(full):
-        layer_slot[i] = j
+    for s in stages:
+        for j, i in enumerate(i for i in s if windows[i] is None):
+            layer_slot[i] = j
     for w in dict.fromkeys(w for w in windows if w is not None):  # by window, first seen first
-        layers = [i for i, lw in enumerate(windows) if lw == w]
-        for j, i in enumerate(layers):
-            if j % size == 0:
-                group_windows.append(w)
-            layer_group[i] = len(group_windows) - 1
-            layer_slot[i] = j % size
+        first = len(group_windows)
+        runs = 0
+        for s in stages:
+            layers = [i for i in s if windows[i] == w]
+            for j, i in enumerate(layers):
+                layer_group[i] = first + j // size
+                layer_slot[i] = j % size
+            runs = max(runs, -(-len(layers) // size))
+        group_windows += [w] * runs
     return KVGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)

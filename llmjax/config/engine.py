@@ -315,7 +315,10 @@ class EngineConfig:
         for what, bad in (
             (f"sparse_kv='none' (got {self.sparse_kv.mode!r})", self.sparse_kv.enabled),
             ("no KV tiers (kv_store)", self.kv_store.enabled),
-            (f"pp == 1 (got {self.parallel.pp})", self.parallel.pp > 1),
+            (
+                "pp == 1 or the scanned layer loop (layer_loop='scan')",
+                self.parallel.pp > 1 and not self.scans_layers,
+            ),
         ):
             if bad:
                 why.append(what)
@@ -325,7 +328,7 @@ class EngineConfig:
     def kv_groups(self) -> KVGroups:
         """The KV layout the engine runs (`CacheConfig.hybrid_kv_cache` resolved)."""
         hybrid = self.cache.hybrid_kv_cache != "off" and not self.hybrid_kv_blockers()
-        return kv_groups(self.model, hybrid)
+        return kv_groups(self.model, hybrid, self.parallel.pp if hybrid else 1)
 
     def async_scheduling_on(self, platform: str | None = None) -> bool:
         """`async_scheduling` resolved: None is on where the platform (default: JAX's default

@@ -217,7 +217,8 @@ def scan_layers(
     LoRA adapter slots (`params["lora"]`, llmjax/model/lora.py), their [L, ...] arrays scanned
     with the weights (not in the early exit of `num_layers`: a draft runs the base model).
     `kv_groups`: the hybrid KV layout (llmjax/model/kv_cache.py), each layer's page-table group
-    and slot scanned with the weights; None: layer i in slot i of the one table."""
+    and slot scanned with the weights (a pipeline stage passes its own rows, arrays, and its
+    stage's KV slots: `KVGroups.stage_slots`); None: layer i in slot i of the one table."""
     k_pages, v_pages = kv_pages
     total = jax.tree.leaves(layers)[0].shape[0]
     if layer_kinds is None:
@@ -227,8 +228,8 @@ def scan_layers(
     kinds = jnp.asarray(layer_kinds, jnp.int32)  # [L]
     if kv_groups is None:
         kv_groups = KVGroups.single(total)
-    elif total != config.num_layers:
-        raise ValueError("the hybrid KV layout runs every layer in one scan (no pipeline stages)")
+    elif len(kv_groups.layer_group) != total:  # (a pipeline stage passes its own rows)
+        raise ValueError(f"kv_groups lays out {len(kv_groups.layer_group)} layers, not {total}")
     groups = jnp.asarray(kv_groups.layer_group, jnp.int32)  # [L]
     slots = jnp.asarray(kv_groups.layer_slot, jnp.int32)  # [L]
     num_pages, page_size = k_pages.shape[0] // kv_groups.num_slots, k_pages.shape[1]

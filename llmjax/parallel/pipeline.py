@@ -41,7 +41,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from llmjax.config import ModelConfig
+from llmjax.config import KVGroups, ModelConfig
+from llmjax.config import cache as cache_config
 from llmjax.model.kv_cache import QuantizedPages, kv_page_shape, zero_pages
 from llmjax.model.layers import rope_cos_sin
 from llmjax.model.llama import decoder_layer, embed_tokens, lm_head, scan_layers
@@ -54,7 +55,7 @@ from llmjax.parallel.mesh import KV_PAGES_AXES, partition_spec, place
 
 def stage_layers(num_layers: int, pp: int) -> list[list[int]]:
     """The layers of each stage: contiguous, sizes differing by at most one (larger first)."""
-    return [[int(i) for i in a] for a in np.array_split(np.arange(num_layers), pp)]
+    return cache_config.stage_layers(num_layers, pp)
 
 
 def place_pp_params(
@@ -150,27 +151,48 @@ def allocate_pp_kv_pages(
     return zeros()
 
 
-def make_tick(config: ModelConfig, attention_fn, mesh: Mesh, num_slots: int):
-    """The pipeline tick (see the module doc) for the device model `config`."""
+def make_tick(
+    config: ModelConfig, attention_fn, mesh: Mesh, num_slots: int, kv_groups: KVGroups | None = None
+):
+    """The pipeline tick (see the module doc) for the device model `config`. `kv_groups`: the
+    hybrid KV layout (stacked slots only): each stage's layers read their groups' page tables
+    and write their stage-local KV slots (`KVGroups.stage_slots`)."""
     pp = mesh.shape["pp"]
+    stages = stage_layers(config.num_layers, pp)
     # The per-layer table split like the layers: slot j of stage s is layer stage_layers[s][j]
     # (a missing slot, the identity, takes kind 0), [pp, num_slots].
     ids = config.layer_kind_ids
     slot_kinds = np.array(
-        [
-            [ids[layers[j]] if j < len(layers) else 0 for j in range(num_slots)]
-            for layers in stage_layers(config.num_layers, pp)
-        ],
+        [[ids[layers[j]] if j < len(layers) else 0 for j in range(num_slots)] for layers in stages],
         np.int32,
     )
+    hybrid = kv_groups is not None and kv_groups.hybrid
+    if hybrid:
+        slot_groups, kv_slots, num_kv_slots = kv_groups.stage_slots(stages)
+    else:  # one table: slot j writes KV slot j
+        slot_groups = np.zeros((pp, num_slots), np.int32)
+        kv_slots, num_kv_slots = np.tile(np.arange(num_slots, dtype=np.int32), (pp, 1)), num_slots
+    table = np.stack([np.asarray(slot_groups, np.int32), np.asarray(kv_slots, np.int32)], -1)
 
-    def run_stage(slots, kv, h, meta, kinds):
+    def run_stage(slots, kv, h, meta, kinds, tables):
         """One stage (inside shard_map, manual over 'pp': every leaf has a leading 1)."""
-        slots, kv, meta, kinds = (jax.tree.map(lambda a: a[0], t) for t in (slots, kv, meta, kinds))
+        slots, kv, meta, kinds, tables = (
+            jax.tree.map(lambda a: a[0], t) for t in (slots, kv, meta, kinds, tables)
+        )
         x = h[0]  # [T, D]
         cos, sin = rope_cos_sin(meta.positions, config)
         if isinstance(slots, dict):  # stacked: scan over the stage's slots
-            x, kv = scan_layers(slots, kv, x, meta, cos, sin, config, attention_fn, None, kinds)
+            groups = None
+            if hybrid:  # this stage's rows of the layout: [num_slots] groups and KV slots
+                groups = KVGroups(kv_groups.windows, tables[:, 0], tables[:, 1], num_kv_slots)
+                # the padding layers' group: the reserved page only (`KVGroups.stage_slots`)
+                meta = meta._replace(
+                    group_page_indices=_with_null_group(meta.group_page_indices),
+                    group_slot_mapping=_with_null_group(meta.group_slot_mapping),
+                )
+            x, kv = scan_layers(
+                slots, kv, x, meta, cos, sin, config, attention_fn, None, kinds, kv_groups=groups
+            )
             return x[None], jax.tree.map(lambda a: a[None], kv)
         new_kv = []
         for j in range(num_slots):
@@ -184,7 +206,7 @@ def make_tick(config: ModelConfig, attention_fn, mesh: Mesh, num_slots: int):
     stage_fn = jax.shard_map(
         run_stage,
         mesh=mesh,
-        in_specs=(P("pp"), P("pp"), P("pp"), P("pp"), P("pp")),
+        in_specs=(P("pp"), P("pp"), P("pp"), P("pp"), P("pp"), P("pp")),
         out_specs=(P("pp"), P("pp")),
         axis_names=frozenset({"pp"}),
         check_vma=False,
@@ -193,7 +215,9 @@ def make_tick(config: ModelConfig, attention_fn, mesh: Mesh, num_slots: int):
     def tick(params, kv, h, metas: StepInput, sampling):
         x0 = embed_tokens(params, metas.token_ids[0], config)  # the entering micro-batch
         h = h.at[0].set(x0.astype(h.dtype))  # [T, D]
-        h, kv = stage_fn(params["stages"], kv, h, metas, jnp.asarray(slot_kinds))
+        h, kv = stage_fn(
+            params["stages"], kv, h, metas, jnp.asarray(slot_kinds), jnp.asarray(table)
+        )
         last = h[pp - 1][metas.logits_indices[pp - 1]]  # the exiting micro-batch's rows
         next_ids = sample(lm_head(params, last, config), *sampling)
         return next_ids, jnp.roll(h, 1, axis=0), kv
@@ -201,12 +225,27 @@ def make_tick(config: ModelConfig, attention_fn, mesh: Mesh, num_slots: int):
     return tick
 
 
-def pad_step(step: StepInput | None, T: int, S: int, P_: int) -> StepInput:
+def _with_null_group(x: jax.Array) -> jax.Array:
+    """[groups, ...] -> [groups + 1, ...], the last all RESERVED_PAGE (0): a group whose reads
+    and writes land on the reserved page."""
+    return jnp.concatenate([x, jnp.zeros_like(x[:1])])
+
+
+def pad_step(
+    step: StepInput | None, T: int, S: int, P_: int, num_groups: int | None = None
+) -> StepInput:
     """A host StepInput padded to the tick's bucket (T tokens, S sequences, P pages); None -> an
-    all-padding step (an empty pipeline slot: writes only to the reserved page 0)."""
+    all-padding step (an empty pipeline slot: writes only to the reserved page 0).
+    `num_groups`: the hybrid KV layout's page-table groups (`group_page_indices` /
+    `group_slot_mapping` padded too; None: one table)."""
+    z = lambda *shape: np.zeros(shape, np.int32)
     if step is None:
-        z = lambda *shape: np.zeros(shape, np.int32)
-        return StepInput(z(T), z(T), z(T), z(S + 1), z(S), z(S, P_), z(1), z(S))
+        step = StepInput(z(T), z(T), z(T), z(S + 1), z(S), z(S, P_), z(1), z(S))
+        if num_groups is not None:
+            step = step._replace(
+                group_page_indices=z(num_groups, S, P_), group_slot_mapping=z(num_groups, T)
+            )
+        return step
 
     def pad(x, *shape, value=0):
         x = np.asarray(x)
@@ -214,7 +253,14 @@ def pad_step(step: StepInput | None, T: int, S: int, P_: int) -> StepInput:
         return np.pad(x, widths, constant_values=value)
 
     cu = np.asarray(step.cu_q_lens)
+    groups = {}
+    if num_groups is not None:
+        groups = dict(
+            group_page_indices=pad(step.group_page_indices, num_groups, S, P_),
+            group_slot_mapping=pad(step.group_slot_mapping, num_groups, T),
+        )
     return StepInput(
+        **groups,
         token_ids=pad(step.token_ids, T),
         positions=pad(step.positions, T),
         slot_mapping=pad(step.slot_mapping, T),

@@ -195,8 +195,8 @@ def kv_page_bytes_per_device(
 ):
     """One page's K and V bytes on each device (its stage's layers, its tp share of KV heads;
     a quantized cache's one-byte values and float32 scale per row, `kv_row_bytes`).
-    `num_slots`: the layers a page holds in the hybrid KV layout (`KVGroups.num_slots`;
-    None: every layer of the stage)."""
+    `num_slots`: the layers a page holds on each device in the hybrid KV layout
+    (`KVGroups.slots_per_device`; None: every layer of the stage)."""
     layers = math.ceil(model.num_layers / pp) if num_slots is None else num_slots
     row = kv_row_bytes(model.head_dim, DTYPE_BYTES[dtype], kv_cache_dtype)
     return 2 * layers * page_size * kv_heads_per_device(model, tp) * row

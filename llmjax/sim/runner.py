@@ -134,7 +134,7 @@ def sim_num_pages(config: EngineConfig, hardware: Hardware | None = None) -> int
         p.tp,
         p.pp,
         config.cache.kv_cache_dtype,
-        groups.num_slots if groups.hybrid else None,
+        groups.slots_per_device(config.model.num_layers, p.pp) if groups.hybrid else None,
     )
     pages = int(free // page)
     if pages < 2:

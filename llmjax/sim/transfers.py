@@ -54,7 +54,7 @@ def kv_bytes_per_device(config, num_tokens: int) -> int:
         c.parallel.tp,
         c.parallel.pp,
         c.cache.kv_cache_dtype,
-        groups.num_slots if groups.hybrid else None,
+        groups.slots_per_device(c.model.num_layers, c.parallel.pp) if groups.hybrid else None,
     )
     return groups.kv_pages(num_tokens, ps) * page
 

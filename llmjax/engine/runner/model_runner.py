@@ -123,13 +123,13 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
                 raise ValueError("sparse_kv runs on JAX's default device; devices= cannot move it")
             self._init_sparse(params, num_pages, skew)
             return
+        # the KV layout: one page table for every layer, or the hybrid layout's groups
+        groups = config.kv_groups
+        self.kv_groups = groups if groups.hybrid else None
         if self.pipelined:
             self._init_pipeline(params, num_pages, attention_fn)
             return
         scan = config.scans_layers  # the layer loop: weights and KV cache stacked, or per layer
-        # the KV layout: one page table for every layer, or the hybrid layout's groups
-        groups = config.kv_groups
-        self.kv_groups = groups if groups.hybrid else None
         if self.mesh is None:
             self.model_config = config.model
             self.params = stack_layers(params) if scan else unstack_layers(params)

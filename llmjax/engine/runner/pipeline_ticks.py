@@ -36,11 +36,13 @@ class PipelineTicks:
             unstack_layers(params), config.model, layout, mesh, self.dtype, stacked=scan
         )
         num_slots = len(pipeline.stage_layers(config.model.num_layers, config.parallel.pp)[0])
+        # the KV slots a stage's pages hold: its layers', or in the hybrid layout its groups'
+        kv_slots = config.kv_groups.slots_per_device(config.model.num_layers, config.parallel.pp)
         self._allocate_kv = functools.partial(
             pipeline.allocate_pp_kv_pages,
             self.model_config,
             mesh,
-            num_slots,
+            kv_slots if self.kv_groups is not None else num_slots,
             num_pages,
             config.cache.page_size,
             self.dtype,
@@ -54,7 +56,9 @@ class PipelineTicks:
             jnp.zeros((pp, 1, self.model_config.hidden_size), self.dtype), carry
         )
         self._slots: collections.deque = collections.deque()  # index = stage; None = empty
-        tick = pipeline.make_tick(self.model_config, attention_fn, mesh, num_slots)
+        tick = pipeline.make_tick(
+            self.model_config, attention_fn, mesh, num_slots, kv_groups=self.kv_groups
+        )
 
         def tick_impl(params, kv, h, metas, sampling):
             self.num_compiles += 1  # runs only while tracing
@@ -69,6 +73,11 @@ class PipelineTicks:
                 jax.tree.map(lambda x: x.sharding, self.kv_pages),
             ),
         )
+
+    @property
+    def _num_groups(self) -> int | None:
+        """The hybrid KV layout's page-table groups (None: one table)."""
+        return None if self.kv_groups is None else self.kv_groups.num_groups
 
     @property
     def num_in_flight(self) -> int:
@@ -89,7 +98,7 @@ class PipelineTicks:
             self._slots.append(None)
         steps = [None if s is None else s[1] for s in self._slots]
         T, S, P = pipeline.step_bucket(steps)
-        padded = [pipeline.pad_step(x, T, S, P) for x in steps]
+        padded = [pipeline.pad_step(x, T, S, P, self._num_groups) for x in steps]
         metas = StepInput(*map(_stack, zip(*padded, strict=True)))
         exiting = self._slots[pp - 1]
         arrays = self._sampling_arrays(exiting[2]) if exiting else None
@@ -111,7 +120,7 @@ class PipelineTicks:
     def lower_tick(self, T: int, S: int, P: int):
         """pp > 1: the lowered pipeline tick of one (T, S, P) bucket (for HLO inspection)."""
         pp = self.mesh.shape["pp"]
-        padded = [pipeline.pad_step(None, T, S, P)] * pp
+        padded = [pipeline.pad_step(None, T, S, P, self._num_groups)] * pp
         metas = StepInput(*map(_stack, zip(*padded, strict=True)))
         metas = jax.tree.map(
             lambda x: place(x, NamedSharding(self.mesh, PartitionSpec("pp"))), metas
@@ -125,7 +134,7 @@ class PipelineTicks:
             raise RuntimeError("precompile needs an empty pipeline")
         pp = self.mesh.shape["pp"]
         for T, S, P in shapes:
-            self.tick(pipeline.pad_step(None, T, S, P), greedy_sampling(S))
+            self.tick(pipeline.pad_step(None, T, S, P, self._num_groups), greedy_sampling(S))
             for _ in range(pp - 1):
                 self.tick(None, None)
             progress()
