@@ -19,7 +19,11 @@ What it computes (any in >= 1, out >= 1; T >= 0):
                and against x.astype(bfloat16) @ w.T only the float32 summation error.
   w int8:      the codes widened to float32 (exact), x float32 (bfloat16 x widened), products
                and sums in float32: weight-only int8, whose per-output scales the caller applies
-               to y (llmjax/model/quant.py's 'int8_wo').
+               to y (llmjax/model/quant.py's 'int8_wo'). With bfloat16 x (W8A16, quant.py's
+               'int8_a16'; or float32 x with `round_x`), from 8 tokens on where the AMX tiles
+               are usable and out is a multiple of 16, the codes are widened to bfloat16
+               (exact) and multiplied on the tiles (tdpbf16ps): the same products, the sums in
+               float32 in the tiles' order.
 The summation order depends on T (tiles of 16 / 32 elements per lane, then a tree over the
 lanes; AMX: 32-element steps along `in`), so results for one row can differ in the last bits
 between calls with different T.
@@ -61,15 +65,22 @@ def _check_dtypes(x, w) -> None:
         raise ValueError(f"want w of float32, bfloat16 or int8: {w.dtype=}")
 
 
-def dense_matmul(x, w, *, layer=None) -> jax.Array:
+def _check_round_x(round_x: bool, w) -> None:
+    if round_x and jnp.dtype(w.dtype) != jnp.int8:
+        raise ValueError(f"round_x (W8A16) is for int8 weights: {w.dtype=}")
+
+
+def dense_matmul(x, w, *, layer=None, round_x: bool = False) -> jax.Array:
     """y[T, out] = x[T, in] @ w.T in float32 (x float32 or bfloat16, w float32, bfloat16 or int8;
-    the module docstring says what each computes).
+    the module docstring says what each computes). `round_x` (int8 w only): take float32 x's
+    bfloat16 values (W8A16), as if x were `x.astype(bfloat16)`, without that op in the graph.
 
     w is [out, in], or [L, out, in] with `layer` (an integer scalar, may be traced) picking one,
     clamped to [0, L). Raises ValueError for shapes or dtypes it does not take,
     KernelsUnavailable where the kernels do not build."""
     load()
     _check_dtypes(x, w)
+    _check_round_x(round_x, w)
     T, n_in = x.shape
     if layer is None:
         if w.ndim != 2:
@@ -84,7 +95,7 @@ def dense_matmul(x, w, *, layer=None) -> jax.Array:
     if out < 1 or L < 1:
         raise ValueError(f"want out >= 1 and L >= 1: {w.shape=}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((T, out), jnp.float32))
-    return call(x, w, _layer_index(layer))
+    return call(x, w, _layer_index(layer), round_x=bool(round_x))
 
 
 def _layer_index(layer) -> jax.Array:
@@ -94,17 +105,18 @@ def _layer_index(layer) -> jax.Array:
     return layer.astype(jnp.int32)
 
 
-def grouped_dense_matmul(x, w, group_sizes, *, layer=None) -> jax.Array:
+def grouped_dense_matmul(x, w, group_sizes, *, layer=None, round_x: bool = False) -> jax.Array:
     """y[M, out] float32: the rows of x [M, in] in groups (group g's group_sizes[g] rows after
     group g-1's) each times its group's matrix of w [G, out, in] transposed; rows past the
     groups give zeros (negative sizes count as 0; groups reaching past M are cut at M).
 
     w is [G, out, in], or [L, G, out, in] with `layer` (an integer scalar, may be traced) picking
     one, clamped to [0, L). Per row, the result is `dense_matmul` of that row with its group's
-    matrix (the same arithmetic). Raises ValueError for shapes or dtypes it does not take,
-    KernelsUnavailable where the kernels do not build."""
+    matrix (the same arithmetic, `round_x` as there). Raises ValueError for shapes or dtypes it
+    does not take, KernelsUnavailable where the kernels do not build."""
     load()
     _check_dtypes(x, w)
+    _check_round_x(round_x, w)
     if layer is None:
         if w.ndim != 3:
             raise ValueError(f"want w [G, out, in] (no layer given): {w.shape=}")
@@ -119,7 +131,7 @@ def grouped_dense_matmul(x, w, group_sizes, *, layer=None) -> jax.Array:
     if group_sizes.shape != (G,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"want integer group_sizes [G={G}]: {group_sizes.shape=}")
     call = jax.ffi.ffi_call(GROUPED_TARGET, jax.ShapeDtypeStruct((M, out), jnp.float32))
-    return call(x, w, group_sizes.astype(jnp.int32), _layer_index(layer))
+    return call(x, w, group_sizes.astype(jnp.int32), _layer_index(layer), round_x=bool(round_x))
 
 
 def grouped_dense_matmul_reference(x, w, group_sizes) -> np.ndarray:

@@ -109,9 +109,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "quantization",
         "none",
         list(QUANTIZATIONS),
-        "Weight quantization: 'int8' (W8A8 dynamic int8 matmuls, SmoothQuant-smoothed: "
-        "--smoothquant; the LM head weight-only), 'int8_wo' (weight-only int8, "
-        "per output channel), 'q8_0' / 'q4_0' / 'q4_1' (the "
+        "Weight quantization: 'int8' (W8A16: int8 weights per output channel, the matmuls' "
+        "activations rounded to bfloat16, float32 sums), 'w8a8' (W8A8 dynamic int8 matmuls, "
+        "SmoothQuant-smoothed: --smoothquant; the LM head weight-only), 'int8_wo' (weight-only "
+        "int8, activations in --dtype), 'q8_0' / 'q4_0' / 'q4_1' (the "
         "weights quantized to those GGUF block formats), 'gguf' (a GGUF file's Q8_0/Q4_0/Q4_1 "
         "blocks kept as stored). Activations and the KV cache stay in --dtype.",
         **f,
@@ -119,9 +120,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string(
         "smoothquant",
         "auto",
-        "SmoothQuant's migration strength alpha for --quantization int8 (activation outliers "
+        "SmoothQuant's migration strength alpha for --quantization w8a8 (activation outliers "
         "moved into the weights, scales calibrated at load on the bundled text's tail; "
-        "llmjax/model/smooth.py): 'auto' (0.5 with int8), 'none' (plain W8A8), or a number in "
+        "llmjax/model/smooth.py): 'auto' (0.5 with w8a8), 'none' (plain W8A8), or a number in "
         "[0, 1].",
         **f,
     )

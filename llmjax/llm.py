@@ -40,14 +40,15 @@ class LLM:
     """Load a model and its tokenizer, and serve requests with continuous batching.
 
     Weights: `model` (a preset, a .gguf file, an HF or orbax directory), `dtype` (of the weights,
-    activations and KV cache), `quantization` ('none'; 'int8': W8A8 dynamic int8 matmuls, the
-    weights smoothed first by SmoothQuant with migration strength `smoothquant` ('auto': 0.5;
-    None or 'none': plain W8A8; scales calibrated at load on the bundled text's last 512
-    tokens, ~2 s on a CPU; llmjax/model/smooth.py), the LM head weight-only int8;
-    'int8_wo': weight-only int8 (activations stay in `dtype`); 'q8_0', 'q4_0', 'q4_1': the
-    weights quantized to those GGUF block formats; 'gguf': a GGUF file's Q8_0/Q4_0/Q4_1 blocks
-    kept as stored; see EngineConfig and llmjax/model/quant.py), `tokenizer`, `load_format`
-    ('dummy': random weights).
+    activations and KV cache), `quantization` ('none'; 'int8': W8A16, int8 weights per output
+    channel with the matmuls' activations rounded to bfloat16 and float32 sums; 'w8a8': W8A8
+    dynamic int8 matmuls, the weights smoothed first by SmoothQuant with migration strength
+    `smoothquant` ('auto': 0.5; None or 'none': plain W8A8; scales calibrated at load on the
+    bundled text's last 512 tokens, ~2 s on a CPU; llmjax/model/smooth.py), the LM head
+    weight-only int8; 'int8_wo': weight-only int8 (activations stay in `dtype`); 'q8_0', 'q4_0',
+    'q4_1': the weights quantized to those GGUF block formats; 'gguf': a GGUF file's
+    Q8_0/Q4_0/Q4_1 blocks kept as stored; see EngineConfig and llmjax/model/quant.py),
+    `tokenizer`, `load_format` ('dummy': random weights).
 
     Engine options: `max_model_len` (prompt + generated tokens per request; default the model's
     context, capped at 4096), `page_size`, `num_pages` (default: what the memory budget allows),

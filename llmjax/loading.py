@@ -165,7 +165,7 @@ def smoothquant_alpha(smoothquant, quantization: str) -> float | None:
     from llmjax.model.smooth import DEFAULT_ALPHA, check_alpha
 
     if smoothquant == "auto":
-        return DEFAULT_ALPHA if quantization == "int8" else None
+        return DEFAULT_ALPHA if quantization == "w8a8" else None
     if smoothquant is None or smoothquant == "none":
         return None
     try:
@@ -174,9 +174,9 @@ def smoothquant_alpha(smoothquant, quantization: str) -> float | None:
         raise ValueError(
             f"{smoothquant=} must be 'auto', None / 'none' or a migration strength in [0, 1]"
         ) from None
-    if quantization != "int8":
+    if quantization != "w8a8":
         raise ValueError(
-            f"smoothquant={smoothquant!r} smooths activations for W8A8 (quantization='int8'), "
+            f"smoothquant={smoothquant!r} smooths activations for W8A8 (quantization='w8a8'), "
             f"not for quantization={quantization!r}"
         )
     return check_alpha(alpha)
@@ -201,8 +201,8 @@ def smoothed(params, model_config, tokenizer, alpha: float):
 
 def pack_weights(params, quantization: str, dtype: str):
     """The loaded (list-layout, host) weights packed for `quantization` (llmjax/model/quant.py):
-    'int8', 'int8_wo', 'q8_0', 'q4_0', 'q4_1' quantize every matrix; 'gguf' came packed from the
-    loader.
+    'int8', 'w8a8', 'int8_wo', 'q8_0', 'q4_0', 'q4_1' quantize every matrix; 'gguf' came packed
+    from the loader.
     Unquantized weights on a CPU are packed [out, in] ('dense'): the C++ dense kernel
     (kernels_cpu/dense_matmul.py) takes them at decode-sized steps, and XLA:CPU's bf16 and f16
     dots run on their fast kernels only with both operands contracting their last dim."""

@@ -1,7 +1,7 @@
 r"""What each weight precision costs in quality (llmjax/quality.py), on SmolLM2 by default.
 
 For each --precisions entry (name=dtype:quantization[:smoothquant]; the first is the reference;
-smoothquant as LLM takes it: auto, none or SmoothQuant's migration strength, for int8 only):
+smoothquant as LLM takes it: auto, none or SmoothQuant's migration strength, for w8a8 only):
   MB       bytes of the weights as the engine holds them (quantized ones packed)
   ppl      perplexity of the bundled public-domain text (llmjax/data/alice.txt):
            --num_windows windows of --window tokens, each one prefill, every next token scored
@@ -32,7 +32,8 @@ flags.DEFINE_list(
         "f32=float32:none",
         "bf16=bfloat16:none",
         "int8=float32:int8",
-        "w8a8_plain=float32:int8:none",
+        "w8a8=float32:w8a8",
+        "w8a8_plain=float32:w8a8:none",
         "int8_wo=float32:int8_wo",
         "q8_0=float32:q8_0",
         "q4_1=float32:q4_1",

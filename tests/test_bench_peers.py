@@ -247,6 +247,7 @@ def test_peer_configurations_state_their_precision():
         assert peer_engines.ct2_compute_type(kwargs) == want
         assert peers.EngineSpec("c", "ct2", kwargs).precision == label
     assert peers.EngineSpec("l", "llmjax", {"quantization": "int8_wo"}).precision == "float32+int8"
+    assert peers.EngineSpec("l", "llmjax", {"quantization": "w8a8"}).precision == "float32+int8"
     assert peers.EngineSpec("l", "llmjax", {"dtype": "bfloat16"}).precision == "bfloat16"
     for bad, kind in (("ov:precision=f32", "openvino"), ("c:threads=4", "ct2"), ("x:", "tgi")):
         with pytest.raises(ValueError):

@@ -165,12 +165,13 @@ def test_step_copies_neither_kv_pages_nor_weights(name, num_tokens, layer_loop, 
     _assert_no_copies(config, runner, hlo, layer_loop)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "q4_1"])
+@pytest.mark.parametrize("quantization", ["int8", "w8a8", "q4_1"])
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
 @pytest.mark.parametrize("num_tokens", [1, 16])
 def test_quantized_step_copies_neither_kv_pages_nor_weights(quantization, layer_loop, num_tokens):
     """Packed weights (llmjax/model/quant.py: codes, scales, mins), through whichever matmul
-    form the CPU takes (the C++ kernels when they build, XLA's int8 dot otherwise)."""
+    form the CPU takes (the C++ kernels when they build, XLA's dots otherwise): 'int8' the dense
+    kernel on int8 codes (W8A16), 'w8a8' and 'q4_1' the quantized matmul."""
     config = configs.get_preset("tiny-gqa1")  # tied: the packed embedding is the LM head
     runner, hlo = _compiled_step_hlo(
         config, num_tokens, layer_loop=layer_loop, quantization=quantization

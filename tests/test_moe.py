@@ -192,7 +192,7 @@ def test_moe_configs_are_checked():
     from llmjax import LLM
 
     with pytest.raises(ValueError, match="SmoothQuant of a mixture of experts"):
-        LLM(os.path.join(TESTDATA, "hf_tiny", "mixtral"), quantization="int8", smoothquant=0.5)
+        LLM(os.path.join(TESTDATA, "hf_tiny", "mixtral"), quantization="w8a8", smoothquant=0.5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from tests.test_moe import _weights
 PACK = {
     "dense": quant.pack_dense,
     "int8_wo": lambda w, i, o: quant.quantize_int8(w, i, o, fmt="int8_wo"),
+    "int8_a16": lambda w, i, o: quant.quantize_int8(w, i, o, fmt="int8_a16"),
     "int8": quant.quantize_int8,
     "q8_0": lambda w, i, o: quant.quantize_blocks(w, "q8_0", i, o),
     "q4_0": lambda w, i, o: quant.quantize_blocks(w, "q4_0", i, o),
@@ -60,7 +61,7 @@ def test_weight_only_packed_experts_equal_the_plain_ones(T, fmt, dtype):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1", "int8_wo", "dense"])
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1", "int8_wo", "int8_a16", "dense"])
 @pytest.mark.parametrize("M", [3, 96])  # the C++ grouped kernel; the tile loop
 def test_grouped_qdot_is_qdot_per_group(M, fmt):
     """Row by row, the grouped form is qdot of that group's rows with its expert's matrix, for a
@@ -99,20 +100,21 @@ def test_grouped_qdot_is_qdot_per_group(M, fmt):
 
 
 def test_a_model_with_quantized_experts_serves_batched_as_alone():
-    """quantization='int8_wo' (and W8A8 'int8') on a tiny Mixtral: its experts are packed, and
-    each prompt's greedy output is the same in a batch as alone."""
+    """quantization='int8' (W8A16: the dense kernel on the codes) and 'w8a8' (the quantized
+    matmul) on a tiny Mixtral: its experts are packed, and each prompt's greedy output is the
+    same in a batch as alone."""
     from llmjax import LLM, SamplingParams
     from tests.parallel_cases import prompts
 
     path = os.path.join(TESTDATA, "hf_tiny", "mixtral")
     work = prompts(3)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    for method in ("int8_wo", "int8"):
+    for method, fmt in (("int8", "int8_a16"), ("w8a8", "int8")):
         llm = LLM(path, quantization=method, page_size=4, max_num_batched_tokens=16,
                   max_num_seqs=4, max_model_len=64, compilation_cache_dir="")  # fmt: skip
         layers = llm.engine.runner.params["layers"]
         we = layers["we_gate"] if isinstance(layers, dict) else layers[0]["we_gate"]
-        assert quant.is_packed(we) and we.fmt == ("int8_wo" if method == "int8_wo" else "int8")
+        assert quant.is_packed(we) and we.fmt == fmt
         batched = [o.token_ids for o in llm.generate(work, params)]
         alone = [llm.generate([p], params)[0].token_ids for p in work]
         assert batched == alone

@@ -102,6 +102,8 @@ def _activation_error_bound(x, w_dense, fmt):
     a = np.abs(np.asarray(w_dense, np.float64))  # [out, in]
     if fmt == "int8":
         step = np.abs(x).max(axis=1, keepdims=True) / 127 * np.ones_like(x)
+    elif fmt == "int8_a16":  # bfloat16's rounding of x: half an ulp, 2^-9 of |x|
+        step = np.abs(x) * 2.0**-8
     elif fmt in BLOCK_FORMATS:
         T, n = x.shape
         blocks = np.abs(x).reshape(T, n // 32, 32).max(axis=2) / 127
@@ -112,7 +114,7 @@ def _activation_error_bound(x, w_dense, fmt):
     return 0.5 * step @ a.T * (1 + 1e-3) + rounding
 
 
-@pytest.mark.parametrize("fmt", ["dense", "int8", "int8_wo", *BLOCK_FORMATS])
+@pytest.mark.parametrize("fmt", ["dense", "int8", "int8_wo", "int8_a16", *BLOCK_FORMATS])
 @pytest.mark.parametrize("T", [1, 2, 7, 64])
 @pytest.mark.parametrize("n_in,n_out", [(64, 96), (192, 32)])
 def test_qdot_within_its_activation_quantization_error(fmt, T, n_in, n_out):
@@ -121,7 +123,7 @@ def test_qdot_within_its_activation_quantization_error(fmt, T, n_in, n_out):
     x = _random_weight(rng, (T, n_in))
     if fmt == "dense":
         packed = quant.pack_dense(w)
-    elif fmt in ("int8", "int8_wo"):
+    elif fmt in ("int8", "int8_wo", "int8_a16"):
         packed = quant.quantize_int8(w, fmt=fmt)
     else:
         packed = quant.quantize_blocks(w, fmt)
@@ -153,7 +155,7 @@ def _model(name="tiny"):
     return config, jax.tree.map(np.asarray, init_params(config, jax.random.key(2)))
 
 
-@pytest.mark.parametrize("method", ["dense", "int8", "int8_wo", *BLOCK_FORMATS])
+@pytest.mark.parametrize("method", ["dense", "int8", "w8a8", "int8_wo", *BLOCK_FORMATS])
 @pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("name", ["tiny", "tiny-gqa1"])  # untied, tied embedding
 def test_model_over_packed_weights_matches_them_dequantized(method, stacked, name):
@@ -209,7 +211,7 @@ def test_packed_weight_indexes_its_layers_and_reports_its_bytes():
 
 def test_embedding_rows_of_a_packed_table():
     config, params = _model("tiny-gqa1")  # tied: the embedding is packed
-    for method in ("int8", "int8_wo", "q8_0", "q4_1", "dense"):
+    for method in ("int8", "w8a8", "int8_wo", "q8_0", "q4_1", "dense"):
         packed = quant.quantize_params(params, method)["embed"]
         ids = jnp.asarray([5, 0, 5, config.vocab_size - 1])
         rows = np.asarray(quant.take_rows(jax.tree.map(jnp.asarray, packed), ids))
@@ -226,6 +228,42 @@ def test_bad_shapes_are_refused_clearly():
     stacked = dataclasses.replace(w, values=w.values[None], scales=w.scales[None])
     with pytest.raises(ValueError, match="one layer"):
         quant.qdot(jnp.ones((2, 64)), stacked)
+
+
+def test_int8_is_w8a16_and_w8a8_is_w8a8():
+    """quantization 'int8' packs every matrix as 'int8_a16' (the LM head too); 'w8a8' as
+    'int8' with a weight-only LM head; both from the same codes and scales."""
+    _, params = _model("tiny-gqa1")  # tied
+    a16, w8a8 = quant.quantize_params(params, "int8"), quant.quantize_params(params, "w8a8")
+    assert a16["layers"][0]["wq"].fmt == "int8_a16" and a16["embed"].fmt == "int8_a16"
+    assert w8a8["layers"][0]["wq"].fmt == "int8" and w8a8["embed"].fmt == "int8_wo"
+    np.testing.assert_array_equal(a16["layers"][1]["w_up"].values, w8a8["layers"][1]["w_up"].values)
+
+
+def test_w8a16_takes_the_dense_kernel_and_rounds_x_at_every_size():
+    """'int8_a16': the dense kernel with `round_x` where it takes the codes (every size with
+    its AMX engine), else XLA's dot over x's bfloat16 values; either way x's bfloat16 values
+    times the codes, float32 rounding apart, and the same for a row alone as in a batch up to
+    that rounding."""
+    w = quant.quantize_int8(_random_weight(np.random.default_rng(0), (64, 96)), fmt="int8_a16")
+    w = jax.tree.map(jnp.asarray, w)
+    w_dense = np.asarray(quant.dequantize_matrix(w, jnp.float32), np.float64)
+    for T in (1, 8, 33, 65, 130):
+        x = jnp.asarray(_random_weight(np.random.default_rng(T), (T, 64)))
+        text = jax.jit(quant.qdot).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+        kernel = quant.dense_kernel_for(jnp.int8, T, "int8_a16") is not None
+        assert ("llmjax_cpu_dense_matmul" in text) == kernel, T
+        y = np.asarray(jax.jit(quant.qdot)(x, w))
+        xb = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+        tol = 1e-5 * (np.abs(xb) @ np.abs(w_dense).T)
+        assert (np.abs(y - xb @ w_dense.T) <= tol).all(), T
+        alone = np.asarray(jax.jit(quant.qdot)(x[:1], w))
+        assert (np.abs(alone - y[:1]) <= tol[:1]).all(), T
+    # GPU / TPU: the dequantized form over the rounded x
+    x = jnp.asarray(_random_weight(np.random.default_rng(9), (4, 64)))
+    y = np.asarray(jax.jit(quant.dequantized_dot)(x, w))
+    xb = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(y, xb @ w_dense.T, rtol=1e-5, atol=1e-6)
 
 
 def test_weight_only_int8_takes_the_dense_kernel_at_decode_sizes():

@@ -93,13 +93,13 @@ def test_eval_precision_reports_each_precision(tmp_path):
         "--num_prompts=2",
         "--prompt_len=12",
         "--gen_len=6",
-        "--precisions=f32=float32:none,int8=float32:int8,w8a8=float32:int8:none,q4_1=float32:q4_1",
+        "--precisions=f32=float32:none,int8=float32:int8,w8a8=float32:w8a8,q4_1=float32:q4_1",
         f"--out={out}",
     ).stdout
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == ["f32", "int8", "w8a8", "q4_1"] and "| int8 | float32 | int8 |" in stdout
-    assert (rows["int8"]["smoothquant"], rows["w8a8"]["smoothquant"]) == (0.5, None)
+    assert (rows["int8"]["smoothquant"], rows["w8a8"]["smoothquant"]) == (None, 0.5)
     assert rows["f32"]["greedy_agreement"] == 1.0  # the reference agrees with itself
     for r in rows.values():
         assert np.isfinite(r["perplexity"]) and r["perplexity"] > 1

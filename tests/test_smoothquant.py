@@ -125,7 +125,7 @@ def test_w8a8_of_the_smoothed_model_is_closer_to_float32():
 
     def w8a8_error(p):
         got = full_logits(
-            jax.tree.map(jnp.asarray, quant.quantize_params(p, "int8")), config, tokens
+            jax.tree.map(jnp.asarray, quant.quantize_params(p, "w8a8")), config, tokens
         )
         return np.linalg.norm(got - ref) / np.linalg.norm(ref)
 
@@ -136,10 +136,10 @@ def test_w8a8_of_the_smoothed_model_is_closer_to_float32():
 
 def test_int8_packs_the_lm_head_weight_only():
     _, params = _model("tiny-gqa1")  # tied: the embedding is the LM head
-    packed = quant.quantize_params(params, "int8")
+    packed = quant.quantize_params(params, "w8a8")
     assert packed["embed"].fmt == "int8_wo" and packed["layers"][0]["wq"].fmt == "int8"
     _, params = _model("tiny")  # untied
-    packed = quant.quantize_params(params, "int8")
+    packed = quant.quantize_params(params, "w8a8")
     assert packed["lm_head"].fmt == "int8_wo" and not quant.is_packed(packed["embed"])
 
 
@@ -154,20 +154,20 @@ def test_calibration_tokens_are_the_texts_tail():
 
 
 def test_llm_smoothquant_option():
-    """'auto' smooths int8 (W8A8) only; a strength goes with int8 alone and lies in [0, 1];
+    """'auto' smooths w8a8 (W8A8) only; a strength goes with w8a8 alone and lies in [0, 1];
     weights fixed at load: with_options refuses it."""
     opts = dict(load_format="dummy", max_model_len=64, num_pages=16, compilation_cache_dir="")
-    llm = LLM("tiny", quantization="int8", **opts)
+    llm = LLM("tiny", quantization="w8a8", **opts)
     assert llm.smoothquant_alpha == smooth.DEFAULT_ALPHA
-    assert LLM("tiny", quantization="int8", smoothquant="none", **opts).smoothquant_alpha is None
+    assert LLM("tiny", quantization="w8a8", smoothquant="none", **opts).smoothquant_alpha is None
     assert LLM("tiny", quantization="int8_wo", **opts).smoothquant_alpha is None
-    assert LLM("tiny", quantization="int8", smoothquant="0.8", **opts).smoothquant_alpha == 0.8
+    assert LLM("tiny", quantization="w8a8", smoothquant="0.8", **opts).smoothquant_alpha == 0.8
     with pytest.raises(ValueError, match="W8A8"):
         LLM("tiny", smoothquant=0.5, **opts)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        LLM("tiny", quantization="int8", smoothquant=1.5, **opts)
+        LLM("tiny", quantization="w8a8", smoothquant=1.5, **opts)
     with pytest.raises(ValueError, match="migration strength"):
-        LLM("tiny", quantization="int8", smoothquant="strong", **opts)
+        LLM("tiny", quantization="w8a8", smoothquant="strong", **opts)
     with pytest.raises(ValueError, match="fix how the weights were loaded"):
         llm.with_options(smoothquant=0.8)
     out = llm.generate([_tokens(llm.model_config, 9)], None)

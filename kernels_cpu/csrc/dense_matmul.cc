@@ -30,6 +30,13 @@
 // steps, as tile registers are not renamed), transposed on the way out. Outputs past the last
 // multiple of 16 go through the AVX-512 engine.
 //
+// int8 weights with bfloat16 x (W8A16, quantization='int8_a16') take the AMX engine too, from
+// kAmxMinTokens tokens where out is a multiple of 16: each block of 32 weight rows is widened to
+// bfloat16 (exactly: |code| <= 128 has 8 significant bits) into a per-thread buffer, once per
+// block and token group, and multiplied as bfloat16 rows are; the product is the one the other
+// engines compute (bfloat16 x widened, int8 codes widened, products exact, float32 sums) up to
+// the sums' rounding. (int8 weights with float32 x stay on the float32 engines.)
+//
 // The AVX2 engine (CPUs without AVX-512; below, beside the others) works as the AVX-512 one on
 // 8-lane vectors; bfloat16 weights are widened exactly and multiplied with the activations'
 // bfloat16 values in float32 (no vdpbf16ps there). Without AVX2 either, the portable engine's
@@ -511,21 +518,50 @@ void amx_block22(const uint16_t* a, int64_t in, const uint32_t* b, int64_t tile_
   for (int i = 0; i < 4; ++i) store_c(c[i], T, t0 + (i % 2) * 16, y + (i / 2) * 16, out);
 }
 
+// n int8 rows of `in` codes (contiguous, in % 32 == 0) widened exactly to bfloat16 in dst.
+inline void widen_rows(const int8_t* w, int64_t in, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n * in; i += 32) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(w + i))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(w + i + 16))));
+    _mm512_store_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
 // Outputs [o0, o1) (a multiple of 16) x token tiles [tt0, tt1), in blocks of 32 outputs (the
 // last maybe 16) x 32 tokens (amx_block22) or x 16 (the last token tile, amx_block). w the
-// layer's [out, in], b the packed tiles (in * 16 pairs each), y [T, out].
-void amx_part(const uint16_t* w, int64_t in, int64_t out, const uint32_t* b, int64_t T,
+// layer's [out, in] (bfloat16, or int8 widened a block at a time), b the packed tiles (in * 16
+// pairs each), y [T, out].
+template <typename W>
+void amx_part(const W* w, int64_t in, int64_t out, const uint32_t* b, int64_t T,
               int64_t tt0, int64_t tt1, int64_t o0, int64_t o1, float* y) {
+  static_assert(std::is_same_v<W, uint16_t> || std::is_same_v<W, int8_t>);
+  constexpr bool kWiden = std::is_same_v<W, int8_t>;
+  thread_local std::vector<uint16_t> widened;  // int8: the block's rows as bfloat16
+  uint16_t* wbuf = kWiden ? aligned64(widened, 32 * in) : nullptr;
   asm volatile("" ::: "memory");  // the tiles' loads read what pass 1 stored
   _tile_loadconfig(&kTiles);
   const int64_t tile_stride = in * 16;
   prefetch_bytes(w + o0 * in, std::min<int64_t>(std::min<int64_t>(32, o1 - o0) * in, kBurst / 2));
   for (int64_t o = o0; o < o1; o += 32) {
     const int64_t next = o + 32, pf_rows = std::clamp<int64_t>(o1 - next, 0, 32);
-    const uint16_t* a = w + o * in;
     const bool two_a = o + 32 <= o1;
+    const uint16_t* a;
+    if constexpr (kWiden) {
+      widen_rows(w + o * in, in, two_a ? 32 : 16, wbuf);
+      asm volatile("" ::: "memory");  // the tile loads read the widened rows
+      a = wbuf;
+      if (pf_rows > 0) prefetch_bytes(w + next * in, pf_rows * in);  // while the tiles run
+    } else {
+      a = w + o * in;
+    }
     for (int64_t tt = tt0; tt < tt1; tt += 2) {
-      const uint16_t* pf = tt == tt0 && pf_rows > 0 ? w + next * in : nullptr;
+      // prefetch the next bfloat16 block as the first token tiles run (int8: the hardware's
+      // prefetchers follow the widening's sequential reads)
+      const uint16_t* pf = !kWiden && tt == tt0 && pf_rows > 0
+                               ? reinterpret_cast<const uint16_t*>(w + next * in)
+                               : nullptr;
       const uint32_t* bt = b + tt * tile_stride;
       if (tt + 1 < tt1) {
         if (two_a)
@@ -543,8 +579,8 @@ void amx_part(const uint16_t* w, int64_t in, int64_t out, const uint32_t* b, int
   _tile_release();
 }
 
-template <typename E>
-void amx_dots(ffi::ThreadPool& pool, const uint16_t* w, int64_t in, int64_t out, const E* x,
+template <typename W, typename E>
+void amx_dots(ffi::ThreadPool& pool, const W* w, int64_t in, int64_t out, const E* x,
               int64_t T, int64_t out16, float* y) {
   const int64_t tiles = ceil_div(T, 16);
   thread_local std::vector<uint32_t> packed;  // reused by this thread's calls
@@ -552,7 +588,8 @@ void amx_dots(ffi::ThreadPool& pool, const uint16_t* w, int64_t in, int64_t out,
   parallel_for(pool, tiles, std::max<int64_t>(1, (1 << 16) / (16 * in)),  // >= 64K elements each
                [&](int64_t tt) { pack_tile(x, T, in, tt, b + tt * in * 16); });
   const int64_t groups = ceil_div(tiles, kAmxGroupTiles), blocks = ceil_div(out16, 32);
-  const int64_t rows = units_per_part(pool, blocks, groups, work_of(out16 * in * 2, T)) * 32;
+  const int64_t rows =
+      units_per_part(pool, blocks, groups, work_of(out16 * in * sizeof(W), T)) * 32;
   const int64_t parts = ceil_div(out16, rows);
   parallel_for(pool, groups * parts, 1, [&](int64_t i) {
     const int64_t tt0 = (i / parts) * kAmxGroupTiles, o0 = (i % parts) * rows;
@@ -771,17 +808,30 @@ int64_t w_bytes(ffi::DataType t) {
 // One matrix's product y [T, out] = x [T, in] @ W^T: x float32 or bfloat16 at `xv`, W [out, in]
 // at `wv` of dtype `wt` (float32, bfloat16 or int8), each a row's stride apart.
 void dense_product(ffi::ThreadPool& pool, const void* xv, bool x_bf16, int64_t T, int64_t in,
-                   const void* wv, ffi::DataType wt, int64_t out, float* yp) {
+                   const void* wv, ffi::DataType wt, int64_t out, float* yp, bool round_x) {
   if (T == 0 || out == 0) return;
   const float* xf = static_cast<const float*>(xv);
   const uint16_t* xh = static_cast<const uint16_t*>(xv);
   thread_local std::vector<float> xf_scratch;  // reused by this thread's calls
   thread_local std::vector<uint16_t> xh_scratch;
 
+  const bool a16 = wt == ffi::DataType::S8 && (x_bf16 || round_x);  // W8A16
+#if LLMJAX_DENSE_AMX
+  if (a16 && T >= kAmxMinTokens && in % 32 == 0 && out % 16 == 0 && amx_usable()) {
+    if (x_bf16)  // on the tiles (float32 x rounded to bfloat16 as it is packed)
+      amx_dots(pool, static_cast<const int8_t*>(wv), in, out, xh, T, out, yp);
+    else
+      amx_dots(pool, static_cast<const int8_t*>(wv), in, out, xf, T, out, yp);
+    return;
+  }
+#endif
   if (wt != ffi::DataType::BF16) {  // float32 or int8 weights: x in float32 (bf16 x widened)
-    if (x_bf16) {
+    if (x_bf16 || a16) {  // W8A16: float32 x's bfloat16 values
       float* buf = aligned64(xf_scratch, T * in);
-      to_f32(pool, xh, T, in, false, buf);
+      if (x_bf16)
+        to_f32(pool, xh, T, in, false, buf);
+      else
+        to_f32(pool, xf, T, in, true, buf);
       xf = buf;
     }
     if (wt == ffi::DataType::S8)
@@ -836,7 +886,7 @@ const char* check_dtypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w) {
 }
 
 ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool round_x) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != xd[1] || wd[0] < 1 || xd[1] < 1)
     return ffi::Error::InvalidArgument("dense_matmul: want x [T, in], w [L, out, in]");
@@ -847,7 +897,7 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   const auto wt = w.element_type();
   const char* wp = static_cast<const char*>(w.untyped_data()) + l * out * in * w_bytes(wt);
   dense_product(pool, x.untyped_data(), x.element_type() == ffi::DataType::BF16, T, in, wp, wt,
-                out, y->typed_data());
+                out, y->typed_data(), round_x);
   return ffi::Error::Success();
 }
 
@@ -858,7 +908,7 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 // negative sizes count as 0, and groups reaching past M are cut at M.
 ffi::Error GroupedDenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                               ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> layer,
-                              ffi::ResultBuffer<ffi::F32> y) {
+                              ffi::ResultBuffer<ffi::F32> y, bool round_x) {
   auto xd = x.dimensions(), wd = w.dimensions(), gd = group_sizes.dimensions();
   if (xd.size() != 2 || wd.size() != 4 || wd[3] != xd[1] || wd[0] < 1 || xd[1] < 1 ||
       gd.size() != 1 || gd[0] != wd[1])
@@ -878,7 +928,7 @@ ffi::Error GroupedDenseMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
     const int64_t rows = std::min<int64_t>(std::max<int32_t>(group_sizes.typed_data()[g], 0),
                                            M - start);
     dense_product(pool, xp + start * x_row, x_bf16, rows, in, wp + g * w_mat, wt, out,
-                  yp + start * out);
+                  yp + start * out, round_x);
     start += rows;
   }
   std::fill(yp + start * out, yp + M * out, 0.0f);
@@ -918,7 +968,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxDenseMatmul, llmjax_cpu::DenseMatmul,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<bool>("round_x"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxGroupedDenseMatmul, llmjax_cpu::GroupedDenseMatmul,
                               xla::ffi::Ffi::Bind()
@@ -927,4 +978,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxGroupedDenseMatmul, llmjax_cpu::GroupedDense
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<bool>("round_x"));

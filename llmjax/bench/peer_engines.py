@@ -42,8 +42,9 @@ def precision(kind: str, kwargs: dict) -> str:
         int8 = str(kwargs.get("weight_format", "fp32")) == "int8"
     elif kind == "ct2":
         int8 = ct2_compute_type(kwargs, strict=False).startswith("int8")
-    else:  # llmjax's int8 / int8_wo, vLLM's quantization methods with int8 in their name
-        int8 = "int8" in str(kwargs.get("quantization", ""))
+    else:  # llmjax's int8 / w8a8 / int8_wo, vLLM's quantization methods with int8 in their name
+        quant = str(kwargs.get("quantization", ""))
+        int8 = "int8" in quant or quant == "w8a8"
     return f"{dtype}+int8" if int8 else dtype
 
 

@@ -95,14 +95,16 @@ def _cpu_grouped_kernel(rows, w: PackedWeight, group_sizes):
     M = rows.shape[0]
     layer = w.layer
     try:
-        if w.fmt in ("dense", "int8_wo"):
-            wo = w.fmt == "int8_wo"
-            if quant.dense_kernel_for(w.values.dtype, M) is None:
+        if w.fmt in ("dense", *quant.WEIGHT_ONLY_INT8):
+            wo = w.fmt in quant.WEIGHT_ONLY_INT8
+            if quant.dense_kernel_for(w.values.dtype, M, w.fmt) is None:
                 return None
             from kernels_cpu.dense_matmul import grouped_dense_matmul
 
             x = rows.astype(jnp.float32 if wo else w.values.dtype)
-            y = grouped_dense_matmul(x, w.values, group_sizes, layer=layer)
+            y = grouped_dense_matmul(
+                x, w.values, group_sizes, layer=layer, round_x=w.fmt == "int8_a16"
+            )
             if wo:  # each row by its expert's per-output scales
                 scales = w.scales if layer is None else w.scales[layer]  # [G, out]
                 expert = jnp.repeat(

@@ -11,6 +11,9 @@ kernels of XLA:CPU) in one of these formats (`FORMATS`):
     int8_wo weight-only int8: values and scales as int8, activations stay float: y =
             (x @ values.T) * scales, the codes widened exactly and the sums in float32 (on CPU
             the dense kernel takes the int8 codes; elsewhere the dequantized matrix)
+    int8_a16 W8A16: the int8_wo codes and scales, activations rounded to bfloat16 for the
+            matmul: y = (bf16(x) @ values.T) * scales, products exact, sums in float32 (on CPU
+            the dense kernel, on AMX tiles from 8 tokens on; elsewhere the dequantized matrix)
     q8_0    GGUF Q8_0: values int8 [out, in], scales f32 [out, in/32]; W = values * scale of its
             32-block
     q4_0    GGUF Q4_0: values uint8 [out, in/2], two 4-bit codes a byte, packed as GGUF packs a
@@ -44,7 +47,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("dense", "int8", "int8_wo", "q8_0", "q4_0", "q4_1")
+FORMATS = ("dense", "int8", "int8_wo", "int8_a16", "q8_0", "q4_0", "q4_1")
+WEIGHT_ONLY_INT8 = ("int8_wo", "int8_a16")  # int8 codes through the dense kernel, then scaled
 BLOCK = 32  # the GGUF formats' block length along `in`
 
 # Weight matrices of the parameter tree (llmjax/model/params.py) and how many of their leading
@@ -190,7 +194,8 @@ def pack_dense(w, in_ndim: int = 1, out_first: bool = False) -> PackedWeight:
 
 def quantize_int8(w, in_ndim: int = 1, out_first: bool = False, fmt: str = "int8") -> PackedWeight:
     """A plain float weight -> int8 per output channel, symmetric: scale = max|row| / 127
-    (`fmt` 'int8': W8A8, 'int8_wo': weight-only; the same codes and scales)."""
+    (`fmt` 'int8': W8A8, 'int8_wo': weight-only, 'int8_a16': W8A16; the same codes and
+    scales)."""
     m = np.asarray(_as_out_in(np.asarray(w, np.float32), in_ndim, out_first), np.float32)
     amax = np.abs(m).max(axis=1)
     scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
@@ -248,13 +253,15 @@ def quantize_blocks(w, fmt: str, in_ndim: int = 1, out_first: bool = False) -> P
 
 def quantize_params(params, method: str):
     """Every weight matrix of a (list-layout) parameter tree packed by `method` ('int8':
-    W8A8 per-channel int8 of the float weights; 'int8_wo': the same weights, weight-only;
+    W8A16, per-channel int8 of the float weights with the matmuls' activations rounded to
+    bfloat16, format 'int8_a16'; 'w8a8': the same weights, activations int8 per token, format
+    'int8'; 'int8_wo': the same weights, weight-only;
     'q8_0', 'q4_0', 'q4_1': GGUF blocks, quantized as llama.cpp does; 'dense': transposed, same
     dtype). A mixture's experts are packed expert by expert (EXPERT_MATRICES). The tied
     embedding is packed too (it is also the LM head: lookups dequantize their rows), an untied
     embedding is not (a lookup reads one row; `lm_head` is packed instead). Norms and biases stay
     plain. Already packed weights (GGUF blocks) are kept.
-    Under 'int8' the LM head is weight-only int8 ('int8_wo', the same codes): its input, the
+    Under 'w8a8' the LM head is weight-only int8 ('int8_wo', the same codes): its input, the
     final norm's output, has outlier channels that per-token int8 rounds badly and that
     SmoothQuant cannot move into a tied embedding (llmjax/model/smooth.py). On SmolLM2 that
     took teacher-forced greedy agreement with float32 from .936 to .947 (smoothed layers), and
@@ -263,7 +270,8 @@ def quantize_params(params, method: str):
         pack = lambda w, in_ndim, out_first: quantize_blocks(w, method, in_ndim, out_first)
     else:
         pack = {
-            "int8": quantize_int8,
+            "int8": lambda w, i, o: quantize_int8(w, i, o, fmt="int8_a16"),
+            "w8a8": quantize_int8,
             "int8_wo": lambda w, i, o: quantize_int8(w, i, o, fmt="int8_wo"),
             "dense": pack_dense,
         }[method]
@@ -282,7 +290,7 @@ def quantize_params(params, method: str):
 
     out = dict(params)
     out["layers"] = [{k: one_of(k, v) for k, v in layer.items()} for layer in params["layers"]]
-    if method == "int8":
+    if method == "w8a8":
         pack = lambda w, i, o: quantize_int8(w, i, o, fmt="int8_wo")  # the LM head (see above)
     if "lm_head" in params:
         out["lm_head"] = one(params["lm_head"], 1)
@@ -305,7 +313,7 @@ def dequantize_matrix(w: PackedWeight, dtype=jnp.float32, xp=jnp):
     v = w.values
     if w.fmt == "dense":
         return v.astype(dtype)
-    if w.fmt in ("int8", "int8_wo"):
+    if w.fmt in ("int8", *WEIGHT_ONLY_INT8):
         return (v.astype(xp.float32) * w.scales[..., None]).astype(dtype)
     *lead, out = v.shape[:-1]
     if w.fmt == "q8_0":
@@ -404,8 +412,11 @@ def dense_dot_xla(x, w, scales=None, widen: bool = False):
 
 
 def dequantized_dot(x, w: PackedWeight):
-    """The dequantize-in-the-matmul form (GPU, TPU; and the CPU fallback for GGUF blocks)."""
+    """The dequantize-in-the-matmul form (GPU, TPU; and the CPU fallback for GGUF blocks).
+    'int8_a16' rounds x to bfloat16 first (its definition; the products are then exact)."""
     w = w.one_layer()
+    if w.fmt == "int8_a16":
+        x = x.astype(jnp.bfloat16).astype(jnp.float32)
     m = dequantize_matrix(w, x.dtype)
     return jax.lax.dot_general(
         x, m, (((1,), (w.values.ndim - 1,)), ((), ())), preferred_element_type=jnp.float32
@@ -493,11 +504,27 @@ def _widen_bf16(dtype, T: int) -> bool:
     return build.engines()["dense_matmul"] == "avx2"
 
 
-def dense_kernel_for(dtype, T: int):
+def dense_kernel_for(dtype, T: int, fmt: str = "dense"):
     """kernels_cpu.dense_matmul where it takes T tokens of weights of `dtype` on this CPU
-    (`dense_kernel_tokens`), else None."""
+    (`dense_kernel_tokens`), else None. 'int8_a16' (int8 codes, bfloat16 x) takes it at every
+    size where the kernel has its AMX engine (which multiplies them on the tiles, as bfloat16
+    weights), else int8's range."""
     lo, hi = dense_kernel_tokens(dtype)
+    if fmt == "int8_a16" and hi > 0:
+        from kernels_cpu import build
+
+        if build.engines()["dense_matmul"] == "amx":
+            hi = 1 << 62
     return _cpu_dense_kernel() if lo <= T <= hi else None
+
+
+def weight_only_input(x, fmt: str):
+    """The activations of a weight-only int8 format as XLA's dot takes them: float32
+    ('int8_wo'), or float32 of their bfloat16 values ('int8_a16'). (The kernel takes float32
+    x and rounds it itself: `round_x`.)"""
+    if fmt == "int8_a16":
+        x = x.astype(jnp.bfloat16)
+    return x.astype(jnp.float32)
 
 
 def qmatmul_kernel_for(fmt: str, T: int):
@@ -513,12 +540,13 @@ def qmatmul_kernel_for(fmt: str, T: int):
 
 
 def cpu_dot(x, w: PackedWeight):
-    if w.fmt in ("dense", "int8_wo"):  # the dense kernel (int8_wo: on the codes, then scaled)
-        wo = w.fmt == "int8_wo"
-        kernel = dense_kernel_for(w.values.dtype, x.shape[0])
+    if w.fmt in ("dense", *WEIGHT_ONLY_INT8):  # the dense kernel (int8: codes, then scaled)
+        wo = w.fmt in WEIGHT_ONLY_INT8
+        kernel = dense_kernel_for(w.values.dtype, x.shape[0], w.fmt)
         if kernel is not None:
+            xk = x.astype(jnp.float32 if wo else w.values.dtype)
             try:
-                y = kernel(x.astype(jnp.float32 if wo else w.values.dtype), w.values, layer=w.layer)
+                y = kernel(xk, w.values, layer=w.layer, round_x=w.fmt == "int8_a16")
                 if not wo:
                     return y
                 return y * (w.scales if w.layer is None else w.scales[w.layer])[None, :]
@@ -526,6 +554,7 @@ def cpu_dot(x, w: PackedWeight):
                 logger.debug("dense kernel refused %s: %s; XLA's dot instead", w.shape, e)
         if wo or _widen_bf16(w.values.dtype, x.shape[0]):  # XLA's f32 GEMM, values widened
             w = w.one_layer()
+            x = weight_only_input(x, w.fmt) if wo else x
             return dense_dot_xla(x.astype(jnp.float32), w.values, scales=w.scales, widen=True)
     kernel = qmatmul_kernel_for(w.fmt, x.shape[0])
     if kernel is not None:

@@ -129,6 +129,41 @@ def test_bfloat16_activations(T, w_dtype):
     check(_jitted(x, w), x, w)
 
 
+W8A16_SHAPES = [(576, 192), (1536, 576), (64, 40), (80, 48)]  # AMX: in % 32, out % 16 or not
+
+
+@pytest.mark.parametrize("n_in, out", W8A16_SHAPES, ids=[f"{i}x{o}" for i, o in W8A16_SHAPES])
+@pytest.mark.parametrize("T", [1, 7, 8, 16, 33, 200])
+def test_w8a16_int8_weights_with_bfloat16_activations(T, n_in, out):
+    """int8 codes with bfloat16 x (AMX from 8 tokens: the codes widened to bfloat16 on the
+    tiles; the float32 engines below), and float32 x with `round_x`: both x's bfloat16 values
+    times the codes, products exact, float32 sums, so within the summation's bound of
+    x.astype(bfloat16) @ w.T; x's magnitudes spread over 2^-6..2^6 so the rounding matters."""
+    rng = np.random.default_rng(T * 31 + n_in)
+    x = rng.standard_normal((T, n_in)) * np.exp2(rng.uniform(-6, 6, (1, n_in)))
+    x = jnp.asarray(x, jnp.float32)
+    w = jnp.asarray(rng.integers(-128, 128, (out, n_in)), jnp.int8)  # -128 too
+    xb = x.astype(jnp.bfloat16)
+    y_bf16 = np.asarray(_jitted(xb, w))
+    y_round = np.asarray(jax.jit(dense_matmul, static_argnames="round_x")(x, w, round_x=True))
+    x64 = np.asarray(xb.astype(jnp.float32), np.float64)
+    w64 = np.asarray(w, np.float64)
+    mag = np.abs(x64) @ np.abs(w64).T
+    for y in (y_bf16, y_round):
+        assert y.shape == (T, out) and y.dtype == np.float32
+        assert (np.abs(y - x64 @ w64.T) <= RTOL * mag).all()
+    np.testing.assert_array_equal(y_bf16, y_round)  # the same rounding, the same engine
+    # not weight-only int8 of float32 x: the rounding is there to see
+    exact = np.asarray(x, np.float64) @ w64.T
+    assert np.abs(y_round - exact).max() > RTOL * mag.max()
+
+
+def test_round_x_is_for_int8_weights():
+    x = jnp.ones((2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="round_x"):
+        dense_matmul(x, jnp.ones((32, 64), jnp.bfloat16), round_x=True)
+
+
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_tied_embedding_lm_head(w_dtype):
     """x @ E.T with E the [49152, 576] embedding (the LM head of a tied model)."""
