@@ -9,6 +9,10 @@ decode and prefill row counts, with the weights cold in cache.
 Implementations, each y[T, out] float32 from x[T, in] float32:
   kernel_f32    dense_matmul(x, w), w float32 [out, in]
   kernel_bf16   dense_matmul(x, w), w bfloat16 [out, in] (x rounded to bf16 inside)
+  kernel_i8     dense_matmul(x, w), w int8 codes [out, in] (weight-only int8: float32 sums of
+                float32 x times the widened codes; the scales are the caller's)
+  kernel_i8_a16 dense_matmul(x, w, round_x=True), w int8 codes (W8A16, quantization='int8':
+                x's bfloat16 values; from 8 tokens the codes widened onto the AMX bf16 tiles)
   xla_f32       XLA's x @ w, w float32 [in, out]
   xla_f32_oi    XLA's dot_general(x, w, (((1,), (1,)), ((), ()))), w float32 [out, in]
   xla_bf16_oi   the same on bfloat16 x and w [out, in], preferred_element_type float32
@@ -50,7 +54,16 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-IMPLS = ("kernel_f32", "kernel_bf16", "xla_f32", "xla_f32_oi", "xla_bf16_oi", "xla_bf16_f32_oi")
+IMPLS = (
+    "kernel_f32",
+    "kernel_bf16",
+    "kernel_i8",
+    "kernel_i8_a16",
+    "xla_f32",
+    "xla_f32_oi",
+    "xla_bf16_oi",
+    "xla_bf16_f32_oi",
+)
 
 flags.DEFINE_list("shapes", ["576x1536", "1536x576", "576x49152"], "Weights as INxOUT.")
 flags.DEFINE_list("impls", list(IMPLS), f"Implementations, of {IMPLS}.")
@@ -75,6 +88,8 @@ def weight_spec(impl: str, n_in: int, out: int):
     impl = impl.partition("@")[0]
     if impl == "xla_f32":
         return (n_in, out), jnp.float32
+    if impl.startswith("kernel_i8"):
+        return (out, n_in), jnp.int8
     return (out, n_in), jnp.bfloat16 if "bf16" in impl else jnp.float32
 
 
@@ -87,8 +102,10 @@ def apply_fn(impl: str):
 
     dims = (((1,), (1,)), ((), ()))
     impl = impl.partition("@")[0]
-    if impl in ("kernel_f32", "kernel_bf16"):
+    if impl in ("kernel_f32", "kernel_bf16", "kernel_i8"):
         return dense_matmul
+    if impl == "kernel_i8_a16":
+        return lambda x, w: dense_matmul(x, w, round_x=True)
     if impl == "xla_f32":
         return lambda x, w: x @ w
     if impl == "xla_f32_oi":
@@ -105,11 +122,19 @@ def apply_fn(impl: str):
 
 
 def make_weights(impl: str, n_in: int, out: int, n: int):
-    """n different weights (separate arrays), uniform in [-1, 1)."""
+    """n different weights (separate arrays), uniform in [-1, 1) (int8: codes in [-127, 127])."""
     import jax
+    import jax.numpy as jnp
 
     shape, dtype = weight_spec(impl, n_in, out)
-    make = jax.jit(lambda k: jax.random.uniform(k, shape, minval=-1.0, maxval=1.0).astype(dtype))
+    scale = 127.0 if dtype == jnp.int8 else 1.0
+    make = jax.jit(
+        lambda k: (
+            jnp.rint(scale * jax.random.uniform(k, shape, minval=-1.0, maxval=1.0)).astype(dtype)
+            if dtype == jnp.int8
+            else jax.random.uniform(k, shape, minval=-1.0, maxval=1.0).astype(dtype)
+        )
+    )
     keys = jax.random.split(jax.random.key(0), n)
     return [make(k).block_until_ready() for k in keys]
 
