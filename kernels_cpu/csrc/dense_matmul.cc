@@ -30,12 +30,13 @@
 // steps, as tile registers are not renamed), transposed on the way out. Outputs past the last
 // multiple of 16 go through the AVX-512 engine.
 //
-// int8 weights with bfloat16 x (W8A16, quantization='int8_a16') take the AMX engine too, from
-// kAmxMinTokens tokens where out is a multiple of 16: each block of 32 weight rows is widened to
-// bfloat16 (exactly: |code| <= 128 has 8 significant bits) into a per-thread buffer, once per
-// block and token group, and multiplied as bfloat16 rows are; the product is the one the other
-// engines compute (bfloat16 x widened, int8 codes widened, products exact, float32 sums) up to
-// the sums' rounding. (int8 weights with float32 x stay on the float32 engines.)
+// int8 weights with bfloat16 x (W8A16: quantization='int8', format 'int8_a16'; or float32 x
+// with round_x) take the AMX engine too, from kAmxMinTokens tokens where out is a multiple of
+// 16: each block of 32 weight rows is widened to bfloat16 (exactly: |code| <= 128 has 8
+// significant bits) into a per-thread buffer, once per block and token group, and multiplied as
+// bfloat16 rows are; the product is the one the other engines compute (bfloat16 x widened, int8
+// codes widened, products exact, float32 sums) up to the sums' rounding. (int8 weights with
+// float32 x and no round_x stay on the float32 engines.)
 //
 // The AVX2 engine (CPUs without AVX-512; below, beside the others) works as the AVX-512 one on
 // 8-lane vectors; bfloat16 weights are widened exactly and multiplied with the activations'
@@ -563,8 +564,8 @@ void amx_part(const W* w, int64_t in, int64_t out, const uint32_t* b, int64_t T,
       a = w + o * in;
     }
     for (int64_t tt = tt0; tt < tt1; tt += 2) {
-      // prefetch the next bfloat16 block as the first token tiles run (int8: the hardware's
-      // prefetchers follow the widening's sequential reads)
+      // prefetch the next bfloat16 block as the first token tiles run (int8: widen_rows
+      // streams its own prefetches)
       const uint16_t* pf = !kWiden && tt == tt0 && pf_rows > 0
                                ? reinterpret_cast<const uint16_t*>(w + next * in)
                                : nullptr;

@@ -56,13 +56,14 @@ class EngineConfig:
     `quantization` (QUANTIZATIONS; llmjax/model/quant.py): 'none'; 'int8', W8A16 (weights int8
     per output channel, every matmul's activations rounded to bfloat16, the products exact and
     the sums in float32; on CPUs with AMX the dense kernel's bfloat16 tiles; norms, biases and an
-    untied embedding stay in `dtype`): on SmolLM2 as close to float32 as weight-only int8 and
-    faster than OpenVINO's int8 (docs/cpu_performance.md); 'w8a8', W8A8 dynamic (the same
-    weights, activations int8 per token at run time, int32 accumulation; the float weights
-    SmoothQuant-smoothed at load unless `LLM(smoothquant=None)`, llmjax/model/smooth.py; the LM
-    head weight-only): faster at batches, further from float32; 'int8_wo', weight-only int8 (the
-    same weights, activations kept in `dtype`, float32 sums); 'q8_0', 'q4_0', 'q4_1', the float
-    weights quantized into those GGUF block formats as llama.cpp does; 'gguf', a GGUF
+    untied embedding stay in `dtype`): on SmolLM2 nearly as close to float32 as weight-only int8,
+    closer than OpenVINO's int8 and at or above its speed (docs/cpu_performance.md); 'w8a8',
+    W8A8 dynamic (the same weights, activations int8 per token at run time, int32
+    accumulation; the float weights SmoothQuant-smoothed at load unless
+    `LLM(smoothquant=None)`, llmjax/model/smooth.py; the LM head weight-only): faster at
+    batches, further from float32; 'int8_wo', weight-only int8 (the same weights, activations
+    kept in `dtype`, float32 sums); 'q8_0', 'q4_0', 'q4_1', the float weights quantized into
+    those GGUF block formats as llama.cpp does; 'gguf', a GGUF
     checkpoint's Q8_0 / Q4_0 / Q4_1 tensors kept in their blocks as stored (the rest loaded in
     `dtype`). Activations and the KV cache stay in `dtype`.
     `max_model_len` (prompt + generated tokens per request) defaults to the model's

@@ -518,15 +518,6 @@ def dense_kernel_for(dtype, T: int, fmt: str = "dense"):
     return _cpu_dense_kernel() if lo <= T <= hi else None
 
 
-def weight_only_input(x, fmt: str):
-    """The activations of a weight-only int8 format as XLA's dot takes them: float32
-    ('int8_wo'), or float32 of their bfloat16 values ('int8_a16'). (The kernel takes float32
-    x and rounds it itself: `round_x`.)"""
-    if fmt == "int8_a16":
-        x = x.astype(jnp.bfloat16)
-    return x.astype(jnp.float32)
-
-
 def qmatmul_kernel_for(fmt: str, T: int):
     """kernels_cpu.qmatmul where it beats XLA's form of `fmt` at T tokens on this CPU, else
     None: the GGUF blocks at every size, int8 up to INT8_KERNEL_MAX_TOKENS (and on the portable
@@ -554,7 +545,8 @@ def cpu_dot(x, w: PackedWeight):
                 logger.debug("dense kernel refused %s: %s; XLA's dot instead", w.shape, e)
         if wo or _widen_bf16(w.values.dtype, x.shape[0]):  # XLA's f32 GEMM, values widened
             w = w.one_layer()
-            x = weight_only_input(x, w.fmt) if wo else x
+            if w.fmt == "int8_a16":  # its definition (the kernel rounds x itself: round_x)
+                x = x.astype(jnp.bfloat16)
             return dense_dot_xla(x.astype(jnp.float32), w.values, scales=w.scales, widen=True)
     kernel = qmatmul_kernel_for(w.fmt, x.shape[0])
     if kernel is not None:
