@@ -206,7 +206,9 @@ def test_metrics_are_recorded(llm):
 
 def test_no_compile_after_precompile():
     """Every bucket compiled at start (sarathi's buckets; the policies share the step and differ
-    only in which buckets they reach); then serving a mixed workload compiles nothing."""
+    only in which buckets they reach; compiled ahead of time in threads, the samplers too); then
+    serving a mixed workload compiles nothing, and gives the lazily compiled engine's tokens,
+    greedy and seeded."""
     import jax
 
     events = []
@@ -223,11 +225,16 @@ def test_no_compile_after_precompile():
         SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=1)
         for n, t in zip((1, 5, 30, 12, 60, 3, 9), (0, 1.0, 0, 0.5, 0, 0, 1.0), strict=True)
     ]
-    llm.generate(_prompts(7, seed=5, hi=30), mixed)  # some run into max_model_len
+    outs = llm.generate(_prompts(7, seed=5, hi=30), mixed)  # some run into max_model_len
     assert engine.num_compiles == before
+    assert engine.runner.num_compiled_ahead == 0  # (compile_ahead's counter, not precompile's)
     # Nothing traced, compiled or fetched from the persistent compilation cache while serving.
     serving = events[num_events:]
     assert not [e for e in serving if e.startswith(("/jax/core/compile/", "/jax/comp"))]
+    lazy = _policy_llm("sarathi", max_num_seqs=4, max_model_len=48)
+    expected = lazy.generate(_prompts(7, seed=5, hi=30), mixed)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert lazy.engine.num_compiles < before  # (it compiled only the buckets it met)
 
 
 STAGE_RANGES = (
