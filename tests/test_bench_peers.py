@@ -489,6 +489,7 @@ def test_harness_end_to_end(tmp_path):
         "read bandwidth", "tiny         float32       3x(8+6)", "c2           float32+int8",
         "fake         float32       prefill 40", "TTFT", "greedy ids against HF",
         "cold, empty caches: tiny vs fake", "through each engine's OpenAI server",
+        "agree prefix load s",
     )  # fmt: skip
     for line in expected:
         assert line in res.stdout, res.stdout

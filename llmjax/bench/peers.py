@@ -570,30 +570,30 @@ def format_table(result: dict) -> str:
                 f"{c['prefix_agreement']:6.1%}  first difference {c['first_difference']}"
             )
     lines.append(
-        f"{'engine':<12} {'precision':<13} {'load s':>6} {'workload':<16} {'tok/s':>8} "
-        f"{'first':>8} {'f/steady':>8} {'ratio':>6} {'vs peer':>7} {'of bound':>8} {'agree':>6} "
-        f"{'prefix':>6}"
+        f"{'engine':<12} {'precision':<13} {'workload':<16} {'tok/s':>8} {'first':>8} "
+        f"{'f/steady':>8} {'ratio':>6} {'vs peer':>7} {'of bound':>8} {'agree':>6} {'prefix':>6} "
+        f"{'load s':>6}"
     )
     engines = result.get("engines", {})
     for r in result["rows"]:
         load = engines.get(r["engine"], {}).get("load_s")
         lines.append(
-            f"{r['engine']:<12} {r['precision']:<13} {fmt(load, '6.1f'):>6} {r['workload']:<16} "
+            f"{r['engine']:<12} {r['precision']:<13} {r['workload']:<16} "
             f"{fmt(r['tok_s'], '8.1f'):>8} {fmt(r.get('first_tok_s'), '8.1f'):>8} "
             f"{fmt(r.get('first_vs_steady'), '8.2f'):>8} {fmt(r['ratio'], '6.2f'):>6} "
             f"{fmt(r.get('peer_ratio'), '7.2f'):>7} {fmt(r['fraction_of_bound'], '8.1%'):>8} "
-            f"{fmt(r['token_agreement'], '6.1%'):>6} {fmt(r['prefix_agreement'], '6.1%'):>6}"
+            f"{fmt(r['token_agreement'], '6.1%'):>6} {fmt(r['prefix_agreement'], '6.1%'):>6} "
+            f"{fmt(load, '6.1f'):>6}"
         )
     ref = result["rows"][0]["reference"] if result["rows"] else "-"
     lines.append(
-        f"load s: from the engine's construction until it is ready (llmjax with precompile: "
-        f"its step shapes compiled); "
         f"tok/s: best of rounds (throughput: new tokens; decode: B (m-1) / (t(m) - t(1))); "
         f"first: the process's first run of the workload, f/steady: first / the best later "
         f"run; ratio: to {ref}; vs peer: llmjax / the fastest peer at the same precision; of "
         "bound: decode vs weight streaming, prefill vs matmul peak; agree / prefix: greedy "
         "tokens equal to the first llmjax config's, position by position / before the first "
-        "difference"
+        "difference; load s: from the process's start until the engine is ready (llmjax with "
+        "precompile: every step shape compiled)"
     )
     return "\n".join(lines)
 
