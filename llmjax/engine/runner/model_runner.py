@@ -424,7 +424,7 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
             )
             return Launched(tag, next_ids, sparse_stats=stats)
         step_fn = self._step
-        if self._ahead:  # compiled ahead of time (precompile's threads, compile_ahead)
+        if self._ahead or self._ahead_pool is not None:  # (precompile's, compile_ahead's)
             shape = step_shape(step)
             self._ran_shapes.add(shape)
             ahead = self._ahead.get(shape)
@@ -433,8 +433,6 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
                     step_fn = ahead.result()
                 else:
                     logger.warning("compiling %s ahead failed: %r", shape, ahead.exception())
-        elif self._ahead_pool is not None:
-            self._ran_shapes.add(step_shape(step))
         step_arg, sampling_args = self._inputs(step, sampling)
         if sampling.token_rows is not None:  # async scheduling: ids the host does not have
             step_arg = step_arg._replace(token_ids=self._pending_filled(step_arg, sampling))
@@ -596,12 +594,13 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
         ) as pool:
             samplers = {S: pool.submit(self._compile_sampler, S) for S in rows}
             futures = {s: pool.submit(self._compile, s, "precompile") for s in todo}
-            for future in [*samplers.values(), *futures.values()]:
+            steps = set(futures.values())
+            for future in concurrent.futures.as_completed([*samplers.values(), *steps]):
                 future.result()  # raises a failed compile's error here
+                if future in steps:
+                    progress()
             self._samplers.update(samplers)
             self._ahead.update(futures)
-            for _ in futures:
-                progress()
         self.num_compiles += len(futures)
         self.num_sample_compiles += len(samplers)
 
@@ -609,11 +608,11 @@ class ModelRunner(PageTransfer, PipelineTicks, SparseStep, RunnerWeights):
         """The sampler (`sample_random`, its own program) compiled ahead of time for S rows."""
         sampling = greedy_sampling(S)
         sampling.temperature[:], sampling.all_greedy = 1.0, False
-        _, args = self._inputs(pipeline.pad_step(None, S, S, 1), sampling)
+        args = self._sampling_arrays(sampling)[:-1]  # all but all_greedy, as `launch` calls it
         logits = jax.ShapeDtypeStruct((S, self.model_config.vocab_size), jnp.float32)
         self._tracing.ahead = "precompile"
         try:
-            return self._sample.lower(logits, *args[:-1]).compile()
+            return self._sample.lower(logits, *args).compile()
         finally:
             self._tracing.ahead = None
 
