@@ -218,6 +218,7 @@ def test_no_compile_after_precompile():
     llm = _policy_llm("sarathi", precompile=True, max_num_seqs=4, max_model_len=48)
     engine = llm.engine
     assert engine.num_compiles == len(engine.buckets.shapes())
+    assert engine.runner.num_steps == 0  # compiled ahead of time: no padded step was run
     # the sampler, its own program, once per sequence-row bucket
     assert engine.runner.num_sample_compiles == len({S for _, S, _ in engine.buckets.shapes()})
     before, num_events = engine.num_compiles, len(events)
